@@ -1,0 +1,3 @@
+"""aiayn: the encoder-decoder Transformer of "Attention Is All You Need" (Vaswani et al., 2017)."""
+
+__version__ = "0.1.0"

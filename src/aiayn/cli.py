@@ -1,0 +1,61 @@
+"""The `aiayn` command line: one subcommand per job, each defined in the module that does the job.
+
+A subcommand module exposes `add_arguments(parser)` and `run(args) -> int`; it is imported only when
+its subcommand runs, so `aiayn --help` is quick. Problems the user can fix (`AiaynError`) are printed
+as one line on stderr, exit status 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from aiayn import __version__
+from aiayn.errors import AiaynError
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("aiayn.train", "train a translation model on parallel text"),
+    "translate": ("aiayn.translate", "translate text with a trained model"),
+    "evaluate": ("aiayn.evaluate", "score translations with sacreBLEU (BLEU, chrF)"),
+    "average": ("aiayn.checkpoint", "average the weights of the last N checkpoints"),
+    "plot": ("aiayn.plot", "draw positional encodings, attention maps, learning curves, LR schedules"),
+    "export": ("aiayn.export", "export a model to Hugging Face (Marian) or CTranslate2"),
+    "download": ("aiayn.data", "download Multi30k into the cache (sha256-checked)"),
+    "demo": ("aiayn.copytask", "train a tiny model on the copy task and show its output"),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="aiayn",
+        description="The Transformer of 'Attention Is All You Need': train, translate, score, plot.",
+    )
+    parser.add_argument("--version", action="version", version=f"aiayn {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(
+            name, help=help_text, description=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        )
+        if name == command:  # only the chosen subcommand's module is imported
+            importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command if command in COMMANDS else None)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(importlib.import_module(COMMANDS[args.command][0]).run(args) or 0)
+    except AiaynError as e:
+        print(f"aiayn {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"aiayn {args.command}: interrupted", file=sys.stderr)
+        return 130

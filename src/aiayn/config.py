@@ -1,0 +1,112 @@
+"""Frozen configuration dataclasses with the paper's defaults (Vaswani et al., 2017, Table 3).
+
+A config is plain data: it round-trips through JSON (`to_json` / `from_json`) so that a checkpoint
+directory describes the model it holds. Presets: `tiny` (tests), `small`, `base` and `big`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from aiayn.errors import AiaynError
+
+T = TypeVar("T")
+
+
+class ConfigError(AiaynError, ValueError):
+    """A configuration value that cannot work; the message names the field."""
+
+
+def _from_dict(cls: type[T], data: dict[str, Any]) -> T:
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"{cls.__name__}: unknown field(s) {', '.join(unknown)}")
+    return cls(**data)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The encoder-decoder Transformer's shape (Section 3).
+
+    `share_embeddings` ties the source and target embeddings (needs a joint vocabulary);
+    `tie_output` ties the pre-softmax projection to the target embedding (Section 3.4).
+    """
+
+    src_vocab_size: int = 8000
+    tgt_vocab_size: int = 8000
+    d_model: int = 512
+    n_heads: int = 8
+    encoder_layers: int = 6
+    decoder_layers: int = 6
+    d_ff: int = 2048
+    dropout: float = 0.1  # residual and embedding dropout, P_drop (Section 5.4)
+    attention_dropout: float = 0.0  # on attention weights; not in the paper, off by default
+    activation_dropout: float = 0.0  # inside the feed-forward network; not in the paper, off by default
+    activation: str = "relu"  # "relu" (the paper) or "gelu"
+    norm_first: bool = False  # False: post-norm as in the paper; True: pre-norm
+    share_embeddings: bool = True
+    tie_output: bool = True
+    max_positions: int = 1024  # positional table size; it grows if a longer input comes
+    pad_id: int = 0
+    layer_norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ConfigError(f"ModelConfig: {msg}")
+
+        for name in ("src_vocab_size", "tgt_vocab_size", "d_model", "n_heads", "d_ff", "max_positions"):
+            need(int(getattr(self, name)) > 0, f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("encoder_layers", "decoder_layers"):
+            need(int(getattr(self, name)) >= 1, f"{name} must be at least 1, got {getattr(self, name)}")
+        need(self.d_model % self.n_heads == 0, f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+        need(self.d_model % 2 == 0, f"d_model must be even for the sinusoidal encoding, got {self.d_model}")
+        for name in ("dropout", "attention_dropout", "activation_dropout"):
+            need(0.0 <= getattr(self, name) < 1.0, f"{name} must be in [0, 1), got {getattr(self, name)}")
+        need(self.activation in ("relu", "gelu"), f"activation must be 'relu' or 'gelu', got {self.activation!r}")
+        need(
+            not self.share_embeddings or self.src_vocab_size == self.tgt_vocab_size,
+            "share_embeddings needs a joint vocabulary (src_vocab_size == tgt_vocab_size)",
+        )
+        need(0 <= self.pad_id < min(self.src_vocab_size, self.tgt_vocab_size), f"pad_id {self.pad_id} outside vocabulary")
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.n_heads
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        return _from_dict(cls, data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ModelConfig":
+        return cls.from_dict(json.loads(text))
+
+
+# Table 3 of the paper: base and big; small and tiny are sizes that train on a laptop CPU.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(d_model=32, n_heads=4, encoder_layers=2, decoder_layers=2, d_ff=64, dropout=0.0),
+    "small": dict(d_model=256, n_heads=4, encoder_layers=3, decoder_layers=3, d_ff=1024, dropout=0.1),
+    "base": dict(d_model=512, n_heads=8, encoder_layers=6, decoder_layers=6, d_ff=2048, dropout=0.1),
+    "big": dict(d_model=1024, n_heads=16, encoder_layers=6, decoder_layers=6, d_ff=4096, dropout=0.3),
+}
+
+
+def preset(name: str, **overrides: Any) -> ModelConfig:
+    """A ModelConfig from a named preset, with field overrides (for example the vocabulary sizes)."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return ModelConfig(**{**PRESETS[name], **overrides})

@@ -1,0 +1,414 @@
+"""The encoder-decoder Transformer of "Attention Is All You Need" (Vaswani et al., 2017).
+
+Section 3.1 stacks, 3.2 attention, 3.3 feed-forward, 3.4 embeddings and softmax, 3.5 positional
+encoding. Masks follow one convention everywhere: bool, True = may attend, the polarity that
+`F.scaled_dot_product_attention` takes. Padding masks travel as (B, S) and are broadcast inside
+attention only.
+
+Targets are right-padded, so in decoder self-attention the causal mask already hides every pad key
+from every real query; the decoder therefore runs the causal path (`is_causal`) and takes an
+explicit target padding mask only when one is given.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from aiayn.config import ModelConfig
+
+
+def sinusoidal_table(max_len: int, d_model: int) -> Tensor:
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(...) (Section 3.5).
+
+    Shape: (max_len, d_model), float32.
+    """
+    pos = torch.arange(max_len, dtype=torch.float64).unsqueeze(1)  # (L, 1)
+    inv_freq = torch.pow(10000.0, -torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)  # (d/2,)
+    angles = pos * inv_freq  # (L, d/2)
+    table = torch.empty(max_len, d_model, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(angles)
+    table[:, 1::2] = torch.cos(angles)
+    return table.float()
+
+
+class PositionalEncoding(nn.Module):
+    """Adds the fixed sinusoidal encoding (Section 3.5); a buffer that is not saved with the weights.
+
+    The table grows when a longer sequence than `max_len` comes, instead of failing.
+    """
+
+    def __init__(self, d_model: int, max_len: int) -> None:
+        super().__init__()
+        self.d_model = d_model
+        self.register_buffer("table", sinusoidal_table(max_len, d_model), persistent=False)
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        """Shape: x (B, T, d_model) -> (B, T, d_model); positions start at `offset`."""
+        end = offset + x.size(1)
+        if end > self.table.size(0):
+            self.table = sinusoidal_table(max(end, 2 * self.table.size(0)), self.d_model).to(self.table.device)
+        return x + self.table[offset:end].to(x.dtype)
+
+
+class Embedding(nn.Module):
+    """Token embedding multiplied by sqrt(d_model) (Section 3.4)."""
+
+    def __init__(self, vocab_size: int, d_model: int, pad_id: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, d_model))
+        self.pad_id = pad_id
+        self.scale = math.sqrt(d_model)
+        # N(0, d^-1/2): unit-variance inputs after scaling, and unit-scale logits when tied.
+        nn.init.normal_(self.weight, mean=0.0, std=d_model**-0.5)
+        with torch.no_grad():
+            self.weight[pad_id].zero_()
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """Shape: tokens (B, T) -> (B, T, d_model)."""
+        return F.embedding(tokens, self.weight, self.pad_id) * self.scale
+
+
+@dataclass
+class LayerCache:
+    """One decoder layer's keys/values: self-attention grows each step, cross-attention is fixed."""
+
+    cross_k: Tensor  # (B, H, S, d_head)
+    cross_v: Tensor  # (B, H, S, d_head)
+    self_k: Tensor | None = None  # (B, H, t, d_head)
+    self_v: Tensor | None = None
+
+
+@dataclass
+class DecoderCache:
+    """The decoding cache: per-layer keys/values, the source padding mask and the decoded length.
+
+    `reorder(indices)` selects batch rows (beam search reorders hypotheses and drops finished ones).
+    """
+
+    layers: list[LayerCache]
+    src_keep: Tensor  # (B, S) bool, True = real source token
+    length: int = 0
+    attn: list[dict[str, Tensor]] = field(default_factory=list)
+
+    def reorder(self, indices: Tensor) -> None:
+        for layer in self.layers:
+            layer.cross_k = layer.cross_k.index_select(0, indices)
+            layer.cross_v = layer.cross_v.index_select(0, indices)
+            if layer.self_k is not None:
+                layer.self_k = layer.self_k.index_select(0, indices)
+                layer.self_v = layer.self_v.index_select(0, indices)  # type: ignore[union-attr]
+        self.src_keep = self.src_keep.index_select(0, indices)
+
+
+def _key_mask(keep: Tensor | None) -> Tensor | None:
+    """(B, S) True = real -> (B, 1, 1, S), broadcast over heads and queries."""
+    return None if keep is None else keep[:, None, None, :]
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head scaled dot-product attention (Section 3.2.2) on `F.scaled_dot_product_attention`.
+
+    Self-attention uses one fused QKV projection; cross-attention a Q projection and a fused KV one.
+    `need_weights` returns the attention probabilities too (an opt-in path for plots; it runs the
+    softmax explicitly and is never taken by training or search).
+    """
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float, cross: bool) -> None:
+        super().__init__()
+        self.n_heads, self.d_head, self.cross, self.dropout = n_heads, d_model // n_heads, cross, dropout
+        if cross:
+            self.q_proj = nn.Linear(d_model, d_model)
+            self.kv_proj = nn.Linear(d_model, 2 * d_model)
+        else:
+            self.qkv_proj = nn.Linear(d_model, 3 * d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+
+    def _heads(self, x: Tensor, n: int) -> tuple[Tensor, ...]:
+        """(B, T, n*d_model) -> n tensors of (B, H, T, d_head)."""
+        B, T, _ = x.shape
+        return x.view(B, T, n, self.n_heads, self.d_head).permute(2, 0, 3, 1, 4).unbind(0)
+
+    def project_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        """Cross-attention keys/values from the encoder output; computed once per sentence."""
+        k, v = self._heads(self.kv_proj(memory), 2)  # (B, H, S, d_head) each
+        return k, v
+
+    def forward(
+        self,
+        x: Tensor,
+        memory: Tensor | None = None,
+        key_keep: Tensor | None = None,
+        is_causal: bool = False,
+        cache: LayerCache | None = None,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Shape: x (B, T, d); memory (B, S, d); key_keep (B, S) or (B, T, S) bool -> (B, T, d)."""
+        B, T, D = x.shape
+        if self.cross:
+            q = self._heads(self.q_proj(x), 1)[0]  # (B, H, T, d_head)
+            if cache is not None:
+                k, v = cache.cross_k, cache.cross_v
+            else:
+                k, v = self.project_kv(memory)  # type: ignore[arg-type]
+        else:
+            q, k, v = self._heads(self.qkv_proj(x), 3)
+            if cache is not None:
+                if cache.self_k is not None:
+                    k = torch.cat([cache.self_k, k], dim=2)  # (B, H, t+T, d_head)
+                    v = torch.cat([cache.self_v, v], dim=2)  # type: ignore[list-item]
+                cache.self_k, cache.self_v = k, v
+        mask = None if key_keep is None else (key_keep[:, None] if key_keep.dim() == 3 else _key_mask(key_keep))
+        if need_weights:
+            ctx, weights = self._explicit(q, k, v, mask, is_causal)
+        else:
+            ctx = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=is_causal
+            )  # (B, H, T, d_head)
+            weights = None
+        return self.out_proj(ctx.transpose(1, 2).reshape(B, T, D)), weights
+
+    def _explicit(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> tuple[Tensor, Tensor]:
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.d_head)  # (B, H, T, S)
+        if is_causal:
+            T, S = scores.shape[-2:]
+            causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+            mask = causal if mask is None else mask & causal
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        weights = torch.softmax(scores.float(), dim=-1).nan_to_num(0.0).to(v.dtype)  # fully masked rows -> 0
+        return weights @ v, weights
+
+
+class FeedForward(nn.Module):
+    """FFN(x) = max(0, x W1 + b1) W2 + b2 (Section 3.3); GELU as an option."""
+
+    def __init__(self, d_model: int, d_ff: int, dropout: float, activation: str) -> None:
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model)
+        self.act = F.relu if activation == "relu" else F.gelu
+        self.dropout = dropout
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.dropout(self.act(self.w1(x)), self.dropout, self.training))
+
+
+class _Sublayers(nn.Module):
+    """Residual + LayerNorm around each sublayer: post-norm LN(x + Dropout(f(x))) as in Section 5.4,
+    or pre-norm x + Dropout(f(LN(x)))."""
+
+    norm_first: bool
+    dropout: float
+
+    def _residual(self, x: Tensor, norm: nn.LayerNorm, f) -> Tensor:  # type: ignore[no-untyped-def]
+        if self.norm_first:
+            return x + F.dropout(f(norm(x)), self.dropout, self.training)
+        return norm(x + F.dropout(f(x), self.dropout, self.training))
+
+
+class EncoderLayer(_Sublayers):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.norm_first, self.dropout = cfg.norm_first, cfg.dropout
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout, cross=False)
+        self.ff = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout, cfg.activation)
+        self.norm1 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.norm2 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+
+    def forward(self, x: Tensor, src_keep: Tensor | None, weights: list | None = None) -> Tensor:
+        """Shape: x (B, S, d), src_keep (B, S) -> (B, S, d)."""
+
+        def attend(h: Tensor) -> Tensor:
+            out, w = self.self_attn(h, key_keep=src_keep, need_weights=weights is not None)
+            if weights is not None:
+                weights.append(w)
+            return out
+
+        x = self._residual(x, self.norm1, attend)
+        return self._residual(x, self.norm2, self.ff)
+
+
+class DecoderLayer(_Sublayers):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.norm_first, self.dropout = cfg.norm_first, cfg.dropout
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout, cross=False)
+        self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout, cross=True)
+        self.ff = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout, cfg.activation)
+        self.norm1 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.norm2 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.norm3 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+
+    def forward(
+        self,
+        x: Tensor,
+        memory: Tensor | None,
+        src_keep: Tensor | None,
+        self_keep: Tensor | None,
+        is_causal: bool,
+        cache: LayerCache | None = None,
+        weights: dict[str, list] | None = None,
+    ) -> Tensor:
+        """Shape: x (B, T, d), memory (B, S, d), src_keep (B, S), self_keep (B, T, t) or None -> (B, T, d)."""
+        want = weights is not None
+
+        def self_attend(h: Tensor) -> Tensor:
+            out, w = self.self_attn(h, key_keep=self_keep, is_causal=is_causal, cache=cache, need_weights=want)
+            if want:
+                weights["self"].append(w)  # type: ignore[index]
+            return out
+
+        def cross_attend(h: Tensor) -> Tensor:
+            out, w = self.cross_attn(h, memory, key_keep=src_keep, cache=cache, need_weights=want)
+            if want:
+                weights["cross"].append(w)  # type: ignore[index]
+            return out
+
+        x = self._residual(x, self.norm1, self_attend)
+        x = self._residual(x, self.norm2, cross_attend)
+        return self._residual(x, self.norm3, self.ff)
+
+
+class Encoder(nn.Module):
+    """N identical layers (Section 3.1); a final LayerNorm when pre-norm."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.encoder_layers))
+        self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps) if cfg.norm_first else None
+
+    def forward(self, x: Tensor, src_keep: Tensor | None, weights: list | None = None) -> Tensor:
+        for layer in self.layers:
+            x = layer(x, src_keep, weights)
+        return x if self.norm is None else self.norm(x)
+
+
+class Decoder(nn.Module):
+    """N identical layers with masked self-attention and cross-attention (Section 3.1)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
+        self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps) if cfg.norm_first else None
+
+    def forward(self, x, memory, src_keep, self_keep, is_causal, cache=None, weights=None):  # type: ignore[no-untyped-def]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, memory, src_keep, self_keep, is_causal, None if cache is None else cache.layers[i], weights)
+        return x if self.norm is None else self.norm(x)
+
+
+class Transformer(nn.Module):
+    """The encoder-decoder model: `forward` for training, `encode`/`decode` for search.
+
+    Shape:
+        src: (B, S) token ids, right-padded with `pad_id`.
+        tgt_in: (B, T) target ids shifted right (starting with BOS), right-padded.
+        returns logits (B, T, tgt_vocab_size).
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tgt_embed = Embedding(cfg.tgt_vocab_size, cfg.d_model, cfg.pad_id)
+        self.src_embed = self.tgt_embed if cfg.share_embeddings else Embedding(cfg.src_vocab_size, cfg.d_model, cfg.pad_id)
+        self.pos = PositionalEncoding(cfg.d_model, cfg.max_positions)
+        self.encoder = Encoder(cfg)
+        self.decoder = Decoder(cfg)
+        self.out_proj = None if cfg.tie_output else nn.Linear(cfg.d_model, cfg.tgt_vocab_size, bias=False)
+        self._init_linear()
+
+    def _init_linear(self) -> None:
+        # Xavier-uniform matrices and zero biases, as in the reference implementation (tensor2tensor).
+        for name, p in self.named_parameters():
+            if "embed" in name:
+                continue
+            if p.dim() == 2:
+                nn.init.xavier_uniform_(p)
+            elif name.endswith("bias") and "norm" not in name:
+                nn.init.zeros_(p)
+
+    @property
+    def output_weight(self) -> Tensor:
+        return self.tgt_embed.weight if self.out_proj is None else self.out_proj.weight
+
+    def num_parameters(self) -> int:
+        """Distinct trainable parameters (tied weights counted once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def embed(self, tokens: Tensor, table: Embedding, offset: int = 0) -> Tensor:
+        """Scaled embedding + positional encoding + dropout (Sections 3.4, 3.5, 5.4)."""
+        return F.dropout(self.pos(table(tokens), offset), self.cfg.dropout, self.training)
+
+    def encode(self, src: Tensor, src_keep: Tensor | None = None, weights: list | None = None) -> Tensor:
+        """Shape: src (B, S) -> memory (B, S, d_model)."""
+        if src_keep is None:
+            src_keep = src.ne(self.cfg.pad_id)
+        return self.encoder(self.embed(src, self.src_embed), src_keep, weights)
+
+    def new_cache(self, memory: Tensor, src_keep: Tensor) -> DecoderCache:
+        """A decoding cache with cross-attention keys/values computed once from `memory`."""
+        layers = [LayerCache(*layer.cross_attn.project_kv(memory)) for layer in self.decoder.layers]
+        return DecoderCache(layers, src_keep)
+
+    def decode(
+        self,
+        tgt: Tensor,
+        memory: Tensor | None,
+        src_keep: Tensor | None = None,
+        tgt_keep: Tensor | None = None,
+        cache: DecoderCache | None = None,
+        weights: dict[str, list] | None = None,
+        project: bool = True,
+    ) -> Tensor:
+        """Decoder hidden states projected to logits.
+
+        Without a cache, `tgt` (B, T) is the whole prefix. With a cache, `tgt` holds only the new
+        tokens (B, T_new), placed after the `cache.length` tokens decoded so far; `memory` may then
+        be None (cross-attention reads the cached keys/values) and `src_keep` defaults to the cache's.
+        `tgt_keep` (B, T) is an optional target padding mask for left- or mid-padded targets.
+
+        Shape: -> logits (B, T, tgt_vocab) (or hidden states (B, T, d_model) when project=False).
+        """
+        offset = 0 if cache is None else cache.length
+        if cache is not None and src_keep is None:
+            src_keep = cache.src_keep
+        T = tgt.size(1)
+        self_keep, is_causal = None, False
+        if tgt_keep is not None or (offset > 0 and T > 1):
+            total = offset + T
+            causal = torch.ones(T, total, dtype=torch.bool, device=tgt.device).tril(offset)  # (T, t+T)
+            keep = causal.expand(tgt.size(0), T, total)
+            if tgt_keep is not None:
+                keep = keep & tgt_keep[:, None, -total:]
+            self_keep = keep
+        elif T > 1:
+            is_causal = True
+        x = self.embed(tgt, self.tgt_embed, offset)
+        h = self.decoder(x, memory, src_keep, self_keep, is_causal, cache, weights)
+        if cache is not None:
+            cache.length += T
+        return self.project(h) if project else h
+
+    def project(self, h: Tensor) -> Tensor:
+        """Pre-softmax linear transformation (tied to the target embedding by default)."""
+        return F.linear(h, self.output_weight)
+
+    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+        """Shape: src (B, S), tgt_in (B, T) -> logits (B, T, tgt_vocab)."""
+        src_keep = src.ne(self.cfg.pad_id)
+        memory = self.encode(src, src_keep)
+        return self.decode(tgt_in, memory, src_keep)
+
+    def attention_weights(self, src: Tensor, tgt_in: Tensor) -> dict[str, list[Tensor]]:
+        """Attention probabilities of every layer and head (for plots): encoder self-attention,
+        decoder self-attention and cross-attention, each a list over layers of (B, H, T_q, T_k)."""
+        src_keep = src.ne(self.cfg.pad_id)
+        enc: list[Tensor] = []
+        dec: dict[str, list] = {"self": [], "cross": []}
+        memory = self.encode(src, src_keep, weights=enc)
+        self.decode(tgt_in, memory, src_keep, tgt_keep=tgt_in.ne(self.cfg.pad_id), weights=dec)
+        return {"encoder": enc, "decoder_self": dec["self"], "cross": dec["cross"]}
