@@ -1,0 +1,349 @@
+"""Subword tokenization with SentencePiece (the paper's byte-pair encoding, Section 5.1).
+
+The paper uses a shared source-target BPE vocabulary of about 37,000 tokens for English-German,
+which is what lets the two embedding matrices and the pre-softmax projection share one weight
+matrix (Section 3.4). `build_tokenizers` trains such a joint model by default (BPE, or unigram as
+an option) from the training text, in memory, and caches it under a key made from the data and the
+settings.
+
+Choices, and what they guarantee:
+- Fixed ids: pad 0, unk 1, bos 2, eos 3, so a model and its tokenizer agree without lookups.
+- `byte_fallback`: a character never seen in training is spelled as UTF-8 byte pieces instead of
+  <unk>, so any text can be encoded and decoded back.
+- `normalization_rule_name="identity"`: no Unicode normalization (NFKC would turn "ﬁ" into "fi"
+  and full-width forms into ASCII, so decoded output would differ from the reference text).
+  SentencePiece still removes leading and trailing spaces and collapses repeated spaces.
+  Round-trip guarantee: decode(encode(t)) == t for any text without leading, trailing or
+  repeated U+0020 spaces and without U+2581 ("▁", SentencePiece's own space marker).
+- `hard_vocab_limit=False`: `vocab_size` is an upper bound; a small corpus gets a smaller
+  vocabulary instead of an error (read the actual size from `Tokenizer.vocab_size`).
+- One training thread: the thread count is stored in the model file, so a fixed count makes the
+  model bytes (and `sha256()`) identical on every machine for the same data and settings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import sentencepiece as spm
+
+from aiayn.errors import AiaynError
+
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+MODEL_TYPES = ("bpe", "unigram")
+JOINT_FILE, SRC_FILE, TGT_FILE = "spm.model", "src.spm.model", "tgt.spm.model"
+_CACHE_VERSION = 1  # bump when the training options below change, so stale cache entries are not reused
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write `data` to `path` through a temporary file in the same folder, fsync, then rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _trainer_options(vocab_size: int, model_type: str) -> dict[str, Any]:
+    return dict(
+        vocab_size=vocab_size,
+        model_type=model_type,
+        pad_id=PAD_ID,
+        unk_id=UNK_ID,
+        bos_id=BOS_ID,
+        eos_id=EOS_ID,
+        pad_piece="<pad>",
+        unk_piece="<unk>",
+        bos_piece="<s>",
+        eos_piece="</s>",
+        byte_fallback=True,
+        character_coverage=1.0,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=True,
+        hard_vocab_limit=False,
+        input_sentence_size=0,  # use every sentence: sampling would make the model depend on a seed
+        num_threads=1,
+        minloglevel=2,  # SentencePiece logs every step to stderr otherwise
+    )
+
+
+class Tokenizer:
+    """One SentencePiece model with the fixed special ids (pad 0, unk 1, bos 2, eos 3)."""
+
+    def __init__(self, model_bytes: bytes, source: str = "<memory>") -> None:
+        try:
+            self._sp = spm.SentencePieceProcessor(model_proto=model_bytes)
+        except (RuntimeError, OSError, TypeError) as e:
+            raise AiaynError(f"{source}: not a SentencePiece model ({_short(e)}); retrain it or use the checkpoint's own") from None
+        got = (self._sp.pad_id(), self._sp.unk_id(), self._sp.bos_id(), self._sp.eos_id())
+        if got != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
+            raise AiaynError(
+                f"{source}: special ids pad/unk/bos/eos are {got}, aiayn needs {(PAD_ID, UNK_ID, BOS_ID, EOS_ID)}; "
+                "train the tokenizer with aiayn"
+            )
+        self._bytes = bytes(model_bytes)
+
+    @classmethod
+    def train(cls, lines: Iterable[str], vocab_size: int, model_type: str = "bpe") -> "Tokenizer":
+        """Train on `lines` in memory (no files written). `vocab_size` is an upper bound."""
+        if model_type not in MODEL_TYPES:
+            raise AiaynError(f"unknown tokenizer model type {model_type!r}; choose one of {', '.join(MODEL_TYPES)}")
+        if int(vocab_size) <= 0:
+            raise AiaynError(f"--vocab-size must be positive, got {vocab_size}")
+        sentences = [s for s in lines if s.strip()]
+        if not sentences:
+            raise AiaynError("cannot train a tokenizer on empty text")
+        buf = io.BytesIO()
+        try:
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=iter(sentences), model_writer=buf, **_trainer_options(int(vocab_size), model_type)
+            )
+        except RuntimeError as e:
+            m = re.search(r"smaller than required_chars\. (\d+) vs (\d+)", str(e))
+            if m:
+                raise AiaynError(
+                    f"--vocab-size {m.group(1)} is too small for this text: it needs at least {m.group(2)} "
+                    "(4 special ids, 256 byte pieces and every distinct character); raise --vocab-size"
+                ) from None
+            raise AiaynError(f"SentencePiece training failed: {_short(e)}") from None
+        return cls(buf.getvalue())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> "Tokenizer":
+        path = Path(path)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise AiaynError(f"{path}: tokenizer model not found") from None
+        except OSError as e:
+            raise AiaynError(f"{path}: cannot read tokenizer model ({e.strerror or e})") from None
+        if not data:
+            raise AiaynError(f"{path}: tokenizer model is empty (an interrupted write?); retrain it")
+        return cls(data, source=str(path))
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        atomic_write_bytes(path, self._bytes)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._sp.get_piece_size())
+
+    @property
+    def model_type(self) -> str:
+        return {1: "unigram", 2: "bpe", 3: "word", 4: "char"}.get(self._trainer_spec_model_type(), "unknown")
+
+    def _trainer_spec_model_type(self) -> int:
+        # ModelProto field 2 is the TrainerSpec, whose field 3 is model_type (sentencepiece_model.proto);
+        # read it by hand rather than depend on protobuf for one label.
+        spec = _proto_field(self._bytes, 2)
+        value = _proto_field(spec, 3) if isinstance(spec, bytes) else None
+        return value if isinstance(value, int) else 0
+
+    def encode(self, text: str) -> list[int]:
+        """Subword ids of `text`, without BOS/EOS."""
+        return list(self._sp.encode(text, out_type=int))
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [list(ids) for ids in self._sp.encode(list(texts), out_type=int)]
+
+    def decode(self, ids: Iterable[int] | Any) -> str:
+        """Text of `ids` (a list or a 1-D tensor); pad, bos and eos are dropped, decoding stops at nothing."""
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        n = self.vocab_size
+        keep = [int(i) for i in ids if int(i) not in (PAD_ID, BOS_ID, EOS_ID)]
+        bad = [i for i in keep if not 0 <= i < n]
+        if bad:
+            raise AiaynError(f"token id {bad[0]} is outside the tokenizer's vocabulary of {n}; model and tokenizer do not match")
+        return str(self._sp.decode(keep))
+
+    def pieces(self, text: str) -> list[str]:
+        """Subword pieces of `text` as strings (for plot labels); "▁" marks a preceding space."""
+        return list(self._sp.encode(text, out_type=str))
+
+    def id_to_piece(self, i: int) -> str:
+        return str(self._sp.id_to_piece(int(i)))
+
+    def sha256(self) -> str:
+        return hashlib.sha256(self._bytes).hexdigest()
+
+    def to_bytes(self) -> bytes:
+        return self._bytes
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Tokenizer) and other._bytes == self._bytes
+
+    def __hash__(self) -> int:
+        return hash(self._bytes)
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(vocab_size={self.vocab_size}, sha256={self.sha256()[:12]})"
+
+
+@dataclass
+class TokenizerPair:
+    """Source and target tokenizers; with `joint`, both are the same model (a shared vocabulary)."""
+
+    src: Tokenizer
+    tgt: Tokenizer
+    joint: bool
+
+    def __post_init__(self) -> None:
+        if self.joint and self.src != self.tgt:
+            raise AiaynError("a joint TokenizerPair needs the same model on both sides")
+
+    def save(self, directory: str | os.PathLike[str]) -> None:
+        """Write `spm.model` (joint) or `src.spm.model` and `tgt.spm.model` into `directory`."""
+        d = Path(directory)
+        if self.joint:
+            self.src.save(d / JOINT_FILE)
+        else:
+            self.src.save(d / SRC_FILE)
+            self.tgt.save(d / TGT_FILE)
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike[str]) -> "TokenizerPair":
+        d = Path(directory)
+        if (d / JOINT_FILE).is_file():
+            tok = Tokenizer.load(d / JOINT_FILE)
+            return cls(tok, tok, joint=True)
+        if (d / SRC_FILE).is_file() or (d / TGT_FILE).is_file():
+            return cls(Tokenizer.load(d / SRC_FILE), Tokenizer.load(d / TGT_FILE), joint=False)
+        raise AiaynError(f"{d}: no tokenizer found (expected {JOINT_FILE}, or {SRC_FILE} and {TGT_FILE})")
+
+    def describe(self) -> dict[str, Any]:
+        """Plain data for a checkpoint's config.json: sizes, type and fingerprints."""
+        return {
+            "joint": self.joint,
+            "model_type": self.src.model_type,
+            "src_vocab_size": self.src.vocab_size,
+            "tgt_vocab_size": self.tgt.vocab_size,
+            "src_sha256": self.src.sha256(),
+            "tgt_sha256": self.tgt.sha256(),
+            "pad_id": PAD_ID,
+            "unk_id": UNK_ID,
+            "bos_id": BOS_ID,
+            "eos_id": EOS_ID,
+        }
+
+
+def default_cache_dir() -> Path:
+    """The user cache for aiayn: $XDG_CACHE_HOME/aiayn, else ~/.cache/aiayn."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "aiayn"
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    except FileNotFoundError:
+        raise AiaynError(f"{path}: no such file") from None
+    return h.hexdigest()
+
+
+def build_tokenizers(
+    train_src: Path,
+    train_tgt: Path,
+    vocab_size: int,
+    joint: bool = True,
+    model_type: str = "bpe",
+    cache_dir: Path | None = None,
+) -> TokenizerPair:
+    """Train (or fetch from the cache) the tokenizers for a parallel training corpus.
+
+    The cache key is the sha256 of both files' bytes and of the settings, so changed data or
+    settings retrain. `cache_dir` defaults to `default_cache_dir() / "spm"`.
+    """
+    from aiayn.data import read_lines  # data.py imports this module's ids; import here to avoid a cycle
+
+    if model_type not in MODEL_TYPES:
+        raise AiaynError(f"unknown tokenizer model type {model_type!r}; choose one of {', '.join(MODEL_TYPES)}")
+    train_src, train_tgt = Path(train_src), Path(train_tgt)
+    settings = {
+        "v": _CACHE_VERSION,
+        "spm": spm.__version__,
+        "vocab_size": int(vocab_size),
+        "joint": bool(joint),
+        "model_type": model_type,
+        "src": _file_digest(train_src),
+        "tgt": _file_digest(train_tgt),
+    }
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:24]
+    folder = Path(cache_dir if cache_dir is not None else default_cache_dir() / "spm") / key
+    try:
+        return TokenizerPair.load(folder)
+    except AiaynError:
+        pass  # not cached yet (or a broken entry): train and overwrite
+    src_lines, tgt_lines = read_lines(train_src), read_lines(train_tgt)
+    if joint:
+        tok = Tokenizer.train(src_lines + tgt_lines, vocab_size, model_type)
+        pair = TokenizerPair(tok, tok, joint=True)
+    else:
+        pair = TokenizerPair(
+            Tokenizer.train(src_lines, vocab_size, model_type), Tokenizer.train(tgt_lines, vocab_size, model_type), joint=False
+        )
+    try:
+        pair.save(folder)
+        atomic_write_bytes(folder / "settings.json", json.dumps(settings, indent=2, sort_keys=True).encode())
+    except OSError:
+        pass  # a read-only cache only costs retraining next time
+    return pair
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return text[:200]
+
+
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        b = buf[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            return value, pos
+
+
+def _proto_field(buf: bytes, number: int) -> bytes | int | None:
+    """The first value of field `number` in a serialized protobuf message (varint or bytes)."""
+    pos = 0
+    try:
+        while pos < len(buf):
+            key, pos = _varint(buf, pos)
+            field, wire = key >> 3, key & 7
+            if wire == 0:
+                value, pos = _varint(buf, pos)
+                if field == number:
+                    return value
+            elif wire == 2:
+                size, pos = _varint(buf, pos)
+                if field == number:
+                    return buf[pos : pos + size]
+                pos += size
+            elif wire in (1, 5):
+                pos += 8 if wire == 1 else 4
+            else:
+                return None
+    except IndexError:
+        return None
+    return None
