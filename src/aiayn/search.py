@@ -1,40 +1,202 @@
-"""Decoding: greedy search on the model's `encode`/`decode` with the key/value cache."""
+"""Decoding: greedy and beam search on the model's `encode`/`decode` (Vaswani et al., 2017, Section 6.1).
+
+The paper decodes with beam size 4, length penalty alpha = 0.6 and a maximum output length of
+source length + 50, stopping early when possible. Both searches here are batched across sentences,
+run the decoder one token at a time on the key/value cache (`DecoderCache`, reordered at every
+step), and drop finished sentences from the batch so that they stop costing compute.
+
+Conventions, pinned by tests/test_search.py:
+
+- The maximum length of a sentence is `floor(max_len_a * source_length + max_len_b)` tokens (at
+  least 1), not counting EOS; source length counts non-pad source tokens. A beam hypothesis that
+  reaches it is ended with a forced EOS; a greedy one simply stops.
+- `min_len`: EOS is forbidden before `min_len` tokens have been generated (unless the maximum length
+  forces it). PAD and BOS are never generated.
+- A hypothesis's score is the sum of its token log-probabilities, EOS included, divided by the
+  length penalty lp(len) = ((5 + len) / 6) ** alpha (Wu et al., 2016), where len counts the
+  generated tokens including EOS (BOS excluded). alpha = 0 gives raw log-probabilities.
+- Beam search (as fairseq's): each step takes the best 2*beam continuations of the live hypotheses;
+  an EOS continuation ranked within the best `beam` finishes a hypothesis, and the best `beam`
+  non-EOS continuations live on. A sentence is done once `beam` hypotheses have finished (or the
+  maximum length is reached); its n-best list is the finished hypotheses sorted by score.
+
+`use_cache=False` re-runs the decoder on the whole prefix at every step: the same search, slower
+(kept for tests and for the benchmark).
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from aiayn.model import Transformer
+from aiayn.errors import AiaynError
+
+Hypothesis = tuple[list[int], float]  # (token ids without BOS/EOS, score)
+
+
+def length_penalty(length: int, alpha: float) -> float:
+    """((5 + length) / 6) ** alpha, the GNMT length penalty; `length` counts tokens incl. EOS."""
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+def _check(beam: int, nbest: int, alpha: float, max_len_a: float, max_len_b: float, min_len: int) -> None:
+    if int(beam) < 1:
+        raise AiaynError(f"--beam must be at least 1, got {beam}")
+    if not 1 <= int(nbest) <= int(beam):
+        raise AiaynError(f"--nbest must be between 1 and the beam size {beam}, got {nbest}")
+    if alpha < 0:
+        raise AiaynError(f"--alpha (length penalty) must be >= 0, got {alpha}")
+    if max_len_a < 0 or max_len_b < 0:
+        raise AiaynError(f"maximum length a*len+b needs a >= 0 and b >= 0, got a={max_len_a}, b={max_len_b}")
+    if min_len < 0:
+        raise AiaynError(f"minimum length must be >= 0, got {min_len}")
+
+
+def _pad_id(model: Any) -> int:
+    return int(model.cfg.pad_id)
+
+
+def _max_lengths(src_keep: Tensor, a: float, b: float) -> Tensor:
+    """(B, S) bool -> (B,) long: floor(a * source length + b), at least 1."""
+    return (src_keep.sum(1).double() * a + b).floor().long().clamp_min(1)
+
+
+def _forbid(lprobs: Tensor, ids: tuple[int, ...]) -> None:
+    for i in set(ids):
+        if 0 <= i < lprobs.size(-1):
+            lprobs[:, i] = float("-inf")
 
 
 @torch.no_grad()
-def greedy_search(model: Transformer, src: Tensor, bos_id: int, eos_id: int, max_len_a: float = 1.0,
-                  max_len_b: int = 50) -> list[list[int]]:
-    """Greedy search for a batch of right-padded sources (B, S); returns token ids without BOS/EOS.
+def greedy_search(model: Any, src: Tensor, bos_id: int, eos_id: int, max_len_a: float = 1.0,
+                  max_len_b: int = 50, min_len: int = 0, use_cache: bool = True) -> list[list[int]]:
+    """Greedy search for a batch of right-padded sources.
 
-    At most `max_len_a * source_length + max_len_b` tokens per sentence.
+    Shape: src (B, S) -> B lists of token ids without BOS/EOS.
     """
-    src_keep = src.ne(model.cfg.pad_id)
-    lengths = src_keep.sum(1)
-    limit = (lengths.float() * max_len_a + max_len_b).long()  # (B,)
-    memory = model.encode(src, src_keep)
-    cache = model.new_cache(memory, src_keep)
+    _check(1, 1, 0.0, max_len_a, max_len_b, min_len)
+    pad = _pad_id(model)
+    src_keep = src.ne(pad)  # (B, S)
+    limit = _max_lengths(src_keep, max_len_a, max_len_b)  # (B,)
+    memory = model.encode(src, src_keep)  # (B, S, d)
     B = src.size(0)
-    alive = torch.arange(B, device=src.device)  # original row of each live hypothesis
-    tokens = torch.full((B, 1), bos_id, dtype=torch.long, device=src.device)
+    cache = model.new_cache(memory, src_keep) if use_cache else None
+    alive = torch.arange(B, device=src.device)  # original row of each live sentence
+    tokens = torch.full((B, 1), bos_id, dtype=torch.long, device=src.device)  # (b, 1 + t)
     out: list[list[int]] = [[] for _ in range(B)]
-    for step in range(int(limit.max().item()) if B else 0):
-        next_tok = model.decode(tokens[:, -1:], None, cache=cache)[:, -1].argmax(-1)  # (b,)
-        done = next_tok.eq(eos_id) | limit[alive].le(step + 1)
-        for row, tok, d in zip(alive.tolist(), next_tok.tolist(), done.tolist()):
-            if tok != eos_id:
-                out[row].append(tok)
-        if bool(done.all()):
-            break
-        if bool(done.any()):  # finished sentences leave the batch and stop costing compute
-            keep = (~done).nonzero().squeeze(1)
-            cache.reorder(keep)
-            alive, next_tok, tokens = alive[keep], next_tok[keep], tokens[keep]
+    step = 0
+    while alive.numel():
+        if cache is not None:
+            logits = model.decode(tokens[:, -1:], None, cache=cache)[:, -1]  # (b, V)
+        else:
+            logits = model.decode(tokens, memory, src_keep)[:, -1]
+        logits = logits.float()
+        _forbid(logits, (pad, bos_id))
+        if step < min_len:  # the limit is always above `step` here: greedy stops on reaching it
+            logits[:, eos_id] = float("-inf")
+        next_tok = logits.argmax(-1)  # (b,)
         tokens = torch.cat([tokens, next_tok[:, None]], dim=1)
+        done = next_tok.eq(eos_id) | limit[alive].le(step + 1)  # (b,)
+        step += 1
+        if bool(done.any()):  # finished sentences leave the batch and stop costing compute
+            for row, ids in zip(alive[done].tolist(), tokens[done, 1:].tolist()):
+                out[row] = ids[:-1] if ids[-1] == eos_id else ids
+            keep = (~done).nonzero().squeeze(1)
+            alive, tokens = alive[keep], tokens[keep]
+            if cache is not None:
+                cache.reorder(keep)
+            else:
+                memory, src_keep = memory[keep], src_keep[keep]
+    return out
+
+
+@torch.no_grad()
+def beam_search(model: Any, src: Tensor, bos_id: int, eos_id: int, beam: int = 4, alpha: float = 0.6,
+                max_len_a: float = 1.0, max_len_b: int = 50, min_len: int = 0, nbest: int = 1,
+                use_cache: bool = True) -> list[list[Hypothesis]]:
+    """Batched beam search; returns, per sentence, up to `nbest` (tokens, score) pairs, best first.
+
+    Shape: src (B, S) right-padded -> B lists of (ids without BOS/EOS, score).
+    """
+    _check(beam, nbest, alpha, max_len_a, max_len_b, min_len)
+    pad, K, dev = _pad_id(model), int(beam), src.device
+    B = src.size(0)
+    src_keep = src.ne(pad)  # (B, S)
+    max_len = _max_lengths(src_keep, max_len_a, max_len_b)  # (B,)
+    memory = model.encode(src, src_keep)  # (B, S, d)
+    rows = torch.arange(B, device=dev).repeat_interleave(K)  # (B*K,) every sentence K times
+    cache = None
+    if use_cache:
+        cache = model.new_cache(memory, src_keep)  # cross K/V computed once, then copied K times
+        cache.reorder(rows)
+    else:
+        memory, src_keep = memory.index_select(0, rows), src_keep.index_select(0, rows)
+    sent = torch.arange(B, device=dev)  # original sentence of each live sentence (b,)
+    tokens = torch.full((B * K, 1), bos_id, dtype=torch.long, device=dev)  # (b*K, 1 + t)
+    scores = torch.zeros(B, K, device=dev)  # (b, K) summed log-probs
+    scores[:, 1:] = float("-inf")  # all K beams start identical: keep one so candidates are distinct
+    n_final = torch.zeros(B, dtype=torch.long, device=dev)  # (b,)
+    finals: list[list[Hypothesis]] = [[] for _ in range(B)]
+    neg_inf = float("-inf")
+    step = 0
+    while sent.numel():
+        b = sent.numel()
+        if cache is not None:
+            logits = model.decode(tokens[:, -1:], None, cache=cache)[:, -1]  # (b*K, V)
+        else:
+            logits = model.decode(tokens, memory, src_keep)[:, -1]
+        lprobs = F.log_softmax(logits.float(), dim=-1)  # (b*K, V)
+        V = lprobs.size(-1)
+        _forbid(lprobs, (pad, bos_id))
+        at_limit = max_len.le(step)  # (b,) hypotheses hold max_len tokens: EOS is forced
+        if bool(at_limit.any()):
+            forced = at_limit.repeat_interleave(K)  # (b*K,)
+            eos_lp = lprobs[forced, eos_id]
+            lprobs[forced] = neg_inf
+            lprobs[forced, eos_id] = eos_lp
+            if step < min_len:
+                lprobs[~forced, eos_id] = neg_inf
+        elif step < min_len:
+            lprobs[:, eos_id] = neg_inf
+        cand = (scores.unsqueeze(2) + lprobs.view(b, K, V)).view(b, K * V)  # (b, K*V)
+        top_scores, top_idx = cand.topk(min(2 * K, K * V), dim=1)  # (b, 2K), best first
+        top_beam, top_tok = top_idx // V, top_idx % V
+        is_eos = top_tok.eq(eos_id) & top_scores.gt(neg_inf)  # (b, 2K)
+        fin = is_eos.clone()
+        fin[:, K:] = False  # only an EOS among the best K candidates ends a hypothesis
+        if bool(fin.any()):
+            fin &= (n_final.unsqueeze(1) + fin.long().cumsum(1)).le(K)  # at most K finished per sentence
+            n_final = n_final + fin.sum(1)
+            lp = length_penalty(step + 1, alpha)  # every hypothesis finishing now has step + 1 tokens
+            fin_i, fin_j = fin.nonzero(as_tuple=True)
+            hyp_rows = fin_i * K + top_beam[fin_i, fin_j]
+            for s, ids, sc in zip(sent[fin_i].tolist(), tokens[hyp_rows, 1:].tolist(),
+                                  top_scores[fin_i, fin_j].tolist()):
+                finals[s].append((ids, sc / lp))
+        cont_scores, cont_pos = top_scores.masked_fill(is_eos, neg_inf).topk(K, dim=1)  # (b, K)
+        done = n_final.ge(K) | at_limit | cont_scores[:, 0].eq(neg_inf)  # (b,)
+        keep = (~done).nonzero().squeeze(1) if bool(done.any()) else None
+        if keep is not None:
+            if keep.numel() == 0:
+                break
+            sent, max_len, n_final = sent[keep], max_len[keep], n_final[keep]
+            cont_scores, cont_pos, top_beam, top_tok = cont_scores[keep], cont_pos[keep], top_beam[keep], top_tok[keep]
+            base = keep * K
+        else:
+            base = torch.arange(b, device=dev) * K
+        src_rows = (base.unsqueeze(1) + top_beam.gather(1, cont_pos)).view(-1)  # (b'*K,) parent hypotheses
+        tokens = torch.cat([tokens.index_select(0, src_rows), top_tok.gather(1, cont_pos).view(-1, 1)], dim=1)
+        scores = cont_scores
+        if cache is not None:
+            cache.reorder(src_rows)
+        else:
+            memory, src_keep = memory.index_select(0, src_rows), src_keep.index_select(0, src_rows)
+        step += 1
+    out = []
+    for hyps in finals:
+        hyps.sort(key=lambda h: -h[1])  # stable: ties keep the order in which they finished
+        out.append(hyps[:nbest])
     return out

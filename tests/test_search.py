@@ -1,0 +1,201 @@
+"""Greedy and beam search: exact tokens and scores on a stub model with hand-set distributions,
+then equivalences on a real random-weight Transformer (beam 1 = greedy, cached = uncached,
+batch invariance) and the length rules."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from aiayn.config import preset
+from aiayn.errors import AiaynError
+from aiayn.model import Transformer
+from aiayn.search import beam_search, greedy_search, length_penalty
+
+PAD, UNK, BOS, EOS, A, B_ = 0, 1, 2, 3, 4, 5
+V = 6
+
+
+def dist(eos=0.0, a=0.0, b=0.0):
+    """Next-token log-probabilities over the stub's 6-word vocabulary."""
+    p = torch.zeros(V)
+    p[EOS], p[A], p[B_] = eos, a, b
+    return p.log()
+
+
+# (sentence id, generated prefix) -> next-token distribution; anything else ends the sentence.
+TABLE = {
+    # sentence 0: [b] finishes early with .95*.3 = .285; [a b] with .6*.45 = .27 is longer.
+    (0, ()): dist(eos=0.1, a=0.6, b=0.3),
+    (0, (A,)): dist(eos=0.4, a=0.15, b=0.45),
+    (0, (B_,)): dist(eos=0.95, a=0.025, b=0.025),
+    # sentence 1: EOS straight away (.7), else [a] (.2).
+    (1, ()): dist(eos=0.7, a=0.2, b=0.1),
+    # sentence 2: never wants to stop (for the length rules).
+    (2, ()): dist(eos=0.01, a=0.6, b=0.39),
+}
+END = dist(eos=1.0)
+
+
+def table_lookup(sid, prefix):
+    if sid == 2:
+        return TABLE[(2, ())]
+    return TABLE.get((sid, prefix), END)
+
+
+class StubCache:
+    def __init__(self, sid):
+        self.sid = sid  # (b,)
+        self.hist = torch.zeros(sid.numel(), 0, dtype=torch.long)  # (b, t) tokens fed so far
+
+    def reorder(self, idx):
+        self.sid, self.hist = self.sid.index_select(0, idx), self.hist.index_select(0, idx)
+
+
+class StubModel:
+    """encode/new_cache/decode like Transformer's; the source's first token is the sentence id."""
+
+    cfg = SimpleNamespace(pad_id=PAD)
+
+    def __init__(self):
+        self.rows_per_step = []
+
+    def encode(self, src, src_keep=None):
+        return (src[:, :1] - 10).float().unsqueeze(-1)  # (B, 1, 1): the sentence id
+
+    def new_cache(self, memory, src_keep):
+        return StubCache(memory[:, 0, 0].long())
+
+    def _logits(self, sid, prefixes, T):
+        rows = [table_lookup(s, tuple(p[1:])) for s, p in zip(sid.tolist(), prefixes)]
+        return torch.stack(rows).unsqueeze(1).expand(-1, T, -1).clone()  # (b, T, V)
+
+    def decode(self, tgt, memory, src_keep=None, cache=None):
+        self.rows_per_step.append(tgt.size(0))
+        if cache is not None:
+            cache.hist = torch.cat([cache.hist, tgt], dim=1)
+            return self._logits(cache.sid, cache.hist.tolist(), tgt.size(1))
+        return self._logits(memory[:, 0, 0].long(), tgt.tolist(), tgt.size(1))
+
+
+def src_for(*sids, length=3):
+    return torch.tensor([[10 + s] + [7] * (length - 1) for s in sids])
+
+
+L = math.log
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_beam_exact_tokens_scores_and_nbest_order(use_cache):
+    model = StubModel()
+    out = beam_search(model, src_for(0, 1), BOS, EOS, beam=2, alpha=0.0, nbest=2, use_cache=use_cache)
+    (h0, h1) = out
+    assert [t for t, _ in h0] == [[B_], [A, B_]]
+    assert h0[0][1] == pytest.approx(L(0.3) + L(0.95))
+    assert h0[1][1] == pytest.approx(L(0.6) + L(0.45) + L(1.0))
+    assert [t for t, _ in h1] == [[], [A]]
+    assert h1[0][1] == pytest.approx(L(0.7))
+    assert h1[1][1] == pytest.approx(L(0.2))
+    if use_cache:  # sentence 1 is done after step 1 and leaves the batch: 2 sentences x 2 beams, then 1 x 2
+        assert model.rows_per_step == [4, 4, 2]
+
+
+def test_length_penalty_flips_the_order_and_len_counts_eos():
+    out = beam_search(StubModel(), src_for(0), BOS, EOS, beam=2, alpha=1.0, nbest=2)[0]
+    assert [t for t, _ in out] == [[A, B_], [B_]]
+    # len counts generated tokens including EOS: [a b]+EOS is 3, [b]+EOS is 2.
+    assert out[0][1] == pytest.approx((L(0.6) + L(0.45)) / ((5 + 3) / 6))
+    assert out[1][1] == pytest.approx((L(0.3) + L(0.95)) / ((5 + 2) / 6))
+    assert length_penalty(3, 0.6) == pytest.approx((8 / 6) ** 0.6)
+    # the default alpha, 0.6, already prefers the longer one: -1.309/1.189 > -1.255/1.097
+    best = beam_search(StubModel(), src_for(0), BOS, EOS, beam=2)[0]
+    assert best == [([A, B_], pytest.approx((L(0.6) + L(0.45)) / (8 / 6) ** 0.6))]
+
+
+def test_min_len_forbids_early_eos():
+    out = beam_search(StubModel(), src_for(1), BOS, EOS, beam=2, alpha=0.0, nbest=2, min_len=1)[0]
+    assert all(len(t) >= 1 for t, _ in out)
+    assert out[0] == ([A], pytest.approx(L(0.2)))
+    assert greedy_search(StubModel(), src_for(1), BOS, EOS, min_len=1) == [[A]]
+    assert greedy_search(StubModel(), src_for(1), BOS, EOS) == [[]]
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_max_length_forces_eos_and_is_a_times_len_plus_b(use_cache):
+    src = src_for(2, length=4)  # 4 source tokens
+    # a=0.5, b=1 -> floor(0.5 * 4 + 1) = 3 tokens at most, then a forced EOS that is scored
+    out = beam_search(StubModel(), src, BOS, EOS, beam=2, alpha=0.0, max_len_a=0.5, max_len_b=1, use_cache=use_cache)
+    assert out[0][0][0] == [A, A, A]
+    assert out[0][0][1] == pytest.approx(3 * L(0.6) + L(0.01))
+    assert greedy_search(StubModel(), src, BOS, EOS, max_len_a=0.5, max_len_b=1, use_cache=use_cache) == [[A, A, A]]
+    # default a=1, b=50: source length + 50
+    assert greedy_search(StubModel(), src, BOS, EOS) == [[A] * 54]
+
+
+@pytest.mark.parametrize("kwargs", [dict(beam=0), dict(beam=2, nbest=3), dict(nbest=0), dict(alpha=-1.0),
+                                    dict(min_len=-1), dict(max_len_b=-5)])
+def test_impossible_settings_are_user_errors(kwargs):
+    with pytest.raises(AiaynError):
+        beam_search(StubModel(), src_for(0), BOS, EOS, **kwargs)
+
+
+# --- a real random-weight Transformer -------------------------------------------------------------
+
+def random_model(vocab=40, seed=1):
+    torch.manual_seed(seed)
+    model = Transformer(preset("tiny", src_vocab_size=vocab, tgt_vocab_size=vocab)).eval()
+    with torch.no_grad():  # make EOS likely enough that lengths vary
+        model.tgt_embed.weight[EOS] *= 3
+    return model
+
+
+def random_batch(lengths, vocab=40, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    src = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    for i, n in enumerate(lengths):
+        src[i, :n] = torch.randint(4, vocab, (n,), generator=g)
+    return src
+
+
+def test_beam_one_equals_greedy():
+    model, src = random_model(), random_batch([5, 9, 3, 7])
+    greedy = greedy_search(model, src, BOS, EOS, max_len_b=10)
+    beam1 = beam_search(model, src, BOS, EOS, beam=1, max_len_b=10)
+    assert [h[0][0] for h in beam1] == greedy
+    assert len({len(g) for g in greedy}) > 1  # the sentences really end at different steps
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_cached_equals_uncached(beam):
+    model, src = random_model(), random_batch([6, 2, 8, 4, 5])
+    cached = beam_search(model, src, BOS, EOS, beam=beam, nbest=beam, max_len_b=10)
+    uncached = beam_search(model, src, BOS, EOS, beam=beam, nbest=beam, max_len_b=10, use_cache=False)
+    assert [[t for t, _ in h] for h in cached] == [[t for t, _ in h] for h in uncached]
+    for hc, hu in zip(cached, uncached):
+        assert [s for _, s in hc] == pytest.approx([s for _, s in hu], abs=1e-4)
+    assert greedy_search(model, src, BOS, EOS, max_len_b=10) == greedy_search(
+        model, src, BOS, EOS, max_len_b=10, use_cache=False)
+
+
+def test_batch_invariance():
+    model = random_model()
+    batch = random_batch([4, 11, 9, 12])
+    alone = batch[:1, :4]
+    for search in (lambda s: beam_search(model, s, BOS, EOS, beam=4, nbest=4, max_len_b=8),
+                   lambda s: greedy_search(model, s, BOS, EOS, max_len_b=8)):
+        one, many = search(alone)[0], search(batch)[0]
+        if isinstance(one, list) and one and isinstance(one[0], tuple):
+            assert [t for t, _ in one] == [t for t, _ in many]
+            assert [s for _, s in one] == pytest.approx([s for _, s in many], abs=1e-4)
+        else:
+            assert one == many
+
+
+def test_bf16_autocast_runs():
+    model, src = random_model(), random_batch([5, 3])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = beam_search(model, src, BOS, EOS, beam=3, max_len_b=5)
+        greedy = greedy_search(model, src, BOS, EOS, max_len_b=5)
+    assert len(out) == 2 and all(len(h[0][0]) <= 5 + 5 for h in out)
+    assert len(greedy) == 2
