@@ -110,3 +110,94 @@ def preset(name: str, **overrides: Any) -> ModelConfig:
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     return ModelConfig(**{**PRESETS[name], **overrides})
+
+
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Data, tokenizer, batching, the paper's recipe (Section 5) and the loop's limits.
+
+    Learning rate (Section 5.3): lr = lr_factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5).
+    A zero limit (max_epochs, max_steps, max_minutes, patience, save_every, clip_norm, valid_bleu,
+    threads) means "off". The messages name the command-line flag of each field.
+    """
+
+    # data: a named corpus (multi30k + languages) or four files
+    data: str | None = None
+    src: str = "de"
+    tgt: str = "en"
+    data_dir: str | None = None
+    train_src: str | None = None
+    train_tgt: str | None = None
+    valid_src: str | None = None
+    valid_tgt: str | None = None
+    # tokenizer
+    vocab_size: int = 8000
+    joint_vocab: bool = True
+    spm_model_type: str = "bpe"
+    # batching
+    max_tokens: int = 4096  # per batch, padding counted
+    max_len: int = 256  # subword tokens per side; longer pairs are skipped or truncated
+    long: str = "skip"
+    update_freq: int = 1  # batches accumulated per optimizer step
+    # the recipe
+    lr_factor: float = 1.0
+    warmup: int = 4000
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    adam_eps: float = 1e-9
+    label_smoothing: float = 0.1
+    clip_norm: float = 0.0
+    precision: str = "auto"  # auto: bf16 autocast on CPU; bf16 (or fp16 + GradScaler) on CUDA
+    device: str = "auto"
+    # the loop
+    max_epochs: int = 30
+    max_steps: int = 0
+    max_minutes: float = 0.0
+    patience: int = 0  # epochs without a better validation BLEU before stopping
+    keep_last: int = 5
+    save_every: int = 1000  # steps; a checkpoint is also written at the end of each epoch
+    valid_bleu: int = 1000  # validation sentences translated (greedy) for BLEU each epoch
+    log_every: int = 50  # steps between train lines in metrics.jsonl
+    seed: int = 1
+    out: str = "runs/train"
+    threads: int = 0
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, field: str, msg: str) -> None:
+            if not cond:
+                flag = "--" + field.replace("_", "-")
+                raise ConfigError(f"{flag} {msg}, got {getattr(self, field)!r}")
+
+        need(self.vocab_size >= 16, "vocab_size", "must be at least 16")
+        need(self.spm_model_type in ("bpe", "unigram"), "spm_model_type", "must be 'bpe' or 'unigram'")
+        need(self.max_tokens >= 2, "max_tokens", "must be at least 2 (tokens per batch, padding counted)")
+        need(self.max_len >= 1, "max_len", "must be at least 1")
+        need(self.long in ("skip", "truncate"), "long", "must be 'skip' or 'truncate'")
+        need(self.update_freq >= 1, "update_freq", "must be at least 1")
+        need(self.lr_factor > 0, "lr_factor", "must be positive")
+        need(self.warmup >= 1, "warmup", "must be a positive number of steps")
+        need(0.0 <= self.adam_beta1 < 1.0, "adam_beta1", "must be in [0, 1)")
+        need(0.0 <= self.adam_beta2 < 1.0, "adam_beta2", "must be in [0, 1)")
+        need(self.adam_eps > 0, "adam_eps", "must be positive")
+        need(0.0 <= self.label_smoothing < 1.0, "label_smoothing", "must be in [0, 1)")
+        need(self.clip_norm >= 0, "clip_norm", "must be 0 (off) or positive")
+        need(self.precision in PRECISIONS, "precision", f"must be one of {', '.join(PRECISIONS)}")
+        need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device",
+             "must be auto, cpu or cuda[:N]")
+        for name in ("max_epochs", "max_steps", "patience", "save_every", "valid_bleu", "log_every", "threads"):
+            need(getattr(self, name) >= 0, name, "must be 0 (off) or positive")
+        need(self.max_minutes >= 0, "max_minutes", "must be 0 (off) or positive")
+        need(self.keep_last >= 1, "keep_last", "must be at least 1")
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+        return _from_dict(cls, data)

@@ -1,0 +1,334 @@
+"""Self-describing checkpoint directories, written atomically and loaded without trusting them.
+
+A checkpoint is a directory:
+
+    config.json          {"model": ModelConfig, "train": TrainConfig, "tokenizer": {...},
+                          "versions": {...}, "step": N}
+    model.safetensors    the weights; tied tensors are stored once and re-tied on load
+    spm.model            the joint SentencePiece model (or src.spm.model + tgt.spm.model)
+    trainer_state.pt     optional: optimizer, step, RNG states, position in the data; tensors and
+                         primitives only, read back with torch.load(weights_only=True)
+
+A run directory (`aiayn train --out`) holds `step_<N>/` checkpoints, `best/` and `metrics.jsonl`.
+
+Saving writes every file into a hidden temporary directory next to the target, fsyncs the files
+and the directory, then renames it into place, so a checkpoint is either complete or absent:
+a run killed mid-save leaves only a `.tmp-*` directory, which is never taken as a checkpoint.
+`aiayn average` averages the weights of the last N checkpoints (Section 6.1 averages 5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from aiayn.config import ConfigError, ModelConfig
+from aiayn.errors import AiaynError
+from aiayn.model import Transformer
+
+CONFIG, WEIGHTS, TRAINER_STATE = "config.json", "model.safetensors", "trainer_state.pt"
+TMP_PREFIX = ".tmp-"
+_STEP_RE = re.compile(r"^step_(\d+)$")
+
+
+def package_versions() -> dict[str, str]:
+    import safetensors
+    import sentencepiece
+
+    from aiayn import __version__
+
+    return {"aiayn": __version__, "torch": torch.__version__, "sentencepiece": sentencepiece.__version__,
+            "safetensors": safetensors.__version__, "python": sys.version.split()[0]}
+
+
+# ---------------------------------------------------------------------------------------- saving
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _tied_groups(model: torch.nn.Module) -> list[list[str]]:
+    """State-dict names grouped by the storage they share (tied embeddings appear under 2-3 names)."""
+    groups: dict[tuple[int, int, tuple[int, ...]], list[str]] = {}
+    for name, t in model.state_dict(keep_vars=False).items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        groups.setdefault(key, []).append(name)
+    return list(groups.values())
+
+
+def _unique_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    sd = model.state_dict()
+    return {g[0]: sd[g[0]].detach().cpu().contiguous() for g in _tied_groups(model)}
+
+
+def write_dir_atomic(path: Path, fill) -> None:  # type: ignore[no-untyped-def]
+    """Calls `fill(tmp_dir)` to write the files, then moves the finished directory to `path`.
+
+    An existing `path` is replaced only after the new directory is complete. Any OSError (a full
+    disk) removes the temporary directory and leaves what was at `path` untouched.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f"{TMP_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.mkdir()
+        fill(tmp)
+        for f in tmp.iterdir():
+            _fsync_path(f)
+        _fsync_path(tmp)
+        old = None
+        if path.exists():  # a directory cannot be os.replace'd over a non-empty one: swap in two steps
+            old = path.parent / f"{TMP_PREFIX}old-{path.name}-{uuid.uuid4().hex[:8]}"
+            os.rename(path, old)
+        os.rename(tmp, path)
+        _fsync_path(path.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise AiaynError(f"could not write checkpoint {path}: {e.strerror or e}; "
+                         "the previous checkpoint is intact; free space or choose another --out") from e
+
+
+def save_checkpoint(path: str | Path, model: Transformer, tokenizers: Any, config: dict[str, Any],
+                    trainer_state: dict[str, Any] | None = None) -> None:
+    """Writes a complete checkpoint directory atomically (see the module docstring).
+
+    `config` holds at least "train" (a TrainConfig dict) and "step"; "model", "tokenizer" and
+    "versions" are filled in from the model and the tokenizers when missing.
+    """
+    model = getattr(model, "module", model)  # a DDP wrapper saves its inner module
+    cfg = dict(config)
+    cfg.setdefault("model", model.cfg.to_dict())
+    cfg.setdefault("tokenizer", tokenizer_info(tokenizers))
+    cfg.setdefault("versions", package_versions())
+    cfg.setdefault("step", 0)
+    tensors = _unique_state_dict(model)
+
+    def fill(tmp: Path) -> None:
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        tokenizers.save(tmp)
+        if trainer_state is not None:
+            torch.save(trainer_state, tmp / TRAINER_STATE)
+        (tmp / CONFIG).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+    write_dir_atomic(Path(path), fill)
+
+
+def tokenizer_info(tokenizers: Any) -> dict[str, Any]:
+    if hasattr(tokenizers, "describe"):
+        return dict(tokenizers.describe())
+    return {"joint": bool(tokenizers.joint), "src_vocab_size": tokenizers.src.vocab_size,
+            "tgt_vocab_size": tokenizers.tgt.vocab_size, "src_sha256": tokenizers.src.sha256(),
+            "tgt_sha256": tokenizers.tgt.sha256()}
+
+
+# --------------------------------------------------------------------------------------- loading
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    model: Transformer  # eval mode, on the CPU
+    model_config: ModelConfig
+    tokenizers: Any  # aiayn.tokenizer.TokenizerPair
+    config: dict[str, Any]
+    trainer_state: dict[str, Any] | None
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    file = path / CONFIG
+    if not path.is_dir():
+        raise AiaynError(f"checkpoint {path} does not exist or is not a directory")
+    if not file.is_file():
+        raise AiaynError(f"{file} is missing; {path} is not a complete checkpoint directory")
+    try:
+        cfg = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise AiaynError(f"{file} is corrupt ({e}); use another checkpoint") from e
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("model"), dict):
+        raise AiaynError(f"{file} has no \"model\" section; it is not an aiayn checkpoint config")
+    return cfg
+
+
+def load_weights(model: Transformer, file: Path) -> None:
+    """Loads safetensors weights into `model`, checking names and shapes against its config."""
+    if not file.is_file():
+        raise AiaynError(f"{file} is missing; the checkpoint is incomplete")
+    try:
+        loaded = load_file(str(file))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise AiaynError(f"{file} is corrupt or truncated ({str(e).splitlines()[0]}); use another checkpoint") from e
+    sd = model.state_dict()
+    full: dict[str, torch.Tensor] = {}
+    for group in _tied_groups(model):
+        present = [n for n in group if n in loaded]
+        if not present:
+            raise AiaynError(f"{file} has no tensor {group[0]!r} that config.json's model needs; "
+                             "the config does not fit the weights")
+        t = loaded[present[0]]
+        if tuple(t.shape) != tuple(sd[group[0]].shape):
+            raise AiaynError(f"{file}: tensor {present[0]!r} has shape {tuple(t.shape)} but config.json's model "
+                             f"needs {tuple(sd[group[0]].shape)}; the config does not fit the weights")
+        for n in group:
+            full[n] = t
+    unknown = sorted(set(loaded) - set(full))
+    if unknown:
+        raise AiaynError(f"{file} holds tensors the model does not have ({', '.join(unknown[:3])}); "
+                         "the config does not fit the weights")
+    model.load_state_dict(full, strict=True)
+
+
+def load_trainer_state(file: Path) -> dict[str, Any]:
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except FileNotFoundError as e:
+        raise AiaynError(f"{file} is missing; resume from a checkpoint written by `aiayn train`") from e
+    except Exception as e:  # unpickling errors come in many types; none of them is trusted
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise AiaynError(f"{file} is corrupt or holds more than tensors and plain values ({msg[:200]})") from e
+    if not isinstance(state, dict):
+        raise AiaynError(f"{file} does not hold a trainer state dictionary")
+    return state
+
+
+def load_checkpoint(path: str | Path, with_trainer_state: bool = False) -> Checkpoint:
+    """Loads a checkpoint directory (or a run directory's best/newest one), trusting nothing in it."""
+    from aiayn.tokenizer import TokenizerPair
+
+    path = resolve_checkpoint(path)
+    cfg = read_config(path)
+    try:
+        mcfg = ModelConfig.from_dict(cfg["model"])
+    except (ConfigError, TypeError) as e:
+        raise AiaynError(f"{path / CONFIG}: invalid model config ({e})") from e
+    tokenizers = TokenizerPair.load(path)
+    for side, want in (("src", mcfg.src_vocab_size), ("tgt", mcfg.tgt_vocab_size)):
+        have = getattr(tokenizers, side).vocab_size
+        if have != want:
+            raise AiaynError(f"{path}: the {side} tokenizer has {have} pieces but the model's {side}_vocab_size is "
+                             f"{want}; the tokenizer does not fit the model")
+    info = cfg.get("tokenizer") or {}
+    for side in ("src", "tgt"):
+        want_sha = info.get(f"{side}_sha256")
+        if want_sha and getattr(tokenizers, side).sha256() != want_sha:
+            raise AiaynError(f"{path}: the {side} SentencePiece model is not the one this model was trained with "
+                             "(sha256 differs from config.json)")
+    model = Transformer(mcfg)
+    load_weights(model, path / WEIGHTS)
+    model.eval()
+    state = load_trainer_state(path / TRAINER_STATE) if with_trainer_state else None
+    return Checkpoint(path, model, mcfg, tokenizers, cfg, state)
+
+
+def step_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """Complete `step_<N>` checkpoints of a run directory, oldest first."""
+    run_dir = Path(run_dir)
+    found = []
+    if run_dir.is_dir():
+        for d in run_dir.iterdir():
+            m = _STEP_RE.match(d.name)
+            if m and (d / CONFIG).is_file():
+                found.append((int(m.group(1)), d))
+    return sorted(found)
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory -> itself; a run directory -> its best/, else its newest step_<N>/."""
+    path = Path(path)
+    if (path / CONFIG).is_file():
+        return path
+    if not path.is_dir():
+        raise AiaynError(f"checkpoint {path} does not exist; pass a checkpoint or run directory")
+    if (path / "best" / CONFIG).is_file():
+        return path / "best"
+    steps = step_checkpoints(path)
+    if steps:
+        return steps[-1][1]
+    raise AiaynError(f"{path} holds no checkpoint (no config.json, best/ or step_<N>/); "
+                     "pass the --out directory of `aiayn train` or a checkpoint inside it")
+
+
+def prune_checkpoints(run_dir: str | Path, keep_last: int) -> None:
+    """Removes all but the newest `keep_last` step checkpoints (only ever after a new one is complete)."""
+    for _, d in step_checkpoints(run_dir)[:-keep_last]:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def remove_stale_temporaries(run_dir: str | Path) -> None:
+    """Removes `.tmp-*` directories that a killed save left behind."""
+    run_dir = Path(run_dir)
+    if run_dir.is_dir():
+        for d in run_dir.iterdir():
+            if d.name.startswith(TMP_PREFIX) and d.is_dir():
+                shutil.rmtree(d, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------- averaging
+
+
+def average_checkpoints(paths: list[Path], out: str | Path) -> Path:
+    """Averages the weights of checkpoints that share one model config into a new checkpoint."""
+    if not paths:
+        raise AiaynError("no checkpoints to average")
+    ckpts = [load_checkpoint(p) for p in paths]
+    first = ckpts[0]
+    for c in ckpts[1:]:
+        if c.model_config != first.model_config:
+            raise AiaynError(f"{c.path} has a different model config from {first.path}; only checkpoints of "
+                             "one run can be averaged")
+    sums = {k: v.double().clone() for k, v in first.model.state_dict().items()}
+    for c in ckpts[1:]:
+        for k, v in c.model.state_dict().items():
+            sums[k] += v.double()
+    model = Transformer(first.model_config)
+    # Tied names sum the same tensor, so copying each name writes the same average into the shared storage.
+    model.load_state_dict({k: (v / len(ckpts)).float() for k, v in sums.items()})
+    last = ckpts[-1]
+    cfg = {k: v for k, v in last.config.items() if k not in ("versions",)}
+    cfg["averaged_from"] = [str(c.path) for c in ckpts]
+    save_checkpoint(out, model, last.tokenizers, cfg)
+    return Path(out)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", metavar="RUN_DIR", help="a run directory; its last -n step checkpoints are averaged")
+    src.add_argument("--inputs", nargs="+", metavar="DIR", help="checkpoint directories to average")
+    p.add_argument("-n", "--num", type=int, default=5, help="how many of the newest step checkpoints to average")
+    p.add_argument("-o", "--output", required=True, help="the new checkpoint directory")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.inputs:
+        paths = [Path(p) for p in args.inputs]
+        for p in paths:
+            if not (p / CONFIG).is_file():
+                raise AiaynError(f"--inputs: {p} is not a checkpoint directory (no {CONFIG})")
+    else:
+        if args.num < 1:
+            raise AiaynError(f"-n must be at least 1, got {args.num}")
+        steps = step_checkpoints(args.checkpoint)
+        if not steps:
+            raise AiaynError(f"--checkpoint {args.checkpoint} holds no step_<N>/ checkpoints")
+        paths = [d for _, d in steps[-args.num:]]
+    out = average_checkpoints(paths, args.output)
+    print(f"averaged {len(paths)} checkpoints ({', '.join(p.name for p in paths)}) into {out}")
+    return 0

@@ -1,0 +1,727 @@
+"""`aiayn train`: the paper's training recipe (Section 5) on parallel text.
+
+Section 5.1 data and token-bucketed batches, 5.3 Adam (0.9, 0.98, 1e-9) with the warm-up schedule
+lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5), 5.4 label smoothing 0.1.
+
+The loss of an update is the sum of label-smoothed token losses over all its batches (every
+accumulated batch and every rank) divided by the number of target tokens, so gradient accumulation
+and data parallelism give the same update as one big batch.
+
+Exact resume: batches are a deterministic function of (seed, epoch), so the trainer state stores the
+epoch and the position in it together with the optimizer, the step and every RNG state; a resumed
+run reproduces an uninterrupted one bitwise (CPU, fp32). SIGINT/SIGTERM finish the current step,
+write a checkpoint and print the command that resumes.
+
+Distributed: under `torchrun`, each rank takes batches[rank::world] (cut to an equal count), DDP
+sums the gradients, and only rank 0 validates and writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import random
+import shlex
+import signal
+import sys
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from aiayn import checkpoint as ckpt
+from aiayn.config import PRESETS, ConfigError, ModelConfig, TrainConfig, preset
+from aiayn.errors import AiaynError
+from aiayn.model import Transformer
+
+# ------------------------------------------------------------------------------------ the recipe
+
+
+def learning_rate(step: int, d_model: int, warmup: int, factor: float = 1.0) -> float:
+    """Section 5.3: linear warm-up for `warmup` steps, then decay with the inverse square root."""
+    step = max(step, 1)
+    return factor * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
+
+
+def loss_sum(model: torch.nn.Module, batch: Any, label_smoothing: float, pad_id: int = 0) -> Tensor:
+    """Sum of label-smoothed cross entropies over the non-pad target tokens of one batch (Section 5.4).
+
+    The one place the training loss is computed; the caller divides by the token count.
+    """
+    logits = model(batch.src, batch.tgt_in)  # (B, T, V)
+    return F.cross_entropy(logits.flatten(0, 1).float(), batch.tgt_out.flatten(), ignore_index=pad_id,
+                           label_smoothing=label_smoothing, reduction="sum")
+
+
+# ----------------------------------------------------------------------------- configuration/CLI
+
+# Model fields the tokenizer decides; they are not flags.
+_MODEL_FROM_DATA = ("src_vocab_size", "tgt_vocab_size", "pad_id")
+
+_HELP = {
+    "data": "named corpus: multi30k (with --src/--tgt); or give --train-src/--train-tgt",
+    "src": "source language of --data (en, de, fr, cs)",
+    "tgt": "target language of --data",
+    "data_dir": "folder holding multi30k/ (else $AIAYN_DATA, else the user cache)",
+    "train_src": "training source file (plain or .gz, UTF-8, one sentence a line)",
+    "train_tgt": "training target file, aligned with --train-src",
+    "valid_src": "validation source file",
+    "valid_tgt": "validation target file",
+    "vocab_size": "SentencePiece vocabulary size (an upper bound)",
+    "joint_vocab": "one vocabulary for both languages (lets all embeddings be tied)",
+    "spm_model_type": "SentencePiece model: bpe or unigram",
+    "max_tokens": "tokens per batch, padding counted",
+    "max_len": "longest pair in subword tokens per side",
+    "long": "what to do with longer pairs: skip or truncate",
+    "update_freq": "batches accumulated per optimizer step",
+    "lr_factor": "factor in lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)",
+    "warmup": "warm-up steps of the learning-rate schedule",
+    "adam_beta1": "Adam beta1",
+    "adam_beta2": "Adam beta2",
+    "adam_eps": "Adam epsilon",
+    "label_smoothing": "label smoothing of the cross entropy",
+    "clip_norm": "clip the gradient norm to this value (0: off)",
+    "precision": "auto (bf16 autocast on CPU; bf16 or fp16 + gradient scaler on CUDA), fp32, bf16, fp16",
+    "device": "auto, cpu or cuda[:N]",
+    "max_epochs": "stop after this many epochs (0: no limit)",
+    "max_steps": "stop after this many optimizer steps (0: no limit)",
+    "max_minutes": "stop after this many minutes of training (0: no limit)",
+    "patience": "stop after this many epochs without a better validation BLEU (0: off)",
+    "keep_last": "step checkpoints kept (plus best/)",
+    "save_every": "write a checkpoint every N steps (0: only at epoch ends)",
+    "valid_bleu": "validation sentences translated greedily for BLEU each epoch (0: loss only)",
+    "log_every": "append a train line to metrics.jsonl every N steps",
+    "seed": "random seed (weights, dropout, batch order)",
+    "out": "run directory: step_<N>/ and best/ checkpoints and metrics.jsonl",
+    "threads": "CPU threads for torch (0: torch's default)",
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="small", choices=list(PRESETS), help="model size")
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="TOML or JSON file of options: top-level keys, or [model] and [train] tables; flags override it")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    g = p.add_argument_group("model (defaults from --preset; the vocabulary sizes come from the tokenizer)")
+    small = PRESETS["small"]
+    for f in dataclasses.fields(ModelConfig):
+        if f.name in _MODEL_FROM_DATA:
+            continue
+        default = small.get(f.name, f.default)
+        _add_field(g, f.name, f.default, f"(default: {default} for small; see --preset)")
+    g = p.add_argument_group("training")
+    for f in dataclasses.fields(TrainConfig):
+        _add_field(g, f.name, f.default, f"{_HELP.get(f.name, f.name)} (default: {f.default})")
+
+
+def _add_field(g: Any, name: str, default: Any, help_text: str) -> None:
+    flag = "--" + name.replace("_", "-")
+    if isinstance(default, bool):
+        g.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
+    else:
+        kind = str if default is None else type(default)
+        g.add_argument(flag, dest=name, type=kind, default=argparse.SUPPRESS, help=help_text,
+                       metavar=name.upper())
+
+
+def _read_config_file(path: str) -> dict[str, Any]:
+    file = Path(path)
+    try:
+        text = file.read_text(encoding="utf-8")
+    except OSError as e:
+        raise AiaynError(f"--config {file}: cannot read it ({e.strerror or e})") from e
+    try:
+        data = json.loads(text) if file.suffix == ".json" else tomllib.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
+        raise AiaynError(f"--config {file}: not valid {'JSON' if file.suffix == '.json' else 'TOML'} ({e})") from e
+    if not isinstance(data, dict):
+        raise AiaynError(f"--config {file}: expected a table of options")
+    return data
+
+
+def build_configs(args: argparse.Namespace) -> tuple[str, dict[str, Any], TrainConfig]:
+    """Preset < --config file < flags. Returns (preset name, model overrides, TrainConfig)."""
+    model_names = {f.name for f in dataclasses.fields(ModelConfig)} - set(_MODEL_FROM_DATA)
+    train_names = {f.name for f in dataclasses.fields(TrainConfig)}
+    model_over: dict[str, Any] = {}
+    train_over: dict[str, Any] = {}
+    name = args.preset
+    if args.config:
+        data = _read_config_file(args.config)
+        flat: dict[str, Any] = {}
+        for k, v in data.items():
+            if k in ("model", "train") and isinstance(v, dict):
+                flat.update(v)
+            else:
+                flat[k] = v
+        name = flat.pop("preset", name)
+        for k, v in flat.items():
+            if k in model_names:
+                model_over[k] = v
+            elif k in train_names:
+                train_over[k] = v
+            else:
+                raise AiaynError(f"--config {args.config}: unknown option {k!r}")
+        if "--preset" in sys.argv:  # an explicit flag beats the file
+            name = args.preset
+    for k in model_names:
+        if hasattr(args, k):
+            model_over[k] = getattr(args, k)
+    for k in train_names:
+        if hasattr(args, k):
+            train_over[k] = getattr(args, k)
+    if name not in PRESETS:
+        raise AiaynError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    try:
+        tc = TrainConfig(**train_over)
+    except TypeError as e:
+        raise AiaynError(f"bad option type: {e}") from e
+    return name, model_over, tc
+
+
+# ---------------------------------------------------------------------------------------- runtime
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank if it is True on any rank (stop decisions must agree)."""
+        if self.world == 1:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item() > 0)
+
+    def sum(self, value: float) -> float:
+        if self.world == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return float(t.item())
+
+
+def setup_distributed(device_pref: str) -> Dist:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    want_cuda = device_pref.startswith("cuda") or (device_pref == "auto" and torch.cuda.is_available())
+    if want_cuda and not torch.cuda.is_available():
+        raise AiaynError("--device cuda: no CUDA device is available; use --device cpu")
+    if world == 1:
+        dev = torch.device(device_pref if device_pref.startswith("cuda") else ("cuda" if want_cuda else "cpu"))
+        return Dist(0, 1, dev)
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if want_cuda:
+        torch.cuda.set_device(local)
+        dev = torch.device("cuda", local)
+    else:
+        dev = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if want_cuda else "gloo")
+    return Dist(rank, world, dev)
+
+
+def precision_context(precision: str, device: torch.device) -> tuple[Any, bool, str]:
+    """(autocast context factory, use a GradScaler, resolved name)."""
+    if precision == "auto":
+        if device.type == "cuda":
+            precision = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        else:
+            precision = "bf16"
+    if precision == "fp32":
+        return contextlib.nullcontext, False, "fp32"
+    if precision == "fp16" and device.type != "cuda":
+        raise AiaynError("--precision fp16 needs a CUDA device; use bf16 or fp32 on the CPU")
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return (lambda: torch.autocast(device.type, dtype=dtype)), precision == "fp16", precision
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class Stopper:
+    """SIGINT/SIGTERM set a flag; the loop finishes its step, saves and exits. A second signal kills."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> "Stopper":
+        for s in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._old[s] = signal.signal(s, self._handle)
+            except ValueError:  # not the main thread
+                pass
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+        signal.signal(signum, self._old.get(signum, signal.SIG_DFL))
+
+    def __exit__(self, *exc: Any) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+# ------------------------------------------------------------------------------------------- data
+
+
+@dataclass
+class Corpus:
+    tokenizers: Any
+    train: list[tuple[list[int], list[int]]]
+    valid: list[tuple[list[int], list[int]]]
+    valid_src: list[str]
+    valid_tgt: list[str]
+    n_train_lines: int
+    skipped: int
+
+
+def corpus_paths(tc: TrainConfig) -> tuple[Path, Path, Path | None, Path | None]:
+    from aiayn import data
+
+    if tc.data is not None:
+        if tc.data != "multi30k":
+            raise AiaynError(f"--data {tc.data!r} is not a known corpus; use --data multi30k or --train-src/--train-tgt")
+        if tc.src not in data.LANGS or tc.tgt not in data.LANGS or tc.src == tc.tgt:
+            raise AiaynError(f"--src {tc.src} --tgt {tc.tgt} is not a Multi30k language pair; choose two different "
+                             f"of {', '.join(data.LANGS)}")
+        tr = data.multi30k_paths("train", tc.src, tc.tgt, tc.data_dir)
+        va = data.multi30k_paths("val", tc.src, tc.tgt, tc.data_dir)
+        return tr[0], tr[1], va[0], va[1]
+    if not tc.train_src or not tc.train_tgt:
+        raise AiaynError("no training data: pass --data multi30k --src de --tgt en, or --train-src and --train-tgt")
+    if bool(tc.valid_src) != bool(tc.valid_tgt):
+        raise AiaynError("pass both --valid-src and --valid-tgt, or neither")
+    for flag, p in (("--train-src", tc.train_src), ("--train-tgt", tc.train_tgt), ("--valid-src", tc.valid_src),
+                    ("--valid-tgt", tc.valid_tgt)):
+        if p and not Path(p).is_file():
+            raise AiaynError(f"{flag} {p}: no such file")
+    return (Path(tc.train_src), Path(tc.train_tgt), Path(tc.valid_src) if tc.valid_src else None,
+            Path(tc.valid_tgt) if tc.valid_tgt else None)
+
+
+def load_corpus(tc: TrainConfig, tokenizers: Any | None, run_dir: Path, d: Dist) -> Corpus:
+    """Reads and encodes the data; trains the tokenizers on rank 0 unless they are given (resume)."""
+    from aiayn import data
+    from aiayn.tokenizer import TokenizerPair, build_tokenizers
+
+    tr_src, tr_tgt, va_src, va_tgt = corpus_paths(tc)
+    src_lines, tgt_lines = data.read_parallel(tr_src, tr_tgt)
+    if tokenizers is None:
+        shared = run_dir / "tokenizer"
+        if d.main:
+            tokenizers = build_tokenizers(tr_src, tr_tgt, tc.vocab_size, tc.joint_vocab, tc.spm_model_type)
+            if d.world > 1:
+                tokenizers.save(shared)
+        d.barrier()
+        if tokenizers is None:  # other ranks use rank 0's tokenizer, byte for byte
+            tokenizers = TokenizerPair.load(shared)
+    train, skipped = data.encode_pairs(src_lines, tgt_lines, tokenizers, tc.max_len, tc.long)
+    if not train:
+        raise AiaynError(f"every training pair is longer than --max-len {tc.max_len}; raise --max-len")
+    need = max(max(len(s), len(t) + 1) for s, t in train)
+    if tc.max_tokens < need:
+        raise AiaynError(f"--max-tokens {tc.max_tokens} is smaller than the longest training pair ({need} tokens "
+                         f"with EOS); raise --max-tokens or lower --max-len")
+    valid: list[tuple[list[int], list[int]]] = []
+    vs: list[str] = []
+    vt: list[str] = []
+    if va_src is not None and va_tgt is not None:
+        vs, vt = data.read_parallel(va_src, va_tgt)
+        valid, _ = data.encode_pairs(vs, vt, tokenizers, tc.max_len, "truncate")
+        valid = [(s, t) for s, t in valid if max(len(s), len(t) + 1) <= tc.max_tokens]
+    return Corpus(tokenizers, train, valid, vs, vt, len(src_lines), skipped)
+
+
+def rank_batches(examples: list, tc: TrainConfig, epoch: int, d: Dist) -> list[list[int]]:
+    """This rank's batches of an epoch: batches[rank::world], cut to a count every rank shares."""
+    from aiayn.data import batch_indices
+
+    batches = batch_indices(examples, tc.max_tokens, tc.seed, epoch)
+    per_rank = len(batches) // d.world
+    return batches[d.rank::d.world][:per_rank]
+
+
+# ---------------------------------------------------------------------------------------- trainer
+
+
+class Trainer:
+    """Holds the model, optimizer and position; `train_step` is one optimizer update."""
+
+    def __init__(self, model: Transformer, tc: TrainConfig, d: Dist, precision: str = "fp32") -> None:
+        self.tc, self.d = tc, d
+        self.base = model.to(d.device)
+        if d.world > 1:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            # broadcast_buffers=False: the positional table is a buffer that grows per rank on demand.
+            self.model: torch.nn.Module = DDP(self.base, broadcast_buffers=False,
+                                              device_ids=[d.device.index] if d.device.type == "cuda" else None)
+        else:
+            self.model = self.base
+        self.opt = torch.optim.Adam(self.base.parameters(), lr=0.0, betas=(tc.adam_beta1, tc.adam_beta2), eps=tc.adam_eps)
+        self.autocast, use_scaler, self.precision = precision_context(precision, d.device)
+        self.scaler = torch.amp.GradScaler(d.device.type) if use_scaler else None
+        self.step = 0
+
+    def lr(self, step: int) -> float:
+        return learning_rate(step, self.base.cfg.d_model, self.tc.warmup, self.tc.lr_factor)
+
+    def train_step(self, batches: list[Any]) -> tuple[float, int]:
+        """One update from `batches` (this rank's share); returns (loss per target token, tokens) of the
+        whole update over all ranks."""
+        self.model.train()
+        self.opt.zero_grad(set_to_none=True)
+        total_loss, tokens = 0.0, 0
+        for i, batch in enumerate(batches):
+            batch = batch.to(self.d.device)
+            sync = i == len(batches) - 1 or self.d.world == 1
+            ctx = self.model.no_sync() if not sync and hasattr(self.model, "no_sync") else contextlib.nullcontext()
+            with ctx:
+                with self.autocast():
+                    loss = loss_sum(self.model, batch, self.tc.label_smoothing, self.base.cfg.pad_id)
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
+            total_loss += float(loss.detach())
+            tokens += int(batch.n_tgt_tokens)
+        total_loss, all_tokens = self.d.sum(total_loss), int(self.d.sum(float(tokens)))
+        self.step += 1
+        for g in self.opt.param_groups:
+            g["lr"] = self.lr(self.step)
+        if self.scaler:
+            self.scaler.unscale_(self.opt)
+        # DDP averaged the gradient sums over ranks; turn them into the mean over all target tokens.
+        scale = self.d.world / max(all_tokens, 1)
+        for p in self.base.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+        if self.tc.clip_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.base.parameters(), self.tc.clip_norm)
+        if self.scaler:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            self.opt.step()
+        return total_loss / max(all_tokens, 1), all_tokens
+
+    def state(self) -> dict[str, Any]:
+        return {"optimizer": self.opt.state_dict(), "scaler": self.scaler.state_dict() if self.scaler else None,
+                "step": self.step}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.opt.load_state_dict(state["optimizer"])
+        if self.scaler and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.step = int(state["step"])
+
+
+# ------------------------------------------------------------------------------------- validation
+
+
+@torch.no_grad()
+def validate(model: Transformer, corpus: Corpus, tc: TrainConfig, autocast: Any, device: torch.device) -> dict[str, float]:
+    """Validation loss (label-smoothed and plain, per token) and greedy BLEU/chrF on the first
+    `valid_bleu` validation sentences."""
+    from aiayn.data import batch_indices, collate
+    from aiayn.evaluate import corpus_scores
+    from aiayn.search import greedy_search
+    from aiayn.tokenizer import BOS_ID, EOS_ID
+
+    model.eval()
+    out: dict[str, float] = {}
+    if corpus.valid:
+        loss = nll = 0.0
+        tokens = 0
+        for idx in batch_indices(corpus.valid, tc.max_tokens, tc.seed, 0, shuffle=False):
+            b = collate(corpus.valid, idx).to(device)
+            with autocast():
+                logits = model(b.src, b.tgt_in).float().flatten(0, 1)
+            tgt = b.tgt_out.flatten()
+            loss += float(F.cross_entropy(logits, tgt, ignore_index=model.cfg.pad_id,
+                                          label_smoothing=tc.label_smoothing, reduction="sum"))
+            nll += float(F.cross_entropy(logits, tgt, ignore_index=model.cfg.pad_id, reduction="sum"))
+            tokens += b.n_tgt_tokens
+        out["loss"], out["nll"] = loss / max(tokens, 1), nll / max(tokens, 1)
+    n = min(tc.valid_bleu, len(corpus.valid_src))
+    if n:
+        src_ids = [ids[: tc.max_len] for ids in corpus.tokenizers.src.encode_batch(corpus.valid_src[:n])]
+        order = sorted(range(n), key=lambda i: len(src_ids[i]))
+        hyps = [""] * n
+        step = 64
+        for start in range(0, n, step):
+            rows = order[start : start + step]
+            width = max(1, max(len(src_ids[i]) for i in rows))
+            src = torch.full((len(rows), width), model.cfg.pad_id, dtype=torch.long)
+            for j, i in enumerate(rows):
+                src[j, : len(src_ids[i])] = torch.tensor(src_ids[i], dtype=torch.long)
+            with autocast():
+                out_ids = greedy_search(model, src.to(device), BOS_ID, EOS_ID)
+            for i, ids in zip(rows, out_ids):
+                hyps[i] = corpus.tokenizers.tgt.decode(ids)
+        scores = corpus_scores(hyps, corpus.valid_tgt[:n])
+        out.update(bleu=scores["bleu"], bleu_lc=scores["bleu_lc"], chrf=scores["chrf"])
+    return out
+
+
+# ------------------------------------------------------------------------------------------- loop
+
+
+class Metrics:
+    """Appends JSON lines to run_dir/metrics.jsonl (rank 0 only)."""
+
+    def __init__(self, path: Path, enabled: bool) -> None:
+        self.path, self.enabled = path, enabled
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.enabled:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def truncate_after(self, step: int) -> None:
+        """On resume: drop lines logged after the checkpoint (and a torn last line)."""
+        if not (self.enabled and self.path.exists()):
+            return
+        keep = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if rec.get("step", 0) <= step:
+                keep.append(line)
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(x + "\n" for x in keep), encoding="utf-8")
+        os.replace(tmp, self.path)
+
+
+def resume_command(out: Path, world: int) -> str:
+    argv = sys.argv[1:]
+    if argv[:1] == ["train"]:
+        args = argv + ([] if "--resume" in argv else ["--resume"])
+    else:  # called as a library: the run directory's train.json has every option
+        args = ["train", "--config", str(out / "train.json"), "--resume"]
+    prefix = "aiayn" if world == 1 else f"torchrun --nproc_per_node {world} -m aiayn"
+    return f"{prefix} {shlex.join(args)}"
+
+
+def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume: bool = False,
+          log: Any = print) -> dict[str, Any]:
+    """Trains per `tc` and returns a summary (step, epoch, best BLEU, stop reason, last checkpoint)."""
+    d = setup_distributed(tc.device)
+    info = (lambda msg: log(msg)) if d.main else (lambda msg: None)
+    if tc.threads:
+        torch.set_num_threads(tc.threads)
+    out = Path(tc.out)
+    existing = ckpt.step_checkpoints(out)
+    if existing and not resume:
+        raise AiaynError(f"--out {out} already holds checkpoints (newest {existing[-1][1].name}); add --resume to "
+                         "continue that run, or choose another --out")
+    if d.main:
+        out.mkdir(parents=True, exist_ok=True)
+        ckpt.remove_stale_temporaries(out)
+    d.barrier()
+
+    loaded = None
+    if resume and existing:
+        loaded = ckpt.load_checkpoint(existing[-1][1], with_trainer_state=True)
+        if loaded.trainer_state is None:
+            raise AiaynError(f"{loaded.path} has no trainer_state.pt; it cannot be resumed")
+        info(f"resuming from {loaded.path}")
+    elif resume:
+        info(f"nothing to resume in {out}; starting a new run")
+
+    corpus = load_corpus(tc, loaded.tokenizers if loaded else None, out, d)
+    tok = corpus.tokenizers
+    if loaded:
+        mcfg = loaded.model_config
+    else:
+        over = dict(model_over)
+        if not tc.joint_vocab:
+            if over.get("share_embeddings"):
+                raise AiaynError("--share-embeddings needs a joint vocabulary; drop --no-joint-vocab")
+            over["share_embeddings"] = False
+        try:
+            mcfg = preset(preset_name, src_vocab_size=tok.src.vocab_size, tgt_vocab_size=tok.tgt.vocab_size, **over)
+        except ConfigError as e:
+            raise AiaynError(str(e)) from e
+    torch.manual_seed(tc.seed)
+    random.seed(tc.seed)
+    model = Transformer(mcfg)
+    if loaded:
+        model.load_state_dict(loaded.model.state_dict())
+    if d.rank:  # other ranks draw their own dropout masks
+        torch.manual_seed(tc.seed + 1000 * d.rank)
+        random.seed(tc.seed + 1000 * d.rank)
+    trainer = Trainer(model, tc, d, tc.precision)
+
+    epoch, pos, elapsed, best_bleu, bad_epochs, tokens_seen = 1, 0, 0.0, -1.0, 0, 0
+    if loaded:
+        st = loaded.trainer_state
+        assert st is not None
+        if int(st.get("world", 1)) != d.world:
+            raise AiaynError(f"{loaded.path} was written by {st.get('world')} processes; resume with the same number "
+                             f"(torchrun --nproc_per_node {st.get('world')})")
+        trainer.load_state(st)
+        epoch, pos, elapsed = int(st["epoch"]), int(st["position"]), float(st["elapsed_s"])
+        best_bleu, bad_epochs, tokens_seen = float(st["best_bleu"]), int(st["bad_epochs"]), int(st["tokens_seen"])
+        set_rng_state(st["rng"][d.rank])
+    metrics = Metrics(out / "metrics.jsonl", d.main)
+    if loaded:
+        metrics.truncate_after(trainer.step)
+    if d.main:
+        (out / "train.json").write_text(json.dumps({"preset": preset_name, "model": model_over, "train": tc.to_dict()},
+                                                   indent=2) + "\n", encoding="utf-8")
+
+    steps_per_epoch = max(1, math.ceil(len(rank_batches(corpus.train, tc, 1, d)) / tc.update_freq))
+    info(f"model: {mcfg.encoder_layers}+{mcfg.decoder_layers} layers, d_model {mcfg.d_model}, "
+         f"{model.num_parameters():,} parameters; vocabulary {tok.src.vocab_size}"
+         f"{'' if tok.joint else '/' + str(tok.tgt.vocab_size)} ({'joint' if tok.joint else 'separate'})")
+    info(f"data: {len(corpus.train):,} training pairs ({corpus.skipped:,} of {corpus.n_train_lines:,} "
+         f"{'skipped' if tc.long == 'skip' else 'truncated'} as longer than {tc.max_len} tokens), "
+         f"{len(corpus.valid_src):,} validation pairs; ~{steps_per_epoch} steps/epoch")
+    info(f"device {d.device} x{d.world}, precision {trainer.precision}, max {tc.max_tokens} tokens x "
+         f"{tc.update_freq} batches x {d.world} ranks per step; output {out}")
+
+    def save(at_epoch: int, at_pos: int, best: bool = False) -> Path:
+        rngs = [rng_state()]
+        if d.world > 1:
+            rngs = [None] * d.world  # type: ignore[list-item]
+            dist.all_gather_object(rngs, rng_state())
+        path = out / f"step_{trainer.step}"
+        if d.main:
+            state = {**trainer.state(), "epoch": at_epoch, "position": at_pos, "elapsed_s": elapsed + time.time() - t0,
+                     "best_bleu": best_bleu, "bad_epochs": bad_epochs, "tokens_seen": tokens_seen, "rng": rngs,
+                     "world": d.world, "seed": tc.seed}
+            config = {"model": mcfg.to_dict(), "train": tc.to_dict(), "preset": preset_name, "step": trainer.step,
+                      "epoch": at_epoch}
+            ckpt.save_checkpoint(path, model, tok, config, state)
+            if best:
+                ckpt.save_checkpoint(out / "best", model, tok, config)
+            ckpt.prune_checkpoints(out, tc.keep_last)
+        d.barrier()
+        return path
+
+    total = tc.max_steps or (tc.max_epochs * steps_per_epoch if tc.max_epochs else None)
+    bar = _progress(total, trainer.step, d.main)
+    t0 = time.time()
+    stop_reason, last_saved = "", None
+    window_tokens, window_t = 0, time.time()
+    from aiayn.data import collate
+
+    with Stopper() as stopper:
+        while not stop_reason:
+            if tc.max_epochs and epoch > tc.max_epochs:
+                stop_reason = f"reached --max-epochs {tc.max_epochs}"
+                break
+            mine = rank_batches(corpus.train, tc, epoch, d)
+            while pos < len(mine) and not stop_reason:
+                group = mine[pos : pos + tc.update_freq]
+                loss, ntok = trainer.train_step([collate(corpus.train, idx) for idx in group])
+                pos += len(group)
+                tokens_seen += ntok
+                window_tokens += ntok
+                now = time.time()
+                tps = window_tokens / max(now - window_t, 1e-9)
+                if now - window_t > 10:
+                    window_tokens, window_t = 0, now
+                bar.update(1)
+                bar.set_postfix(epoch=epoch, loss=f"{loss:.3f}", lr=f"{trainer.lr(trainer.step):.2e}",
+                                tok_s=f"{tps:,.0f}", refresh=False)
+                if tc.log_every and trainer.step % tc.log_every == 0:
+                    metrics.write({"kind": "train", "step": trainer.step, "epoch": epoch, "loss": round(loss, 5),
+                                   "lr": trainer.lr(trainer.step), "tokens_per_s": round(tps, 1),
+                                   "elapsed_s": round(elapsed + now - t0, 2)})
+                if not math.isfinite(loss):
+                    raise AiaynError(f"the loss became {loss} at step {trainer.step}; lower --lr-factor or use "
+                                     "--precision fp32, and resume from an earlier checkpoint")
+                signum = stopper.signum
+                if d.any(signum is not None):
+                    stop_reason = f"interrupted by {signal.Signals(signum).name if signum else 'a signal'}"
+                elif tc.max_steps and trainer.step >= tc.max_steps:
+                    stop_reason = f"reached --max-steps {tc.max_steps}"
+                elif tc.max_minutes and d.any(elapsed + time.time() - t0 >= 60 * tc.max_minutes):
+                    stop_reason = f"reached --max-minutes {tc.max_minutes}"
+                if pos < len(mine) and (stop_reason or (tc.save_every and trainer.step % tc.save_every == 0)):
+                    last_saved = save(epoch, pos)
+            if pos >= len(mine):  # the epoch is complete: validate, keep the best, save
+                improved = False
+                if d.main:
+                    v = validate(model, corpus, tc, trainer.autocast, d.device)
+                    if "bleu" in v:
+                        improved = v["bleu"] > best_bleu
+                        bad_epochs = 0 if improved else bad_epochs + 1
+                        best_bleu = max(best_bleu, v["bleu"])
+                    rec = {"kind": "valid", "step": trainer.step, "epoch": epoch, **{k: round(x, 4) for k, x in v.items()},
+                           "elapsed_s": round(elapsed + time.time() - t0, 2)}
+                    metrics.write(rec)
+                    bar.write(f"epoch {epoch} step {trainer.step}: " + ", ".join(
+                        f"valid {k} {x:.2f}" if k in ("bleu", "bleu_lc", "chrf") else f"valid {k} {x:.3f}"
+                        for k, x in v.items()))
+                if d.world > 1:
+                    flags = torch.tensor([float(improved), float(bad_epochs), best_bleu], dtype=torch.float64,
+                                         device=d.device)
+                    dist.broadcast(flags, 0)
+                    improved, bad_epochs, best_bleu = bool(flags[0]), int(flags[1]), float(flags[2])
+                if tc.patience and bad_epochs >= tc.patience and not stop_reason:
+                    stop_reason = f"no better validation BLEU for {tc.patience} epochs (--patience)"
+                epoch, pos = epoch + 1, 0
+                last_saved = save(epoch, pos, best=improved)
+                if tc.max_epochs and epoch > tc.max_epochs and not stop_reason:
+                    stop_reason = f"reached --max-epochs {tc.max_epochs}"
+    bar.close()
+    summary = {"step": trainer.step, "epoch": epoch, "best_bleu": best_bleu if best_bleu >= 0 else None,
+               "stop": stop_reason, "checkpoint": str(last_saved) if last_saved else None,
+               "elapsed_s": elapsed + time.time() - t0, "signal": stopper.signum}
+    info(f"stopped: {stop_reason}; step {trainer.step}; last checkpoint {last_saved}")
+    if stopper.signum is not None:
+        info(f"to resume, run: {resume_command(out, d.world)}")
+    if d.world > 1:
+        dist.destroy_process_group()
+    return summary
+
+
+def _progress(total: int | None, initial: int, enabled: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True, mininterval=1.0,
+                file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> int:
+    name, model_over, tc = build_configs(args)
+    summary = train(name, model_over, tc, resume=args.resume)
+    if summary["signal"] is not None:
+        return 128 + int(summary["signal"])
+    return 0
