@@ -1,0 +1,256 @@
+"""Readers (clear errors), Multi30k paths, encode_pairs, token-bucketed batching, collate."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from aiayn import data
+from aiayn.data import (
+    LANGS,
+    SPLITS,
+    batch_indices,
+    collate,
+    encode_pairs,
+    multi30k_paths,
+    read_lines,
+    read_parallel,
+)
+from aiayn.errors import AiaynError
+from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, TokenizerPair
+
+DATA = os.environ.get("AIAYN_DATA")
+needs_data = pytest.mark.skipif(
+    not DATA or not Path(DATA, "multi30k").is_dir(), reason="AIAYN_DATA (Multi30k) not set"
+)
+
+
+def _write(path: Path, text: str | bytes) -> Path:
+    path.write_bytes(text.encode("utf-8") if isinstance(text, str) else text)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# read_lines / read_parallel
+
+
+def test_plain_and_gzip_read_the_same(tmp_path: Path) -> None:
+    text = "Ein Hund.\r\nZwei\u2028Katzen\x1c.\n\ufeffdrei\n"
+    plain = _write(tmp_path / "a.txt", "\ufeff" + text)  # a BOM at the start is dropped
+    gz = _write(tmp_path / "a.gz", gzip.compress(text.encode()))
+    expected = ["Ein Hund.", "Zwei\u2028Katzen\x1c.", "\ufeffdrei"]  # split on \n only; \r\n ends a line
+    assert read_lines(plain) == expected
+    assert read_lines(gz) == expected
+    assert read_lines(_write(tmp_path / "b.txt", "no newline at end")) == ["no newline at end"]
+
+
+def test_read_errors_name_the_file(tmp_path: Path) -> None:
+    with pytest.raises(AiaynError, match=r"missing\.de: no such file"):
+        read_lines(tmp_path / "missing.de")
+    with pytest.raises(AiaynError, match=r"empty\.de: file is empty"):
+        read_lines(_write(tmp_path / "empty.de", ""))
+    with pytest.raises(AiaynError, match=r"blanks\.de: file is empty"):
+        read_lines(_write(tmp_path / "blanks.de", "\n \n\n"))
+    with pytest.raises(AiaynError, match="is a directory"):
+        read_lines(tmp_path)
+    with pytest.raises(AiaynError, match=r"cut\.gz: corrupt or truncated gzip"):
+        read_lines(_write(tmp_path / "cut.gz", gzip.compress(b"a sentence\n" * 100)[:40]))
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_invalid_utf8_names_file_and_line(tmp_path: Path, compress: bool) -> None:
+    raw = "ok\nauch ok\n".encode() + b"caf\xe9 latin-1\n" + b"fine\n"
+    path = _write(tmp_path / "bad.de", gzip.compress(raw) if compress else raw)
+    with pytest.raises(AiaynError, match=r"bad\.de:3: invalid UTF-8 \(byte 0xe9 at column 4\)") as e:
+        read_lines(path)
+    assert "\n" not in str(e.value)
+
+
+def test_read_parallel(tmp_path: Path) -> None:
+    src = _write(tmp_path / "s.de", "eins\nzwei\n")
+    tgt = _write(tmp_path / "t.en", "one\ntwo\n")
+    assert read_parallel(src, tgt) == (["eins", "zwei"], ["one", "two"])
+    short = _write(tmp_path / "short.en", "one\n")
+    with pytest.raises(AiaynError, match=r"s\.de has 2 lines but .*short\.en has 1"):
+        read_parallel(src, short)
+
+
+def test_blank_lines_are_an_error_with_the_line(tmp_path: Path) -> None:
+    src = _write(tmp_path / "s.de", "eins\nzwei\ndrei\nvier\n")
+    tgt = _write(tmp_path / "t.en", "one\n  \nthree\n\n")
+    with pytest.raises(AiaynError, match=r"t\.en:2: blank line \(2 blank lines in all\); remove the pair"):
+        read_parallel(src, tgt)
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi30k paths
+
+
+def _fake_root(root: Path, splits: tuple[str, ...] = ("val",), langs: tuple[str, ...] = ("de", "en")) -> Path:
+    (root / "multi30k").mkdir(parents=True)
+    for s in splits:
+        for lang in langs:
+            _write(root / "multi30k" / f"{s}.{lang}.gz", gzip.compress(f"{lang} line\n".encode()))
+    return root
+
+
+def test_multi30k_paths_from_flag_env_and_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = _fake_root(tmp_path / "root")
+    want = (root / "multi30k" / "val.de.gz", root / "multi30k" / "val.en.gz")
+    monkeypatch.delenv("AIAYN_DATA", raising=False)
+    assert multi30k_paths("val", "de", "en", root) == want
+    assert multi30k_paths("val", "de", "en", root / "multi30k") == want  # the multi30k folder itself
+    monkeypatch.setenv("AIAYN_DATA", str(root))
+    assert multi30k_paths("val", "de", "en") == want
+    # --data-dir wins over $AIAYN_DATA
+    other = _fake_root(tmp_path / "other")
+    assert multi30k_paths("val", "de", "en", other)[0] == other / "multi30k" / "val.de.gz"
+    # plain (uncompressed) files are found too
+    _write(root / "multi30k" / "val.fr", "fr line\n")
+    assert multi30k_paths("val", "fr", "en", root)[0] == root / "multi30k" / "val.fr"
+
+
+def test_multi30k_paths_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = _fake_root(tmp_path / "root")
+    with pytest.raises(AiaynError, match=r"--src 'xx': Multi30k has en, de, fr, cs"):
+        multi30k_paths("val", "xx", "en", root)
+    with pytest.raises(AiaynError, match=r"--tgt 'EN'"):
+        multi30k_paths("val", "de", "EN", root)
+    with pytest.raises(AiaynError, match=r"both 'de'"):
+        multi30k_paths("val", "de", "de", root)
+    with pytest.raises(AiaynError, match=r"split 'dev'.*train, val, test_2016_flickr"):
+        multi30k_paths("dev", "de", "en", root)
+    with pytest.raises(AiaynError, match=r"--data-dir .*root: no train\.de\.gz .*aiayn download --src de --tgt en"):
+        multi30k_paths("train", "de", "en", root)
+    with pytest.raises(AiaynError, match=r"--data-dir .*nowhere: no such folder"):
+        multi30k_paths("val", "de", "en", tmp_path / "nowhere")
+    monkeypatch.setenv("AIAYN_DATA", str(tmp_path / "nowhere"))
+    with pytest.raises(AiaynError, match=r"\$AIAYN_DATA .*nowhere: no such folder"):
+        multi30k_paths("val", "de", "en")
+
+
+@needs_data
+def test_sha256_table_matches_the_real_files() -> None:
+    folder = Path(DATA, "multi30k")  # type: ignore[arg-type]
+    assert len(data.MULTI30K_SHA256) == len(SPLITS) * len(LANGS)
+    for name, digest in data.MULTI30K_SHA256.items():
+        assert hashlib.sha256((folder / name).read_bytes()).hexdigest() == digest, name
+
+
+@needs_data
+def test_real_multi30k_line_counts() -> None:
+    for split, n in (("train", 29000), ("val", 1014), ("test_2016_flickr", 1000)):
+        src, tgt = read_parallel(*multi30k_paths(split, "cs", "fr", DATA))
+        assert len(src) == len(tgt) == n
+
+
+# ---------------------------------------------------------------------------------------------
+# encode_pairs
+
+
+@pytest.fixture(scope="module")
+def pair() -> TokenizerPair:
+    tok = Tokenizer.train(["ein kleiner Hund läuft", "a small dog runs", "word " * 5] * 10, vocab_size=300)
+    return TokenizerPair(tok, tok, joint=True)
+
+
+def test_encode_pairs_skip_and_truncate_count(pair: TokenizerPair) -> None:
+    huge = " ".join(["word"] * 10_000)  # a line of 10,000 tokens
+    src = ["ein Hund", huge, "a dog"]
+    tgt = ["a dog", "words", huge]
+    examples, n = encode_pairs(src, tgt, pair, max_len=64)
+    assert n == 2 and len(examples) == 1
+    assert examples[0] == (pair.src.encode("ein Hund"), pair.tgt.encode("a dog"))
+    examples, n = encode_pairs(src, tgt, pair, max_len=64, long="truncate")
+    assert n == 2 and len(examples) == 3
+    assert [(len(s), len(t)) for s, t in examples[1:]] == [(64, len(pair.tgt.encode("words"))), (len(pair.src.encode("a dog")), 64)]
+    assert examples[1][0] == pair.src.encode(huge)[:64]
+    assert all(BOS_ID not in s + t and EOS_ID not in s + t for s, t in examples)
+
+
+def test_encode_pairs_bad_arguments(pair: TokenizerPair) -> None:
+    with pytest.raises(AiaynError, match="--max-len must be at least 1"):
+        encode_pairs(["a"], ["b"], pair, max_len=0)
+    with pytest.raises(AiaynError, match="'skip' or 'truncate'"):
+        encode_pairs(["a"], ["b"], pair, max_len=5, long="drop")
+    with pytest.raises(AiaynError, match="2 source lines but 1 target"):
+        encode_pairs(["a", "b"], ["b"], pair, max_len=5)
+
+
+# ---------------------------------------------------------------------------------------------
+# batch_indices
+
+
+def _examples(lengths: list[tuple[int, int]]) -> list[tuple[list[int], list[int]]]:
+    return [([5] * s, [6] * t) for s, t in lengths]
+
+
+_lengths = st.lists(st.tuples(st.integers(1, 40), st.integers(1, 40)), min_size=1, max_size=200)
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=_lengths, max_tokens=st.integers(41, 600), seed=st.integers(0, 2**31), epoch=st.integers(0, 50),
+       shuffle=st.booleans())
+def test_batches_cover_each_pair_once_within_budget(lengths, max_tokens, seed, epoch, shuffle) -> None:
+    examples = _examples(lengths)
+    batches = batch_indices(examples, max_tokens, seed, epoch, shuffle)
+    flat = [i for b in batches for i in b]
+    assert sorted(flat) == list(range(len(examples)))  # every pair exactly once per epoch
+    for b in batches:
+        assert b
+        batch = collate(examples, b)
+        padded = max(batch.src.numel(), batch.tgt_in.numel())  # padding counted
+        assert padded <= max_tokens
+    assert batch_indices(examples, max_tokens, seed, epoch, shuffle) == batches  # deterministic
+
+
+def test_batches_are_tight_and_length_sorted() -> None:
+    examples = _examples([(3, 2), (10, 9), (4, 3), (10, 2), (1, 1), (9, 9)])
+    # costs max(s, t + 1): 3, 10, 4, 10, 2, 10 -> sorted 2, 3, 4 | 10, 10, 10 with budget 20
+    assert batch_indices(examples, 20, seed=0, epoch=0, shuffle=False) == [[4, 0, 2], [5, 1], [3]]
+    # a cut happens only where one more example would overflow: 3 * 4 = 12 fits, 4 * 10 does not
+    assert batch_indices(examples, 12, seed=0, epoch=0, shuffle=False) == [[4, 0, 2], [5], [1], [3]]
+
+
+def test_shuffle_depends_on_seed_and_epoch_only() -> None:
+    examples = _examples([(n % 17 + 1, n % 13 + 1) for n in range(300)])
+    a = batch_indices(examples, 60, seed=1, epoch=0)
+    assert a == batch_indices(examples, 60, seed=1, epoch=0)
+    assert a != batch_indices(examples, 60, seed=1, epoch=1)
+    assert a != batch_indices(examples, 60, seed=2, epoch=0)
+    assert sorted(map(sorted, a)) != sorted(map(sorted, batch_indices(examples, 60, seed=1, epoch=1)))  # new buckets
+
+
+def test_max_tokens_smaller_than_a_pair_is_a_clear_error() -> None:
+    examples = _examples([(3, 2), (30, 7)])
+    with pytest.raises(AiaynError, match=r"--max-tokens 20 is smaller than the longest sentence pair \(30 tokens"):
+        batch_indices(examples, 20, seed=0, epoch=0)
+    with pytest.raises(AiaynError, match="--max-tokens must be positive"):
+        batch_indices(examples, 0, seed=0, epoch=0)
+    assert batch_indices([], 100, seed=0, epoch=0) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# collate
+
+
+def test_collate_pads_to_the_batch_only() -> None:
+    examples = [([7, 8, 9], [10]), ([11], [12, 13, 14]), ([99], [99])]
+    b = collate(examples, [1, 0])
+    P, B, E = PAD_ID, BOS_ID, EOS_ID
+    assert b.src.tolist() == [[11, P, P], [7, 8, 9]]
+    assert b.tgt_in.tolist() == [[B, 12, 13, 14], [B, 10, P, P]]
+    assert b.tgt_out.tolist() == [[12, 13, 14, E], [10, E, P, P]]
+    assert b.indices == [1, 0] and b.n_tgt_tokens == 6 == int(b.tgt_out.ne(P).sum())
+    assert b.src.dtype == torch.long and len(b) == 2
+    moved = b.to("cpu")
+    assert torch.equal(moved.tgt_out, b.tgt_out) and moved.n_tgt_tokens == 6
+    with pytest.raises(AiaynError, match="empty batch"):
+        collate(examples, [])
