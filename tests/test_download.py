@@ -1,0 +1,141 @@
+"""The Multi30k download path, against a local HTTP server on 127.0.0.1 (nothing reaches the internet)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import gzip
+import hashlib
+import http.server
+import threading
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from aiayn import cli, data
+from aiayn.data import multi30k_paths, read_parallel
+from aiayn.errors import AiaynError
+
+LINES = {"de": ["Ein Hund läuft.", "Zwei Katzen schlafen."], "en": ["A dog runs.", "Two cats sleep."]}
+
+
+class _Server:
+    def __init__(self, root: Path) -> None:
+        self.requests: list[str] = []
+        server = self
+
+        class Handler(http.server.SimpleHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+                server.requests.append(self.path)
+                super().do_GET()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=str(root)))
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/task1/raw"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)  # a proxy must not see (or swallow) 127.0.0.1 requests
+
+
+@pytest.fixture
+def served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[_Server]:
+    """val.de.gz and val.en.gz of our own, their sha256 patched into the table; the cache in tmp_path."""
+    _no_proxy(monkeypatch)
+    raw = tmp_path / "www" / "task1" / "raw"
+    raw.mkdir(parents=True)
+    table = dict(data.MULTI30K_SHA256)
+    for lang, lines in LINES.items():
+        blob = gzip.compress("".join(s + "\n" for s in lines).encode(), mtime=0)
+        (raw / f"val.{lang}.gz").write_bytes(blob)
+        table[f"val.{lang}.gz"] = hashlib.sha256(blob).hexdigest()
+    monkeypatch.setattr(data, "MULTI30K_SHA256", table)
+    monkeypatch.delenv("AIAYN_DATA", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    server = _Server(tmp_path / "www")
+    monkeypatch.setenv("AIAYN_MULTI30K_URL", server.url)
+    yield server
+    server.close()
+
+
+def test_download_then_cache(served: _Server, tmp_path: Path) -> None:
+    src, tgt = multi30k_paths("val", "de", "en")
+    folder = tmp_path / "cache" / "aiayn" / "multi30k"
+    assert (src, tgt) == (folder / "val.de.gz", folder / "val.en.gz")
+    assert read_parallel(src, tgt) == (LINES["de"], LINES["en"])
+    assert sorted(served.requests) == ["/task1/raw/val.de.gz", "/task1/raw/val.en.gz"]
+    assert sorted(p.name for p in folder.iterdir()) == ["val.de.gz", "val.en.gz"]  # no .part files left
+
+    assert multi30k_paths("val", "de", "en") == (src, tgt)
+    assert len(served.requests) == 2  # the second call does not fetch
+
+
+def test_a_damaged_cached_file_is_fetched_again(served: _Server, tmp_path: Path) -> None:
+    src, _ = multi30k_paths("val", "de", "en")
+    src.write_bytes(b"truncated")
+    multi30k_paths("val", "de", "en")
+    assert served.requests.count("/task1/raw/val.de.gz") == 2
+    assert read_parallel(*multi30k_paths("val", "de", "en"))[0] == LINES["de"]
+
+
+def test_checksum_mismatch_leaves_nothing(served: _Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(data.MULTI30K_SHA256, "val.de.gz", "0" * 64)
+    with pytest.raises(AiaynError, match=r"val\.de\.gz: sha256 [0-9a-f]{16}\.\.\. does not match .*removed") as e:
+        multi30k_paths("val", "de", "en")
+    assert "\n" not in str(e.value)
+    folder = tmp_path / "cache" / "aiayn" / "multi30k"
+    assert list(folder.iterdir()) == []  # neither the bad file nor a temporary
+
+
+def test_missing_on_server_is_a_clear_error(served: _Server, tmp_path: Path) -> None:
+    with pytest.raises(AiaynError, match=r"could not download http://127\.0\.0\.1:\d+/task1/raw/train\.de\.gz .*--data-dir"):
+        multi30k_paths("train", "de", "en")
+    assert list((tmp_path / "cache" / "aiayn" / "multi30k").iterdir()) == []
+
+
+def test_cli_download_into_data_dir(served: _Server, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "mydata"
+    assert cli.main(["download", "--src", "de", "--tgt", "en", "--splits", "val", "--data-dir", str(out)]) == 0
+    printed = capsys.readouterr().out.strip()
+    assert printed == str(out / "multi30k")
+    assert multi30k_paths("val", "de", "en", out) == (out / "multi30k" / "val.de.gz", out / "multi30k" / "val.en.gz")
+
+
+def test_cli_download_bad_pair_is_one_line(served: _Server, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["download", "--src", "de", "--tgt", "ja"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--tgt 'ja': Multi30k has en, de, fr, cs" in err
+    assert cli.main(["download", "--splits", "test2017"]) == 2
+    assert "train, val, test_2016_flickr" in capsys.readouterr().err
+    assert served.requests == []
+
+
+def test_the_real_files_pass_the_real_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shared copy of Multi30k served as the public repository: the unpatched sums accept it."""
+    root = os.environ.get("AIAYN_DATA")
+    if not root or not Path(root, "multi30k").is_dir():
+        pytest.skip("AIAYN_DATA (Multi30k) not set")
+    www = tmp_path / "www" / "task1"
+    www.mkdir(parents=True)
+    (www / "raw").symlink_to(Path(root, "multi30k").resolve())
+    monkeypatch.delenv("AIAYN_DATA")
+    _no_proxy(monkeypatch)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    server = _Server(tmp_path / "www")
+    monkeypatch.setenv("AIAYN_MULTI30K_URL", server.url)
+    try:
+        src, tgt = multi30k_paths("test_2016_flickr", "fr", "cs")
+    finally:
+        server.close()
+    a, b = read_parallel(src, tgt)
+    assert len(a) == len(b) == 1000
