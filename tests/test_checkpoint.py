@@ -1,0 +1,264 @@
+"""Checkpoints: round trip, tied weights stored once, atomic writes under a full disk, loading that
+trusts nothing (missing/corrupt files, config or tokenizer that does not fit), run-directory
+resolution, pruning and weight averaging."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from aiayn import checkpoint as ckpt
+from aiayn.cli import main as cli_main
+from aiayn.config import preset
+from aiayn.errors import AiaynError
+from aiayn.model import Transformer
+from aiayn.tokenizer import Tokenizer, TokenizerPair
+
+WORDS = "the a cat dog sees runs big small red house tree man woman child ball blue green eats".split()
+
+
+def _lines(n: int, seed: int) -> list[str]:
+    g = torch.Generator().manual_seed(seed)
+    return [" ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (5,), generator=g).tolist()) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def tok() -> TokenizerPair:
+    t = Tokenizer.train(_lines(200, 0), 300)
+    return TokenizerPair(t, t, joint=True)
+
+
+def _model(tok: TokenizerPair, seed: int = 0, **over) -> Transformer:  # type: ignore[no-untyped-def]
+    torch.manual_seed(seed)
+    v = tok.src.vocab_size
+    return Transformer(preset("tiny", src_vocab_size=v, tgt_vocab_size=v, **over))
+
+
+def _save(path: Path, model: Transformer, tok: TokenizerPair, step: int = 1, state=None) -> None:  # type: ignore[no-untyped-def]
+    ckpt.save_checkpoint(path, model, tok, {"train": {"seed": 1}, "step": step}, state)
+
+
+def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_round_trip_restores_weights_config_tokenizer_and_state(tmp_path, tok):
+    m = _model(tok)
+    state = {"step": 7, "rng": [torch.get_rng_state()], "position": 3, "python": (3, tuple(range(5)), None)}
+    _save(tmp_path / "c", m, tok, step=7, state=state)
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["config.json", "model.safetensors", "spm.model",
+                                                                  "trainer_state.pt"]
+    c = ckpt.load_checkpoint(tmp_path / "c", with_trainer_state=True)
+    assert _same_weights(c.model, m) and not c.model.training
+    assert c.model_config == m.cfg and c.config["step"] == 7
+    cfg = json.loads((tmp_path / "c" / "config.json").read_text())
+    assert set(cfg) >= {"model", "train", "tokenizer", "versions", "step"}
+    assert cfg["versions"]["torch"] == torch.__version__ and cfg["tokenizer"]["src_sha256"] == tok.src.sha256()
+    assert c.tokenizers.src == tok.src and c.tokenizers.joint
+    assert c.trainer_state["position"] == 3 and torch.equal(c.trainer_state["rng"][0], state["rng"][0])
+    assert c.trainer_state["python"] == state["python"]
+    assert ckpt.load_checkpoint(tmp_path / "c").trainer_state is None
+
+
+def test_tied_weights_are_stored_once_and_retied(tmp_path, tok):
+    m = _model(tok)
+    _save(tmp_path / "c", m, tok)
+    stored = load_file(str(tmp_path / "c" / "model.safetensors"))
+    tied = [k for k in stored if k in ("src_embed.weight", "tgt_embed.weight")]
+    assert len(tied) == 1  # one tensor for the shared source/target embedding (and the output projection)
+    c = ckpt.load_checkpoint(tmp_path / "c")
+    assert c.model.src_embed.weight is c.model.tgt_embed.weight and c.model.output_weight is c.model.tgt_embed.weight
+    # untied models keep separate tensors
+    u = _model(tok, share_embeddings=False, tie_output=False)
+    _save(tmp_path / "u", u, tok)
+    assert {"src_embed.weight", "tgt_embed.weight", "out_proj.weight"} <= set(load_file(str(tmp_path / "u" / "model.safetensors")))
+    assert _same_weights(ckpt.load_checkpoint(tmp_path / "u").model, u)
+
+
+def _tree(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("target", ["same", "new"])
+def test_full_disk_leaves_previous_checkpoint_intact(tmp_path, tok, monkeypatch, target):
+    run = tmp_path / "run"
+    _save(run / "step_1", _model(tok, 0), tok, step=1, state={"step": 1})
+    before = _tree(run / "step_1")
+
+    def full_disk(tensors, filename, metadata=None):  # type: ignore[no-untyped-def]
+        with open(filename, "wb") as f:
+            f.write(b"\0" * 100)  # a partial file, then the disk fills up
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
+
+    monkeypatch.setattr(ckpt, "save_file", full_disk)
+    dest = run / ("step_1" if target == "same" else "step_2")
+    with pytest.raises(AiaynError, match="No space left on device.*previous checkpoint is intact"):
+        _save(dest, _model(tok, 1), tok, step=2, state={"step": 2})
+    assert _tree(run / "step_1") == before
+    assert sorted(p.name for p in run.iterdir()) == ["step_1"]  # no half-written or temporary directory left
+    assert ckpt.resolve_checkpoint(run) == run / "step_1"
+    monkeypatch.undo()
+    assert _same_weights(ckpt.load_checkpoint(run).model, _model(tok, 0))
+
+
+def test_overwrite_replaces_a_checkpoint_only_when_complete(tmp_path, tok):
+    _save(tmp_path / "best", _model(tok, 0), tok)
+    _save(tmp_path / "best", _model(tok, 1), tok)
+    assert _same_weights(ckpt.load_checkpoint(tmp_path / "best").model, _model(tok, 1))
+    assert [p.name for p in tmp_path.iterdir()] == ["best"]
+
+
+def test_half_written_checkpoint_is_never_taken_as_latest(tmp_path, tok):
+    _save(tmp_path / "step_5", _model(tok), tok, step=5)
+    # what a kill during a save leaves behind: a temporary directory, and a step dir without config.json
+    (tmp_path / ".tmp-step_9-deadbeef").mkdir()
+    (tmp_path / ".tmp-step_9-deadbeef" / "model.safetensors").write_bytes(b"partial")
+    (tmp_path / "step_7").mkdir()
+    assert [s for s, _ in ckpt.step_checkpoints(tmp_path)] == [5]
+    assert ckpt.resolve_checkpoint(tmp_path) == tmp_path / "step_5"
+    ckpt.remove_stale_temporaries(tmp_path)
+    assert not (tmp_path / ".tmp-step_9-deadbeef").exists()
+
+
+def test_resolve_prefers_best_then_newest_step(tmp_path, tok):
+    m = _model(tok)
+    for s in (2, 10, 4):
+        _save(tmp_path / f"step_{s}", m, tok, step=s)
+    assert ckpt.resolve_checkpoint(tmp_path) == tmp_path / "step_10"  # numeric, not lexical, order
+    _save(tmp_path / "best", m, tok)
+    assert ckpt.resolve_checkpoint(tmp_path) == tmp_path / "best"
+    assert ckpt.resolve_checkpoint(tmp_path / "step_4") == tmp_path / "step_4"
+    ckpt.prune_checkpoints(tmp_path, keep_last=2)
+    assert [s for s, _ in ckpt.step_checkpoints(tmp_path)] == [4, 10] and (tmp_path / "best").is_dir()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(AiaynError, match="holds no checkpoint"):
+        ckpt.resolve_checkpoint(tmp_path / "empty")
+    with pytest.raises(AiaynError, match="does not exist"):
+        ckpt.load_checkpoint(tmp_path / "nope")
+
+
+@pytest.fixture()
+def saved(tmp_path, tok) -> Path:
+    _save(tmp_path / "c", _model(tok), tok, state={"step": 1})
+    return tmp_path / "c"
+
+
+def test_missing_files_are_named(saved):
+    (saved / "model.safetensors").unlink()
+    with pytest.raises(AiaynError, match=r"model\.safetensors is missing"):
+        ckpt.load_checkpoint(saved)
+    (saved / "spm.model").unlink()
+    with pytest.raises(AiaynError, match="no tokenizer found"):
+        ckpt.load_checkpoint(saved)
+    (saved / "config.json").unlink()
+    with pytest.raises(AiaynError, match="holds no checkpoint"):
+        ckpt.load_checkpoint(saved)
+
+
+def test_corrupt_files_give_one_clear_error(saved):
+    w = saved / "model.safetensors"
+    data = w.read_bytes()
+    w.write_bytes(data[: len(data) // 2])  # truncated
+    with pytest.raises(AiaynError, match="corrupt or truncated"):
+        ckpt.load_checkpoint(saved)
+    w.write_bytes(b"\xff" * 64)
+    with pytest.raises(AiaynError, match="corrupt or truncated"):
+        ckpt.load_checkpoint(saved)
+    w.write_bytes(data)
+    (saved / "config.json").write_text("{not json")
+    with pytest.raises(AiaynError, match=r"config\.json is corrupt"):
+        ckpt.load_checkpoint(saved)
+
+
+def test_config_that_does_not_fit_the_weights(saved):
+    cfg = json.loads((saved / "config.json").read_text())
+    cfg["model"]["d_ff"] = 128
+    (saved / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(AiaynError, match=r"has shape .* config does not fit the weights"):
+        ckpt.load_checkpoint(saved)
+    cfg["model"]["d_ff"] = 64
+    cfg["model"]["encoder_layers"] = 3
+    (saved / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(AiaynError, match="config does not fit the weights"):
+        ckpt.load_checkpoint(saved)
+    cfg["model"]["encoder_layers"] = 1
+    (saved / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(AiaynError, match="tensors the model does not have"):
+        ckpt.load_checkpoint(saved)
+    cfg["model"]["n_heads"] = 5
+    (saved / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(AiaynError, match="invalid model config"):
+        ckpt.load_checkpoint(saved)
+
+
+def test_tokenizer_that_does_not_fit_the_model(saved):
+    other = Tokenizer.train(_lines(200, 1) + ["quick brown fox jumps over lazy"] * 20, 320)
+    assert other.vocab_size != 300
+    other.save(saved / "spm.model")
+    with pytest.raises(AiaynError, match="tokenizer has .* pieces but the model's src_vocab_size"):
+        ckpt.load_checkpoint(saved)
+    same_size = Tokenizer.train(_lines(200, 2), 300)
+    assert same_size.vocab_size == 300 and same_size.sha256() != json.loads((saved / "config.json").read_text())["tokenizer"]["src_sha256"]
+    same_size.save(saved / "spm.model")
+    with pytest.raises(AiaynError, match="not the one this model was trained with"):
+        ckpt.load_checkpoint(saved)
+
+
+class _Boom:
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (os.system, (f"touch {_Boom.marker}",))
+
+
+def test_trainer_state_never_runs_code(saved, tmp_path):
+    _Boom.marker = tmp_path / "pwned"  # type: ignore[attr-defined]
+    with open(saved / "trainer_state.pt", "wb") as f:
+        pickle.dump({"step": _Boom()}, f)
+    with pytest.raises(AiaynError, match="corrupt or holds more than tensors"):
+        ckpt.load_checkpoint(saved, with_trainer_state=True)
+    assert not (tmp_path / "pwned").exists()
+    torch.save({"step": 1, "obj": Path("x")}, saved / "trainer_state.pt")  # an arbitrary object, pickled by torch
+    with pytest.raises(AiaynError, match="corrupt or holds more than tensors"):
+        ckpt.load_checkpoint(saved, with_trainer_state=True)
+    (saved / "trainer_state.pt").unlink()
+    with pytest.raises(AiaynError, match="trainer_state.pt is missing"):
+        ckpt.load_checkpoint(saved, with_trainer_state=True)
+
+
+def test_average_of_last_n_checkpoints(tmp_path, tok, capsys):
+    run = tmp_path / "run"
+    models = [_model(tok, s) for s in range(4)]
+    for i, m in enumerate(models):
+        _save(run / f"step_{(i + 1) * 10}", m, tok, step=(i + 1) * 10)
+    assert cli_main(["average", "--checkpoint", str(run), "-n", "3", "-o", str(tmp_path / "avg")]) == 0
+    assert "averaged 3 checkpoints (step_20, step_30, step_40)" in capsys.readouterr().out
+    avg = ckpt.load_checkpoint(tmp_path / "avg")
+    for k, v in avg.model.state_dict().items():
+        want = sum(m.state_dict()[k] for m in models[1:]) / 3
+        torch.testing.assert_close(v, want, rtol=0, atol=1e-6)
+    assert avg.model.src_embed.weight is avg.model.tgt_embed.weight
+    assert len(avg.config["averaged_from"]) == 3
+    # --inputs averages exactly the given directories
+    assert cli_main(["average", "--inputs", str(run / "step_10"), str(run / "step_40"), "-o", str(tmp_path / "a2")]) == 0
+    a2 = ckpt.load_checkpoint(tmp_path / "a2").model.state_dict()
+    torch.testing.assert_close(a2["encoder.layers.0.ff.w1.weight"],
+                               (models[0].state_dict()["encoder.layers.0.ff.w1.weight"]
+                                + models[3].state_dict()["encoder.layers.0.ff.w1.weight"]) / 2, rtol=0, atol=1e-6)
+
+
+def test_average_refuses_mixed_models_and_bad_input(tmp_path, tok, capsys):
+    _save(tmp_path / "a", _model(tok), tok)
+    _save(tmp_path / "b", _model(tok, d_ff=128), tok)
+    assert cli_main(["average", "--inputs", str(tmp_path / "a"), str(tmp_path / "b"), "-o", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "different model config" in err and err.count("\n") == 1
+    assert cli_main(["average", "--checkpoint", str(tmp_path / "a"), "-o", str(tmp_path / "o")]) == 2
+    assert "holds no step_<N>/ checkpoints" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
