@@ -1,0 +1,324 @@
+"""Translation with a trained model: the Python API (`Translator`) and `aiayn translate`.
+
+Raw text in, detokenized text out (Section 6.1's beam search, see `aiayn.search`). The promises,
+pinned by tests/test_translate.py:
+
+- exactly one output line per input line (N lines with `--nbest N`), in input order; sentences are
+  sorted by length inside for speed and put back in order;
+- an empty or blank line gives an empty line; a line longer than the model takes is truncated to
+  `max_src_tokens` source tokens with a note on stderr, never dropped;
+- input is read in chunks of whatever lines are available, so `... | aiayn translate | ...` streams;
+  each chunk is written and flushed before the next is read;
+- Ctrl-C (SIGINT) keeps every line already written, line-aligned, and exits 130 with a message.
+
+`precision="bf16"` runs search under CPU/GPU autocast to bfloat16 (log-probabilities and scores are
+still computed in float32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import select
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import IO, Any, BinaryIO
+
+import torch
+
+from aiayn.errors import AiaynError
+from aiayn.search import beam_search, greedy_search
+
+PRECISIONS = ("fp32", "bf16")
+BOS_ID, EOS_ID = 2, 3  # aiayn.tokenizer's fixed special ids (kept here so the stub tests need no tokenizer)
+
+# Characters that `str.splitlines` treats as line ends: an output line must never contain one.
+_LINE_BREAKS = str.maketrans({c: " " for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"})
+
+
+def one_line(text: str) -> str:
+    """`text` with every line-break character replaced by a space (keeps outputs line-aligned)."""
+    return text.translate(_LINE_BREAKS)
+
+
+@dataclass
+class Settings:
+    """Search settings shared by the API and the CLI, checked once."""
+
+    beam: int = 4
+    alpha: float = 0.6
+    nbest: int = 1
+    max_tokens: int = 4096  # source tokens per batch, padding included
+    batch_size: int = 256  # sentences per batch at most
+    max_len_a: float = 1.0
+    max_len_b: int = 50
+    min_len: int = 0
+
+    def check(self) -> None:
+        if self.beam < 1:
+            raise AiaynError(f"--beam must be at least 1, got {self.beam}")
+        if not 1 <= self.nbest <= self.beam:
+            raise AiaynError(f"--nbest must be between 1 and --beam ({self.beam}), got {self.nbest}")
+        if self.alpha < 0:
+            raise AiaynError(f"--alpha must be >= 0, got {self.alpha}")
+        if self.max_tokens < 1:
+            raise AiaynError(f"--max-tokens must be positive, got {self.max_tokens}")
+        if self.batch_size < 1:
+            raise AiaynError(f"--batch-size must be positive, got {self.batch_size}")
+        if self.max_len_a < 0 or self.max_len_b < 0:
+            raise AiaynError(f"--max-len-a and --max-len-b must be >= 0, got {self.max_len_a} and {self.max_len_b}")
+        if self.min_len < 0:
+            raise AiaynError(f"--min-len must be >= 0, got {self.min_len}")
+
+
+def _stderr_note(msg: str) -> None:
+    print(f"aiayn translate: {msg}", file=sys.stderr, flush=True)
+
+
+class Translator:
+    """A model and its tokenizers, ready to translate lists of raw sentences.
+
+    `max_src_tokens` (default: the model's `max_positions`) caps the source length; longer lines
+    are truncated and `note` (default: print on stderr) is told which line and by how much.
+    """
+
+    def __init__(self, model: Any, tokenizers: Any, precision: str = "fp32", device: str | torch.device = "cpu",
+                 max_src_tokens: int | None = None, note: Callable[[str], None] | None = None) -> None:
+        if precision not in PRECISIONS:
+            raise AiaynError(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        self.device = torch.device(device)
+        self.model = model.to(self.device).eval()
+        self.tokenizers = tokenizers
+        self.precision = precision
+        self.max_src_tokens = int(max_src_tokens or model.cfg.max_positions)
+        self.note = note or _stderr_note
+
+    @classmethod
+    def from_checkpoint(cls, path: str | os.PathLike[str], precision: str = "fp32", device: str = "cpu",
+                        **kwargs: Any) -> "Translator":
+        """A checkpoint directory, or a run directory (its best/, else its newest step_N/)."""
+        from aiayn.checkpoint import load_checkpoint, resolve_checkpoint
+
+        ckpt = load_checkpoint(resolve_checkpoint(path))
+        return cls(ckpt.model, ckpt.tokenizers, precision=precision, device=device, **kwargs)
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def encode(self, lines: Sequence[str], first_line: int = 1) -> list[list[int]]:
+        """Source ids per line ([] for a blank line), truncated to `max_src_tokens` with a note."""
+        out: list[list[int]] = []
+        for i, line in enumerate(lines):
+            ids = self.tokenizers.src.encode(line) if line.strip() else []
+            if len(ids) > self.max_src_tokens:
+                self.note(f"line {first_line + i}: {len(ids)} source tokens, more than the model takes; "
+                          f"translated its first {self.max_src_tokens} tokens only")
+                ids = ids[: self.max_src_tokens]
+            out.append(ids)
+        return out
+
+    def _batches(self, encoded: list[list[int]], s: Settings) -> Iterator[list[int]]:
+        """Indices of non-empty sentences, longest first, cut by the token and sentence budgets."""
+        order = sorted((i for i, ids in enumerate(encoded) if ids), key=lambda i: -len(encoded[i]))
+        batch: list[int] = []
+        for i in order:
+            longest = len(encoded[batch[0]]) if batch else len(encoded[i])
+            if batch and (len(batch) + 1 > s.batch_size or (len(batch) + 1) * longest > s.max_tokens):
+                yield batch
+                batch = []
+            batch.append(i)  # a sentence over the budget still goes, alone
+        if batch:
+            yield batch
+
+    @torch.no_grad()
+    def search(self, lines: Sequence[str], first_line: int = 1, **settings: Any) -> list[list[tuple[str, float]]]:
+        """Per input line, up to `nbest` (translation, score) pairs, best first; blank -> [("", 0.0)].
+
+        Scores are those of `aiayn.search.beam_search`; greedy search (beam=1) reports nan.
+
+        `settings` are the fields of `Settings` (beam, alpha, nbest, max_tokens, batch_size,
+        max_len_a, max_len_b, min_len). `first_line` numbers the lines in notes.
+        """
+        s = Settings(**settings)
+        s.check()
+        encoded = self.encode(lines, first_line)
+        results: list[list[tuple[str, float]]] = [[("", 0.0)] for _ in lines]
+        pad = self.model.cfg.pad_id
+        for batch in self._batches(encoded, s):
+            S = len(encoded[batch[0]])
+            src = torch.full((len(batch), S), pad, dtype=torch.long)  # (B, S) right-padded
+            for row, i in enumerate(batch):
+                src[row, : len(encoded[i])] = torch.tensor(encoded[i])
+            src = src.to(self.device)
+            with self._autocast():
+                if s.beam == 1:
+                    hyps = [[(ids, float("nan"))] for ids in greedy_search(
+                        self.model, src, BOS_ID, EOS_ID, s.max_len_a, s.max_len_b, s.min_len)]
+                else:
+                    hyps = beam_search(self.model, src, BOS_ID, EOS_ID, beam=s.beam, alpha=s.alpha,
+                                       max_len_a=s.max_len_a, max_len_b=s.max_len_b, min_len=s.min_len,
+                                       nbest=s.nbest)
+            for i, nb in zip(batch, hyps):
+                results[i] = [(one_line(self.tokenizers.tgt.decode(ids)), score) for ids, score in nb]
+        return results
+
+    def translate(self, lines: Sequence[str], beam: int = 4, alpha: float = 0.6, nbest: int = 1,
+                  max_tokens: int = 4096, **settings: Any) -> list[str]:
+        """Translations of `lines`, one per line in order (with nbest=N: N consecutive ones per line,
+        the best first; fewer only if the search found fewer)."""
+        res = self.search(lines, beam=beam, alpha=alpha, nbest=nbest, max_tokens=max_tokens, **settings)
+        return [text for nb in res for text, _ in nb[:nbest]]
+
+
+# ------------------------------------------------------------------------------------- the CLI
+
+
+class LineChunks:
+    """Reads lines from a binary stream in chunks of whatever is available (at most `max_lines`).
+
+    It blocks only when no complete line is waiting, so one sentence typed into a pipe is
+    translated at once, while a file or a fast producer fills whole chunks. Lines end in "\\n";
+    a "\\r" before it (Windows) is dropped; the text must be UTF-8.
+    """
+
+    def __init__(self, stream: BinaryIO, name: str, max_lines: int = 500) -> None:
+        self.fd, self.name, self.max_lines = stream.fileno(), name, max_lines
+        self.buf = b""
+        self.eof = False
+        self.line_no = 0  # lines handed out so far
+
+    def _ready(self) -> bool:
+        try:
+            return bool(select.select([self.fd], [], [], 0)[0])
+        except (OSError, ValueError):
+            return True
+
+    def _fill(self, block: bool) -> None:
+        if self.eof or (not block and not self._ready()):
+            return
+        data = os.read(self.fd, 1 << 16)
+        if data:
+            self.buf += data
+        else:
+            self.eof = True
+
+    def _decode(self, raw: bytes, line_no: int) -> str:
+        if line_no == 1 and raw.startswith(b"\xef\xbb\xbf"):
+            raw = raw[3:]  # a byte-order mark is not text
+        if raw.endswith(b"\r"):
+            raw = raw[:-1]
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise AiaynError(f"{self.name}:{line_no}: invalid UTF-8 (byte 0x{raw[e.start]:02x} at column "
+                             f"{e.start + 1}); convert the input to UTF-8") from None
+
+    def __iter__(self) -> Iterator[list[str]]:
+        while True:
+            while b"\n" not in self.buf and not self.eof:
+                self._fill(block=True)
+            while self.buf.count(b"\n") < self.max_lines and not self.eof and self._ready():
+                self._fill(block=False)  # take what is already there, without waiting for more
+            parts = self.buf.split(b"\n")
+            if self.eof:
+                complete, self.buf = parts, b""
+                if complete and complete[-1] == b"":
+                    complete.pop()  # the newline that ends the last line
+            else:
+                complete, self.buf = parts[:-1], parts[-1]
+            if len(complete) > self.max_lines:
+                self.buf = b"\n".join(complete[self.max_lines:] + [self.buf])
+                complete = complete[: self.max_lines]
+            if complete:
+                first = self.line_no + 1
+                self.line_no += len(complete)
+                yield [self._decode(raw, first + k) for k, raw in enumerate(complete)]
+            if self.eof and not self.buf:
+                return
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory, or a run directory (uses best/)")
+    p.add_argument("--input", default="-", help="text file to translate, one sentence a line; - for stdin")
+    p.add_argument("--output", default="-", help="where to write translations; - for stdout")
+    p.add_argument("--beam", type=int, default=4, help="beam size (1 = greedy)")
+    p.add_argument("--alpha", type=float, default=0.6, help="length penalty ((5+len)/6)^alpha")
+    p.add_argument("--nbest", type=int, default=1, help="print N hypotheses per line as 'i ||| hyp ||| score'")
+    p.add_argument("--max-tokens", type=int, default=4096, help="source tokens per batch (padding included)")
+    p.add_argument("--batch-size", type=int, default=256, help="sentences per batch at most")
+    p.add_argument("--max-len-a", type=float, default=1.0, help="output length limit a*source_length+b: a")
+    p.add_argument("--max-len-b", type=int, default=50, help="output length limit a*source_length+b: b")
+    p.add_argument("--min-len", type=int, default=0, help="minimum output length in tokens")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32", help="bf16 autocast is faster on recent CPUs")
+    p.add_argument("--chunk-lines", type=int, default=500, help="lines read, translated and flushed at a time")
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    s = Settings(beam=args.beam, alpha=args.alpha, nbest=args.nbest, max_tokens=args.max_tokens,
+                 batch_size=args.batch_size, max_len_a=args.max_len_a, max_len_b=args.max_len_b, min_len=args.min_len)
+    s.check()
+    if args.chunk_lines < 1:
+        raise AiaynError(f"--chunk-lines must be positive, got {args.chunk_lines}")
+    return s
+
+
+def _open_input(name: str) -> tuple[BinaryIO, bool]:
+    if name == "-":
+        return sys.stdin.buffer, False
+    try:
+        return open(name, "rb"), True
+    except FileNotFoundError:
+        raise AiaynError(f"{name}: no such file (--input)") from None
+    except OSError as e:
+        raise AiaynError(f"{name}: cannot read ({e.strerror or e}) (--input)") from None
+
+
+def _open_output(name: str) -> tuple[IO[bytes], bool]:
+    if name == "-":
+        return sys.stdout.buffer, False
+    try:
+        return open(name, "wb"), True
+    except OSError as e:
+        raise AiaynError(f"{name}: cannot write ({e.strerror or e}) (--output)") from None
+
+
+def _format(i: int, nb: list[tuple[str, float]], nbest: int) -> bytes:
+    if nbest == 1:
+        return (nb[0][0] + "\n").encode("utf-8")
+    return "".join(f"{i} ||| {text} ||| {score:.4f}\n" for text, score in nb[:nbest]).encode("utf-8")
+
+
+def run(args: argparse.Namespace) -> int:
+    s = _settings(args)  # flags are checked before the model is loaded
+    src, close_in = _open_input(args.input)
+    out, close_out = _open_output(args.output)
+    done = 0
+    try:
+        translator = Translator.from_checkpoint(args.checkpoint, precision=args.precision)
+        name = "<stdin>" if args.input == "-" else args.input
+        for chunk in LineChunks(src, name, args.chunk_lines):
+            results = translator.search(chunk, first_line=done + 1, **vars(s))
+            out.write(b"".join(_format(done + k, nb, s.nbest) for k, nb in enumerate(results)))
+            out.flush()
+            done += len(chunk)
+    except KeyboardInterrupt:
+        with contextlib.suppress(OSError):
+            out.flush()
+        print(f"aiayn translate: interrupted; the first {done} input line(s) are translated and written, "
+              f"line-aligned; rerun on the rest with `tail -n +{done + 1}`", file=sys.stderr, flush=True)
+        return 130
+    except BrokenPipeError:  # the reader went away (`| head`): nothing left to do
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    finally:
+        if close_in:
+            src.close()
+        if close_out:
+            out.close()
+    return 0
+

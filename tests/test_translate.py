@@ -1,0 +1,213 @@
+"""`Translator` and `aiayn translate`: line preservation on awkward input, streaming, Ctrl-C,
+n-best output, truncation notes, user errors. A tiny random-weight model and a SentencePiece model
+trained here on synthetic text; search lengths are kept short so that everything is quick."""
+
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from aiayn import cli
+from aiayn.checkpoint import save_checkpoint
+from aiayn.config import preset
+from aiayn.errors import AiaynError
+from aiayn.model import Transformer
+from aiayn.tokenizer import EOS_ID, Tokenizer, TokenizerPair
+from aiayn.translate import Translator, one_line
+
+WORDS = "a man woman dog runs the in on blue red street child plays ball with two people are sitting Mann Hund läuft".split()
+FAST = dict(max_len_a=0.0, max_len_b=4)  # at most 4 target tokens: a random model rarely stops by itself
+FAST_FLAGS = ["--max-len-a", "0", "--max-len-b", "4"]
+
+
+@pytest.fixture(scope="module")
+def parts():
+    rng = random.Random(0)
+    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))) for _ in range(300)]
+    tok = Tokenizer.train(lines, 300)
+    torch.manual_seed(0)
+    cfg = preset("tiny", src_vocab_size=tok.vocab_size, tgt_vocab_size=tok.vocab_size, max_positions=64)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():  # make EOS likely enough that output lengths vary
+        model.tgt_embed.weight[EOS_ID] *= 4
+    return model, TokenizerPair(tok, tok, joint=True)
+
+
+@pytest.fixture(scope="module")
+def ckpt(parts, tmp_path_factory):
+    model, toks = parts
+    path = tmp_path_factory.mktemp("ckpt") / "best"
+    save_checkpoint(path, model, toks, {"train": {}, "step": 1})
+    return path
+
+
+@pytest.fixture(scope="module")
+def translator(parts):
+    model, toks = parts
+    return Translator(model, toks)
+
+
+def aiayn(*argv, **kw):
+    return subprocess.run([sys.executable, "-m", "aiayn", *argv], capture_output=True, timeout=120, **kw)
+
+
+AWKWARD = [
+    "a man runs",
+    "",
+    "   \t ",
+    " ".join(["dog"] * 2000),  # far more than max_positions = 64 source tokens
+    "two people 😀🎉 are sitting",
+    "Mann läuft, Ελληνικά, русский, 中文, عربى",
+    "the child plays",
+]
+
+
+def test_awkward_input_keeps_every_line_in_order(ckpt, translator, tmp_path):
+    src = tmp_path / "in.txt"
+    src.write_bytes("\r\n".join(AWKWARD).encode("utf-8") + b"\r\n")  # Windows line endings
+    out = tmp_path / "out.txt"
+    r = aiayn("translate", "--checkpoint", str(ckpt), "--input", str(src), "--output", str(out),
+              "--beam", "2", *FAST_FLAGS)
+    assert r.returncode == 0, r.stderr
+    got = out.read_bytes().decode("utf-8").split("\n")
+    assert got[-1] == "" and len(got) - 1 == len(AWKWARD)
+    got = got[:-1]
+    assert got[1] == "" and got[2] == ""  # empty and blank lines give empty lines
+    assert got == translator.translate(AWKWARD, beam=2, **FAST)
+    assert all("\r" not in g for g in got)
+    stderr = r.stderr.decode()
+    assert "line 4:" in stderr and "first 64 tokens" in stderr  # the long line is truncated, said so
+    assert stderr.count("\n") == 1
+
+
+def test_truncation_note_names_the_line(parts):
+    notes = []
+    t = Translator(*parts, max_src_tokens=5, note=notes.append)
+    out = t.translate(["a man", "a b c d e f g h i j k"], beam=1, **FAST)
+    assert len(out) == 2
+    assert len(notes) == 1 and notes[0].startswith("line 2:")
+
+
+def test_empty_outputs_for_blank_inputs(translator):
+    assert translator.translate(["", " ", "\t"], beam=4) == ["", "", ""]
+    assert translator.translate([]) == []
+
+
+def test_nbest_format_and_order(ckpt, tmp_path):
+    r = aiayn("translate", "--checkpoint", str(ckpt), "--beam", "3", "--nbest", "3", *FAST_FLAGS,
+              input="a man runs\n\nthe dog\n".encode())
+    assert r.returncode == 0, r.stderr
+    rows = [line.split(" ||| ") for line in r.stdout.decode().splitlines()]
+    assert [int(i) for i, _, _ in rows if i != "1"] == [0, 0, 0, 2, 2, 2]
+    assert rows[3] == ["1", "", "0.0000"]  # the empty line
+    for first in (0, 4):
+        scores = [float(s) for _, _, s in rows[first:first + 3]]
+        assert scores == sorted(scores, reverse=True)
+
+
+def _read_lines(proc, n=1, timeout=60.0):
+    """Exactly n lines from the child's stdout, read unbuffered, failing if they do not come."""
+    fd, data = proc.stdout.fileno(), b""
+    while data.count(b"\n") < n:
+        ready, _, _ = select.select([fd], [], [], timeout)
+        assert ready, "no output within the timeout: the translator did not stream"
+        chunk = os.read(fd, 1 << 16)
+        assert chunk, f"stdout closed early; stderr: {proc.stderr.read()!r}"
+        data += chunk
+    assert data.count(b"\n") == n and data.endswith(b"\n")
+    return data
+
+
+def test_stdin_streams_line_by_line(ckpt, translator):
+    proc = subprocess.Popen([sys.executable, "-m", "aiayn", "translate", "--checkpoint", str(ckpt),
+                             "--beam", "2", *FAST_FLAGS], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        # each answer arrives while stdin is still open: the pipe is not read to the end first
+        for line in ("a man runs", "two dogs", ""):
+            proc.stdin.write((line + "\n").encode())
+            proc.stdin.flush()
+            assert _read_lines(proc).decode().rstrip("\n") == translator.translate([line], beam=2, **FAST)[0]
+        proc.stdin.close()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+
+
+def test_ctrl_c_keeps_finished_lines_and_exits_130(ckpt):
+    proc = subprocess.Popen([sys.executable, "-m", "aiayn", "translate", "--checkpoint", str(ckpt),
+                             "--beam", "2", *FAST_FLAGS], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        proc.stdin.write(b"a man runs\nthe dog\n")
+        proc.stdin.flush()
+        _read_lines(proc, 2)  # both lines are done; the translator now waits for more input
+        proc.send_signal(signal.SIGINT)
+        rest, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130
+        assert rest == b""  # nothing half-written after the two finished lines
+        assert b"interrupted" in err and b"first 2 input line(s)" in err
+    finally:
+        proc.kill()
+
+
+lines_strategy = st.lists(
+    st.text(alphabet=st.characters(blacklist_characters="\n", blacklist_categories=("Cs",)), max_size=30)
+    | st.sampled_from(["", " ", "a man", "the blue dog runs in the street", "😀"]),
+    max_size=6,
+)
+
+
+@settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lines=lines_strategy)
+def test_translate_preserves_line_count_and_order(translator, lines):
+    out = translator.translate(lines, beam=1, max_tokens=64, **FAST)
+    assert len(out) == len(lines)
+    assert out == [translator.translate([line], beam=1, **FAST)[0] for line in lines]
+    assert all("\n" not in o for o in out)
+
+
+def test_bf16_precision_translates(parts):
+    t = Translator(*parts, precision="bf16")
+    out = t.translate(["a man runs", "", "the dog plays with a ball"], beam=2, **FAST)
+    assert len(out) == 3 and out[1] == ""
+
+
+def test_output_is_always_one_line():
+    assert one_line("a\nb\r\nc\u2028d") == "a b  c d"
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--beam", "0"], "--beam"),
+    (["--nbest", "5", "--beam", "4"], "--nbest"),
+    (["--max-tokens", "0"], "--max-tokens"),
+    (["--alpha", "-1"], "--alpha"),
+    (["--input", "/nonexistent/in.txt"], "/nonexistent/in.txt"),
+])
+def test_bad_flags_are_one_line_errors(flags, words, capsys, ckpt):
+    assert cli.main(["translate", "--checkpoint", str(ckpt), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and words in err
+
+
+def test_missing_checkpoint_and_bad_utf8(tmp_path, capsys):
+    assert cli.main(["translate", "--checkpoint", str(tmp_path / "nope"), "--input", os.devnull]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(AiaynError, match="--precision"):
+        Translator(Transformer(preset("tiny", src_vocab_size=300, tgt_vocab_size=300)), None, precision="fp16")
+
+
+def test_invalid_utf8_names_the_line(ckpt, tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"a man\nthe \xff dog\n")
+    r = aiayn("translate", "--checkpoint", str(ckpt), "--input", str(bad), *FAST_FLAGS)
+    assert r.returncode == 2
+    assert f"{bad}:2: invalid UTF-8" in r.stderr.decode()
+    assert r.stderr.decode().count("\n") == 1
