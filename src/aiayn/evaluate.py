@@ -1,20 +1,41 @@
-"""Scoring with sacreBLEU: cased detokenized BLEU (the standard), lowercased BLEU, and chrF."""
+"""Scoring with sacreBLEU: cased detokenized BLEU (the standard), lowercased BLEU, and chrF.
+
+The paper reports BLEU (Section 6.1); here it is sacreBLEU's corpus BLEU on detokenized output with
+its default 13a tokenization, printed with sacreBLEU's signature so that scores can be compared.
+
+`aiayn evaluate` takes one of three inputs:
+  --checkpoint DIR --data multi30k --src de --tgt en --split test_2016_flickr   translate, then score
+  --checkpoint DIR --src-file F --ref-file F                                     translate, then score
+  --hyp-file F --ref-file F                                                      score only
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 from typing import Any, Sequence
 
 import sacrebleu
+
+from aiayn.errors import AiaynError
+
+
+class ScoreError(AiaynError, ValueError):
+    """Hypotheses and references that cannot be scored together."""
 
 
 def corpus_scores(hyps: Sequence[str], refs: Sequence[str]) -> dict[str, Any]:
     """BLEU, lowercased BLEU and chrF of detokenized hypotheses against one reference each."""
     if len(hyps) != len(refs):
-        raise ValueError(f"{len(hyps)} hypotheses but {len(refs)} references")
+        raise ScoreError(f"{len(hyps)} hypotheses but {len(refs)} references; they must be line-aligned")
+    if not hyps:
+        raise ScoreError("nothing to score: no hypotheses and no references")
     bleu = sacrebleu.metrics.BLEU()
     bleu_lc = sacrebleu.metrics.BLEU(lowercase=True)
     chrf = sacrebleu.metrics.CHRF()
-    b, lc, c = bleu.corpus_score(hyps, [refs]), bleu_lc.corpus_score(hyps, [refs]), chrf.corpus_score(hyps, [refs])
+    refs = list(refs)
+    b, lc, c = bleu.corpus_score(list(hyps), [refs]), bleu_lc.corpus_score(list(hyps), [refs]), chrf.corpus_score(list(hyps), [refs])
     return {
         "bleu": round(b.score, 2),
         "bleu_lc": round(lc.score, 2),
@@ -24,3 +45,97 @@ def corpus_scores(hyps: Sequence[str], refs: Sequence[str]) -> dict[str, Any]:
         "chrf_signature": str(chrf.get_signature()),
         "n": len(hyps),
     }
+
+
+def format_scores(s: dict[str, Any]) -> str:
+    """Human-readable lines: each score with its sacreBLEU signature."""
+    return (f"BLEU = {s['bleu']:.2f}  ({s['bleu_signature']})\n"
+            f"BLEU (lowercased) = {s['bleu_lc']:.2f}  ({s['bleu_lc_signature']})\n"
+            f"chrF2 = {s['chrf']:.2f}  ({s['chrf_signature']})\n"
+            f"sentences: {s['n']}")
+
+
+# ------------------------------------------------------------------------------------- the CLI
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", help="checkpoint or run directory to translate with")
+    p.add_argument("--data", choices=["multi30k"], help="score on a named data set (needs --checkpoint)")
+    p.add_argument("--src", help="source language of --data (en, de, fr, cs)")
+    p.add_argument("--tgt", help="target language of --data")
+    p.add_argument("--split", default="test_2016_flickr", help="split of --data (train, val, test_2016_flickr)")
+    p.add_argument("--data-dir", help="folder holding multi30k/ (default: $AIAYN_DATA, else the download cache)")
+    p.add_argument("--src-file", help="source sentences to translate, one a line (needs --checkpoint)")
+    p.add_argument("--hyp-file", help="translations to score, one a line (no model needed)")
+    p.add_argument("--ref-file", help="references, one a line, aligned with the source or hypotheses")
+    p.add_argument("--save-hyps", help="also write the translations to this file")
+    p.add_argument("--beam", type=int, default=4, help="beam size (1 = greedy)")
+    p.add_argument("--alpha", type=float, default=0.6, help="length penalty ((5+len)/6)^alpha")
+    p.add_argument("--max-tokens", type=int, default=4096, help="source tokens per batch (padding included)")
+    p.add_argument("--batch-size", type=int, default=256, help="sentences per batch at most")
+    p.add_argument("--max-len-a", type=float, default=1.0, help="output length limit a*source_length+b: a")
+    p.add_argument("--max-len-b", type=int, default=50, help="output length limit a*source_length+b: b")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="search precision")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def _inputs(args: argparse.Namespace) -> tuple[str, str | None, str]:
+    """(mode, source path, reference path); one-line errors for incomplete flag sets."""
+    if args.hyp_file:
+        if args.checkpoint or args.src_file or args.data:
+            raise AiaynError("--hyp-file scores existing translations: drop --checkpoint, --src-file and --data")
+        if not args.ref_file:
+            raise AiaynError("--hyp-file needs --ref-file (the references, line-aligned)")
+        return "hyp", args.hyp_file, args.ref_file
+    if not args.checkpoint:
+        raise AiaynError("give --checkpoint with --data or --src-file/--ref-file, or --hyp-file with --ref-file")
+    if args.data:
+        if args.src_file or args.ref_file:
+            raise AiaynError("--data picks the files itself: drop --src-file/--ref-file")
+        if not args.src or not args.tgt:
+            raise AiaynError("--data multi30k needs --src and --tgt (e.g. --src de --tgt en)")
+        from aiayn.data import multi30k_paths
+
+        src, ref = multi30k_paths(args.split, args.src, args.tgt, args.data_dir)
+        return "translate", str(src), str(ref)
+    if not args.src_file or not args.ref_file:
+        raise AiaynError("--checkpoint needs --data multi30k, or --src-file and --ref-file")
+    return "translate", args.src_file, args.ref_file
+
+
+def run(args: argparse.Namespace) -> int:
+    from aiayn.data import read_lines
+
+    mode, first, ref_path = _inputs(args)
+    refs = read_lines(ref_path)
+    lines = read_lines(first)  # type: ignore[arg-type]
+    if len(lines) != len(refs):
+        kind = "hypotheses" if mode == "hyp" else "source lines"
+        raise AiaynError(f"{first} has {len(lines)} {kind} but {ref_path} has {len(refs)} references; "
+                         "the files must be line-aligned")
+    info: dict[str, Any] = {"references": ref_path}
+    if mode == "hyp":
+        hyps, info["hypotheses"] = lines, first
+    else:
+        from aiayn.translate import Settings, Translator
+
+        settings = Settings(beam=args.beam, alpha=args.alpha, max_tokens=args.max_tokens, batch_size=args.batch_size,
+                            max_len_a=args.max_len_a, max_len_b=args.max_len_b)
+        settings.check()
+        translator = Translator.from_checkpoint(args.checkpoint, precision=args.precision)
+        hyps = translator.translate(lines, **vars(settings))
+        info.update(source=first, checkpoint=args.checkpoint, beam=args.beam, alpha=args.alpha,
+                    precision=args.precision)
+        if args.save_hyps:
+            from aiayn.tokenizer import atomic_write_bytes
+
+            atomic_write_bytes(args.save_hyps, "".join(h + "\n" for h in hyps).encode("utf-8"))
+    scores = corpus_scores(hyps, refs)
+    if args.json:
+        print(json.dumps({**scores, **info}, sort_keys=True))
+    else:
+        print(format_scores(scores))
+        if mode == "translate":
+            print(f"checkpoint: {args.checkpoint}  beam: {args.beam}  alpha: {args.alpha}  precision: {args.precision}",
+                  file=sys.stdout)
+    return 0

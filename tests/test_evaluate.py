@@ -1,0 +1,107 @@
+"""`corpus_scores` and `aiayn evaluate`: sacreBLEU numbers and signatures, the three input modes,
+one-line errors for misaligned or incomplete input."""
+
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+import sacrebleu
+import torch
+
+from aiayn import cli
+from aiayn.checkpoint import save_checkpoint
+from aiayn.config import preset
+from aiayn.errors import AiaynError
+from aiayn.evaluate import corpus_scores
+from aiayn.model import Transformer
+from aiayn.tokenizer import Tokenizer, TokenizerPair
+from aiayn.translate import Translator
+
+HYPS = ["The cat sat on the mat .", "a dog runs in the park", "Two men play football ."]
+REFS = ["The cat sat on the mat .", "A dog is running in the park", "two men are playing soccer ."]
+FAST = ["--beam", "2", "--max-len-a", "0", "--max-len-b", "4"]
+
+
+def write(path: Path, lines) -> str:
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return str(path)
+
+
+def test_corpus_scores_match_sacrebleu():
+    s = corpus_scores(HYPS, REFS)
+    assert s["bleu"] == round(sacrebleu.corpus_bleu(HYPS, [REFS]).score, 2)
+    assert s["chrf"] == round(sacrebleu.corpus_chrf(HYPS, [REFS]).score, 2)
+    assert s["bleu_lc"] == round(sacrebleu.corpus_bleu(HYPS, [REFS], lowercase=True).score, 2)
+    assert s["bleu_lc"] > s["bleu"]  # "a dog"/"A dog" and "Two"/"two" only match lowercased
+    assert "case:mixed" in s["bleu_signature"] and "case:lc" in s["bleu_lc_signature"]
+    assert s["n"] == 3
+    assert corpus_scores(REFS, REFS)["bleu"] == 100.0
+
+
+def test_corpus_scores_rejects_misaligned():
+    with pytest.raises(AiaynError, match="2 hypotheses but 3 references"):
+        corpus_scores(HYPS[:2], REFS)
+    with pytest.raises(ValueError):  # still a ValueError for library callers
+        corpus_scores([], [])
+
+
+def test_hyp_file_mode_json_and_text(tmp_path, capsys):
+    hyp, ref = write(tmp_path / "hyp.txt", HYPS), write(tmp_path / "ref.txt", REFS)
+    assert cli.main(["evaluate", "--hyp-file", hyp, "--ref-file", ref, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert {k: got[k] for k in ("bleu", "bleu_lc", "chrf", "n")} == {
+        k: v for k, v in corpus_scores(HYPS, REFS).items() if k in ("bleu", "bleu_lc", "chrf", "n")}
+    assert cli.main(["evaluate", "--hyp-file", hyp, "--ref-file", ref]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"BLEU = {got['bleu']:.2f}  (nrefs:1|case:mixed|eff:no|tok:13a")
+    assert "BLEU (lowercased)" in text and "chrF2 = " in text
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--hyp-file", "H", "--ref-file", "R3"], "has 2 hypotheses but"),
+    (["--hyp-file", "H"], "--ref-file"),
+    (["--ref-file", "R3"], "--checkpoint"),
+    (["--checkpoint", "C", "--data", "multi30k"], "--src and --tgt"),
+    (["--hyp-file", "/nonexistent/h.txt", "--ref-file", "R3"], "/nonexistent/h.txt"),
+])
+def test_user_errors_are_one_line(argv, words, tmp_path, capsys):
+    files = {"H": write(tmp_path / "h.txt", HYPS[:2]), "R3": write(tmp_path / "r.txt", REFS), "C": str(tmp_path)}
+    assert cli.main(["evaluate", *[files.get(a, a) for a in argv]]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and words in err
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    rng = random.Random(0)
+    words = "a man woman dog runs the in on blue red street child plays ball Mann Hund läuft ein".split()
+    tok = Tokenizer.train([" ".join(rng.choice(words) for _ in range(8)) for _ in range(200)], 300)
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", src_vocab_size=tok.vocab_size, tgt_vocab_size=tok.vocab_size)).eval()
+    path = tmp_path_factory.mktemp("run") / "best"
+    save_checkpoint(path, model, TokenizerPair(tok, tok, joint=True), {"train": {}, "step": 1})
+    return path
+
+
+def test_src_file_mode_translates_then_scores(ckpt, tmp_path, capsys):
+    src = ["ein Mann läuft", "", "the blue dog"]
+    s, r, h = write(tmp_path / "s.txt", src), write(tmp_path / "r.txt", REFS), tmp_path / "hyps.txt"
+    assert cli.main(["evaluate", "--checkpoint", str(ckpt), "--src-file", s, "--ref-file", r, "--json",
+                     "--save-hyps", str(h), *FAST]) == 0
+    got = json.loads(capsys.readouterr().out)
+    hyps = Translator.from_checkpoint(ckpt).translate(src, beam=2, max_len_a=0.0, max_len_b=4)
+    assert h.read_text(encoding="utf-8").split("\n")[:-1] == hyps
+    assert got["bleu"] == corpus_scores(hyps, REFS)["bleu"] and got["chrf"] == corpus_scores(hyps, REFS)["chrf"]
+    assert got["beam"] == 2 and got["precision"] == "fp32"
+
+
+@pytest.mark.skipif(not os.environ.get("AIAYN_DATA"), reason="needs AIAYN_DATA (the Multi30k data root)")
+def test_multi30k_mode(ckpt, capsys):
+    argv = ["evaluate", "--checkpoint", str(ckpt), "--data", "multi30k", "--src", "de", "--tgt", "en",
+            "--split", "test_2016_flickr", "--json", "--beam", "1", "--max-len-a", "0", "--max-len-b", "2"]
+    assert cli.main(argv) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["n"] == 1000 and got["source"].endswith("test_2016_flickr.de.gz")
+    assert got["references"].endswith("test_2016_flickr.en.gz")
