@@ -130,8 +130,8 @@ def _add_field(g: Any, name: str, default: Any, help_text: str) -> None:
         g.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
     else:
         kind = str if default is None else type(default)
-        g.add_argument(flag, dest=name, type=kind, default=argparse.SUPPRESS, help=help_text,
-                       metavar=name.upper())
+        metavar = {int: "N", float: "X"}.get(kind, name.split("_")[-1].upper())
+        g.add_argument(flag, dest=name, type=kind, default=argparse.SUPPRESS, help=help_text, metavar=metavar)
 
 
 def _read_config_file(path: str) -> dict[str, Any]:

@@ -1,0 +1,274 @@
+"""The trainer: the paper's schedule and loss, determinism, gradient accumulation, the loop's
+stopping rules, checkpoints and metrics, the command line and its errors."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from aiayn import train as T
+from aiayn.cli import build_parser
+from aiayn.cli import main as cli_main
+from aiayn.config import ModelConfig, TrainConfig, preset
+from aiayn.data import Batch, collate
+from aiayn.model import Transformer
+
+EN = "the a cat dog sees runs big small red house tree man woman child ball blue green eats under".split()
+DE = "der ein katze hund sieht läuft groß klein rot haus baum mann frau kind ball blau grün isst unter".split()
+
+
+def make_corpus(folder: Path, n_train: int = 120, n_valid: int = 12, seed: int = 0) -> dict[str, str]:
+    """A tiny word-for-word 'translation' corpus; returns the four file paths by option name."""
+    rng = random.Random(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for split, n in (("train", n_train), ("valid", n_valid)):
+        src, tgt = [], []
+        for _ in range(n):
+            idx = [rng.randrange(len(EN)) for _ in range(rng.randint(2, 7))]
+            src.append(" ".join(EN[i] for i in idx))
+            tgt.append(" ".join(DE[i] for i in idx))
+        for side, lines in (("src", src), ("tgt", tgt)):
+            p = folder / f"{split}.{side}"
+            p.write_text("\n".join(lines) + "\n", encoding="utf-8")
+            paths[f"{split}_{side}"] = str(p)
+    return paths
+
+
+def tiny_args(paths: dict[str, str], out: Path, *extra: str) -> list[str]:
+    """`aiayn train` arguments for a tiny, fast, deterministic (fp32, one thread) run."""
+    return ["train", "--train-src", paths["train_src"], "--train-tgt", paths["train_tgt"],
+            "--valid-src", paths["valid_src"], "--valid-tgt", paths["valid_tgt"], "--preset", "tiny",
+            "--vocab-size", "300", "--max-tokens", "160", "--warmup", "10", "--lr-factor", "2",
+            "--precision", "fp32", "--threads", "1", "--valid-bleu", "8", "--out", str(out), *extra]
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # tokenizer cache stays in tmp
+
+
+@pytest.fixture()
+def corpus(tmp_path) -> dict[str, str]:
+    return make_corpus(tmp_path / "data")
+
+
+def weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / f"step_{step}" / "model.safetensors"))
+
+
+def train_cli(args: list[str]) -> dict:
+    parsed = build_parser("train").parse_args(args)
+    name, over, tc = T.build_configs(parsed)
+    return T.train(name, over, tc, resume=parsed.resume, log=lambda m: None)
+
+
+# ----------------------------------------------------------------------------------- the recipe
+
+
+def test_learning_rate_follows_the_paper():
+    d, w = 512, 4000
+    peak = d**-0.5 * w**-0.5
+    assert T.learning_rate(w, d, w) == pytest.approx(peak)
+    assert T.learning_rate(w // 2, d, w) == pytest.approx(peak / 2)  # linear warm-up
+    assert T.learning_rate(4 * w, d, w) == pytest.approx(peak / 2)  # inverse square root decay
+    assert T.learning_rate(0, d, w) == T.learning_rate(1, d, w) > 0
+    assert T.learning_rate(100, d, w, factor=2.0) == pytest.approx(2 * T.learning_rate(100, d, w))
+
+
+class _Fixed(torch.nn.Module):
+    """A 'model' returning fixed logits, to test the loss alone."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        super().__init__()
+        self.logits = logits
+
+    def forward(self, src, tgt_in):  # type: ignore[no-untyped-def]
+        return self.logits
+
+
+def test_loss_is_label_smoothed_and_ignores_padding():
+    torch.manual_seed(0)
+    V, eps = 7, 0.1
+    logits = torch.randn(2, 3, V)
+    tgt = torch.tensor([[4, 5, 3], [6, 3, 0]])  # the second row has one pad position
+    batch = Batch(torch.ones(2, 2, dtype=torch.long), tgt, tgt, [0, 1], 5)
+    got = T.loss_sum(_Fixed(logits), batch, eps)
+    logp = logits.log_softmax(-1)
+    want = 0.0
+    for b, t in [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]:  # every non-pad token once
+        y = int(tgt[b, t])
+        want += -(1 - eps) * logp[b, t, y] - eps / V * logp[b, t].sum()
+    torch.testing.assert_close(got, want)
+    # changing the logits at the pad position does not change the loss
+    logits2 = logits.clone()
+    logits2[1, 2] += 100
+    torch.testing.assert_close(T.loss_sum(_Fixed(logits2), batch, eps), got)
+
+
+def _examples(n: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
+    g = random.Random(seed)
+    return [([g.randrange(4, 40) for _ in range(g.randint(1, 9))], [g.randrange(4, 40) for _ in range(g.randint(1, 9))])
+            for _ in range(n)]
+
+
+def test_update_freq_two_half_batches_equal_one_big_batch():
+    ex = _examples(16)
+    cfg = preset("tiny", src_vocab_size=40, tgt_vocab_size=40, dropout=0.0)
+    tc = TrainConfig(update_freq=2, warmup=10)
+    results = []
+    for batches in ([collate(ex, list(range(16)))], [collate(ex, list(range(7))), collate(ex, list(range(7, 16)))]):
+        torch.manual_seed(3)
+        tr = T.Trainer(Transformer(cfg), tc, T.Dist(), "fp32")
+        loss, ntok = tr.train_step(batches)
+        # the gradient the optimizer used (Adam's first step is sign-like, so compare gradients, not weights)
+        results.append((loss, ntok, {n: p.grad.clone() for n, p in tr.base.named_parameters()}))
+    (l1, n1, g1), (l2, n2, g2) = results
+    assert n1 == n2 == sum(len(t) + 1 for _, t in ex)
+    assert l1 == pytest.approx(l2, rel=1e-5)
+    for k in g1:
+        torch.testing.assert_close(g1[k], g2[k], rtol=1e-4, atol=1e-6)
+    # the gradient is the per-token mean: summing over tokens instead would be ~n1 times larger
+    g = g1["encoder.layers.0.ff.w1.weight"]
+    assert 0 < g.abs().max() < 1
+
+
+def test_optimizer_and_schedule_settings():
+    tc = TrainConfig(warmup=7, lr_factor=0.5, adam_beta1=0.8, adam_beta2=0.95, adam_eps=1e-8)
+    tr = T.Trainer(Transformer(preset("tiny", src_vocab_size=40, tgt_vocab_size=40)), tc, T.Dist(), "fp32")
+    g = tr.opt.param_groups[0]
+    assert g["betas"] == (0.8, 0.95) and g["eps"] == 1e-8
+    tr.train_step([collate(_examples(4), [0, 1, 2, 3])])
+    assert tr.step == 1 and g["lr"] == pytest.approx(0.5 * 32**-0.5 * 7**-1.5)
+
+
+# ------------------------------------------------------------------------------------ the loop
+
+
+def test_same_seed_gives_bitwise_same_weights(tmp_path, corpus):
+    for name, seed in (("a", "1"), ("b", "1"), ("c", "2")):
+        train_cli(tiny_args(corpus, tmp_path / name, "--max-steps", "6", "--seed", seed, "--dropout", "0.1"))
+    a, b, c = (weights(tmp_path / n, 6) for n in "abc")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a)
+
+
+def test_loop_writes_metrics_checkpoints_and_best(tmp_path, corpus, capsys):
+    out = tmp_path / "run"
+    rc = cli_main(tiny_args(corpus, out, "--max-epochs", "3", "--save-every", "2", "--keep-last", "2",
+                            "--log-every", "1"))
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "parameters" in printed and "120 training pairs (0 of 120 skipped" in printed and str(out) in printed
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in recs if r["kind"] == "train"]
+    valid = [r for r in recs if r["kind"] == "valid"]
+    assert set(train[0]) == {"kind", "step", "epoch", "loss", "lr", "tokens_per_s", "elapsed_s"}
+    assert [r["step"] for r in train] == list(range(1, len(train) + 1))
+    assert [r["epoch"] for r in valid] == [1, 2, 3]
+    assert set(valid[0]) >= {"kind", "step", "epoch", "loss", "bleu", "chrf", "elapsed_s"}
+    assert train[-1]["loss"] < train[0]["loss"]  # it learns
+    steps = [int(p.name[5:]) for p in out.glob("step_*")]
+    assert len(steps) == 2 and max(steps) == valid[-1]["step"]  # keep_last 2, the last at the epoch end
+    best_step = json.loads((out / "best" / "config.json").read_text())["step"]
+    best_bleu = max(r["bleu"] for r in valid)
+    assert best_step == next(r["step"] for r in valid if r["bleu"] == best_bleu)
+    assert not (out / "best" / "trainer_state.pt").exists()
+
+
+def test_patience_stops_early_and_max_steps_stops(tmp_path, corpus):
+    # a learning rate too small to learn: BLEU never improves after the first epoch
+    s = train_cli(tiny_args(corpus, tmp_path / "p", "--lr-factor", "1e-6", "--patience", "2", "--max-epochs", "9"))
+    assert "patience" in s["stop"] and s["epoch"] == 4  # epochs 1, 2, 3 ran; 2 and 3 were no better
+    s = train_cli(tiny_args(corpus, tmp_path / "m", "--max-steps", "4"))
+    assert s["step"] == 4 and "max-steps" in s["stop"]
+    assert [p.name for p in (tmp_path / "m").glob("step_*")] == ["step_4"]
+
+
+def test_long_pairs_are_skipped_and_counted(tmp_path, corpus, capsys):
+    src = Path(corpus["train_src"])
+    tgt = Path(corpus["train_tgt"])
+    src.write_text(src.read_text() + " ".join(["cat"] * 300) + "\n")
+    tgt.write_text(tgt.read_text() + " ".join(["katze"] * 300) + "\n")
+    assert cli_main(tiny_args(corpus, tmp_path / "r", "--max-steps", "1", "--max-len", "60", "--max-tokens", "200")) == 0
+    assert "120 training pairs (1 of 121 skipped as longer than 60 tokens)" in capsys.readouterr().out
+
+
+def test_refuses_to_overwrite_a_run_without_resume(tmp_path, corpus, capsys):
+    assert cli_main(tiny_args(corpus, tmp_path / "r", "--max-steps", "2")) == 0
+    capsys.readouterr()
+    assert cli_main(tiny_args(corpus, tmp_path / "r", "--max-steps", "2")) == 2
+    assert "already holds checkpoints" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def test_help_names_every_option_with_its_default(capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["train", "--help"])
+    text = capsys.readouterr().out
+    for f in TrainConfig.__dataclass_fields__:
+        assert "--" + f.replace("_", "-") in text, f
+    for f in ModelConfig.__dataclass_fields__:
+        if f not in ("src_vocab_size", "tgt_vocab_size", "pad_id"):
+            assert "--" + f.replace("_", "-") in text, f
+    assert "--resume" in text and "--config" in text and "--preset" in text
+    flat = " ".join(text.split())
+    assert "(default: 4000)" in flat and "(default: 0.1)" in flat and "(default: 256 for small" in flat
+
+
+@pytest.mark.parametrize("suffix", [".toml", ".json"])
+def test_config_file_and_flag_overrides(tmp_path, suffix):
+    f = tmp_path / f"c{suffix}"
+    if suffix == ".toml":
+        f.write_text('preset = "tiny"\n[model]\nd_ff = 96\n[train]\nwarmup = 77\nmax_tokens = 999\n')
+    else:
+        f.write_text(json.dumps({"preset": "tiny", "model": {"d_ff": 96}, "train": {"warmup": 77, "max_tokens": 999}}))
+    args = build_parser("train").parse_args(["train", "--config", str(f), "--max-tokens", "555", "--dropout", "0.2"])
+    name, over, tc = T.build_configs(args)
+    assert name == "tiny" and over == {"d_ff": 96, "dropout": 0.2}
+    assert tc.warmup == 77 and tc.max_tokens == 555 and tc.vocab_size == 8000
+    f.write_text("[train]\nwarmpu = 3\n" if suffix == ".toml" else '{"warmpu": 3}')
+    with pytest.raises(Exception, match="unknown option 'warmpu'"):
+        T.build_configs(build_parser("train").parse_args(["train", "--config", str(f)]))
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--warmup", "-5"], "--warmup must be a positive number of steps, got -5"),
+        (["--max-tokens", "5"], "--max-tokens 5 is smaller than the longest training pair"),
+        (["--update-freq", "0"], "--update-freq must be at least 1"),
+        (["--label-smoothing", "1.5"], "--label-smoothing must be in [0, 1)"),
+        (["--precision", "fp8"], "--precision must be one of"),
+        (["--d-model", "30"], "d_model 30 is not divisible by n_heads 4"),
+        (["--config", "/nonexistent/c.toml"], "--config /nonexistent/c.toml: cannot read it"),
+    ],
+)
+def test_bad_options_give_one_line_errors(tmp_path, corpus, capsys, extra, message):
+    assert cli_main(tiny_args(corpus, tmp_path / "r", "--max-steps", "1", *extra)) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_bad_data_options(tmp_path, corpus, capsys, monkeypatch):
+    monkeypatch.setenv("AIAYN_DATA", str(tmp_path / "nodata"))
+    cases = [
+        (["train", "--data", "multi30k", "--src", "de", "--tgt", "xx"], "not a Multi30k language pair"),
+        (["train", "--data", "multi30k", "--src", "de", "--tgt", "de"], "not a Multi30k language pair"),
+        (["train", "--data", "wmt14"], "--data 'wmt14' is not a known corpus"),
+        (["train", "--train-src", corpus["train_src"], "--train-tgt", str(tmp_path / "missing.de")],
+         "--train-tgt " + str(tmp_path / "missing.de") + ": no such file"),
+        (["train", "--out", str(tmp_path / "r")], "no training data"),
+    ]
+    for argv, message in cases:
+        assert cli_main(argv) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, (argv, err)
