@@ -23,11 +23,19 @@ LINES = {"de": ["Ein Hund läuft.", "Zwei Katzen schlafen."], "en": ["A dog runs
 class _Server:
     def __init__(self, root: Path) -> None:
         self.requests: list[str] = []
+        self.cut_short = False
         server = self
 
         class Handler(http.server.SimpleHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's naming
                 server.requests.append(self.path)
+                if server.cut_short:  # promise more bytes than are sent, then hang up
+                    self.send_response(200)
+                    self.send_header("Content-Length", "100000")
+                    self.end_headers()
+                    self.wfile.write(b"\x1f\x8b" + b"x" * 1000)
+                    self.close_connection = True
+                    return
                 super().do_GET()
 
             def log_message(self, *args: object) -> None:
@@ -101,6 +109,15 @@ def test_missing_on_server_is_a_clear_error(served: _Server, tmp_path: Path) -> 
     with pytest.raises(AiaynError, match=r"could not download http://127\.0\.0\.1:\d+/task1/raw/train\.de\.gz .*--data-dir"):
         multi30k_paths("train", "de", "en")
     assert list((tmp_path / "cache" / "aiayn" / "multi30k").iterdir()) == []
+
+
+def test_an_interrupted_transfer_leaves_nothing(served: _Server, tmp_path: Path) -> None:
+    served.cut_short = True
+    with pytest.raises(AiaynError, match=r"could not download .*val\.de\.gz \(the transfer stopped 98998 bytes short\)"):
+        multi30k_paths("val", "de", "en")
+    assert list((tmp_path / "cache" / "aiayn" / "multi30k").iterdir()) == []
+    served.cut_short = False
+    assert read_parallel(*multi30k_paths("val", "de", "en")) == (LINES["de"], LINES["en"])
 
 
 def test_cli_download_into_data_dir(served: _Server, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

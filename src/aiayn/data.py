@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import hashlib
+import http.client
 import os
 import random
 import sys
@@ -219,11 +220,18 @@ def download_multi30k(split: str, lang: str, folder: str | Path, timeout: float 
         with os.fdopen(fd, "wb") as out:
             try:
                 with urllib.request.urlopen(url, timeout=timeout) as resp:
+                    expected = int(resp.headers.get("Content-Length") or -1)
+                    size = 0
                     for chunk in iter(lambda: resp.read(1 << 16), b""):
                         out.write(chunk)
                         h.update(chunk)
-            except (urllib.error.URLError, OSError) as e:
-                reason = getattr(e, "reason", None) or getattr(e, "strerror", None) or e
+                        size += len(chunk)
+                if 0 <= expected != size:  # a dropped connection can end the stream early without an error
+                    raise http.client.IncompleteRead(b"", expected - size)
+            except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+                reason = getattr(e, "reason", None) or getattr(e, "strerror", None) or type(e).__name__
+                if isinstance(e, http.client.IncompleteRead):
+                    reason = f"the transfer stopped {e.expected} bytes short"
                 raise AiaynError(
                     f"could not download {url} ({reason}); check the connection, or get the files "
                     f"another way and pass --data-dir or set ${DATA_ENV}"
