@@ -173,6 +173,10 @@ def test_build_tokenizers_caches_by_data_and_settings(tmp_path: Path, monkeypatc
         m.setattr(Tokenizer, "train", no_training)
         again = build_tokenizers(src, tgt, 350, cache_dir=cache)
     assert again.src.sha256() == first.src.sha256()
+    entry = next(cache.iterdir())
+    assert sorted(p.name for p in entry.iterdir()) == ["settings.json", "spm.model"]
+    (entry / "spm.model").write_bytes(b"half a model")  # a damaged entry is retrained, not trusted
+    assert build_tokenizers(src, tgt, 350, cache_dir=cache).src.sha256() == first.src.sha256()
 
     # Other data or other settings: a new cache entry, not the old model.
     _write(tgt, ["A cat sleeps on a sofa."] * 50)
