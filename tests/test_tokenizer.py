@@ -60,6 +60,7 @@ def test_documented_normalization(tok: Tokenizer) -> None:
     assert tok.decode(tok.encode("  Two   dogs ")) == "Two dogs"
     assert tok.decode(tok.encode("ﬁ ＡＢ e\u0301")) == "ﬁ ＡＢ e\u0301"
     assert tok.decode(tok.encode("a\tb\u3000c")) == "a\tb\u3000c"
+    assert tok.decode(tok.encode("a\u2581b")) == "a b"  # SentencePiece's space marker reads as a space
 
 
 def test_unseen_characters_use_byte_pieces(tok: Tokenizer) -> None:

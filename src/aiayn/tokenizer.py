@@ -162,7 +162,7 @@ class Tokenizer:
         return [list(ids) for ids in self._sp.encode(list(texts), out_type=int)]
 
     def decode(self, ids: Iterable[int] | Any) -> str:
-        """Text of `ids` (a list or a 1-D tensor); pad, bos and eos are dropped, decoding stops at nothing."""
+        """Text of `ids` (a list or a 1-D tensor); pad, bos and eos ids are dropped wherever they are."""
         if hasattr(ids, "tolist"):
             ids = ids.tolist()
         n = self.vocab_size
