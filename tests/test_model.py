@@ -1,23 +1,360 @@
+"""The model pinned against torch.nn.Transformer, the paper's formulas and its invariances."""
+
+import json
+import math
+
 import pytest
 import torch
+import torch.nn.functional as F
 
-from aiayn.config import preset
-from aiayn.model import Transformer
+from aiayn.config import PRESETS, ConfigError, ModelConfig, preset
+from aiayn.errors import AiaynError
+from aiayn.model import PositionalEncoding, Transformer, sinusoidal_table
 from reference import TorchReference
 
+V = 50
 
-@pytest.mark.parametrize("norm_first", [False, True])
-def test_matches_torch_transformer_with_padding(norm_first):
-    cfg = preset("tiny", src_vocab_size=50, tgt_vocab_size=50, norm_first=norm_first, dropout=0.1)
-    model = Transformer(cfg).eval()
-    ref = TorchReference(model).eval()
-    src = torch.randint(4, 50, (3, 7))
+
+def tiny(**kw) -> Transformer:
+    return Transformer(preset("tiny", src_vocab_size=V, tgt_vocab_size=V, **kw)).eval()
+
+
+def padded_batch(src_vocab: int = V, tgt_vocab: int = V) -> tuple[torch.Tensor, torch.Tensor]:
+    """Source and target with padding in different rows and amounts (row 2 of src unpadded)."""
+    src = torch.randint(4, src_vocab, (3, 7))
     src[0, 5:] = 0
     src[1, 3:] = 0
-    tgt = torch.randint(4, 50, (3, 6))
+    tgt = torch.randint(4, tgt_vocab, (3, 6))
     tgt[0, 4:] = 0
     tgt[2, 2:] = 0
+    return src, tgt
+
+
+# --- equivalence with torch.nn.Transformer --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(norm_first=False),
+        dict(norm_first=True),
+        dict(activation="gelu"),
+        dict(activation="gelu", norm_first=True),
+        dict(share_embeddings=False, tie_output=False, src_vocab_size=37, tgt_vocab_size=61),
+        dict(share_embeddings=False, tie_output=True, src_vocab_size=45, tgt_vocab_size=V),
+    ],
+    ids=["post-norm", "pre-norm", "gelu", "gelu-pre-norm", "separate-untied", "separate-tied"],
+)
+def test_matches_torch_transformer_with_padding(overrides):
+    cfg = preset("tiny", **{"src_vocab_size": V, "tgt_vocab_size": V, "dropout": 0.1, **overrides})
+    model = Transformer(cfg).eval()
+    with torch.no_grad():  # non-zero biases and norms, so that a mis-copied one cannot hide
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    ref = TorchReference(model).eval()
+    src, tgt = padded_batch(cfg.src_vocab_size, cfg.tgt_vocab_size)
     with torch.no_grad():
         ours, theirs = model(src, tgt), ref(src, tgt)
     real = tgt.ne(0)
+    assert ours.shape == (3, 6, cfg.tgt_vocab_size)
     assert torch.allclose(ours[real], theirs[real], atol=1e-5, rtol=0)
+
+
+def test_loss_equals_full_cross_entropy():
+    """`Transformer.loss` (projection at real positions only) equals cross-entropy over full logits."""
+    model = tiny(dropout=0.0)
+    src, tgt_in = padded_batch()
+    tgt_out = torch.cat([tgt_in[:, 1:], torch.zeros(3, 1, dtype=torch.long)], 1)
+    tgt_out[1, -1] = 3  # the unpadded row ends with EOS
+    logits = model(src, tgt_in)
+    for ls in (0.0, 0.1):
+        want = F.cross_entropy(logits.flatten(0, 1), tgt_out.flatten(), ignore_index=0, label_smoothing=ls)
+        assert torch.allclose(model.loss(src, tgt_in, tgt_out, label_smoothing=ls), want, atol=1e-6)
+        n = int(tgt_out.ne(0).sum())
+        got_sum = model.loss(src, tgt_in, tgt_out, label_smoothing=ls, reduction="sum")
+        assert torch.allclose(got_sum, want * n, atol=1e-5)
+
+
+def test_loss_gradients_equal_full_cross_entropy():
+    model = tiny(dropout=0.0)
+    src, tgt_in = padded_batch()
+    tgt_out = tgt_in.roll(-1, 1)
+    tgt_out[:, -1] = 0
+    model.loss(src, tgt_in, tgt_out, label_smoothing=0.1).backward()
+    ours = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    logits = model(src, tgt_in)
+    F.cross_entropy(logits.flatten(0, 1), tgt_out.flatten(), ignore_index=0, label_smoothing=0.1).backward()
+    for a, p in zip(ours, model.parameters()):
+        assert torch.allclose(a, p.grad, atol=1e-6)
+
+
+# --- positional encoding --------------------------------------------------------------------------
+
+
+def test_positional_encoding_row_one():
+    table = sinusoidal_table(5, 8)
+    want = torch.tensor([0.8415, 0.5403, 0.0998, 0.9950, 0.0100, 1.0000, 0.0010, 1.0000])
+    assert table.shape == (5, 8)
+    assert torch.allclose(table[1], want, atol=5e-5)
+    assert torch.equal(table[0], torch.tensor([0.0, 1.0] * 4))
+
+
+def test_positional_encoding_equals_formula():
+    table = sinusoidal_table(40, 16)
+    for pos in (0, 3, 39):
+        for i in range(8):
+            angle = pos / 10000 ** (2 * i / 16)
+            assert table[pos, 2 * i].item() == pytest.approx(math.sin(angle), abs=1e-6)
+            assert table[pos, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
+
+
+def test_positional_encoding_extends_for_longer_input():
+    model = Transformer(preset("tiny", src_vocab_size=V, tgt_vocab_size=V, max_positions=8)).eval()
+    src = torch.randint(4, V, (2, 20))
+    tgt = torch.randint(4, V, (2, 30))
+    with torch.no_grad():
+        logits = model(src, tgt)
+    assert logits.shape == (2, 30, V) and torch.isfinite(logits).all()
+    assert model.pos.table.size(0) >= 30
+    assert torch.allclose(model.pos.table[:30], sinusoidal_table(30, 32), atol=0)
+    x = torch.zeros(1, 12, 32)
+    assert torch.allclose(PositionalEncoding(32, 4)(x)[0], sinusoidal_table(12, 32))
+    # an offset (cached decoding) reads the right rows
+    assert torch.allclose(PositionalEncoding(32, 4)(x[:, :2], offset=10)[0], sinusoidal_table(12, 32)[10:])
+
+
+def test_positional_encoding_not_in_state_dict():
+    model = tiny()
+    assert not any("pos" in k or "table" in k for k in model.state_dict())
+    assert all(p is not model.pos.table for p in model.parameters())
+
+
+# --- invariances ----------------------------------------------------------------------------------
+
+
+def test_causality():
+    model = tiny()
+    src = torch.randint(4, V, (2, 7))
+    tgt = torch.randint(4, V, (2, 8))
+    changed = tgt.clone()
+    changed[:, 5] = (tgt[:, 5] + 1 - 4) % (V - 4) + 4
+    with torch.no_grad():
+        a, b = model(src, tgt), model(src, changed)
+    assert torch.allclose(a[:, :5], b[:, :5], atol=1e-6)
+    assert not torch.allclose(a[:, 5:], b[:, 5:], atol=1e-3)  # ...but does change those at and after t
+
+
+def test_padding_invariance():
+    model = tiny()
+    src, tgt = padded_batch()
+    more_src = torch.cat([src, torch.zeros(3, 4, dtype=torch.long)], 1)
+    more_tgt = torch.cat([tgt, torch.zeros(3, 5, dtype=torch.long)], 1)
+    real = tgt.ne(0)
+    with torch.no_grad():
+        base = model(src, tgt)
+        for s, t in ((more_src, tgt), (src, more_tgt), (more_src, more_tgt)):
+            out = model(s, t)[:, : tgt.size(1)]
+            assert torch.allclose(out[real], base[real], atol=1e-5)
+
+
+def test_batch_invariance():
+    """A sentence's logits do not depend on the other sentences of its batch."""
+    model = tiny()
+    src, tgt = padded_batch()
+    with torch.no_grad():
+        full = model(src, tgt)
+        alone = model(src[1:2, :3], tgt[1:2])
+    assert torch.allclose(full[1], alone[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_cached_decoding_equals_full_decoding(norm_first):
+    model = tiny(norm_first=norm_first)
+    src, _ = padded_batch()
+    tgt = torch.randint(4, V, (3, 6))
+    with torch.no_grad():
+        src_keep = src.ne(0)
+        memory = model.encode(src, src_keep)
+        full = model.decode(tgt, memory, src_keep)
+        cache = model.new_cache(memory, src_keep)
+        steps = [model.decode(tgt[:, t : t + 1], None, cache=cache) for t in range(tgt.size(1))]
+        assert cache.length == 6
+        assert torch.allclose(torch.cat(steps, 1), full, atol=1e-5)
+        # several tokens at a time after a cached prefix
+        cache = model.new_cache(memory, src_keep)
+        first = model.decode(tgt[:, :2], None, cache=cache)
+        rest = model.decode(tgt[:, 2:], None, cache=cache)
+        assert torch.allclose(torch.cat([first, rest], 1), full, atol=1e-5)
+
+
+def test_cached_decoding_after_reorder():
+    model = tiny()
+    src, _ = padded_batch()
+    tgt = torch.randint(4, V, (3, 5))
+    order = torch.tensor([2, 0, 0])  # beam search duplicates and drops rows
+    with torch.no_grad():
+        src_keep = src.ne(0)
+        memory = model.encode(src, src_keep)
+        cache = model.new_cache(memory, src_keep)
+        for t in range(3):
+            model.decode(tgt[:, t : t + 1], None, cache=cache)
+        cache.reorder(order)
+        new = torch.randint(4, V, (3, 2))
+        got = torch.cat([model.decode(new[:, t : t + 1], None, cache=cache) for t in range(2)], 1)
+        want_tgt = torch.cat([tgt[order, :3], new], 1)
+        want = model.decode(want_tgt, memory[order], src_keep[order])[:, 3:]
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_fully_padded_source_row_gives_no_nan():
+    model = tiny()
+    model.train()  # dropout paths too
+    src, tgt = padded_batch()
+    src[1] = 0
+    logits = model(src, tgt)
+    assert torch.isfinite(logits).all()
+    logits.sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    with torch.no_grad():
+        w = model.eval().attention_weights(src, tgt)
+    assert all(torch.isfinite(x).all() for ws in w.values() for x in ws)
+
+
+# --- training plumbing ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(share_embeddings=False, tie_output=False, norm_first=True)])
+def test_gradients_reach_every_parameter(overrides):
+    model = tiny(**overrides).train()
+    src, tgt = padded_batch()
+    tgt_out = tgt.roll(-1, 1)
+    model.loss(src, tgt, tgt_out.masked_fill(tgt.eq(0), 0), label_smoothing=0.1).backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_state_dict_round_trip(tmp_path):
+    model = tiny(norm_first=True)
+    torch.save(model.state_dict(), tmp_path / "m.pt")
+    other = tiny(norm_first=True)
+    other.load_state_dict(torch.load(tmp_path / "m.pt", weights_only=True))
+    src, tgt = padded_batch()
+    with torch.no_grad():
+        assert torch.equal(model(src, tgt), other(src, tgt))
+    assert model.state_dict().keys() == other.state_dict().keys()
+
+
+def test_tied_weights_are_one_tensor():
+    model = tiny()
+    assert model.src_embed.weight is model.tgt_embed.weight is model.output_weight
+    untied = tiny(share_embeddings=False, tie_output=False)
+    ws = (untied.src_embed.weight, untied.tgt_embed.weight, untied.output_weight)
+    assert len({id(w) for w in ws}) == 3
+
+
+def test_initial_logits_at_unit_scale():
+    """A tied output projection must not blow the initial logits up by sqrt(d_model)."""
+    model = Transformer(preset("small", src_vocab_size=1000, tgt_vocab_size=1000)).eval()
+    src, tgt = torch.randint(4, 1000, (4, 12)), torch.randint(4, 1000, (4, 10))
+    with torch.no_grad():
+        std = model(src, tgt).std().item()
+    assert 0.5 < std < 2.0, std
+    # the initial loss on unrelated targets is close to that of a uniform guess, log(V)
+    loss = model.loss(src, tgt, torch.randint(4, 1000, (4, 10))).item()
+    assert abs(loss - math.log(1000)) < 1.0
+
+
+def test_parameter_count_of_base_is_like_the_paper():
+    """Base with a joint 37000 vocabulary: ~63M (the paper's Table 3 reports 65M)."""
+    with torch.device("meta"):
+        model = Transformer(preset("base", src_vocab_size=37000, tgt_vocab_size=37000))
+    n = model.num_parameters()
+    d, f = 512, 2048
+    per_enc = 4 * d * d + 4 * d + 2 * d * f + f + d + 2 * 2 * d
+    per_dec = 8 * d * d + 8 * d + 2 * d * f + f + d + 3 * 2 * d
+    assert n == 37000 * d + 6 * per_enc + 6 * per_dec
+    assert 60e6 < n < 66e6
+
+
+# --- attention weights ----------------------------------------------------------------------------
+
+
+def test_attention_weights_are_distributions():
+    model = tiny()
+    src, tgt = padded_batch()
+    with torch.no_grad():
+        w = model.attention_weights(src, tgt)
+    cfg = model.cfg
+    assert len(w["encoder"]) == cfg.encoder_layers and len(w["decoder_self"]) == cfg.decoder_layers
+    assert w["encoder"][0].shape == (3, cfg.n_heads, 7, 7)
+    assert w["decoder_self"][0].shape == (3, cfg.n_heads, 6, 6)
+    assert w["cross"][0].shape == (3, cfg.n_heads, 6, 7)
+    src_pad, tgt_pad = src.eq(0), tgt.eq(0)
+    for layer in w["encoder"] + w["cross"]:
+        real = layer.sum(-1)[:, :, : layer.size(2)]
+        assert torch.allclose(real, torch.ones_like(real), atol=1e-5)
+        assert (layer.masked_select(src_pad[:, None, None, :]) == 0).all()  # padding gets no attention
+    for layer in w["decoder_self"]:
+        rows = layer.sum(-1)  # (B, H, T)
+        assert torch.allclose(rows[~tgt_pad[:, None].expand_as(rows)], torch.tensor(1.0), atol=1e-5)
+        assert (layer.triu(1) == 0).all()  # no attention to later positions
+        assert (layer.masked_select(tgt_pad[:, None, None, :]) == 0).all()
+    # the explicit path matches the fused one
+    with torch.no_grad():
+        assert torch.allclose(model(src, tgt)[tgt.ne(0)], model(src, tgt)[tgt.ne(0)])
+
+
+# --- configuration --------------------------------------------------------------------------------
+
+
+def test_config_json_round_trip():
+    cfg = preset("small", src_vocab_size=123, tgt_vocab_size=456, share_embeddings=False, activation="gelu")
+    again = ModelConfig.from_json(cfg.to_json())
+    assert again == cfg and isinstance(again, ModelConfig)
+    assert json.loads(cfg.to_json())["d_model"] == 256
+    with pytest.raises(Exception):
+        cfg.d_model = 3  # frozen
+
+
+@pytest.mark.parametrize(
+    "name, d_model, layers, heads, d_ff, dropout",
+    [("base", 512, 6, 8, 2048, 0.1), ("big", 1024, 6, 16, 4096, 0.3), ("small", 256, 3, 4, 1024, 0.1)],
+)
+def test_presets_match_the_issue(name, d_model, layers, heads, d_ff, dropout):
+    cfg = preset(name)
+    assert (cfg.d_model, cfg.encoder_layers, cfg.decoder_layers, cfg.n_heads, cfg.d_ff, cfg.dropout) == (
+        d_model, layers, layers, heads, d_ff, dropout)
+    assert cfg.norm_first is False and cfg.activation == "relu" and cfg.share_embeddings and cfg.tie_output
+
+
+def test_tiny_preset_is_small_and_presets_take_overrides():
+    assert set(PRESETS) >= {"tiny", "small", "base", "big"}
+    cfg = preset("tiny", src_vocab_size=77, tgt_vocab_size=77, norm_first=True)
+    assert cfg.d_model <= 64 and cfg.src_vocab_size == 77 and cfg.norm_first
+    assert Transformer(cfg).num_parameters() < 50_000
+
+
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        (dict(d_model=30, n_heads=4), "divisible"),
+        (dict(d_model=0), "d_model"),
+        (dict(encoder_layers=0), "encoder_layers"),
+        (dict(dropout=1.0), "dropout"),
+        (dict(activation="tanh"), "activation"),
+        (dict(src_vocab_size=10, tgt_vocab_size=12), "share_embeddings"),
+        (dict(pad_id=99, src_vocab_size=10, tgt_vocab_size=10), "pad_id"),
+    ],
+)
+def test_config_validation(fields, words):
+    with pytest.raises(AiaynError, match=words):
+        ModelConfig(**fields)
+
+
+def test_config_rejects_unknown_fields_and_presets():
+    with pytest.raises(ConfigError, match="colour"):
+        ModelConfig.from_dict({"colour": 1})
+    with pytest.raises(ConfigError, match="huge"):
+        preset("huge")

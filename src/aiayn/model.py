@@ -403,6 +403,26 @@ class Transformer(nn.Module):
         memory = self.encode(src, src_keep)
         return self.decode(tgt_in, memory, src_keep)
 
+    def loss(
+        self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, label_smoothing: float = 0.0, reduction: str = "mean"
+    ) -> Tensor:
+        """Training loss: cross-entropy (with label smoothing, Section 5.4) over real target tokens.
+
+        Equal to `F.cross_entropy(forward(src, tgt_in) over (B*T), tgt_out, ignore_index=pad_id,
+        label_smoothing=...)`, but the vocabulary projection and the softmax run only at the
+        non-pad positions of `tgt_out`: with a large vocabulary they are a big share of the work.
+        `reduction` is "mean" (over real tokens) or "sum".
+
+        Shape: src (B, S), tgt_in (B, T), tgt_out (B, T) -> scalar float32.
+        """
+        src_keep = src.ne(self.cfg.pad_id)
+        memory = self.encode(src, src_keep)
+        h = self.decode(tgt_in, memory, src_keep, project=False)  # (B, T, d)
+        real = tgt_out.ne(self.cfg.pad_id)  # (B, T)
+        logits = self.project(h[real])  # (N, V), N = real target tokens
+        # Log-softmax in float32: bf16 has too few mantissa bits for a loss over ~10^4 classes.
+        return F.cross_entropy(logits.float(), tgt_out[real], label_smoothing=label_smoothing, reduction=reduction)
+
     def attention_weights(self, src: Tensor, tgt_in: Tensor) -> dict[str, list[Tensor]]:
         """Attention probabilities of every layer and head (for plots): encoder self-attention,
         decoder self-attention and cross-attention, each a list over layers of (B, H, T_q, T_k)."""
