@@ -52,8 +52,8 @@ def image_format(path: str | os.PathLike) -> str:
 def save_figure(fig: Figure, path: str | os.PathLike, dpi: int = DEFAULT_DPI) -> Path:
     """Write `fig` atomically (a temporary file renamed into place); the format follows the name.
 
-    The figure is saved at its own size (no tight bounding box), so a PNG is exactly
-    `fig.get_size_inches() * dpi` pixels.
+    The figure is saved at its own size (no tight bounding box), so a PNG is
+    `fig.get_size_inches() * dpi` pixels (rounded down).
     """
     path = Path(path)
     fmt = image_format(path)
@@ -272,8 +272,10 @@ def attention_figure(maps: AttentionMaps, kinds: Sequence[str] = ATTENTION_KINDS
         sizes.append((H * (pw + 0.12) + margin_x + 1.0, L * (ph + 0.3) + margin_y))
 
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad="#d9d9d9")
-    width = max(7.0, max(w for w, _ in sizes))
-    fig = Figure(figsize=(width, sum(h for _, h in sizes) + 0.6), layout="constrained")
+    # Quarter inches are exact in binary, so a PNG is exactly size * dpi pixels for any integer dpi.
+    width = math.ceil(4 * max(7.0, max(w for w, _ in sizes))) / 4
+    sizes = [(w, math.ceil(4 * h) / 4) for w, h in sizes]
+    fig = Figure(figsize=(width, sum(h for _, h in sizes) + 0.5), layout="constrained")
     subfigs = fig.subfigures(len(kinds), 1, height_ratios=[h for _, h in sizes], squeeze=False)[:, 0]
     for sub, kind in zip(subfigs, kinds):
         arr = drawn[kind]
@@ -515,6 +517,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--kind", choices=("all",) + ATTENTION_KINDS, default="all",
                    help="which attention: encoder self-, decoder self-, cross-attention, or all three in one image")
     p.add_argument("--layers", type=int, nargs="+", default=None, help="1-based layer numbers to draw (default: all)")
+    p.add_argument("--max-len-a", type=float, default=1.0, help="greedy translation: at most a * source length + b tokens")
+    p.add_argument("--max-len-b", type=int, default=50, help="greedy translation: at most a * source length + b tokens")
     common(p, "attention.png")
 
     p = sub.add_parser("curves", formatter_class=fmt,
@@ -544,7 +548,7 @@ def run(args: argparse.Namespace) -> int:
         from aiayn.checkpoint import load_checkpoint, resolve_checkpoint
 
         ckpt = load_checkpoint(resolve_checkpoint(args.checkpoint))
-        maps = attention_maps(ckpt.model, ckpt.tokenizers, args.src, args.tgt)
+        maps = attention_maps(ckpt.model, ckpt.tokenizers, args.src, args.tgt, args.max_len_a, args.max_len_b)
         kinds = ATTENTION_KINDS if args.kind == "all" else (args.kind,)
         source = "the model's greedy translation" if args.tgt is None else "the given target"
         name = f"{ckpt.path.parent.name}/{ckpt.path.name}"

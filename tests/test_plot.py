@@ -1,0 +1,297 @@
+"""Pictures: each command writes an image of the expected size, and each picture shows the model's
+own numbers (the positional table, attention rows that sum to 1 with nothing above the decoder's
+diagonal, the trainer's learning rate, the records of metrics.jsonl)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.image
+import numpy as np
+import pytest
+import torch
+
+from aiayn import checkpoint, plot
+from aiayn.cli import main
+from aiayn.config import TrainConfig, preset
+from aiayn.errors import AiaynError
+from aiayn.model import Transformer, sinusoidal_table
+from aiayn.search import greedy_search
+from aiayn.tokenizer import BOS_ID, EOS_ID, Tokenizer, TokenizerPair
+from aiayn.train import learning_rate
+
+SENTENCES = [
+    "Ein Mann fährt Fahrrad.", "A man rides a bike.", "Zwei Hunde spielen im Schnee.", "Two dogs play in the snow.",
+    "Eine Frau liest ein Buch.", "A woman reads a book.", "Kinder laufen am Strand.", "Children run on the beach.",
+    "Ein Junge springt ins Wasser.", "A boy jumps into the water.", "Die Katze schläft auf dem Sofa.",
+    "The cat sleeps on the sofa.", "Ein Mann spielt Gitarre auf der Straße.", "A man plays guitar on the street.",
+]
+SRC, TGT = "Ein Mann fährt Fahrrad.", "A man rides a bike."
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) of a PNG, after checking it is not blank."""
+    img = matplotlib.image.imread(path)  # (H, W, 4)
+    assert img.ndim == 3 and float(img[..., :3].std()) > 0.01, "the image is blank"
+    return img.shape[1], img.shape[0]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """A tiny model gains nothing from threads, and on a shared machine they only contend."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tokenizers():
+    tok = Tokenizer.train(SENTENCES * 5, 400)
+    return TokenizerPair(tok, tok, joint=True)
+
+
+@pytest.fixture(scope="module")
+def model(tokenizers):
+    torch.manual_seed(0)
+    v = tokenizers.src.vocab_size
+    return Transformer(preset("tiny", src_vocab_size=v, tgt_vocab_size=v, dropout=0.1)).eval()
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, model, tokenizers):
+    """A run directory as `aiayn train --out` leaves it: best/, a step checkpoint and metrics.jsonl."""
+    run = tmp_path_factory.mktemp("run")
+    cfg = {"train": TrainConfig(warmup=300, lr_factor=2.0).to_dict(), "step": 40}
+    checkpoint.save_checkpoint(run / "best", model, tokenizers, cfg)
+    checkpoint.save_checkpoint(run / "step_40", model, tokenizers, cfg)
+    with open(run / "metrics.jsonl", "w") as f:
+        for step in range(10, 41, 10):
+            f.write(json.dumps({"kind": "train", "step": step, "epoch": 0, "loss": 9.0 - step / 10,
+                                "lr": learning_rate(step, 32, 300, 2.0), "tokens_per_s": 1e3, "elapsed_s": step}) + "\n")
+        for step, bleu in ((20, 1.5), (40, 3.25)):
+            f.write(json.dumps({"kind": "valid", "step": step, "epoch": step // 20 - 1, "loss": 8.0 - step / 20,
+                                "nll": 7.5 - step / 20, "bleu": bleu, "chrf": 10 * bleu, "elapsed_s": step}) + "\n")
+    return run
+
+
+# ------------------------------------------------------------------------------ positional encoding
+
+
+def test_positional_encoding_picture_is_the_models_table():
+    fig, table = plot.positional_encoding_figure(64, 50, dims=[4, 5, 20])
+    model = Transformer(preset("tiny", d_model=64, n_heads=4))
+    with torch.no_grad():  # what the model adds to an all-zero embedding
+        added = model.pos(torch.zeros(1, 50, 64))[0].numpy()
+    np.testing.assert_array_equal(table, added)
+    np.testing.assert_allclose(table, sinusoidal_table(50, 64).numpy(), atol=0)
+    heat, lines = fig.axes[0], fig.axes[1]
+    np.testing.assert_array_equal(heat.images[0].get_array(), table)  # rows: positions, columns: dimensions
+    assert [tuple(line.get_ydata()) for line in lines.lines] == [tuple(table[:, d]) for d in (4, 5, 20)]
+    assert "dim 4 (sin" in lines.lines[0].get_label() and "dim 5 (cos" in lines.lines[1].get_label()
+    assert math.isclose(plot.wavelength(20, 64), 2 * math.pi * 10000 ** (20 / 64))
+    assert heat.get_xlabel() and heat.get_ylabel() and lines.get_xlabel() and fig.get_suptitle()
+
+
+def test_positional_encoding_cli_writes_png_of_the_figure_size(tmp_path):
+    out = tmp_path / "pe.png"
+    assert main(["plot", "positional-encoding", "--d-model", "64", "--max-len", "30", "--dpi", "40", "-o", str(out)]) == 0
+    assert png_size(out) == (13 * 40, 5 * 40)
+
+
+def test_positional_encoding_takes_d_model_from_a_checkpoint(tmp_path, run_dir, monkeypatch):
+    seen = []
+    real = plot.positional_encoding_figure
+    monkeypatch.setattr(plot, "positional_encoding_figure", lambda d, n, dims=None: seen.append(d) or real(d, n, dims))
+    out = tmp_path / "pe.svg"
+    assert main(["plot", "positional-encoding", "--checkpoint", str(run_dir), "--max-len", "20", "-o", str(out)]) == 0
+    assert seen == [32]  # the tiny preset's width, read from best/config.json
+    svg = out.read_text(encoding="utf-8")
+    assert svg.lstrip().startswith("<?xml") and 'width="936pt"' in svg and 'height="360pt"' in svg  # 13 x 5 in
+
+
+def test_positional_encoding_rejects_bad_settings():
+    with pytest.raises(AiaynError, match="even"):
+        plot.positional_encoding_figure(63, 10)
+    with pytest.raises(AiaynError, match="--dims"):
+        plot.positional_encoding_figure(64, 10, dims=[64])
+
+
+# ----------------------------------------------------------------------------------------- attention
+
+
+def test_attention_rows_sum_to_one_and_decoder_sees_no_future(model, tokenizers):
+    maps = plot.attention_maps(model, tokenizers, SRC, TGT)
+    S, T = len(tokenizers.src.encode(SRC)), len(tokenizers.tgt.encode(TGT)) + 1  # decoder reads BOS + target
+    assert maps.encoder.shape == (2, 4, S, S)
+    assert maps.decoder_self.shape == (2, 4, T, T)
+    assert maps.cross.shape == (2, 4, T, S)
+    for arr in (maps.encoder, maps.decoder_self, maps.cross):
+        np.testing.assert_allclose(arr.sum(-1), 1.0, atol=1e-5)
+        assert (arr >= 0).all()
+    above = np.triu(np.ones((T, T), dtype=bool), k=1)
+    assert (maps.decoder_self[..., above] == 0).all()
+    assert (maps.decoder_self[..., ~above] > 0).all()
+    assert not model.training  # the eval mode it came in with is kept
+
+
+def test_attention_figure_draws_those_weights_with_subword_labels(model, tokenizers):
+    maps = plot.attention_maps(model, tokenizers, SRC, TGT)
+    pieces_src, pieces_tgt = tokenizers.src.pieces(SRC), tokenizers.tgt.pieces(TGT)
+    assert maps.src_labels == pieces_src
+    assert maps.tgt_in_labels == ["<s>"] + pieces_tgt  # what each decoder position reads
+    assert maps.tgt_out_labels == pieces_tgt + ["</s>"]  # what it predicts
+    fig, drawn = plot.attention_figure(maps)
+    sections = {"encoder": maps.encoder, "decoder": maps.decoder_self, "cross": maps.cross}
+    for sub, (kind, arr) in zip(fig.subfigs, sections.items()):
+        np.testing.assert_array_equal(drawn[kind], arr)
+        axes = sub.axes[:-1]  # the last one is the colorbar
+        assert len(axes) == 2 * 4
+        for i, ax in enumerate(axes):  # row-major: layer, then head
+            shown = ax.images[0].get_array()
+            np.testing.assert_array_equal(np.ma.getdata(shown), arr[i // 4, i % 4])
+            if kind == "decoder":  # the masked future is drawn as 'masked' (grey), not as weight 0
+                assert np.array_equal(np.ma.getmaskarray(shown), np.triu(np.ones(shown.shape, dtype=bool), 1))
+        xl, yl = [t.get_text() for t in axes[-1].get_xticklabels()], [t.get_text() for t in axes[0].get_yticklabels()]
+        want_x = maps.tgt_in_labels if kind == "decoder" else maps.src_labels
+        want_y = maps.src_labels if kind == "encoder" else maps.tgt_out_labels
+        assert (xl, yl) == (want_x, want_y)
+        assert sub._suptitle.get_text() and sub._supxlabel.get_text() and sub._supylabel.get_text()
+
+
+def test_attention_default_is_the_models_greedy_translation(model, tokenizers):
+    maps = plot.attention_maps(model, tokenizers, SRC)
+    src = torch.tensor([tokenizers.src.encode(SRC)])
+    ids = greedy_search(model, src, BOS_ID, EOS_ID)[0]
+    assert maps.tgt_text == tokenizers.tgt.decode(ids)
+    assert maps.tgt_out_labels == [tokenizers.tgt.id_to_piece(i) for i in ids] + ["</s>"]
+    np.testing.assert_allclose(maps.decoder_self.sum(-1), 1.0, atol=1e-5)
+
+
+def test_attention_png_has_the_figure_size_and_kind_layers_select(tmp_path, model, tokenizers):
+    maps = plot.attention_maps(model, tokenizers, SRC, TGT)
+    fig, drawn = plot.attention_figure(maps, kinds=["cross"], layers=[2])
+    assert list(drawn) == ["cross"] and len(fig.subfigs) == 1
+    np.testing.assert_array_equal(drawn["cross"], maps.cross[1:2])
+    out = plot.save_figure(fig, tmp_path / "a.png", dpi=30)
+    w, h = fig.get_size_inches()
+    assert png_size(out) == (math.floor(w * 30), math.floor(h * 30))  # quarter inches: exact products
+    with pytest.raises(AiaynError, match="--layers: layer 3"):
+        plot.attention_figure(maps, layers=[3])
+
+
+def test_attention_cli_through_a_checkpoint(tmp_path, run_dir):
+    out = tmp_path / "att.svg"
+    assert main(["plot", "attention", "--checkpoint", str(run_dir), "--src", SRC, "--tgt", TGT, "--kind", "decoder",
+                 "-o", str(out)]) == 0
+    svg = out.read_text(encoding="utf-8")
+    assert svg.lstrip().startswith("<?xml") and "<svg" in svg
+    out = tmp_path / "att.png"
+    # An untrained model's greedy translation runs to the length limit; keep it short.
+    assert main(["plot", "attention", "--checkpoint", str(run_dir / "step_40"), "--src", SRC, "--max-len-a", "0",
+                 "--max-len-b", "4", "--layers", "1", "--dpi", "20", "-o", str(out)]) == 0
+    png_size(out)
+
+
+# -------------------------------------------------------------------------------------------- curves
+
+
+def test_curves_draw_the_metrics_records(tmp_path, run_dir):
+    path = plot.find_metrics(run_dir / "best")  # next to a checkpoint: the run's file
+    assert path == run_dir / "metrics.jsonl" and plot.find_metrics(run_dir) == path
+    fig, drawn = plot.curves_figure(plot.read_metrics(path))
+    np.testing.assert_array_equal(drawn["train_loss"], [[10, 20, 30, 40], [8, 7, 6, 5]])
+    np.testing.assert_array_equal(drawn["bleu"], [[20, 40], [1.5, 3.25]])
+    np.testing.assert_array_equal(drawn["lr"][1], [learning_rate(s, 32, 300, 2.0) for s in (10, 20, 30, 40)])
+    ax_loss, ax_bleu, ax_lr = fig.axes
+    assert [tuple(ln.get_ydata()) for ln in ax_loss.lines] == [(8, 7, 6, 5), (7, 6), (6.5, 5.5)]
+    assert "best BLEU 3.25 at step 40" in [ln.get_label() for ln in ax_bleu.lines]
+    assert all(ax.get_xlabel() == "training step" and ax.get_ylabel() and ax.get_title() for ax in fig.axes)
+
+
+def test_curves_cli_png_size(tmp_path, run_dir):
+    out = tmp_path / "c.png"
+    assert main(["plot", "curves", "--checkpoint", str(run_dir), "--dpi", "40", "-o", str(out)]) == 0
+    assert png_size(out) == (15 * 40, round(4.6 * 40))
+
+
+def test_metrics_reader_resume_duplicates_torn_line_and_errors(tmp_path):
+    f = tmp_path / "metrics.jsonl"
+    f.write_text('{"kind": "train", "step": 1, "loss": 5.0}\n{"kind": "train", "step": 2, "loss": 4.0}\n'
+                 '{"kind": "train", "step": 2, "loss": 3.5}\n{"kind": "train", "st')
+    _, drawn = plot.curves_figure(plot.read_metrics(f))  # a resumed run's re-logged step: the later one counts
+    np.testing.assert_array_equal(drawn["train_loss"], [[1, 2], [5.0, 3.5]])
+    f.write_text('{"kind": "train", "step": 1, "loss": 5.0}\nnot json\n{"kind": "train", "step": 2, "loss": 4.0}\n')
+    with pytest.raises(AiaynError, match=r"metrics.jsonl:2: not a JSON object"):
+        plot.read_metrics(f)
+    f.write_text('{"kind": "other", "step": 1}\n')
+    with pytest.raises(AiaynError, match=r":1: expected"):
+        plot.read_metrics(f)
+    f.write_text("")
+    with pytest.raises(AiaynError, match="no train or valid records"):
+        plot.curves_figure(plot.read_metrics(f))
+    (tmp_path / "run" / "best").mkdir(parents=True)
+    with pytest.raises(AiaynError, match="no metrics.jsonl"):
+        plot.find_metrics(tmp_path / "run" / "best")
+
+
+# --------------------------------------------------------------------------------------- lr schedule
+
+
+def test_lr_schedule_is_the_trainers_and_the_papers():
+    fig, drawn = plot.lr_schedule_figure([256, 512], [100, 400], steps=2000)
+    assert list(drawn) == [f"d_model = {d}, warmup = {w}" for d in (256, 512) for w in (100, 400)]
+    curve = drawn["d_model = 512, warmup = 400"]
+    steps = np.arange(1, 2001)
+    np.testing.assert_allclose(curve, 512**-0.5 * np.minimum(steps**-0.5, steps * 400**-1.5), rtol=1e-12)
+    assert curve.argmax() + 1 == 400  # peak at the end of warm-up
+    assert math.isclose(curve[399], (512 * 400) ** -0.5)
+    np.testing.assert_allclose(curve[:400], curve[0] * steps[:400])  # linear rise
+    np.testing.assert_allclose(curve[1999] / curve[499], (500 / 2000) ** 0.5)  # inverse square root decay
+    ax = fig.axes[0]
+    assert len([ln for ln in ax.lines if len(ln.get_xdata()) == 2000]) == 4
+    assert ax.get_xlabel() and ax.get_ylabel() and ax.get_title() and ax.get_legend() is not None
+
+
+def test_lr_schedule_cli_png_svg_and_from_a_checkpoint(tmp_path, run_dir):
+    out = tmp_path / "lr.png"
+    assert main(["plot", "lr-schedule", "--d-model", "256", "512", "--warmup", "4000", "--dpi", "40", "-o", str(out)]) == 0
+    assert png_size(out) == (10 * 40, round(5.2 * 40))
+    out = tmp_path / "lr.svg"
+    assert main(["plot", "lr-schedule", "--steps", "600", "-o", str(out)]) == 0
+    svg = out.read_text(encoding="utf-8")
+    assert 'width="720pt"' in svg and 'height="374.4pt"' in svg  # 10 x 5.2 inches at 72 pt
+
+
+def test_lr_schedule_of_a_run(tmp_path, run_dir, monkeypatch):
+    seen = []
+    real = plot.lr_schedule_figure
+    monkeypatch.setattr(plot, "lr_schedule_figure", lambda *a: seen.append(a) or real(*a))
+    assert main(["plot", "lr-schedule", "--checkpoint", str(run_dir), "--steps", "600", "-o", str(tmp_path / "lr.png")]) == 0
+    assert seen == [([32], [300], 600, 2.0)]  # d_model, warmup and lr_factor of the run
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    assert main(["plot", "lr-schedule", "-o", str(tmp_path / "lr.jpg")]) == 2
+    assert main(["plot", "curves", "--checkpoint", str(tmp_path / "missing"), "-o", str(tmp_path / "c.png")]) == 2
+    assert main(["plot", "lr-schedule", "--warmup", "0", "-o", str(tmp_path / "lr.png")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(line.startswith("aiayn plot: error: ") for line in err)
+    assert ".png, .svg or .pdf" in err[0] and "missing" in err[1] and "--warmup" in err[2]
+    assert not list(tmp_path.iterdir())  # nothing half-written
+
+
+def test_runs_without_a_display_or_pyplot(tmp_path):
+    """An interactive backend in the environment and no display: still draws, never imports pyplot."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY")}
+    env["MPLBACKEND"] = "TkAgg"
+    code = ("import sys; from aiayn.cli import main; rc = main(sys.argv[1:]); "
+            "assert 'matplotlib.pyplot' not in sys.modules; sys.exit(rc)")
+    out = tmp_path / "lr.png"
+    r = subprocess.run([sys.executable, "-c", code, "plot", "lr-schedule", "--steps", "100", "--dpi", "20", "-o", str(out)],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert png_size(out) == (200, 104)
