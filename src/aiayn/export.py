@@ -1,0 +1,458 @@
+"""Export a trained model to Hugging Face `transformers` (MarianMTModel) and to CTranslate2.
+
+Both targets run the architecture of the paper (Sections 3.1-3.5): a post-norm encoder-decoder with
+scaled, tied embeddings and fixed sinusoidal positions. What has to be translated between the
+conventions, and how:
+
+- Positions. Marian's sinusoidal table puts every sine in the first half of the vector and every
+  cosine in the second half; ours interleaves them (sin at even, cos at odd features, Section 3.5).
+  `transformers` rebuilds that table when it loads a model and never saves it, so writing our table
+  into the checkpoint would not survive a reload. Instead the exported model's hidden features are
+  permuted, `marian[k] = ours[perm[k]]` with `perm = [0, 2, 4, ..., 1, 3, 5, ...]`: every matrix
+  that reads or writes the residual stream, every LayerNorm and the embeddings are permuted the
+  same way. LayerNorm and attention do not care about feature order, so the permuted model computes
+  the same function, and its positional table is exactly Marian's own.
+  CTranslate2 takes the positional table as a weight, so it gets ours unpermuted.
+- Special ids stay ours (pad 0, unk 1, bos 2, eos 3); the decoder starts from BOS (Marian's own
+  models start from pad), and PAD and BOS are never generated (as in `aiayn.search`).
+- The source is fed without BOS/EOS, as `aiayn.data.collate` builds it. `MarianTokenizer` always
+  appends EOS unless called with `add_special_tokens=False`, which is what reproduces aiayn exactly.
+- Pre-norm models have no Marian equivalent (Marian layers are post-norm): exporting one to `hf`
+  is an error; CTranslate2 supports both.
+
+`transformers` and `ctranslate2` are optional (`pip install 'aiayn[export]'`), imported only here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from aiayn.errors import AiaynError
+from aiayn.model import Transformer, sinusoidal_table
+from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, TokenizerPair
+
+INSTALL_HINT = "pip install 'aiayn[export]'"
+PIECES = {PAD_ID: "<pad>", UNK_ID: "<unk>", BOS_ID: "<s>", EOS_ID: "</s>"}
+
+
+def _require(module: str) -> Any:
+    """Imports an optional package, or says in one line what to install."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        top = module.split(".")[0]
+        raise AiaynError(f"exporting needs the optional package '{top}', which is not installed: {INSTALL_HINT}") from None
+
+
+def vocabulary(tok: Tokenizer) -> list[str]:
+    """The pieces of a tokenizer in id order (id i -> piece i); special pieces have fixed names."""
+    pieces = [tok.id_to_piece(i) for i in range(tok.vocab_size)]
+    for i, name in PIECES.items():
+        if pieces[i] != name:
+            raise AiaynError(f"tokenizer piece {i} is {pieces[i]!r}, expected {name!r}; train the tokenizer with aiayn")
+    if len(set(pieces)) != len(pieces):
+        raise AiaynError("the tokenizer has duplicate pieces; it cannot be mapped to a vocabulary file")
+    return pieces
+
+
+def feature_permutation(d_model: int) -> Tensor:
+    """perm such that Marian's hidden feature k is our feature perm[k]: even features, then odd ones."""
+    return torch.cat([torch.arange(0, d_model, 2), torch.arange(1, d_model, 2)])
+
+
+# -------------------------------------------------------------------------------- Hugging Face
+
+
+def marian_config(model: Transformer) -> Any:
+    """A `transformers.MarianConfig` describing `model` (raises AiaynError for what Marian cannot hold)."""
+    transformers = _require("transformers")
+    cfg = model.cfg
+    if cfg.norm_first:
+        raise AiaynError("this model is pre-norm (norm_first=True); Marian layers are post-norm only, so it cannot "
+                         "be exported to Hugging Face; export it with --to ctranslate2 instead")
+    if abs(cfg.layer_norm_eps - 1e-5) > 1e-12:
+        raise AiaynError(f"this model's layer_norm_eps is {cfg.layer_norm_eps}; Marian's LayerNorm uses 1e-5 only")
+    if cfg.pad_id != PAD_ID:
+        raise AiaynError(f"this model's pad_id is {cfg.pad_id}; the export needs the tokenizer's pad id {PAD_ID}")
+    return transformers.MarianConfig(
+        vocab_size=cfg.src_vocab_size,
+        decoder_vocab_size=cfg.tgt_vocab_size,
+        share_encoder_decoder_embeddings=cfg.share_embeddings,
+        tie_word_embeddings=cfg.tie_output,
+        d_model=cfg.d_model,
+        encoder_layers=cfg.encoder_layers,
+        decoder_layers=cfg.decoder_layers,
+        encoder_attention_heads=cfg.n_heads,
+        decoder_attention_heads=cfg.n_heads,
+        encoder_ffn_dim=cfg.d_ff,
+        decoder_ffn_dim=cfg.d_ff,
+        activation_function=cfg.activation,  # both "gelu"s are the exact erf form
+        dropout=cfg.dropout,
+        attention_dropout=cfg.attention_dropout,
+        activation_dropout=cfg.activation_dropout,
+        max_position_embeddings=cfg.max_positions,
+        scale_embedding=True,  # embeddings times sqrt(d_model), Section 3.4
+        pad_token_id=PAD_ID,
+        eos_token_id=EOS_ID,
+        bos_token_id=BOS_ID,
+        decoder_start_token_id=BOS_ID,
+        forced_eos_token_id=None,
+    )
+
+
+def marian_state_dict(model: Transformer) -> dict[str, Tensor]:
+    """Our weights under MarianMTModel's names, hidden features permuted (see the module docstring)."""
+    cfg, d = model.cfg, model.cfg.d_model
+    p = feature_permutation(d)
+    sd: dict[str, Tensor] = {}
+
+    def reads(name: str, lin: torch.nn.Linear, rows: slice = slice(None)) -> None:  # input side is the residual
+        sd[f"{name}.weight"] = lin.weight[rows][:, p]
+        sd[f"{name}.bias"] = lin.bias[rows]
+
+    def writes(name: str, lin: torch.nn.Linear) -> None:  # output side is the residual
+        sd[f"{name}.weight"] = lin.weight[p]
+        sd[f"{name}.bias"] = lin.bias[p]
+
+    def norm(name: str, ln: torch.nn.LayerNorm) -> None:
+        sd[f"{name}.weight"], sd[f"{name}.bias"] = ln.weight[p], ln.bias[p]
+
+    q, k, v = slice(0, d), slice(d, 2 * d), slice(2 * d, 3 * d)
+    for i, layer in enumerate(model.encoder.layers):
+        pre = f"model.encoder.layers.{i}"
+        for proj, rows in (("q", q), ("k", k), ("v", v)):
+            reads(f"{pre}.self_attn.{proj}_proj", layer.self_attn.qkv_proj, rows)
+        writes(f"{pre}.self_attn.out_proj", layer.self_attn.out_proj)
+        norm(f"{pre}.self_attn_layer_norm", layer.norm1)
+        reads(f"{pre}.fc1", layer.ff.w1)
+        writes(f"{pre}.fc2", layer.ff.w2)
+        norm(f"{pre}.final_layer_norm", layer.norm2)
+    for i, layer in enumerate(model.decoder.layers):
+        pre = f"model.decoder.layers.{i}"
+        for proj, rows in (("q", q), ("k", k), ("v", v)):
+            reads(f"{pre}.self_attn.{proj}_proj", layer.self_attn.qkv_proj, rows)
+        writes(f"{pre}.self_attn.out_proj", layer.self_attn.out_proj)
+        norm(f"{pre}.self_attn_layer_norm", layer.norm1)
+        reads(f"{pre}.encoder_attn.q_proj", layer.cross_attn.q_proj)
+        reads(f"{pre}.encoder_attn.k_proj", layer.cross_attn.kv_proj, slice(0, d))
+        reads(f"{pre}.encoder_attn.v_proj", layer.cross_attn.kv_proj, slice(d, 2 * d))
+        writes(f"{pre}.encoder_attn.out_proj", layer.cross_attn.out_proj)
+        norm(f"{pre}.encoder_attn_layer_norm", layer.norm2)
+        reads(f"{pre}.fc1", layer.ff.w1)
+        writes(f"{pre}.fc2", layer.ff.w2)
+        norm(f"{pre}.final_layer_norm", layer.norm3)
+    sd["model.encoder.embed_tokens.weight"] = model.src_embed.weight[:, p]
+    sd["model.decoder.embed_tokens.weight"] = model.tgt_embed.weight[:, p]
+    if cfg.share_embeddings:
+        sd["model.shared.weight"] = model.tgt_embed.weight[:, p]
+    sd["lm_head.weight"] = model.output_weight[:, p]
+    sd["final_logits_bias"] = torch.zeros(1, cfg.tgt_vocab_size)
+    return {name: t.detach().float().contiguous() for name, t in sd.items()}
+
+
+@torch.no_grad()
+def to_marian(model: Transformer, tokenizers: TokenizerPair | None = None) -> Any:
+    """A `transformers.MarianMTModel` (eval mode, CPU, fp32) computing the same function as `model`.
+
+    `tokenizers` is only checked against the model's vocabulary sizes (the weights need nothing else).
+    """
+    transformers = _require("transformers")
+    if tokenizers is not None:
+        for side, size in (("src", model.cfg.src_vocab_size), ("tgt", model.cfg.tgt_vocab_size)):
+            if getattr(tokenizers, side).vocab_size != size:
+                raise AiaynError(f"the {side} tokenizer has {getattr(tokenizers, side).vocab_size} pieces but the "
+                                 f"model's {side}_vocab_size is {size}")
+    hf = transformers.MarianMTModel(marian_config(model)).eval()
+    params = dict(hf.named_parameters(remove_duplicate=False))
+    params.update(dict(hf.named_buffers()))
+    state = marian_state_dict(model)
+    missing = sorted(n for n in params if n not in state and "embed_positions" not in n)
+    if missing:
+        raise AiaynError(f"internal: no aiayn weight for Marian's {missing[0]} (transformers {transformers.__version__})")
+    for name, t in state.items():
+        if name not in params:  # e.g. model.shared when embeddings are not shared
+            continue
+        params[name].copy_(t)
+    # Marian builds its own table; it must equal ours under the feature permutation.
+    ours = sinusoidal_table(model.cfg.max_positions, model.cfg.d_model)[:, feature_permutation(model.cfg.d_model)]
+    for table in (hf.model.encoder.embed_positions.weight, hf.model.decoder.embed_positions.weight):
+        if not torch.allclose(table.float(), ours, atol=1e-5, rtol=0):
+            raise AiaynError(f"transformers {transformers.__version__}: Marian's positional table differs from the "
+                             "expected sinusoid layout; this transformers version is not supported")
+    return hf
+
+
+def generation_config(model: Transformer) -> Any:
+    """Defaults for `generate`: aiayn's beam 4, PAD/BOS never generated, starts from BOS.
+
+    `length_penalty` in transformers divides by len**alpha, not aiayn's ((5 + len) / 6)**alpha; 0.6 is
+    kept as the nearest setting, and `early_stopping=True` stops, like aiayn, once `beam` hypotheses end.
+    """
+    transformers = _require("transformers")
+    return transformers.GenerationConfig(
+        decoder_start_token_id=BOS_ID,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        suppress_tokens=[PAD_ID, BOS_ID],
+        num_beams=4,
+        length_penalty=0.6,
+        early_stopping=True,
+        max_length=min(model.cfg.max_positions, 256),
+    )
+
+
+def save_hf_tokenizer(tokenizers: TokenizerPair, out: Path) -> None:
+    """source.spm, target.spm, vocab.json (and target_vocab.json when the vocabularies are separate)
+    and the tokenizer config, so that MarianTokenizer / AutoTokenizer load them offline."""
+    transformers = _require("transformers")
+    with tempfile.TemporaryDirectory() as tmp:
+        t = Path(tmp)
+        tokenizers.src.save(t / "source.spm")
+        tokenizers.tgt.save(t / "target.spm")
+        src_vocab = {piece: i for i, piece in enumerate(vocabulary(tokenizers.src))}
+        (t / "vocab.json").write_text(json.dumps(src_vocab, ensure_ascii=False, indent=1), encoding="utf-8")
+        kwargs: dict[str, Any] = {}
+        if not tokenizers.joint:
+            tgt_vocab = {piece: i for i, piece in enumerate(vocabulary(tokenizers.tgt))}
+            (t / "target_vocab.json").write_text(json.dumps(tgt_vocab, ensure_ascii=False, indent=1), encoding="utf-8")
+            kwargs = dict(target_vocab_file=str(t / "target_vocab.json"), separate_vocabs=True)
+        tok = transformers.MarianTokenizer(
+            source_spm=str(t / "source.spm"), target_spm=str(t / "target.spm"), vocab=str(t / "vocab.json"),
+            unk_token="<unk>", eos_token="</s>", pad_token="<pad>", bos_token="<s>",
+            model_max_length=1024, **kwargs,
+        )
+        tok.save_pretrained(str(out))
+
+
+def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
+    """Writes a MarianMTModel directory (config, safetensors, generation config, tokenizer) to `out`."""
+    from aiayn.checkpoint import load_checkpoint
+
+    ck = load_checkpoint(checkpoint)
+    hf = to_marian(ck.model, ck.tokenizers)
+    hf.generation_config = generation_config(ck.model)
+    out = Path(out)
+    tmp = _fresh_dir(out)
+    try:
+        hf.save_pretrained(str(tmp), safe_serialization=True)
+        save_hf_tokenizer(ck.tokenizers, tmp)
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+# --------------------------------------------------------------------------------- CTranslate2
+
+
+def _np(t: Tensor) -> Any:
+    return t.detach().float().cpu().contiguous().numpy()
+
+
+def ct2_spec(model: Transformer, tokenizers: TokenizerPair) -> Any:
+    """A CTranslate2 TransformerSpec holding our weights, vocabularies and start token (BOS)."""
+    ct2 = _require("ctranslate2")
+    from ctranslate2.specs import common_spec, transformer_spec
+
+    cfg = model.cfg
+    act = common_spec.Activation.RELU if cfg.activation == "relu" else common_spec.Activation.GELU
+    spec = transformer_spec.TransformerSpec.from_config(
+        (cfg.encoder_layers, cfg.decoder_layers), cfg.n_heads, pre_norm=cfg.norm_first, activation=act
+    )
+
+    def linear(s: Any, lin: Any) -> None:
+        s.weight = _np(lin.weight)
+        if getattr(lin, "bias", None) is not None:
+            s.bias = _np(lin.bias)
+
+    def norm(s: Any, ln: torch.nn.LayerNorm) -> None:
+        s.gamma, s.beta = _np(ln.weight), _np(ln.bias)
+
+    table = _np(sinusoidal_table(cfg.max_positions, cfg.d_model))  # ours, unpermuted
+    enc, dec = spec.encoder, spec.decoder
+    enc.embeddings[0].weight = _np(model.src_embed.weight)
+    enc.scale_embeddings = True  # times sqrt(d_model)
+    enc.position_encodings.encodings = table
+    for s, layer in zip(enc.layer, model.encoder.layers):
+        linear(s.self_attention.linear[0], layer.self_attn.qkv_proj)  # fused q, k, v: the same layout as ours
+        linear(s.self_attention.linear[1], layer.self_attn.out_proj)
+        norm(s.self_attention.layer_norm, layer.norm1)
+        linear(s.ffn.linear_0, layer.ff.w1)
+        linear(s.ffn.linear_1, layer.ff.w2)
+        norm(s.ffn.layer_norm, layer.norm2)
+    dec.embeddings.weight = _np(model.tgt_embed.weight)
+    dec.scale_embeddings = True
+    dec.position_encodings.encodings = table
+    dec.projection.weight = _np(model.output_weight)
+    for s, layer in zip(dec.layer, model.decoder.layers):
+        linear(s.self_attention.linear[0], layer.self_attn.qkv_proj)
+        linear(s.self_attention.linear[1], layer.self_attn.out_proj)
+        norm(s.self_attention.layer_norm, layer.norm1)
+        linear(s.attention.linear[0], layer.cross_attn.q_proj)
+        linear(s.attention.linear[1], layer.cross_attn.kv_proj)  # fused k, v
+        linear(s.attention.linear[2], layer.cross_attn.out_proj)
+        norm(s.attention.layer_norm, layer.norm2)
+        linear(s.ffn.linear_0, layer.ff.w1)
+        linear(s.ffn.linear_1, layer.ff.w2)
+        norm(s.ffn.layer_norm, layer.norm3)
+    if cfg.norm_first:
+        norm(enc.layer_norm, model.encoder.norm)  # type: ignore[arg-type]
+        norm(dec.layer_norm, model.decoder.norm)  # type: ignore[arg-type]
+    spec.register_source_vocabulary(vocabulary(tokenizers.src))
+    spec.register_target_vocabulary(vocabulary(tokenizers.tgt))
+    spec.config.unk_token, spec.config.bos_token, spec.config.eos_token = PIECES[UNK_ID], PIECES[BOS_ID], PIECES[EOS_ID]
+    spec.config.decoder_start_token = PIECES[BOS_ID]
+    spec.config.add_source_bos = spec.config.add_source_eos = False  # the source goes in bare, as in aiayn
+    spec.config.layer_norm_epsilon = cfg.layer_norm_eps
+    del ct2
+    return spec
+
+
+QUANTIZATIONS = ("int8", "int8_float32", "int16", "float16", "bfloat16", "float32")
+
+
+def export_ctranslate2(checkpoint: str | Path, out: str | Path, quantization: str | None = None) -> Path:
+    """Writes a CTranslate2 model directory (model.bin, vocabularies, config.json) to `out`."""
+    from aiayn.checkpoint import load_checkpoint
+
+    ct2 = _require("ctranslate2")
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise AiaynError(f"--quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
+    ck = load_checkpoint(checkpoint)
+    spec = ct2_spec(ck.model, ck.tokenizers)
+
+    class _Given(ct2.converters.Converter):  # type: ignore[name-defined,misc]
+        def _load(self) -> Any:
+            return spec
+
+    out = Path(out)
+    tmp = _fresh_dir(out)
+    try:
+        _Given().convert(str(tmp), quantization=quantization, force=True)
+        ck.tokenizers.save(tmp)  # our SentencePiece model(s), for CT2Translator
+        meta = {"aiayn_checkpoint": str(ck.path), "quantization": quantization or "float32",
+                "model": ck.model_config.to_dict(), "tokenizer": ck.tokenizers.describe()}
+        (tmp / "aiayn.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+class CT2Translator:
+    """Translates text with a CTranslate2 export (`aiayn export --to ctranslate2`).
+
+    Lines are handled as by `aiayn.translate.Translator`: one output line per input line, in order;
+    a blank line gives an empty translation. The maximum length per sentence is aiayn's
+    floor(max_len_a * source length + max_len_b) tokens. Greedy search matches aiayn's; CTranslate2's
+    beam search divides scores by len**alpha where aiayn divides by ((5 + len) / 6)**alpha.
+    """
+
+    def __init__(self, path: str | Path, compute_type: str = "default", threads: int = 0) -> None:
+        ct2 = _require("ctranslate2")
+        path = Path(path)
+        if not (path / "model.bin").is_file():
+            raise AiaynError(f"{path} is not a CTranslate2 export (no model.bin); create one with "
+                             "`aiayn export --checkpoint DIR --to ctranslate2 OUT`")
+        self.path = path
+        self.tokenizers = TokenizerPair.load(path)
+        try:
+            self.engine = ct2.Translator(str(path), device="cpu", compute_type=compute_type, intra_threads=threads)
+        except (RuntimeError, ValueError) as e:
+            raise AiaynError(f"{path}: CTranslate2 cannot load it ({str(e).splitlines()[0]})") from e
+
+    @classmethod
+    def from_path(cls, path: str | Path, compute_type: str = "default", threads: int = 0) -> "CT2Translator":
+        return cls(path, compute_type, threads)
+
+    def translate_ids(self, src_ids: Sequence[Sequence[int]], beam: int = 4, alpha: float = 0.6,
+                      max_len_a: float = 1.0, max_len_b: int = 50, max_tokens: int = 4096) -> list[list[int]]:
+        """Token ids in (no BOS/EOS), token ids out (no BOS/EOS); empty sources give empty outputs."""
+        if int(beam) < 1:
+            raise AiaynError(f"--beam must be at least 1, got {beam}")
+        vocab = vocabulary(self.tokenizers.src)
+        tgt_index = {p: i for i, p in enumerate(vocabulary(self.tokenizers.tgt))}
+        out: list[list[int]] = [[] for _ in src_ids]
+        todo = [i for i, s in enumerate(src_ids) if len(s)]
+        if not todo:
+            return out
+        limits = [max(1, math.floor(len(src_ids[i]) * max_len_a + max_len_b)) for i in todo]
+        results = self.engine.translate_batch(
+            [[vocab[t] for t in src_ids[i]] for i in todo],
+            beam_size=int(beam), length_penalty=float(alpha) if beam > 1 else 0.0,
+            max_decoding_length=max(limits), min_decoding_length=0, max_input_length=0,
+            suppress_sequences=[[PIECES[PAD_ID]], [PIECES[BOS_ID]]],
+            max_batch_size=int(max_tokens), batch_type="tokens",
+        )
+        for i, limit, r in zip(todo, limits, results):
+            out[i] = [tgt_index[p] for p in r.hypotheses[0]][:limit]
+        return out
+
+    def translate(self, lines: list[str], beam: int = 4, alpha: float = 0.6, nbest: int = 1,
+                  max_tokens: int = 4096, max_len_a: float = 1.0, max_len_b: int = 50) -> list[str]:
+        if nbest != 1:
+            raise AiaynError("--nbest is not supported with --engine ctranslate2; use the torch engine")
+        ids = self.tokenizers.src.encode_batch([line.strip() for line in lines])
+        hyps = self.translate_ids(ids, beam, alpha, max_len_a, max_len_b, max_tokens)
+        return [self.tokenizers.tgt.decode(h) if line.strip() else "" for h, line in zip(hyps, lines)]
+
+
+# ------------------------------------------------------------------------------------- helpers
+
+
+def _fresh_dir(out: Path) -> Path:
+    if out.exists() and not out.is_dir():
+        raise AiaynError(f"output {out} exists and is not a directory; choose another OUT")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Moves a finished export into place; an existing export at `out` is replaced only then."""
+    if out.exists():
+        old = out.parent / f".tmp-old-{out.name}"
+        shutil.rmtree(old, ignore_errors=True)
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(out)
+
+
+# ----------------------------------------------------------------------------------------- CLI
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True, metavar="DIR", help="a checkpoint or run directory (its best/)")
+    p.add_argument("--to", required=True, choices=("hf", "ctranslate2"), help="the target format")
+    p.add_argument("out", metavar="OUT", help="the output directory (replaced if it exists)")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                   help="CTranslate2 only: weight type of the export (default: float32)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.to == "hf":
+        if args.quantization:
+            raise AiaynError("--quantization applies to --to ctranslate2 only")
+        out = export_hf(args.checkpoint, args.out)
+        print(f"wrote a Hugging Face MarianMTModel to {out}; load it with MarianMTModel.from_pretrained and "
+              "MarianTokenizer.from_pretrained, and tokenize with add_special_tokens=False as aiayn does")
+    else:
+        out = export_ctranslate2(args.checkpoint, args.out, args.quantization)
+        print(f"wrote a CTranslate2 model ({args.quantization or 'float32'}) to {out}; "
+              f"translate with `aiayn translate --engine ctranslate2 --checkpoint {out}`")
+    return 0

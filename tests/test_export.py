@@ -1,0 +1,251 @@
+"""Exports to Hugging Face (Marian) and CTranslate2 translate exactly as aiayn does.
+
+A tiny model is trained for a few seconds on a synthetic task (translate words through a fixed
+dictionary and reverse their order), so that it stops by itself with EOS and its outputs vary;
+exports of it must give the same token ids as aiayn's own greedy search, and (HF) beam search.
+"""
+
+from __future__ import annotations
+
+import importlib
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from aiayn.checkpoint import save_checkpoint
+from aiayn.cli import main
+from aiayn.config import preset
+from aiayn.data import collate
+from aiayn.errors import AiaynError
+from aiayn.model import Transformer, sinusoidal_table
+from aiayn.search import beam_search, greedy_search
+from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, TokenizerPair
+
+SRC_WORDS = "a dog cat man woman runs jumps red blue big small the in on park street ball plays with girl boy sits".split()
+TGT_WORDS = ("ein hund katze mann frau rennt springt rot blau gross klein der im auf park strasse ball spielt mit "
+             "maedchen junge sitzt").split()
+LEXICON = dict(zip(SRC_WORDS, TGT_WORDS))
+
+
+def _pairs(rng: random.Random, n: int) -> list[tuple[str, str]]:
+    out = []
+    for _ in range(n):
+        s = [rng.choice(SRC_WORDS) for _ in range(rng.randint(2, 9))]
+        out.append((" ".join(s), " ".join(LEXICON[w] for w in reversed(s))))
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(checkpoint dir, model, tokenizers, test source lines): about 10 s of training on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        rng = random.Random(0)
+        data = _pairs(rng, 3000)
+        tok = Tokenizer.train([s for s, _ in data] + [t for _, t in data], 400)
+        pair = TokenizerPair(tok, tok, joint=True)
+        V = tok.vocab_size
+        examples = [(tok.encode(s), tok.encode(t)) for s, t in data]
+        cfg = preset("tiny", src_vocab_size=V, tgt_vocab_size=V, d_model=32, d_ff=64, max_positions=128)
+        model = Transformer(cfg)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        for _ in range(150):
+            b = collate(examples, rng.sample(range(len(examples)), 64))
+            loss = F.cross_entropy(model(b.src, b.tgt_in).flatten(0, 1), b.tgt_out.flatten(), ignore_index=PAD_ID)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        model.eval()
+        ckpt = tmp_path_factory.mktemp("export") / "ckpt"
+        save_checkpoint(ckpt, model, pair, {"train": {}, "step": 150})
+        lines = [s for s, _ in _pairs(random.Random(1), 24)]
+        yield ckpt, model, pair, lines
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _src(tok: Tokenizer, lines: list[str]) -> torch.Tensor:
+    ids = tok.encode_batch(lines)
+    src = torch.full((len(ids), max(map(len, ids))), PAD_ID)
+    for i, row in enumerate(ids):
+        src[i, : len(row)] = torch.tensor(row)
+    return src
+
+
+def _strip(row: list[int]) -> list[int]:
+    """HF output row -> ids without the start token, cut at EOS."""
+    row = row[1:]
+    return row[: row.index(EOS_ID)] if EOS_ID in row else row
+
+
+# ------------------------------------------------------------------------------- Hugging Face
+
+
+@pytest.mark.parametrize("shared,tied,activation", [(True, True, "relu"), (False, False, "gelu")])
+def test_marian_computes_the_same_logits_after_save_and_load(tmp_path, shared, tied, activation):
+    transformers = pytest.importorskip("transformers")
+    from aiayn.export import to_marian
+
+    cfg = preset("tiny", src_vocab_size=40, tgt_vocab_size=40 if shared else 37, share_embeddings=shared,
+                 tie_output=tied, activation=activation, max_positions=64)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():  # non-zero biases and norms, so a wrongly permuted vector would show
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    hf = to_marian(model)
+    hf.save_pretrained(tmp_path)
+    reloaded = transformers.MarianMTModel.from_pretrained(tmp_path).eval()
+    src = torch.randint(4, 40, (3, 9))
+    src[0, 6:] = PAD_ID
+    tgt = torch.randint(4, cfg.tgt_vocab_size, (3, 7))
+    tgt[:, 0] = BOS_ID
+    with torch.no_grad():
+        ours = model(src, tgt)
+        for m in (hf, reloaded):
+            theirs = m(input_ids=src, attention_mask=src.ne(PAD_ID), decoder_input_ids=tgt).logits
+            assert theirs.shape == ours.shape
+            assert torch.allclose(ours, theirs, atol=1e-5, rtol=0)
+
+
+def test_feature_permutation_maps_our_sinusoids_onto_marians():
+    pytest.importorskip("transformers")
+    from transformers.models.marian.modeling_marian import MarianSinusoidalPositionalEmbedding
+
+    from aiayn.export import feature_permutation
+
+    emb = MarianSinusoidalPositionalEmbedding(50, 16)
+    marian = emb.create_weight()
+    assert torch.allclose(sinusoidal_table(50, 16)[:, feature_permutation(16)], marian, atol=1e-6)
+    assert not torch.allclose(sinusoidal_table(50, 16), marian, atol=1e-2)  # the layouts do differ
+
+
+def test_pre_norm_model_is_refused_for_hf_with_a_clear_error():
+    pytest.importorskip("transformers")
+    from aiayn.export import to_marian
+
+    model = Transformer(preset("tiny", src_vocab_size=30, tgt_vocab_size=30, norm_first=True))
+    with pytest.raises(AiaynError, match="pre-norm.*ctranslate2"):
+        to_marian(model)
+
+
+def test_hf_export_translates_like_aiayn_greedy_and_beam(trained, tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    ckpt, model, pair, lines = trained
+    out = tmp_path / "hf"
+    assert main(["export", "--checkpoint", str(ckpt), "--to", "hf", str(out)]) == 0
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert isinstance(tok, transformers.MarianTokenizer)
+    hf = transformers.AutoModelForSeq2SeqLM.from_pretrained(out).eval()
+    assert (hf.config.pad_token_id, hf.config.eos_token_id, hf.config.decoder_start_token_id) == (0, 3, 2)
+
+    enc = tok(lines, add_special_tokens=False, padding=True, return_tensors="pt")
+    src = _src(pair.src, lines)
+    assert torch.equal(enc["input_ids"], src)  # the same source ids aiayn feeds: no EOS appended
+    limits = (src.ne(PAD_ID).sum(1) + 50).tolist()  # aiayn's default max length: source length + 50
+    with torch.no_grad():
+        ours = greedy_search(model, src, BOS_ID, EOS_ID)
+        theirs = hf.generate(**enc, num_beams=1, do_sample=False, max_new_tokens=max(limits))
+    theirs_ids = [_strip(r)[:n] for r, n in zip(theirs.tolist(), limits)]
+    assert theirs_ids == ours
+    assert len({len(h) for h in ours}) > 3  # varied outputs, not a degenerate model
+    texts = tok.batch_decode(theirs, skip_special_tokens=True)
+    assert texts == [pair.tgt.decode(h) for h in ours]
+
+    # Beam 4: transformers divides by len**alpha, aiayn by ((5 + len) / 6)**alpha; with alpha = 0 both
+    # rank by the summed log-probability, and early_stopping=True stops, as aiayn does, at 4 finished.
+    with torch.no_grad():
+        ours_b = beam_search(model, src, BOS_ID, EOS_ID, beam=4, alpha=0.0, nbest=4)
+        theirs_b = hf.generate(**enc, num_beams=4, length_penalty=0.0, early_stopping=True,
+                               max_new_tokens=max(limits) + 1)
+    # Compare sentences whose search never reached the length limit (where aiayn forces EOS).
+    free = [i for i, hyps in enumerate(ours_b) if all(len(h) < limits[i] for h, _ in hyps)]
+    assert len(free) >= len(lines) // 2
+    for i in free:
+        assert _strip(theirs_b[i].tolist()) == ours_b[i][0][0], lines[i]
+
+
+def test_hf_tokenizer_reproduces_aiayn_ids_and_text(trained, tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    from aiayn.export import save_hf_tokenizer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _, _, pair, _ = trained
+    save_hf_tokenizer(pair, tmp_path)
+    tok = transformers.MarianTokenizer.from_pretrained(tmp_path)
+    texts = ["a dog runs in the park", "Zürich café — 東京 ✓", "the  big   ball"]  # unseen characters: byte pieces
+    for text in texts:
+        ids = pair.src.encode(text)
+        assert tok(text, add_special_tokens=False)["input_ids"] == ids
+        assert tok(text)["input_ids"] == ids + [EOS_ID]  # MarianTokenizer's default appends EOS
+        assert tok.decode([BOS_ID, *ids, EOS_ID, PAD_ID], skip_special_tokens=True) == pair.tgt.decode(ids)
+
+
+# -------------------------------------------------------------------------------- CTranslate2
+
+
+def test_ctranslate2_export_greedy_is_identical(trained, tmp_path):
+    pytest.importorskip("ctranslate2")
+    from aiayn.export import CT2Translator
+
+    ckpt, model, pair, lines = trained
+    out = tmp_path / "ct2"
+    assert main(["export", "--checkpoint", str(ckpt), "--to", "ctranslate2", str(out)]) == 0
+    assert (out / "model.bin").is_file() and (out / "spm.model").is_file()
+    ct2 = CT2Translator(out, threads=1)
+    src = _src(pair.src, lines)
+    with torch.no_grad():
+        ours = greedy_search(model, src, BOS_ID, EOS_ID)
+        ours_short = greedy_search(model, src, BOS_ID, EOS_ID, max_len_a=0.5, max_len_b=1)
+    ids = pair.src.encode_batch(lines)
+    assert ct2.translate_ids(ids, beam=1) == ours
+    assert ct2.translate_ids(ids, beam=1, max_len_a=0.5, max_len_b=1) == ours_short  # aiayn's length limit
+    texts = ct2.translate(lines + ["", "   "], beam=1)
+    assert texts == [pair.tgt.decode(h) for h in ours] + ["", ""]
+
+
+def test_ctranslate2_int8_and_pre_norm(tmp_path):
+    pytest.importorskip("ctranslate2")
+    from aiayn.export import CT2Translator, export_ctranslate2
+
+    tok = Tokenizer.train([f"{w} {v}" for w in SRC_WORDS for v in TGT_WORDS], 300)
+    pair = TokenizerPair(tok, tok, joint=True)
+    cfg = preset("tiny", src_vocab_size=tok.vocab_size, tgt_vocab_size=tok.vocab_size, norm_first=True,
+                 activation="gelu", max_positions=64)
+    model = Transformer(cfg).eval()
+    save_checkpoint(tmp_path / "ckpt", model, pair, {"train": {}, "step": 0})
+    lines = ["a dog runs", "the big red ball plays with a girl in the park", "boy"]
+    src = _src(tok, lines)
+    with torch.no_grad():
+        ours = greedy_search(model, src, BOS_ID, EOS_ID, max_len_b=8)  # random weights: runs to the limit
+    export_ctranslate2(tmp_path / "ckpt", tmp_path / "fp32")
+    assert CT2Translator(tmp_path / "fp32", threads=1).translate_ids(tok.encode_batch(lines), 1, max_len_b=8) == ours
+    export_ctranslate2(tmp_path / "ckpt", tmp_path / "int8", quantization="int8")
+    assert (tmp_path / "int8" / "model.bin").stat().st_size < (tmp_path / "fp32" / "model.bin").stat().st_size
+    got = CT2Translator(tmp_path / "int8", threads=1).translate_ids(tok.encode_batch(lines), 1, max_len_b=8)
+    assert [len(h) for h in got] == [len(h) for h in ours]
+
+
+# ------------------------------------------------------------------------------ without extras
+
+
+@pytest.mark.parametrize("target,package", [("hf", "transformers"), ("ctranslate2", "ctranslate2")])
+def test_missing_extra_says_what_to_install(trained, tmp_path, monkeypatch, capsys, target, package):
+    real_import_module = importlib.import_module
+
+    def no_extra(name, package=None):  # type: ignore[no-untyped-def]
+        if name.split(".")[0] == package_name:
+            raise ImportError(f"No module named {package_name!r}")
+        return real_import_module(name, package)
+
+    package_name = package
+    monkeypatch.setattr(importlib, "import_module", no_extra)
+    assert main(["export", "--checkpoint", str(trained[0]), "--to", target, str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and package in err and "pip install 'aiayn[export]'" in err
+    assert not (tmp_path / "out").exists()
