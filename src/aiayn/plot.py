@@ -254,6 +254,7 @@ def attention_figure(maps: AttentionMaps, kinds: Sequence[str] = ATTENTION_KINDS
         if kind not in _SECTION:
             raise AiaynError(f"--kind: unknown attention kind {kind!r}; choose from {', '.join(ATTENTION_KINDS)}")
     drawn: dict[str, np.ndarray] = {}
+    numbers: dict[str, list[int]] = {}  # 1-based layer numbers drawn, per kind
     sizes = []  # (width, height) in inches per section
     for kind in kinds:
         arr = getattr(maps, _SECTION[kind][0])
@@ -262,7 +263,7 @@ def attention_figure(maps: AttentionMaps, kinds: Sequence[str] = ATTENTION_KINDS
         bad = [n for n in chosen if not 1 <= n <= n_layers]
         if bad:
             raise AiaynError(f"--layers: layer {bad[0]} does not exist; the model has {n_layers} ({kind})")
-        drawn[kind] = arr[[n - 1 for n in chosen]]
+        drawn[kind], numbers[kind] = arr[[n - 1 for n in chosen]], chosen
         xl, yl = _section_labels(maps, kind)
         L, H, Tq, Tk = drawn[kind].shape
         cell = 0.19  # inches per token: room for a 7-point label
@@ -281,7 +282,6 @@ def attention_figure(maps: AttentionMaps, kinds: Sequence[str] = ATTENTION_KINDS
         arr = drawn[kind]
         L, H, Tq, Tk = arr.shape
         xl, yl = _section_labels(maps, kind)
-        chosen = list(range(1, getattr(maps, _SECTION[kind][0]).shape[0] + 1)) if not layers else list(layers)
         axes = sub.subplots(L, H, squeeze=False)
         future = np.triu(np.ones((Tq, Tk), dtype=bool), k=1)  # (T, T) above the diagonal
         for li in range(L):
@@ -298,7 +298,7 @@ def attention_figure(maps: AttentionMaps, kinds: Sequence[str] = ATTENTION_KINDS
                 if li == 0:
                     ax.set_title(f"head {h + 1}", fontsize=9)
                 if h == 0:
-                    ax.set_ylabel(f"layer {chosen[li]}", fontsize=9, fontweight="bold")
+                    ax.set_ylabel(f"layer {numbers[kind][li]}", fontsize=9, fontweight="bold")
         sub.colorbar(im, ax=axes, label="attention weight", shrink=min(1.0, 3.0 / max(L, 1) + 0.3), aspect=25)
         _, section_title, xlabel, ylabel = _SECTION[kind]
         sub.suptitle(section_title, fontsize=11, fontweight="bold")
