@@ -198,15 +198,42 @@ def test_ctranslate2_export_greedy_is_identical(trained, tmp_path):
     assert main(["export", "--checkpoint", str(ckpt), "--to", "ctranslate2", str(out)]) == 0
     assert (out / "model.bin").is_file() and (out / "spm.model").is_file()
     ct2 = CT2Translator(out, threads=1)
+
+    def best(nbests):  # type: ignore[no-untyped-def]
+        return [nb[0][0] for nb in nbests]
+
     src = _src(pair.src, lines)
     with torch.no_grad():
         ours = greedy_search(model, src, BOS_ID, EOS_ID)
         ours_short = greedy_search(model, src, BOS_ID, EOS_ID, max_len_a=0.5, max_len_b=1)
     ids = pair.src.encode_batch(lines)
-    assert ct2.translate_ids(ids, beam=1) == ours
-    assert ct2.translate_ids(ids, beam=1, max_len_a=0.5, max_len_b=1) == ours_short  # aiayn's length limit
+    assert best(ct2.translate_ids(ids, beam=1)) == ours
+    assert best(ct2.translate_ids(ids, beam=1, max_len_a=0.5, max_len_b=1)) == ours_short  # aiayn's length limit
     texts = ct2.translate(lines + ["", "   "], beam=1)
     assert texts == [pair.tgt.decode(h) for h in ours] + ["", ""]
+    # The Translator contract: nbest lines per input, scores best first; beam 4 mostly agrees with aiayn's.
+    res = ct2.search(lines[:4] + [""], beam=4, alpha=0.6, nbest=2)
+    assert [len(nb) for nb in res] == [2, 2, 2, 2, 1] and res[-1] == [("", 0.0)]
+    assert all(nb[0][1] >= nb[1][1] for nb in res[:4])
+    assert len(ct2.translate(lines[:3], beam=4, nbest=2)) == 6
+    with torch.no_grad():
+        ours_b = [nb[0][0] for nb in beam_search(model, src, BOS_ID, EOS_ID, beam=4, alpha=0.6)]
+    assert sum(h == o for h, o in zip(best(ct2.translate_ids(ids, beam=4)), ours_b)) >= len(lines) * 3 // 4
+
+
+def test_ctranslate2_translator_truncates_long_lines_with_a_note(trained, tmp_path):
+    pytest.importorskip("ctranslate2")
+    from aiayn.export import CT2Translator, export_ctranslate2
+
+    ckpt, _, pair, _ = trained
+    export_ctranslate2(ckpt, tmp_path / "ct2")
+    notes: list[str] = []
+    ct2 = CT2Translator(tmp_path / "ct2", threads=1, note=notes.append)
+    long_line = " ".join(["dog"] * 200)  # 200 tokens > max_positions 128
+    out = ct2.translate(["a dog", long_line], beam=1, max_len_b=3)
+    assert len(out) == 2 and len(notes) == 1 and notes[0].startswith("line 2: 200 source tokens")
+    with pytest.raises(AiaynError, match="not a CTranslate2 export"):
+        CT2Translator(ckpt)
 
 
 def test_ctranslate2_int8_and_pre_norm(tmp_path):
@@ -224,11 +251,12 @@ def test_ctranslate2_int8_and_pre_norm(tmp_path):
     with torch.no_grad():
         ours = greedy_search(model, src, BOS_ID, EOS_ID, max_len_b=8)  # random weights: runs to the limit
     export_ctranslate2(tmp_path / "ckpt", tmp_path / "fp32")
-    assert CT2Translator(tmp_path / "fp32", threads=1).translate_ids(tok.encode_batch(lines), 1, max_len_b=8) == ours
+    got = CT2Translator(tmp_path / "fp32", threads=1).translate_ids(tok.encode_batch(lines), 1, max_len_b=8)
+    assert [nb[0][0] for nb in got] == ours
     export_ctranslate2(tmp_path / "ckpt", tmp_path / "int8", quantization="int8")
     assert (tmp_path / "int8" / "model.bin").stat().st_size < (tmp_path / "fp32" / "model.bin").stat().st_size
     got = CT2Translator(tmp_path / "int8", threads=1).translate_ids(tok.encode_batch(lines), 1, max_len_b=8)
-    assert [len(h) for h in got] == [len(h) for h in ours]
+    assert [len(nb[0][0]) for nb in got] == [len(h) for h in ours]
 
 
 # ------------------------------------------------------------------------------ without extras

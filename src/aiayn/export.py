@@ -356,59 +356,92 @@ def export_ctranslate2(checkpoint: str | Path, out: str | Path, quantization: st
 class CT2Translator:
     """Translates text with a CTranslate2 export (`aiayn export --to ctranslate2`).
 
-    Lines are handled as by `aiayn.translate.Translator`: one output line per input line, in order;
-    a blank line gives an empty translation. The maximum length per sentence is aiayn's
-    floor(max_len_a * source length + max_len_b) tokens. Greedy search matches aiayn's; CTranslate2's
-    beam search divides scores by len**alpha where aiayn divides by ((5 + len) / 6)**alpha.
+    The same contract as `aiayn.translate.Translator` (`search` and `translate` take the same
+    settings): one output per input line, in order; a blank line gives an empty translation; a line
+    longer than the model's `max_positions` is truncated with a note. The maximum length per
+    sentence is aiayn's floor(max_len_a * source length + max_len_b) tokens; PAD and BOS are never
+    generated. Greedy search gives aiayn's translations; CTranslate2's beam search divides scores by
+    len**alpha where aiayn divides by ((5 + len) / 6)**alpha, and it stops a hypothesis at the
+    batch's longest length limit (cut to the sentence's own limit afterwards) instead of forcing EOS.
+    `precision` "fp32" computes in the export's own weight type (float32 or int8); "bf16" in bfloat16.
     """
 
-    def __init__(self, path: str | Path, compute_type: str = "default", threads: int = 0) -> None:
+    def __init__(self, path: str | Path, precision: str = "fp32", threads: int = 0,
+                 note: Any = None) -> None:
         ct2 = _require("ctranslate2")
         path = Path(path)
         if not (path / "model.bin").is_file():
             raise AiaynError(f"{path} is not a CTranslate2 export (no model.bin); create one with "
                              "`aiayn export --checkpoint DIR --to ctranslate2 OUT`")
+        if precision not in ("fp32", "bf16"):
+            raise AiaynError(f"--precision must be fp32 or bf16, got {precision!r}")
         self.path = path
         self.tokenizers = TokenizerPair.load(path)
+        self._src_vocab = vocabulary(self.tokenizers.src)
+        self._tgt_index = {p: i for i, p in enumerate(vocabulary(self.tokenizers.tgt))}
         try:
-            self.engine = ct2.Translator(str(path), device="cpu", compute_type=compute_type, intra_threads=threads)
+            meta = json.loads((path / "aiayn.json").read_text(encoding="utf-8"))
+            self.max_src_tokens = int(meta["model"]["max_positions"])
+        except (OSError, ValueError, KeyError, TypeError):
+            raise AiaynError(f"{path}/aiayn.json is missing or damaged; export the checkpoint again") from None
+        self.note = note or (lambda msg: print(f"aiayn translate: {msg}", file=__import__("sys").stderr, flush=True))
+        compute = "default" if precision == "fp32" else "bfloat16"
+        try:
+            self.engine = ct2.Translator(str(path), device="cpu", compute_type=compute, intra_threads=threads)
         except (RuntimeError, ValueError) as e:
-            raise AiaynError(f"{path}: CTranslate2 cannot load it ({str(e).splitlines()[0]})") from e
+            raise AiaynError(f"{path}: CTranslate2 cannot load it with precision {precision} "
+                             f"({str(e).splitlines()[0]})") from e
 
     @classmethod
-    def from_path(cls, path: str | Path, compute_type: str = "default", threads: int = 0) -> "CT2Translator":
-        return cls(path, compute_type, threads)
+    def from_path(cls, path: str | Path, precision: str = "fp32", **kwargs: Any) -> "CT2Translator":
+        return cls(path, precision, **kwargs)
 
-    def translate_ids(self, src_ids: Sequence[Sequence[int]], beam: int = 4, alpha: float = 0.6,
-                      max_len_a: float = 1.0, max_len_b: int = 50, max_tokens: int = 4096) -> list[list[int]]:
-        """Token ids in (no BOS/EOS), token ids out (no BOS/EOS); empty sources give empty outputs."""
-        if int(beam) < 1:
-            raise AiaynError(f"--beam must be at least 1, got {beam}")
-        vocab = vocabulary(self.tokenizers.src)
-        tgt_index = {p: i for i, p in enumerate(vocabulary(self.tokenizers.tgt))}
-        out: list[list[int]] = [[] for _ in src_ids]
+    def translate_ids(self, src_ids: Sequence[Sequence[int]], beam: int = 4, alpha: float = 0.6, nbest: int = 1,
+                      max_len_a: float = 1.0, max_len_b: int = 50, min_len: int = 0,
+                      max_tokens: int = 4096) -> list[list[tuple[list[int], float]]]:
+        """Per sentence, up to `nbest` (ids, score) pairs, best first; ids without BOS/EOS.
+
+        An empty source gives [([], 0.0)]. Greedy scores are nan (as in aiayn).
+        """
+        out: list[list[tuple[list[int], float]]] = [[([], 0.0)] for _ in src_ids]
         todo = [i for i, s in enumerate(src_ids) if len(s)]
         if not todo:
             return out
         limits = [max(1, math.floor(len(src_ids[i]) * max_len_a + max_len_b)) for i in todo]
         results = self.engine.translate_batch(
-            [[vocab[t] for t in src_ids[i]] for i in todo],
-            beam_size=int(beam), length_penalty=float(alpha) if beam > 1 else 0.0,
-            max_decoding_length=max(limits), min_decoding_length=0, max_input_length=0,
-            suppress_sequences=[[PIECES[PAD_ID]], [PIECES[BOS_ID]]],
+            [[self._src_vocab[t] for t in src_ids[i]] for i in todo],
+            beam_size=int(beam), num_hypotheses=int(nbest), length_penalty=float(alpha) if beam > 1 else 0.0,
+            max_decoding_length=max(limits), min_decoding_length=int(min_len), max_input_length=0,
+            suppress_sequences=[[PIECES[PAD_ID]], [PIECES[BOS_ID]]], return_scores=beam > 1,
             max_batch_size=int(max_tokens), batch_type="tokens",
         )
         for i, limit, r in zip(todo, limits, results):
-            out[i] = [tgt_index[p] for p in r.hypotheses[0]][:limit]
+            scores = r.scores if beam > 1 else [float("nan")] * len(r.hypotheses)
+            out[i] = [([self._tgt_index[p] for p in h][:limit], float(sc)) for h, sc in zip(r.hypotheses, scores)]
         return out
 
-    def translate(self, lines: list[str], beam: int = 4, alpha: float = 0.6, nbest: int = 1,
-                  max_tokens: int = 4096, max_len_a: float = 1.0, max_len_b: int = 50) -> list[str]:
-        if nbest != 1:
-            raise AiaynError("--nbest is not supported with --engine ctranslate2; use the torch engine")
-        ids = self.tokenizers.src.encode_batch([line.strip() for line in lines])
-        hyps = self.translate_ids(ids, beam, alpha, max_len_a, max_len_b, max_tokens)
-        return [self.tokenizers.tgt.decode(h) if line.strip() else "" for h, line in zip(hyps, lines)]
+    def search(self, lines: Sequence[str], first_line: int = 1, **settings: Any) -> list[list[tuple[str, float]]]:
+        """Per input line, up to `nbest` (translation, score) pairs, as `Translator.search`."""
+        from aiayn.translate import Settings, one_line
+
+        s = Settings(**settings)
+        s.check()
+        ids: list[list[int]] = []
+        for k, line in enumerate(lines):
+            row = self.tokenizers.src.encode(line) if line.strip() else []
+            if len(row) > self.max_src_tokens:
+                self.note(f"line {first_line + k}: {len(row)} source tokens, more than the model takes; "
+                          f"translated its first {self.max_src_tokens} tokens only")
+                row = row[: self.max_src_tokens]
+            ids.append(row)
+        hyps = self.translate_ids(ids, s.beam, s.alpha, s.nbest, s.max_len_a, s.max_len_b, s.min_len, s.max_tokens)
+        return [[(one_line(self.tokenizers.tgt.decode(h)), sc) for h, sc in nb] for nb in hyps]
+
+    def translate(self, lines: Sequence[str], beam: int = 4, alpha: float = 0.6, nbest: int = 1,
+                  max_tokens: int = 4096, **settings: Any) -> list[str]:
+        """Translations of `lines`, one per line in order (nbest=N: N consecutive ones per line)."""
+        res = self.search(lines, beam=beam, alpha=alpha, nbest=nbest, max_tokens=max_tokens, **settings)
+        return [text for nb in res for text, _ in nb[:nbest]]
 
 
 # ------------------------------------------------------------------------------------- helpers
