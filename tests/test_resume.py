@@ -1,0 +1,131 @@
+"""Nothing lost: a training run killed with SIGKILL at random moments (mid-step, mid-checkpoint-write)
+and resumed each time ends with the same weights, bitwise, as a run never interrupted; SIGINT and
+SIGTERM finish the step, write a checkpoint and print the command that resumes."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_train import make_corpus, tiny_args, train_cli
+
+from aiayn.checkpoint import load_checkpoint
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    return {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _start(argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
+    f = open(log, "w")
+    return subprocess.Popen([sys.executable, "-m", "aiayn", *argv], stdout=f, stderr=subprocess.STDOUT, env=env)
+
+
+def _wait_for(log: Path, text: str, proc: subprocess.Popen, timeout: float = 120.0) -> bool:
+    """Waits until the run prints `text` (its setup is done); False if it exited first."""
+    end = time.time() + timeout
+    while time.time() < end:
+        if text in log.read_text(errors="replace"):
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.05)
+    raise AssertionError(f"no {text!r} in {log} after {timeout}s")
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _train_losses(run: Path) -> dict[int, float]:
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in recs if r["kind"] == "train"]
+    assert len(steps) == len(set(steps)), "a resumed run must not log a step twice"
+    return {r["step"]: r["loss"] for r in recs if r["kind"] == "train"}
+
+
+def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_path):
+    corpus = make_corpus(tmp_path / "data", n_train=120)
+    steps = 36  # about two epochs, so a resume also crosses an epoch end with validation
+    extra = ["--max-steps", str(steps), "--save-every", "1", "--keep-last", "2", "--dropout", "0.1", "--log-every", "1"]
+    env = _env(tmp_path)
+    ref = tmp_path / "ref"
+    train_cli(tiny_args(corpus, ref, *extra))  # in this process, also one thread, fp32
+
+    run = tmp_path / "run"
+    argv = tiny_args(corpus, run, *extra, "--resume")
+    rng = random.Random(20240601)
+    kills, progress = 0, []
+    for attempt in range(5):
+        log = tmp_path / f"log{attempt}.txt"
+        proc = _start(argv, log, env)
+        if _wait_for(log, "device cpu", proc):
+            time.sleep(rng.uniform(0.05, 1.2))  # lands in a step, a checkpoint write or validation
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                kills += 1
+        proc.wait(timeout=120)
+        done = [int(p.name[5:]) for p in run.glob("step_*") if (p / "config.json").exists()]
+        progress.append(max(done, default=0))
+        if progress[-1] >= steps:
+            break
+    assert kills >= 3, f"only {kills} kills landed; progress {progress}"
+    log = tmp_path / "final.txt"
+    proc = _start(argv, log, env)
+    assert proc.wait(timeout=180) == 0, log.read_text()
+    assert load_checkpoint(run / f"step_{steps}").config["step"] == steps
+    a = load_file(str(ref / f"step_{steps}" / "model.safetensors"))
+    b = load_file(str(run / f"step_{steps}" / "model.safetensors"))
+    assert _same(a, b), f"weights differ after kills at {progress}"
+    # the optimizer state and the logged losses match too
+    sa = load_checkpoint(ref / f"step_{steps}", with_trainer_state=True).trainer_state
+    sb = load_checkpoint(run / f"step_{steps}", with_trainer_state=True).trainer_state
+    for k, v in sa["optimizer"]["state"].items():
+        assert torch.equal(v["exp_avg_sq"], sb["optimizer"]["state"][k]["exp_avg_sq"])
+    assert (sa["epoch"], sa["position"]) == (sb["epoch"], sb["position"])
+    assert _train_losses(run) == _train_losses(ref)
+    assert not list(run.glob(".tmp-*"))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_finishes_the_step_saves_and_says_how_to_resume(tmp_path, sig):
+    corpus = make_corpus(tmp_path / "data", n_train=120)
+    run = tmp_path / "run"
+    steps = 400
+    argv = tiny_args(corpus, run, "--max-steps", str(steps), "--save-every", "0", "--log-every", "1")
+    env = _env(tmp_path)
+    log = tmp_path / "log.txt"
+    proc = _start(argv, log, env)
+    assert _wait_for(log, "device cpu", proc)
+    time.sleep(1.0)
+    proc.send_signal(sig)
+    rc = proc.wait(timeout=60)
+    text = log.read_text()
+    assert rc == 128 + sig, text
+    name = signal.Signals(sig).name
+    m = re.search(rf"stopped: interrupted by {name}; step (\d+); last checkpoint (\S+)", text)
+    assert m, text
+    step = int(m.group(1))
+    assert 0 < step < steps and Path(m.group(2)) == run / f"step_{step}"
+    state = load_checkpoint(run / f"step_{step}", with_trainer_state=True).trainer_state
+    assert state["step"] == step
+    cmd = re.search(r"to resume, run: (aiayn train .*)", text).group(1)
+    words = shlex.split(cmd)
+    assert words[:2] == ["aiayn", "train"] and words[-1] == "--resume" and words[2:-1] == argv[1:]
+    # the printed command resumes from that step, and the run finishes
+    tail = ["--max-steps", str(step + 3)]  # (a shorter limit, to keep the test quick)
+    proc = _start(words[1:] + tail, tmp_path / "log2.txt", env)
+    assert proc.wait(timeout=120) == 0, (tmp_path / "log2.txt").read_text()
+    assert f"resuming from {run / f'step_{step}'}" in (tmp_path / "log2.txt").read_text()
+    assert sorted(_train_losses(run)) == list(range(1, step + 4))
