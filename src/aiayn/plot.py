@@ -18,6 +18,7 @@ import json
 import math
 import os
 import tempfile
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -276,7 +277,10 @@ def attention_figure(maps: AttentionMaps, kinds: Sequence[str] = ATTENTION_KINDS
     # Quarter inches are exact in binary, so a PNG is exactly size * dpi pixels for any integer dpi.
     width = math.ceil(4 * max(7.0, max(w for w, _ in sizes))) / 4
     sizes = [(w, math.ceil(4 * h) / 4) for w, h in sizes]
-    fig = Figure(figsize=(width, sum(h for _, h in sizes) + 0.5), layout="constrained")
+    if title:  # wrapped to the figure's width (about 10 characters of 12-point text per inch)
+        title = "\n".join(textwrap.fill(part, width=max(40, int(width * 10))) for part in title.split("\n"))
+    title_h = 0.25 * (title.count("\n") + 1) if title else 0.0  # quarter inches keep the size exact
+    fig = Figure(figsize=(width, sum(h for _, h in sizes) + 0.25 + title_h), layout="constrained")
     subfigs = fig.subfigures(len(kinds), 1, height_ratios=[h for _, h in sizes], squeeze=False)[:, 0]
     for sub, kind in zip(subfigs, kinds):
         arr = drawn[kind]
@@ -552,7 +556,7 @@ def run(args: argparse.Namespace) -> int:
         kinds = ATTENTION_KINDS if args.kind == "all" else (args.kind,)
         source = "the model's greedy translation" if args.tgt is None else "the given target"
         name = f"{ckpt.path.parent.name}/{ckpt.path.name}"
-        title = f"Attention weights of {name}: \u201c{args.src}\u201d \u2192 \u201c{maps.tgt_text}\u201d ({source})"
+        title = f"Attention weights of {name}\n\u201c{args.src}\u201d \u2192 \u201c{maps.tgt_text}\u201d ({source})"
         fig, _ = attention_figure(maps, kinds, args.layers, title)
     elif args.picture == "curves":
         path = find_metrics(args.checkpoint)
