@@ -1,0 +1,263 @@
+"""Decoding speed: aiayn's cached search against (a) the same search without the key/value cache and
+(b) Hugging Face `MarianMTModel.generate` carrying the very same weights, in one run.
+
+    python bench/decode.py [--checkpoint DIR] [--quick] [--src de --tgt en]
+
+On Multi30k test_2016_flickr (1000 sentences), for greedy and beam 4: sentences/s and target
+tokens/s (tokens generated, EOS excluded). Every system gets the same length-sorted batches, the
+same beam and the same length limits (at most source length + 50 tokens); timings cover search
+only (tokenization excluded). The copy into Marian is checked twice: the logits of one batch, and
+the greedy translations of every sentence (printed as an agreement count).
+
+Without --checkpoint, a random-weight `small` model is built with a joint tokenizer trained on the
+Multi30k training text (cached). A random model rarely emits EOS, so nearly every sentence runs to
+its length limit: a worst case for pruning finished sentences.
+
+Marian's conventions: decoder_start_token_id = our BOS, pad 0, eos 3, final_logits_bias zero, its
+positional table overwritten with ours (Marian's own puts the cosines in the second half). Marian's
+beam search divides by len**alpha instead of ((5+len)/6)**alpha; beams can therefore rank finished
+hypotheses differently, which does not change the work done per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from aiayn.config import preset
+from aiayn.data import multi30k_paths, read_lines
+from aiayn.model import Transformer, sinusoidal_table
+from aiayn.search import beam_search, greedy_search
+from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizers
+
+
+def build(args):
+    if args.checkpoint:
+        from aiayn.checkpoint import load_checkpoint
+
+        ck = load_checkpoint(args.checkpoint)
+        return ck.model, ck.tokenizers, f"checkpoint {args.checkpoint}"
+    tr_src, tr_tgt = multi30k_paths("train", args.src, args.tgt, args.data_dir)
+    toks = build_tokenizers(tr_src, tr_tgt, args.vocab_size, joint=True)
+    torch.manual_seed(0)
+    cfg = preset(args.preset, src_vocab_size=toks.src.vocab_size, tgt_vocab_size=toks.tgt.vocab_size)
+    return Transformer(cfg).eval(), toks, f"random-weight '{args.preset}' model"
+
+
+def to_marian(model: Transformer):
+    """A MarianMTModel with the same dimensions and the same weights (post-norm, ReLU, tied, scaled)."""
+    from transformers import MarianConfig, MarianMTModel
+
+    c = model.cfg
+    hf_cfg = MarianConfig(
+        vocab_size=c.tgt_vocab_size, decoder_vocab_size=c.tgt_vocab_size, d_model=c.d_model,
+        encoder_layers=c.encoder_layers, decoder_layers=c.decoder_layers,
+        encoder_attention_heads=c.n_heads, decoder_attention_heads=c.n_heads,
+        encoder_ffn_dim=c.d_ff, decoder_ffn_dim=c.d_ff, activation_function=c.activation,
+        max_position_embeddings=c.max_positions, scale_embedding=True,
+        share_encoder_decoder_embeddings=True, tie_word_embeddings=True,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        pad_token_id=PAD_ID, eos_token_id=EOS_ID, bos_token_id=BOS_ID, decoder_start_token_id=BOS_ID,
+        forced_eos_token_id=None,
+    )
+    assert not c.norm_first and c.share_embeddings and c.tie_output, "Marian needs post-norm and tied embeddings"
+    hf = MarianMTModel(hf_cfg).eval()
+    src: dict[str, torch.Tensor] = {}
+    emb = model.tgt_embed.weight
+    for k in ("model.shared.weight", "model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight",
+              "lm_head.weight"):
+        src[k] = emb
+    table = sinusoidal_table(c.max_positions, c.d_model)
+    src["model.encoder.embed_positions.weight"] = table
+    src["model.decoder.embed_positions.weight"] = table
+    src["final_logits_bias"] = torch.zeros(1, c.tgt_vocab_size)
+
+    def attn(prefix: str, fused, names=("q_proj", "k_proj", "v_proj")) -> None:
+        for part, name in zip(fused.weight.chunk(len(names)), names):
+            src[f"{prefix}.{name}.weight"] = part
+        for part, name in zip(fused.bias.chunk(len(names)), names):
+            src[f"{prefix}.{name}.bias"] = part
+
+    def lin(name: str, m) -> None:
+        src[f"{name}.weight"], src[f"{name}.bias"] = m.weight, m.bias
+
+    for i, L in enumerate(model.encoder.layers):
+        p = f"model.encoder.layers.{i}"
+        attn(f"{p}.self_attn", L.self_attn.qkv_proj)
+        lin(f"{p}.self_attn.out_proj", L.self_attn.out_proj)
+        lin(f"{p}.self_attn_layer_norm", L.norm1)
+        lin(f"{p}.fc1", L.ff.w1), lin(f"{p}.fc2", L.ff.w2)
+        lin(f"{p}.final_layer_norm", L.norm2)
+    for i, L in enumerate(model.decoder.layers):
+        p = f"model.decoder.layers.{i}"
+        attn(f"{p}.self_attn", L.self_attn.qkv_proj)
+        lin(f"{p}.self_attn.out_proj", L.self_attn.out_proj)
+        lin(f"{p}.self_attn_layer_norm", L.norm1)
+        lin(f"{p}.encoder_attn.q_proj", L.cross_attn.q_proj)
+        attn(f"{p}.encoder_attn", L.cross_attn.kv_proj, names=("k_proj", "v_proj"))
+        lin(f"{p}.encoder_attn.out_proj", L.cross_attn.out_proj)
+        lin(f"{p}.encoder_attn_layer_norm", L.norm2)
+        lin(f"{p}.fc1", L.ff.w1), lin(f"{p}.fc2", L.ff.w2)
+        lin(f"{p}.final_layer_norm", L.norm3)
+    target = hf.state_dict()
+    missing = sorted(set(target) - set(src))
+    assert not missing, f"Marian tensors not copied: {missing[:5]}"
+    with torch.no_grad():
+        for k, v in src.items():
+            target[k].copy_(v)
+    return hf
+
+
+def batches(encoded: list[list[int]], max_tokens: int, batch_size: int) -> list[list[int]]:
+    """Length-sorted batches (longest first) under a source-token budget, the same for every system."""
+    order = sorted(range(len(encoded)), key=lambda i: -len(encoded[i]))
+    out, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1 > batch_size or (len(cur) + 1) * len(encoded[cur[0]]) > max_tokens):
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    return out + ([cur] if cur else [])
+
+
+def padded(encoded: list[list[int]], idx: list[int]) -> torch.Tensor:
+    src = torch.full((len(idx), max(len(encoded[i]) for i in idx)), PAD_ID, dtype=torch.long)  # (B, S)
+    for r, i in enumerate(idx):
+        src[r, : len(encoded[i])] = torch.tensor(encoded[i])
+    return src
+
+
+def strip(ids: list[int]) -> list[int]:
+    out = []
+    for t in ids:
+        if t == EOS_ID:
+            break
+        if t not in (PAD_ID, BOS_ID):
+            out.append(t)
+    return out
+
+
+def run_system(name: str, fn, encoded, groups) -> tuple[dict, list[list[int]]]:
+    outputs: list[list[int]] = [[] for _ in encoded]
+    t0 = time.perf_counter()
+    for idx in groups:
+        for i, ids in zip(idx, fn(padded(encoded, idx))):
+            outputs[i] = ids
+    dt = time.perf_counter() - t0
+    n_tok = sum(len(o) for o in outputs)
+    row = {"system": name, "seconds": dt, "sent_per_s": len(encoded) / dt, "tok_per_s": n_tok / dt, "tokens": n_tok}
+    print(f"  {name:<28} {dt:8.2f} s  {row['sent_per_s']:8.1f} sent/s  {row['tok_per_s']:9.1f} tok/s", flush=True)
+    return row, outputs
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint", help="a trained checkpoint (default: a random-weight model)")
+    ap.add_argument("--src", default="de")
+    ap.add_argument("--tgt", default="en")
+    ap.add_argument("--data-dir", help="data root holding multi30k/ (default $AIAYN_DATA)")
+    ap.add_argument("--preset", default="small", help="model size without --checkpoint")
+    ap.add_argument("--vocab-size", type=int, default=8000)
+    ap.add_argument("--quick", action="store_true", help="first 48 sentences only (a smoke run)")
+    ap.add_argument("--n", type=int, help="first N sentences")
+    ap.add_argument("--beam", type=int, default=4)
+    ap.add_argument("--alpha", type=float, default=0.6)
+    ap.add_argument("--max-tokens", type=int, default=2048, help="source tokens per batch")
+    ap.add_argument("--batch-size", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads for every system (1: intra-op threads on a shared, busy CPU slow all down)")
+    ap.add_argument("--skip", default="", help="comma-separated systems to skip: hf,uncached,bf16")
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    skip = set(filter(None, args.skip.split(",")))
+    model, toks, what = build(args)
+    src_path, _ = multi30k_paths("test_2016_flickr", args.src, args.tgt, args.data_dir)
+    lines = read_lines(src_path)
+    n = 48 if args.quick else (args.n or len(lines))
+    lines = lines[:n]
+    encoded = [toks.src.encode(line)[: model.cfg.max_positions] or [toks.src.encode(".")[0]] for line in lines]
+    groups = batches(encoded, args.max_tokens, args.batch_size)
+    K, a, b = args.beam, 1.0, 50
+    print(f"{what}; {n} sentences of {src_path.name}, {len(groups)} batches; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}", flush=True)
+
+    systems = {
+        "aiayn greedy": lambda s: greedy_search(model, s, BOS_ID, EOS_ID, a, b),
+        f"aiayn beam {K}": lambda s: [h[0][0] for h in beam_search(model, s, BOS_ID, EOS_ID, K, args.alpha, a, b)],
+    }
+    if "bf16" not in skip:
+        def bf16(fn):
+            def go(s):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    return fn(s)
+            return go
+        systems["aiayn greedy bf16"] = bf16(systems["aiayn greedy"])
+        systems[f"aiayn beam {K} bf16"] = bf16(systems[f"aiayn beam {K}"])
+    if "uncached" not in skip:
+        systems["aiayn greedy, no cache"] = lambda s: greedy_search(model, s, BOS_ID, EOS_ID, a, b, use_cache=False)
+        systems[f"aiayn beam {K}, no cache"] = lambda s: [
+            h[0][0] for h in beam_search(model, s, BOS_ID, EOS_ID, K, args.alpha, a, b, use_cache=False)]
+    hf = None
+    if "hf" not in skip:
+        import transformers
+
+        hf = to_marian(model)
+        probe = padded(encoded, groups[0][:8])
+        tgt_in = torch.full((probe.size(0), 5), BOS_ID)
+        tgt_in[:, 1:] = torch.randint(4, model.cfg.tgt_vocab_size, (probe.size(0), 4))
+        with torch.no_grad():
+            diff = (hf(input_ids=probe, attention_mask=probe.ne(PAD_ID), decoder_input_ids=tgt_in).logits
+                    - model(probe, tgt_in)).abs().max().item()
+        print(f"transformers {transformers.__version__}: max |logit difference| Marian vs aiayn = {diff:.2e}", flush=True)
+
+        def hf_gen(beam):
+            def go(s):
+                limit = int((s.ne(PAD_ID).sum(1).max().item()) * a + b) + 1  # the longest sentence's limit + EOS
+                extra = dict(length_penalty=args.alpha, early_stopping=True) if beam > 1 else {}
+                with torch.no_grad():
+                    out = hf.generate(input_ids=s, attention_mask=s.ne(PAD_ID), num_beams=beam, do_sample=False,
+                                      max_new_tokens=limit, bad_words_ids=[[PAD_ID], [BOS_ID]],
+                                      num_return_sequences=1, **extra)
+                return [strip(row[1:]) for row in out.tolist()]
+            return go
+
+        systems["HF Marian greedy"] = hf_gen(1)
+        systems[f"HF Marian beam {K}"] = hf_gen(K)
+
+    rows, outs = [], {}
+    for name, fn in systems.items():
+        row, outs[name] = run_system(name, fn, encoded, groups)
+        rows.append(row)
+    by = {r["system"]: r for r in rows}
+
+    limits = [int(len(e) * a + b) for e in encoded]
+    if hf is not None:  # Marian runs every sentence to its batch's limit; compare within each sentence's own
+        agree = sum(o == h[:lim] for o, h, lim in zip(outs["aiayn greedy"], outs["HF Marian greedy"], limits))
+        print(f"greedy translations identical, aiayn vs HF Marian: {agree}/{n}")
+    if "uncached" not in skip:
+        same = sum(x == y for x, y in zip(outs[f"aiayn beam {K}"], outs[f"aiayn beam {K}, no cache"]))
+        print(f"beam {K} translations identical, cached vs uncached: {same}/{n}")
+
+    print("\n| system | seconds | sentences/s | target tokens/s | speed-up of aiayn (same mode) |")
+    print("|---|---:|---:|---:|---:|")
+    for r in rows:
+        mode = "greedy" if "greedy" in r["system"] else f"beam {K}"
+        ours = by[f"aiayn {mode}"]["seconds"]
+        print(f"| {r['system']} | {r['seconds']:.2f} | {r['sent_per_s']:.1f} | {r['tok_per_s']:.0f} | "
+              f"{r['seconds'] / ours:.2f}x |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "n": n, "model": what}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
