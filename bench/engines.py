@@ -1,0 +1,198 @@
+"""aiayn's own search against the engines it exports to, on the same weights, in one run.
+
+    python bench/engines.py [--checkpoint DIR] [--n N] [--threads T] [--src de --tgt en]
+
+Systems, each with greedy search and beam 4 on Multi30k test_2016_flickr: aiayn (fp32 and bf16
+autocast), Hugging Face `MarianMTModel.generate` on `aiayn export --to hf`, and CTranslate2 on
+`aiayn export --to ctranslate2` (float32 and int8). Every system gets the same length-sorted
+batches and the same threads; timings cover search only, after one warm-up batch per system.
+
+Printed per system: seconds, sentences/s, target tokens/s, time relative to aiayn fp32 in the same
+mode, BLEU (sacreBLEU, against the references), and how many translations are identical to aiayn
+fp32's. Greedy search is expected to be identical for HF and CTranslate2 fp32. Beam search: HF and
+CTranslate2 divide by len**alpha, aiayn by ((5 + len) / 6)**alpha, so with alpha > 0 finished
+hypotheses can rank differently; `--identity` adds HF beam 4 with alpha = 0 against aiayn with
+alpha = 0, where the two searches are the same algorithm.
+
+Without --checkpoint, a random-weight `small` model (d_model 256, 3+3 layers) is used with a joint
+tokenizer trained on the Multi30k training text; it seldom emits EOS, so sentences run to their
+length limit (source length + 50), and BLEU is meaningless.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from aiayn.checkpoint import load_checkpoint, save_checkpoint
+from aiayn.config import preset
+from aiayn.data import multi30k_paths, read_lines
+from aiayn.evaluate import corpus_scores
+from aiayn.export import CT2Translator, export_ctranslate2, export_hf
+from aiayn.model import Transformer
+from aiayn.search import beam_search, greedy_search
+from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizers
+
+A, B = 1.0, 50  # aiayn's length limit: floor(A * source length + B)
+
+
+def batches(encoded: list[list[int]], max_tokens: int, batch_size: int) -> list[list[int]]:
+    """Length-sorted batches (longest first) under a source-token budget, the same for every system."""
+    order = sorted(range(len(encoded)), key=lambda i: -len(encoded[i]))
+    out, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1 > batch_size or (len(cur) + 1) * len(encoded[cur[0]]) > max_tokens):
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    return out + ([cur] if cur else [])
+
+
+def padded(encoded: list[list[int]], idx: list[int]) -> torch.Tensor:
+    src = torch.full((len(idx), max(len(encoded[i]) for i in idx)), PAD_ID, dtype=torch.long)  # (B, S)
+    for r, i in enumerate(idx):
+        src[r, : len(encoded[i])] = torch.tensor(encoded[i])
+    return src
+
+
+def hf_strip(row: list[int]) -> list[int]:
+    row = row[1:]  # the decoder start token
+    return row[: row.index(EOS_ID)] if EOS_ID in row else row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint", help="a trained checkpoint or run directory (default: a random-weight model)")
+    ap.add_argument("--src", default="de")
+    ap.add_argument("--tgt", default="en")
+    ap.add_argument("--data-dir", help="data root holding multi30k/ (default $AIAYN_DATA)")
+    ap.add_argument("--n", type=int, help="first N test sentences (default: all 1000)")
+    ap.add_argument("--beam", type=int, default=4)
+    ap.add_argument("--alpha", type=float, default=0.6)
+    ap.add_argument("--max-tokens", type=int, default=2048, help="source tokens per batch")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=0, help="threads for torch and CTranslate2 (0: torch's default)")
+    ap.add_argument("--skip", default="", help="comma-separated: bf16,hf,ct2,int8")
+    ap.add_argument("--identity", action="store_true", help="also run aiayn and HF beam search with alpha = 0")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    skip = set(filter(None, args.skip.split(",")))
+    work = Path(tempfile.mkdtemp(prefix="aiayn-engines-"))
+    if args.checkpoint:
+        ck = load_checkpoint(args.checkpoint)
+        model, toks, what, ckpt = ck.model, ck.tokenizers, f"checkpoint {ck.path}", ck.path
+    else:
+        tr_src, tr_tgt = multi30k_paths("train", args.src, args.tgt, args.data_dir)
+        toks = build_tokenizers(tr_src, tr_tgt, 8000, joint=True)
+        torch.manual_seed(0)
+        model = Transformer(preset("small", src_vocab_size=toks.src.vocab_size, tgt_vocab_size=toks.tgt.vocab_size))
+        model.eval()
+        ckpt = work / "ckpt"
+        save_checkpoint(ckpt, model, toks, {"train": {}, "step": 0})
+        what = "random-weight 'small' model"
+    src_path, ref_path = multi30k_paths("test_2016_flickr", args.src, args.tgt, args.data_dir)
+    lines, refs = read_lines(src_path), read_lines(ref_path)
+    n = args.n or len(lines)
+    lines, refs = lines[:n], refs[:n]
+    encoded = [toks.src.encode(line)[: model.cfg.max_positions] for line in lines]
+    limits = [max(1, math.floor(len(e) * A + B)) for e in encoded]
+    groups = batches(encoded, args.max_tokens, args.batch_size)
+    K, alpha = args.beam, args.alpha
+    print(f"{what}; {n} sentences of {src_path.name}, {len(groups)} batches of at most {args.batch_size}; "
+          f"{threads} threads; {platform.processor() or platform.machine()}", flush=True)
+
+    def aiayn(beam: int, a: float, bf16: bool = False):  # type: ignore[no-untyped-def]
+        def go(idx: list[int]) -> list[list[int]]:
+            ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+            with ctx:
+                s = padded(encoded, idx)
+                if beam == 1:
+                    return greedy_search(model, s, BOS_ID, EOS_ID, A, B)
+                return [h[0][0] for h in beam_search(model, s, BOS_ID, EOS_ID, beam, a, A, B)]
+        return go
+
+    systems = {("aiayn fp32", "greedy"): aiayn(1, 0.0), ("aiayn fp32", f"beam {K}"): aiayn(K, alpha)}
+    if "bf16" not in skip:
+        systems[("aiayn bf16", "greedy")] = aiayn(1, 0.0, True)
+        systems[("aiayn bf16", f"beam {K}")] = aiayn(K, alpha, True)
+    if "hf" not in skip:
+        import transformers
+        from transformers import MarianMTModel
+
+        transformers.logging.set_verbosity_error()  # per-batch max_new_tokens overrides the export's max_length
+        export_hf(ckpt, work / "hf")
+        hf = MarianMTModel.from_pretrained(work / "hf").eval()
+
+        def hf_gen(beam: int, a: float):  # type: ignore[no-untyped-def]
+            def go(idx: list[int]) -> list[list[int]]:
+                s = padded(encoded, idx)
+                with torch.no_grad():
+                    out = hf.generate(input_ids=s, attention_mask=s.ne(PAD_ID), num_beams=beam, do_sample=False,
+                                      length_penalty=a, early_stopping=True,
+                                      max_new_tokens=max(limits[i] for i in idx) + 1)
+                return [hf_strip(r)[: limits[i]] for i, r in zip(idx, out.tolist())]
+            return go
+
+        systems[(f"HF generate ({transformers.__version__})", "greedy")] = hf_gen(1, 0.0)
+        systems[(f"HF generate ({transformers.__version__})", f"beam {K}")] = hf_gen(K, alpha)
+        if args.identity:
+            systems[("aiayn fp32, alpha 0", f"beam {K}")] = aiayn(K, 0.0)
+            systems[("HF generate, alpha 0", f"beam {K}")] = hf_gen(K, 0.0)
+    if "ct2" not in skip:
+        import ctranslate2
+
+        kinds = [("float32", None)] + ([] if "int8" in skip else [("int8", "int8")])
+        for label, q in kinds:
+            export_ctranslate2(ckpt, work / f"ct2-{label}", quantization=q)
+            tr = CT2Translator(work / f"ct2-{label}", threads=threads)
+
+            def ct2_gen(beam: int, a: float, tr=tr):  # type: ignore[no-untyped-def]
+                def go(idx: list[int]) -> list[list[int]]:
+                    nb = tr.translate_ids([encoded[i] for i in idx], beam, a, 1, A, B, max_tokens=10**9)
+                    return [h[0][0] for h in nb]
+                return go
+
+            systems[(f"CTranslate2 {label} ({ctranslate2.__version__})", "greedy")] = ct2_gen(1, 0.0)
+            systems[(f"CTranslate2 {label} ({ctranslate2.__version__})", f"beam {K}")] = ct2_gen(K, alpha)
+
+    rows, outs = [], {}
+    for (name, mode), fn in systems.items():
+        fn(groups[-1][:4])  # warm-up
+        res: list[list[int]] = [[] for _ in encoded]
+        t0 = time.perf_counter()
+        for idx in groups:
+            for i, ids in zip(idx, fn(idx)):
+                res[i] = ids
+        dt = time.perf_counter() - t0
+        outs[(name, mode)] = res
+        hyps = [toks.tgt.decode(h) for h in res]
+        bleu = corpus_scores(hyps, refs)["bleu"]
+        ref_key = ("aiayn fp32, alpha 0" if "alpha 0" in name else "aiayn fp32", mode)
+        same = sum(x == y for x, y in zip(res, outs[ref_key])) if ref_key in outs else n
+        tok = sum(map(len, res))
+        rows.append((name, mode, dt, n / dt, tok / dt, bleu, same))
+        print(f"  {name:<34} {mode:<7} {dt:8.2f} s {n / dt:8.1f} sent/s  BLEU {bleu:5.2f}  identical {same}/{n}",
+              flush=True)
+
+    base = {mode: dt for name, mode, dt, *_ in rows if name == "aiayn fp32"}
+    print(f"\n| system | search | seconds | sentences/s | target tokens/s | time / aiayn fp32 | BLEU | "
+          f"identical to aiayn fp32 |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for name, mode, dt, sps, tps, bleu, same in rows:
+        print(f"| {name} | {mode} | {dt:.2f} | {sps:.1f} | {tps:.0f} | {dt / base[mode]:.2f}x | {bleu:.2f} | "
+              f"{same}/{n} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
