@@ -48,6 +48,14 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _logged_steps(run: Path) -> list[int]:
+    try:
+        text = (run / "metrics.jsonl").read_text()
+    except FileNotFoundError:
+        return []
+    return [int(m) for m in re.findall(r'"kind": "train", "step": (\d+)', text)]
+
+
 def _train_losses(run: Path) -> dict[int, float]:
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in recs if r["kind"] == "train"]
@@ -66,21 +74,26 @@ def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_p
     run = tmp_path / "run"
     argv = tiny_args(corpus, run, *extra, "--resume")
     rng = random.Random(20240601)
-    kills, progress = 0, []
+    kills, progress, torn = 0, [], 0
     for attempt in range(5):
         log = tmp_path / f"log{attempt}.txt"
         proc = _start(argv, log, env)
         if _wait_for(log, "device cpu", proc):
-            time.sleep(rng.uniform(0.05, 1.2))  # lands in a step, a checkpoint write or validation
+            # Kill a few steps further on (measured by the metrics log, so machine speed does not matter),
+            # plus a random fraction of a step: the kill lands in a step, a checkpoint write or validation.
+            target = max(_logged_steps(run), default=0) + rng.randint(1, 5)
+            while proc.poll() is None and max(_logged_steps(run), default=0) < target:
+                time.sleep(0.005)
+            time.sleep(rng.uniform(0.0, 0.15))
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
                 kills += 1
         proc.wait(timeout=120)
+        torn += bool(list(run.glob(".tmp-*")))  # killed while writing a checkpoint
         done = [int(p.name[5:]) for p in run.glob("step_*") if (p / "config.json").exists()]
         progress.append(max(done, default=0))
-        if progress[-1] >= steps:
-            break
-    assert kills >= 3, f"only {kills} kills landed; progress {progress}"
+    assert kills >= 4, f"only {kills} kills landed; progress {progress}"
+    print(f"kills {kills}, checkpoints after each {progress}, {torn} during a checkpoint write")
     log = tmp_path / "final.txt"
     proc = _start(argv, log, env)
     assert proc.wait(timeout=180) == 0, log.read_text()

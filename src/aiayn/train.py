@@ -598,8 +598,7 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
         best_bleu, bad_epochs, tokens_seen = float(st["best_bleu"]), int(st["bad_epochs"]), int(st["tokens_seen"])
         set_rng_state(st["rng"][d.rank])
     metrics = Metrics(out / "metrics.jsonl", d.main)
-    if loaded:
-        metrics.truncate_after(trainer.step)
+    metrics.truncate_after(trainer.step)  # a fresh start (step 0) clears lines of a run killed before its first checkpoint
     if d.main:
         (out / "train.json").write_text(json.dumps({"preset": preset_name, "model": model_over, "train": tc.to_dict()},
                                                    indent=2) + "\n", encoding="utf-8")
