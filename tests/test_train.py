@@ -189,6 +189,8 @@ def test_patience_stops_early_and_max_steps_stops(tmp_path, corpus):
     s = train_cli(tiny_args(corpus, tmp_path / "m", "--max-steps", "4"))
     assert s["step"] == 4 and "max-steps" in s["stop"]
     assert [p.name for p in (tmp_path / "m").glob("step_*")] == ["step_4"]
+    s = train_cli(tiny_args(corpus, tmp_path / "t", "--max-minutes", "1e-6"))
+    assert s["step"] == 1 and "max-minutes" in s["stop"] and (tmp_path / "t" / "step_1" / "trainer_state.pt").is_file()
 
 
 def test_long_pairs_are_skipped_and_counted(tmp_path, corpus, capsys):
