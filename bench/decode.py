@@ -13,8 +13,9 @@ Without --checkpoint, a random-weight `small` model is built with a joint tokeni
 Multi30k training text (cached). A random model rarely emits EOS, so nearly every sentence runs to
 its length limit: a worst case for pruning finished sentences.
 
-Marian's conventions: decoder_start_token_id = our BOS, pad 0, eos 3, final_logits_bias zero, its
-positional table overwritten with ours (Marian's own puts the cosines in the second half). Marian's
+Marian's conventions: decoder_start_token_id = our BOS, pad 0, eos 3, final_logits_bias zero; the copy
+(`aiayn.export.to_marian`) permutes the hidden features so that Marian's own positional table (cosines
+in the second half) fits our weights. Marian's
 beam search divides by len**alpha instead of ((5+len)/6)**alpha; beams can therefore rank finished
 hypotheses differently, which does not change the work done per step.
 """
@@ -33,7 +34,8 @@ import torch
 
 from aiayn.config import preset
 from aiayn.data import multi30k_paths, read_lines
-from aiayn.model import Transformer, sinusoidal_table
+from aiayn.export import to_marian  # the weight mapping of `aiayn export --to hf`
+from aiayn.model import Transformer
 from aiayn.search import beam_search, greedy_search
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizers
 
@@ -49,70 +51,6 @@ def build(args):
     torch.manual_seed(0)
     cfg = preset(args.preset, src_vocab_size=toks.src.vocab_size, tgt_vocab_size=toks.tgt.vocab_size)
     return Transformer(cfg).eval(), toks, f"random-weight '{args.preset}' model"
-
-
-def to_marian(model: Transformer):
-    """A MarianMTModel with the same dimensions and the same weights (post-norm, ReLU, tied, scaled)."""
-    from transformers import MarianConfig, MarianMTModel
-
-    c = model.cfg
-    hf_cfg = MarianConfig(
-        vocab_size=c.tgt_vocab_size, decoder_vocab_size=c.tgt_vocab_size, d_model=c.d_model,
-        encoder_layers=c.encoder_layers, decoder_layers=c.decoder_layers,
-        encoder_attention_heads=c.n_heads, decoder_attention_heads=c.n_heads,
-        encoder_ffn_dim=c.d_ff, decoder_ffn_dim=c.d_ff, activation_function=c.activation,
-        max_position_embeddings=c.max_positions, scale_embedding=True,
-        share_encoder_decoder_embeddings=True, tie_word_embeddings=True,
-        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
-        pad_token_id=PAD_ID, eos_token_id=EOS_ID, bos_token_id=BOS_ID, decoder_start_token_id=BOS_ID,
-        forced_eos_token_id=None,
-    )
-    assert not c.norm_first and c.share_embeddings and c.tie_output, "Marian needs post-norm and tied embeddings"
-    hf = MarianMTModel(hf_cfg).eval()
-    src: dict[str, torch.Tensor] = {}
-    emb = model.tgt_embed.weight
-    for k in ("model.shared.weight", "model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight",
-              "lm_head.weight"):
-        src[k] = emb
-    table = sinusoidal_table(c.max_positions, c.d_model)
-    src["model.encoder.embed_positions.weight"] = table
-    src["model.decoder.embed_positions.weight"] = table
-    src["final_logits_bias"] = torch.zeros(1, c.tgt_vocab_size)
-
-    def attn(prefix: str, fused, names=("q_proj", "k_proj", "v_proj")) -> None:
-        for part, name in zip(fused.weight.chunk(len(names)), names):
-            src[f"{prefix}.{name}.weight"] = part
-        for part, name in zip(fused.bias.chunk(len(names)), names):
-            src[f"{prefix}.{name}.bias"] = part
-
-    def lin(name: str, m) -> None:
-        src[f"{name}.weight"], src[f"{name}.bias"] = m.weight, m.bias
-
-    for i, L in enumerate(model.encoder.layers):
-        p = f"model.encoder.layers.{i}"
-        attn(f"{p}.self_attn", L.self_attn.qkv_proj)
-        lin(f"{p}.self_attn.out_proj", L.self_attn.out_proj)
-        lin(f"{p}.self_attn_layer_norm", L.norm1)
-        lin(f"{p}.fc1", L.ff.w1), lin(f"{p}.fc2", L.ff.w2)
-        lin(f"{p}.final_layer_norm", L.norm2)
-    for i, L in enumerate(model.decoder.layers):
-        p = f"model.decoder.layers.{i}"
-        attn(f"{p}.self_attn", L.self_attn.qkv_proj)
-        lin(f"{p}.self_attn.out_proj", L.self_attn.out_proj)
-        lin(f"{p}.self_attn_layer_norm", L.norm1)
-        lin(f"{p}.encoder_attn.q_proj", L.cross_attn.q_proj)
-        attn(f"{p}.encoder_attn", L.cross_attn.kv_proj, names=("k_proj", "v_proj"))
-        lin(f"{p}.encoder_attn.out_proj", L.cross_attn.out_proj)
-        lin(f"{p}.encoder_attn_layer_norm", L.norm2)
-        lin(f"{p}.fc1", L.ff.w1), lin(f"{p}.fc2", L.ff.w2)
-        lin(f"{p}.final_layer_norm", L.norm3)
-    target = hf.state_dict()
-    missing = sorted(set(target) - set(src))
-    assert not missing, f"Marian tensors not copied: {missing[:5]}"
-    with torch.no_grad():
-        for k, v in src.items():
-            target[k].copy_(v)
-    return hf
 
 
 def batches(encoded: list[list[int]], max_tokens: int, batch_size: int) -> list[list[int]]:
