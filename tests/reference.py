@@ -32,6 +32,9 @@ class TorchReference(nn.Module):
                                                  enable_nested_tensor=False),
             custom_decoder=nn.TransformerDecoder(layer(nn.TransformerDecoderLayer), cfg.decoder_layers, norm=norm()),
         )
+        for mha in self.modules():  # attention dropout as in aiayn (nn.Transformer reuses `dropout`)
+            if isinstance(mha, nn.MultiheadAttention):
+                mha.dropout = cfg.attention_dropout
         self.copy_weights()
 
     @torch.no_grad()

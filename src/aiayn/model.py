@@ -163,25 +163,48 @@ class MultiHeadAttention(nn.Module):
                     v = torch.cat([cache.self_v, v], dim=2)  # type: ignore[list-item]
                 cache.self_k, cache.self_v = k, v
         mask = None if key_keep is None else (key_keep[:, None] if key_keep.dim() == 3 else _key_mask(key_keep))
-        if need_weights:
-            ctx, weights = self._explicit(q, k, v, mask, is_causal)
+        p = self.dropout if self.training else 0.0
+        if need_weights or _explicit_is_faster(q, k):
+            ctx, weights = _explicit_attention(q, k, v, mask, is_causal, p, self.training)
+            weights = weights if need_weights else None
         else:
-            ctx = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=is_causal
-            )  # (B, H, T, d_head)
+            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal)  # (B, H, T, d_head)
             weights = None
         return self.out_proj(ctx.transpose(1, 2).reshape(B, T, D)), weights
 
-    def _explicit(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> tuple[Tensor, Tensor]:
-        scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.d_head)  # (B, H, T, S)
-        if is_causal:
-            T, S = scores.shape[-2:]
-            causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
-            mask = causal if mask is None else mask & causal
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        weights = torch.softmax(scores.float(), dim=-1).nan_to_num(0.0).to(v.dtype)  # fully masked rows -> 0
-        return weights @ v, weights
+
+# On CPU, for sentence-length keys, PyTorch's fused attention kernel is slower than the plain
+# matmul-softmax-matmul (its backward 3-4x slower at 30 keys, bench/train_step.py); longer keys and
+# other devices take `F.scaled_dot_product_attention`. Set to 0 to always use it.
+EXPLICIT_ATTENTION_MAX_KEYS = 256
+
+
+def _explicit_is_faster(q: Tensor, k: Tensor) -> bool:
+    return q.device.type == "cpu" and k.size(-2) <= EXPLICIT_ATTENTION_MAX_KEYS
+
+
+def _explicit_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, dropout_p: float, training: bool
+) -> tuple[Tensor, Tensor]:
+    """softmax(q k^T / sqrt(d_head)) v, spelled out (Section 3.2.1); also returns the weights.
+
+    Shape: q (B, H, T, d_head), k/v (B, H, S, d_head), mask broadcastable to (B, H, T, S), True = may
+    attend -> (B, H, T, d_head), weights (B, H, T, S). A fully masked row gets all-zero weights.
+    """
+    scores = (q * (1.0 / math.sqrt(q.size(-1)))) @ k.transpose(-2, -1)  # (B, H, T, S)
+    if is_causal:
+        T, S = scores.shape[-2:]
+        causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)  # (T, S)
+        mask = causal if mask is None else mask & causal
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    if mask is not None:
+        empty = ~mask.any(-1, keepdim=True)  # a row with every key masked is NaN after softmax...
+        if bool(empty.any()):
+            weights = weights.masked_fill(empty, 0.0)  # ...and attends to nothing instead
+    attn = F.dropout(weights, dropout_p, training) if dropout_p > 0 else weights
+    return attn @ v, weights
 
 
 class FeedForward(nn.Module):
