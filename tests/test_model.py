@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import aiayn.model
 from aiayn.config import PRESETS, ConfigError, ModelConfig, preset
 from aiayn.errors import AiaynError
 from aiayn.model import PositionalEncoding, Transformer, sinusoidal_table
@@ -59,6 +60,28 @@ def test_matches_torch_transformer_with_padding(overrides):
     real = tgt.ne(0)
     assert ours.shape == (3, 6, cfg.tgt_vocab_size)
     assert torch.allclose(ours[real], theirs[real], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_fused_attention_path_matches_torch_transformer(norm_first, monkeypatch):
+    """With the explicit CPU attention switched off, `F.scaled_dot_product_attention` runs everywhere."""
+    monkeypatch.setattr(aiayn.model, "EXPLICIT_ATTENTION_MAX_KEYS", 0)
+    called = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: called.append(1) or sdpa(*a, **k))
+    model = tiny(norm_first=norm_first)
+    ref = TorchReference(model).eval()
+    src, tgt = padded_batch()
+    with torch.no_grad():
+        ours = model(src, tgt)
+        assert len(called) == model.cfg.encoder_layers + 2 * model.cfg.decoder_layers  # every attention
+        theirs = ref(src, tgt)
+        memory = model.encode(src)
+        cache = model.new_cache(memory, src.ne(0))
+        steps = torch.cat([model.decode(tgt[:, t : t + 1], None, cache=cache) for t in range(tgt.size(1))], 1)
+    real = tgt.ne(0)
+    assert torch.allclose(ours[real], theirs[real], atol=1e-5, rtol=0)
+    assert torch.allclose(steps[real], ours[real], atol=1e-5)
 
 
 def test_loss_equals_full_cross_entropy():

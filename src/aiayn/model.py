@@ -166,6 +166,8 @@ class MultiHeadAttention(nn.Module):
         p = self.dropout if self.training else 0.0
         if need_weights or _explicit_is_faster(q, k):
             ctx, weights = _explicit_attention(q, k, v, mask, is_causal, p, self.training)
+            if need_weights and mask is not None:  # plots: a query with no key to see attends to nothing
+                weights = weights.masked_fill(~mask.any(-1, keepdim=True), 0.0)
             weights = weights if need_weights else None
         else:
             ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal)  # (B, H, T, d_head)
@@ -189,7 +191,7 @@ def _explicit_attention(
     """softmax(q k^T / sqrt(d_head)) v, spelled out (Section 3.2.1); also returns the weights.
 
     Shape: q (B, H, T, d_head), k/v (B, H, S, d_head), mask broadcastable to (B, H, T, S), True = may
-    attend -> (B, H, T, d_head), weights (B, H, T, S). A fully masked row gets all-zero weights.
+    attend -> (B, H, T, d_head), weights (B, H, T, S).
     """
     scores = (q * (1.0 / math.sqrt(q.size(-1)))) @ k.transpose(-2, -1)  # (B, H, T, S)
     if is_causal:
@@ -197,12 +199,10 @@ def _explicit_attention(
         causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)  # (T, S)
         mask = causal if mask is None else mask & causal
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
+        # the lowest finite value, not -inf: a row with every key masked then gets uniform weights
+        # rather than NaN, with no data-dependent branch (see `attention_weights` for plots)
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     weights = torch.softmax(scores, dim=-1)
-    if mask is not None:
-        empty = ~mask.any(-1, keepdim=True)  # a row with every key masked is NaN after softmax...
-        if bool(empty.any()):
-            weights = weights.masked_fill(empty, 0.0)  # ...and attends to nothing instead
     attn = F.dropout(weights, dropout_p, training) if dropout_p > 0 else weights
     return attn @ v, weights
 
