@@ -1,5 +1,6 @@
-"""Decoding speed: aiayn's cached search against (a) the same search without the key/value cache and
-(b) Hugging Face `MarianMTModel.generate` carrying the very same weights, in one run.
+"""Decoding speed: aiayn's cached search against (a) the same search without the key/value cache,
+(b) Hugging Face `MarianMTModel.generate` and (c) CTranslate2 (float32 and int8) carrying the very
+same weights, in one run. (bench/engines.py compares the exports too, with BLEU and agreement.)
 
     python bench/decode.py [--checkpoint DIR] [--quick] [--src de --tgt en]
 
@@ -111,7 +112,7 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads for every system (1: intra-op threads on a shared, busy CPU slow all down)")
-    ap.add_argument("--skip", default="", help="comma-separated systems to skip: hf,uncached,bf16")
+    ap.add_argument("--skip", default="", help="comma-separated systems to skip: hf,uncached,bf16,ct2")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     if args.threads:
@@ -170,6 +171,23 @@ def main() -> int:
 
         systems["HF Marian greedy"] = hf_gen(1)
         systems[f"HF Marian beam {K}"] = hf_gen(K)
+    if "ct2" not in skip:  # CTranslate2 on `aiayn export --to ctranslate2` of the same weights, fp32 and int8
+        import tempfile
+
+        from aiayn.export import CT2Translator, to_ctranslate2
+
+        for q in ("float32", "int8"):
+            ct2 = CT2Translator(to_ctranslate2(model, toks, Path(tempfile.mkdtemp()) / q, None if q == "float32" else q),
+                                threads=torch.get_num_threads())
+
+            def ct2_gen(beam, ct2=ct2):
+                def go(s):
+                    ids = [row[row.ne(PAD_ID)].tolist() for row in s]
+                    return [nb[0][0] for nb in ct2.translate_ids(ids, beam, args.alpha, 1, a, b, max_tokens=10**9)]
+                return go
+
+            systems[f"CTranslate2 {q} greedy"] = ct2_gen(1)
+            systems[f"CTranslate2 {q} beam {K}"] = ct2_gen(K)
 
     rows, outs = [], {}
     for name, fn in systems.items():
@@ -181,6 +199,9 @@ def main() -> int:
     if hf is not None:  # Marian runs every sentence to its batch's limit; compare within each sentence's own
         agree = sum(o == h[:lim] for o, h, lim in zip(outs["aiayn greedy"], outs["HF Marian greedy"], limits))
         print(f"greedy translations identical, aiayn vs HF Marian: {agree}/{n}")
+    if "ct2" not in skip:
+        agree = sum(o == h for o, h in zip(outs["aiayn greedy"], outs["CTranslate2 float32 greedy"]))
+        print(f"greedy translations identical, aiayn vs CTranslate2 float32: {agree}/{n}")
     if "uncached" not in skip:
         same = sum(x == y for x, y in zip(outs[f"aiayn beam {K}"], outs[f"aiayn beam {K}, no cache"]))
         print(f"beam {K} translations identical, cached vs uncached: {same}/{n}")

@@ -8,6 +8,7 @@ exports of it must give the same token ids as aiayn's own greedy search, and (HF
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import random
 
 import pytest
@@ -257,6 +258,19 @@ def test_ctranslate2_int8_and_pre_norm(tmp_path):
     assert (tmp_path / "int8" / "model.bin").stat().st_size < (tmp_path / "fp32" / "model.bin").stat().st_size
     got = CT2Translator(tmp_path / "int8", threads=1).translate_ids(tok.encode_batch(lines), 1, max_len_b=8)
     assert [len(nb[0][0]) for nb in got] == [len(h) for h in ours]
+
+
+def test_ctranslate2_export_leaves_the_model_untouched(tmp_path):
+    pytest.importorskip("ctranslate2")
+    from aiayn.export import to_ctranslate2, to_marian
+
+    tok = Tokenizer.train([f"{w} {v}" for w in SRC_WORDS for v in TGT_WORDS], 300)
+    model = Transformer(preset("tiny", src_vocab_size=tok.vocab_size, tgt_vocab_size=tok.vocab_size)).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    to_ctranslate2(model, TokenizerPair(tok, tok, joint=True), tmp_path / "int8", quantization="int8")
+    if importlib.util.find_spec("transformers"):
+        to_marian(model)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
 # ------------------------------------------------------------------------------ without extras

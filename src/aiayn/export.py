@@ -259,7 +259,8 @@ def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
 
 
 def _np(t: Tensor) -> Any:
-    return t.detach().float().cpu().contiguous().numpy()
+    # a copy: CTranslate2 quantizes and fuses its arrays in place, which must not reach our weights
+    return t.detach().float().cpu().clone().numpy()
 
 
 def ct2_spec(model: Transformer, tokenizers: TokenizerPair) -> Any:
@@ -324,15 +325,14 @@ def ct2_spec(model: Transformer, tokenizers: TokenizerPair) -> Any:
 QUANTIZATIONS = ("int8", "int8_float32", "int16", "float16", "bfloat16", "float32")
 
 
-def export_ctranslate2(checkpoint: str | Path, out: str | Path, quantization: str | None = None) -> Path:
-    """Writes a CTranslate2 model directory (model.bin, vocabularies, config.json) to `out`."""
-    from aiayn.checkpoint import load_checkpoint
-
+def to_ctranslate2(model: Transformer, tokenizers: TokenizerPair, out: str | Path, quantization: str | None = None,
+                   meta: dict[str, Any] | None = None) -> Path:
+    """Writes a CTranslate2 model directory for an in-memory model: model.bin, the vocabularies,
+    CTranslate2's config.json, our SentencePiece model(s) and aiayn.json (for `CT2Translator`)."""
     ct2 = _require("ctranslate2")
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise AiaynError(f"--quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
-    ck = load_checkpoint(checkpoint)
-    spec = ct2_spec(ck.model, ck.tokenizers)
+    spec = ct2_spec(model, tokenizers)
 
     class _Given(ct2.converters.Converter):  # type: ignore[name-defined,misc]
         def _load(self) -> Any:
@@ -342,15 +342,26 @@ def export_ctranslate2(checkpoint: str | Path, out: str | Path, quantization: st
     tmp = _fresh_dir(out)
     try:
         _Given().convert(str(tmp), quantization=quantization, force=True)
-        ck.tokenizers.save(tmp)  # our SentencePiece model(s), for CT2Translator
-        meta = {"aiayn_checkpoint": str(ck.path), "quantization": quantization or "float32",
-                "model": ck.model_config.to_dict(), "tokenizer": ck.tokenizers.describe()}
-        (tmp / "aiayn.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        tokenizers.save(tmp)
+        info = {**(meta or {}), "quantization": quantization or "float32", "model": model.cfg.to_dict(),
+                "tokenizer": tokenizers.describe()}
+        (tmp / "aiayn.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def export_ctranslate2(checkpoint: str | Path, out: str | Path, quantization: str | None = None) -> Path:
+    """`aiayn export --to ctranslate2`: a checkpoint (or run directory) to a CTranslate2 directory."""
+    from aiayn.checkpoint import load_checkpoint
+
+    _require("ctranslate2")
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise AiaynError(f"--quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
+    ck = load_checkpoint(checkpoint)
+    return to_ctranslate2(ck.model, ck.tokenizers, out, quantization, {"aiayn_checkpoint": str(ck.path)})
 
 
 class CT2Translator:
