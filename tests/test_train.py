@@ -274,3 +274,19 @@ def test_bad_data_options(tmp_path, corpus, capsys, monkeypatch):
         assert cli_main(argv) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, (argv, err)
+
+
+def test_resume_skips_an_unreadable_newest_checkpoint(tmp_path, corpus, capsys):
+    out = tmp_path / "r"
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "3", "--save-every", "1")) == 0
+    w = out / "step_3" / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:100])  # bit rot after the run
+    capsys.readouterr()
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "4", "--save-every", "1", "--resume")) == 0
+    printed = capsys.readouterr().out
+    assert f"warning: cannot resume from {out / 'step_3'}" in printed and f"resuming from {out / 'step_2'}" in printed
+    assert (out / "step_4" / "config.json").is_file()
+    for p in out.glob("step_*"):  # all unreadable: one clear error
+        (p / "model.safetensors").write_bytes(b"")
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "9", "--resume")) == 2
+    assert "corrupt or truncated" in capsys.readouterr().err

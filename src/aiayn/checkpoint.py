@@ -330,5 +330,5 @@ def run(args: argparse.Namespace) -> int:
             raise AiaynError(f"--checkpoint {args.checkpoint} holds no step_<N>/ checkpoints")
         paths = [d for _, d in steps[-args.num:]]
     out = average_checkpoints(paths, args.output)
-    print(f"averaged {len(paths)} checkpoints ({', '.join(p.name for p in paths)}) into {out}")
+    print(f"averaged {len(paths)} checkpoint{'s' if len(paths) > 1 else ''} ({', '.join(p.name for p in paths)}) into {out}")
     return 0

@@ -555,9 +555,16 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
 
     loaded = None
     if resume and existing:
-        loaded = ckpt.load_checkpoint(existing[-1][1], with_trainer_state=True)
-        if loaded.trainer_state is None:
-            raise AiaynError(f"{loaded.path} has no trainer_state.pt; it cannot be resumed")
+        first_error = None
+        for _, path in reversed(existing):  # an unreadable newest checkpoint falls back to the one before
+            try:
+                loaded = ckpt.load_checkpoint(path, with_trainer_state=True)
+                break
+            except AiaynError as e:
+                first_error = first_error or e
+                info(f"warning: cannot resume from {path}: {e}")
+        if loaded is None:
+            raise first_error  # type: ignore[misc]
         info(f"resuming from {loaded.path}")
     elif resume:
         info(f"nothing to resume in {out}; starting a new run")
