@@ -381,3 +381,18 @@ def test_config_rejects_unknown_fields_and_presets():
         ModelConfig.from_dict({"colour": 1})
     with pytest.raises(ConfigError, match="huge"):
         preset("huge")
+
+
+def test_bf16_autocast_stays_close_to_fp32():
+    """Under bf16 autocast (the residual stream in bf16 too) the logits and the loss stay close."""
+    model = Transformer(preset("small", src_vocab_size=1000, tgt_vocab_size=1000, encoder_layers=2,
+                               decoder_layers=2)).eval()
+    src, tgt = torch.randint(4, 1000, (4, 12)), torch.randint(4, 1000, (4, 10))
+    tgt_out = torch.randint(4, 1000, (4, 10))
+    with torch.no_grad():
+        full, loss = model(src, tgt), model.loss(src, tgt, tgt_out)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            half, half_loss = model(src, tgt), model.loss(src, tgt, tgt_out)
+    assert half.dtype == torch.bfloat16 and half_loss.dtype == torch.float32
+    assert (half.float() - full).abs().max() < 0.1 * full.abs().max()
+    assert abs(half_loss.item() - loss.item()) < 0.02 * loss.item()

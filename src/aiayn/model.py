@@ -364,7 +364,12 @@ class Transformer(nn.Module):
 
     def embed(self, tokens: Tensor, table: Embedding, offset: int = 0) -> Tensor:
         """Scaled embedding + positional encoding + dropout (Sections 3.4, 3.5, 5.4)."""
-        return F.dropout(self.pos(table(tokens), offset), self.cfg.dropout, self.training)
+        x = table(tokens)  # (B, T, d)
+        if torch.is_autocast_enabled(x.device.type):
+            # Under autocast the residual stream runs in the low-precision dtype: every linear layer
+            # would cast its input to it anyway, and LayerNorm keeps its statistics in float32.
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        return F.dropout(self.pos(x, offset), self.cfg.dropout, self.training)
 
     def encode(self, src: Tensor, src_keep: Tensor | None = None, weights: list | None = None) -> Tensor:
         """Shape: src (B, S) -> memory (B, S, d_model)."""
