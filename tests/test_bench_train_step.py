@@ -1,0 +1,58 @@
+"""bench/train_step.py runs end to end (`--quick`: tiny shapes) and reports its ratios; not timed."""
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "train_step.py"
+
+
+def load_bench():
+    name = "aiayn_bench_train_step"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, BENCH)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return sys.modules[name]
+
+
+def test_quick_run_prints_ratio_lines(capsys):
+    bench = load_bench()
+    threads = torch.get_num_threads()
+    try:
+        assert bench.main(["--quick", "--no-compile", "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert re.search(r"peak matmul .* fp32 [\d.]+ GFLOP/s, bf16 [\d.]+ GFLOP/s", out)
+    for prec in ("fp32", "bf16"):
+        assert re.search(rf"^ratio tiny {prec}: aiayn / nn.Transformer \(eager\) = \d+\.\d\d$", out, re.M)
+        assert re.search(rf"^\| tiny \| {prec} \| \d+ \| \d+ \(eager\) \| \d+\.\d\dx \| [\d.]+% \| [\d.]+% \|$", out, re.M)
+
+
+def test_batches_are_padded_sentences_with_shared_layout():
+    bench = load_bench()
+    batches = bench.make_batches(3, 16, 100, 10.0, 40, seed=1)
+    again = bench.make_batches(3, 16, 100, 10.0, 40, seed=1)
+    for b, c in zip(batches, again):
+        assert torch.equal(b.src, c.src) and torch.equal(b.tgt_out, c.tgt_out)  # same batches every run
+        assert b.src.ne(0).sum(1).tolist() == b.src_lens
+        assert b.tgt_out.ne(0).sum(1).tolist() == b.tgt_lens
+        assert (b.tgt_in[:, 0] == bench.BOS).all()
+        assert torch.equal(b.tgt_in[:, 1:].ne(0), b.tgt_out[:, :-1].ne(0) & b.tgt_out[:, :-1].ne(bench.EOS))
+        assert len(set(b.src_lens)) > 1  # variable lengths, so there is padding
+
+
+def test_step_flops_counts_the_projection():
+    bench = load_bench()
+    from aiayn.config import preset
+
+    b = bench.make_batches(1, 4, 100, 8.0, 20, seed=0)[0]
+    small, big_vocab = preset("tiny", src_vocab_size=100, tgt_vocab_size=100), preset(
+        "tiny", src_vocab_size=1100, tgt_vocab_size=1100)
+    extra = bench.step_flops(big_vocab, b) - bench.step_flops(small, b)
+    assert extra == 3 * 2 * sum(b.tgt_lens) * small.d_model * 1000
