@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import aiayn.model
 from aiayn.config import PRESETS, ConfigError, ModelConfig, preset
 from aiayn.errors import AiaynError
-from aiayn.model import PositionalEncoding, Transformer, sinusoidal_table
+from aiayn.model import Packed, PositionalEncoding, Transformer, sinusoidal_table
 from reference import TorchReference
 
 V = 50
@@ -97,6 +97,14 @@ def test_loss_equals_full_cross_entropy():
         n = int(tgt_out.ne(0).sum())
         got_sum = model.loss(src, tgt_in, tgt_out, label_smoothing=ls, reduction="sum")
         assert torch.allclose(got_sum, want * n, atol=1e-5)
+
+
+def test_packed_round_trip():
+    keep = torch.tensor([[True, True, False], [True, False, False]])
+    x = torch.arange(12.0).view(2, 3, 2)
+    packed = Packed.from_keep(keep)
+    assert torch.equal(packed.pack(x), torch.tensor([[0.0, 1.0], [2.0, 3.0], [6.0, 7.0]]))
+    assert torch.equal(packed.unpack(packed.pack(x)), x * keep[..., None])
 
 
 def test_loss_gradients_equal_full_cross_entropy():

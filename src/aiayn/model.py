@@ -105,6 +105,30 @@ class DecoderCache:
         self.src_keep = self.src_keep.index_select(0, indices)
 
 
+@dataclass
+class Packed:
+    """Where the real tokens of a right-padded (B, T) batch sit, for running the position-wise work
+    (projections, feed-forward, LayerNorm) on real tokens only, (N, d) instead of (B, T, d); only
+    attention needs the padded layout. Used by `Transformer.loss`: a batch of sentences is often a
+    third padding, and nn.Transformer spends full price on it."""
+
+    idx: Tensor  # (N,) flat positions of the real tokens in (B*T)
+    B: int
+    T: int
+
+    @classmethod
+    def from_keep(cls, keep: Tensor) -> "Packed":
+        return cls(keep.flatten().nonzero().squeeze(1), keep.size(0), keep.size(1))
+
+    def pack(self, x: Tensor) -> Tensor:
+        """(B, T, C) -> (N, C)"""
+        return x.reshape(self.B * self.T, -1).index_select(0, self.idx)
+
+    def unpack(self, x: Tensor) -> Tensor:
+        """(N, C) -> (B, T, C), zeros at the padding"""
+        return x.new_zeros(self.B * self.T, x.size(-1)).index_copy(0, self.idx, x).view(self.B, self.T, -1)
+
+
 def _key_mask(keep: Tensor | None) -> Tensor | None:
     """(B, S) True = real -> (B, 1, 1, S), broadcast over heads and queries."""
     return None if keep is None else keep[:, None, None, :]
@@ -133,9 +157,10 @@ class MultiHeadAttention(nn.Module):
         B, T, _ = x.shape
         return x.view(B, T, n, self.n_heads, self.d_head).permute(2, 0, 3, 1, 4).unbind(0)
 
-    def project_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+    def project_kv(self, memory: Tensor, packed: Packed | None = None) -> tuple[Tensor, Tensor]:
         """Cross-attention keys/values from the encoder output; computed once per sentence."""
-        k, v = self._heads(self.kv_proj(memory), 2)  # (B, H, S, d_head) each
+        kv = self.kv_proj(memory)  # (B, S, 2d), or (N_src, 2d) when packed
+        k, v = self._heads(kv if packed is None else packed.unpack(kv), 2)  # (B, H, S, d_head) each
         return k, v
 
     def forward(
@@ -146,17 +171,26 @@ class MultiHeadAttention(nn.Module):
         is_causal: bool = False,
         cache: LayerCache | None = None,
         need_weights: bool = False,
+        packed: Packed | None = None,
+        mem_packed: Packed | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """Shape: x (B, T, d); memory (B, S, d); key_keep (B, S) or (B, T, S) bool -> (B, T, d)."""
-        B, T, D = x.shape
+        """Shape: x (B, T, d); memory (B, S, d); key_keep (B, S) or (B, T, S) bool -> (B, T, d).
+
+        With `packed` (`mem_packed`), x (memory) holds only the real tokens, (N, d), and so does
+        the output."""
+        B, T, D = (packed.B, packed.T, x.size(-1)) if packed is not None else x.shape
+
+        def padded(y: Tensor) -> Tensor:
+            return y if packed is None else packed.unpack(y)
+
         if self.cross:
-            q = self._heads(self.q_proj(x), 1)[0]  # (B, H, T, d_head)
+            q = self._heads(padded(self.q_proj(x)), 1)[0]  # (B, H, T, d_head)
             if cache is not None:
                 k, v = cache.cross_k, cache.cross_v
             else:
-                k, v = self.project_kv(memory)  # type: ignore[arg-type]
+                k, v = self.project_kv(memory, mem_packed)  # type: ignore[arg-type]
         else:
-            q, k, v = self._heads(self.qkv_proj(x), 3)
+            q, k, v = self._heads(padded(self.qkv_proj(x)), 3)
             if cache is not None:
                 if cache.self_k is not None:
                     k = torch.cat([cache.self_k, k], dim=2)  # (B, H, t+T, d_head)
@@ -172,7 +206,8 @@ class MultiHeadAttention(nn.Module):
         else:
             ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal)  # (B, H, T, d_head)
             weights = None
-        return self.out_proj(ctx.transpose(1, 2).reshape(B, T, D)), weights
+        ctx = ctx.transpose(1, 2).reshape(B, T, D)
+        return self.out_proj(ctx if packed is None else packed.pack(ctx)), weights
 
 
 # On CPU, for sentence-length keys, PyTorch's fused attention kernel is slower than the plain
@@ -242,11 +277,13 @@ class EncoderLayer(_Sublayers):
         self.norm1 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
         self.norm2 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
 
-    def forward(self, x: Tensor, src_keep: Tensor | None, weights: list | None = None) -> Tensor:
-        """Shape: x (B, S, d), src_keep (B, S) -> (B, S, d)."""
+    def forward(
+        self, x: Tensor, src_keep: Tensor | None, weights: list | None = None, packed: Packed | None = None
+    ) -> Tensor:
+        """Shape: x (B, S, d) (or (N, d) when packed), src_keep (B, S) -> like x."""
 
         def attend(h: Tensor) -> Tensor:
-            out, w = self.self_attn(h, key_keep=src_keep, need_weights=weights is not None)
+            out, w = self.self_attn(h, key_keep=src_keep, need_weights=weights is not None, packed=packed)
             if weights is not None:
                 weights.append(w)
             return out
@@ -275,18 +312,23 @@ class DecoderLayer(_Sublayers):
         is_causal: bool,
         cache: LayerCache | None = None,
         weights: dict[str, list] | None = None,
+        packed: Packed | None = None,
+        mem_packed: Packed | None = None,
     ) -> Tensor:
-        """Shape: x (B, T, d), memory (B, S, d), src_keep (B, S), self_keep (B, T, t) or None -> (B, T, d)."""
+        """Shape: x (B, T, d), memory (B, S, d), src_keep (B, S), self_keep (B, T, t) or None -> (B, T, d).
+        x and memory may be packed, (N, d), with `packed` / `mem_packed`."""
         want = weights is not None
 
         def self_attend(h: Tensor) -> Tensor:
-            out, w = self.self_attn(h, key_keep=self_keep, is_causal=is_causal, cache=cache, need_weights=want)
+            out, w = self.self_attn(h, key_keep=self_keep, is_causal=is_causal, cache=cache, need_weights=want,
+                                    packed=packed)
             if want:
                 weights["self"].append(w)  # type: ignore[index]
             return out
 
         def cross_attend(h: Tensor) -> Tensor:
-            out, w = self.cross_attn(h, memory, key_keep=src_keep, cache=cache, need_weights=want)
+            out, w = self.cross_attn(h, memory, key_keep=src_keep, cache=cache, need_weights=want, packed=packed,
+                                     mem_packed=mem_packed)
             if want:
                 weights["cross"].append(w)  # type: ignore[index]
             return out
@@ -304,9 +346,11 @@ class Encoder(nn.Module):
         self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.encoder_layers))
         self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps) if cfg.norm_first else None
 
-    def forward(self, x: Tensor, src_keep: Tensor | None, weights: list | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, src_keep: Tensor | None, weights: list | None = None, packed: Packed | None = None
+    ) -> Tensor:
         for layer in self.layers:
-            x = layer(x, src_keep, weights)
+            x = layer(x, src_keep, weights, packed)
         return x if self.norm is None else self.norm(x)
 
 
@@ -318,9 +362,11 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
         self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps) if cfg.norm_first else None
 
-    def forward(self, x, memory, src_keep, self_keep, is_causal, cache=None, weights=None):  # type: ignore[no-untyped-def]
+    def forward(self, x, memory, src_keep, self_keep, is_causal, cache=None, weights=None, packed=None,  # type: ignore[no-untyped-def]
+                mem_packed=None):
         for i, layer in enumerate(self.layers):
-            x = layer(x, memory, src_keep, self_keep, is_causal, None if cache is None else cache.layers[i], weights)
+            x = layer(x, memory, src_keep, self_keep, is_causal, None if cache is None else cache.layers[i], weights,
+                      packed, mem_packed)
         return x if self.norm is None else self.norm(x)
 
 
@@ -437,19 +483,26 @@ class Transformer(nn.Module):
         """Training loss: cross-entropy (with label smoothing, Section 5.4) over real target tokens.
 
         Equal to `F.cross_entropy(forward(src, tgt_in) over (B*T), tgt_out, ignore_index=pad_id,
-        label_smoothing=...)`, but the vocabulary projection and the softmax run only at the
-        non-pad positions of `tgt_out`: with a large vocabulary they are a big share of the work.
-        `reduction` is "mean" (over real tokens) or "sum".
+        label_smoothing=...)` for right-padded batches, but faster: the position-wise layers run on
+        real tokens only (`Packed`), and the vocabulary projection and softmax only where `tgt_out`
+        is not padding. `reduction` is "mean" (over real tokens) or "sum".
 
         Shape: src (B, S), tgt_in (B, T), tgt_out (B, T) -> scalar float32.
         """
-        src_keep = src.ne(self.cfg.pad_id)
-        memory = self.encode(src, src_keep)
-        h = self.decode(tgt_in, memory, src_keep, project=False)  # (B, T, d)
-        real = tgt_out.ne(self.cfg.pad_id)  # (B, T)
+        pad = self.cfg.pad_id
+        src_keep = src.ne(pad)  # (B, S)
+        src_packed = Packed.from_keep(src_keep)
+        memory = self.encoder(src_packed.pack(self.embed(src, self.src_embed)), src_keep, packed=src_packed)  # (N_src, d)
+        # Targets are right-padded, so no real query sees a padded key through the causal mask, and
+        # the decoder too can drop the padding.
+        tgt_packed = Packed.from_keep(tgt_in.ne(pad) | tgt_out.ne(pad))
+        x = tgt_packed.pack(self.embed(tgt_in, self.tgt_embed))  # (N_tgt, d)
+        h = self.decoder(x, memory, src_keep, None, tgt_in.size(1) > 1, packed=tgt_packed, mem_packed=src_packed)
+        labels = tgt_out.flatten().index_select(0, tgt_packed.idx)  # (N_tgt,)
+        real = labels.ne(pad)
         logits = self.project(h[real])  # (N, V), N = real target tokens
         # Log-softmax in float32: bf16 has too few mantissa bits for a loss over ~10^4 classes.
-        return F.cross_entropy(logits.float(), tgt_out[real], label_smoothing=label_smoothing, reduction=reduction)
+        return F.cross_entropy(logits.float(), labels[real], label_smoothing=label_smoothing, reduction=reduction)
 
     def attention_weights(self, src: Tensor, tgt_in: Tensor) -> dict[str, list[Tensor]]:
         """Attention probabilities of every layer and head (for plots): encoder self-attention,
