@@ -222,6 +222,24 @@ def test_ctranslate2_export_greedy_is_identical(trained, tmp_path):
     assert sum(h == o for h, o in zip(best(ct2.translate_ids(ids, beam=4)), ours_b)) >= len(lines) * 3 // 4
 
 
+def test_translate_cli_with_ctranslate2_engine_matches_torch(trained, tmp_path, capsys):
+    pytest.importorskip("ctranslate2")
+    from aiayn.export import export_ctranslate2
+
+    ckpt, _, _, lines = trained
+    export_ctranslate2(ckpt, tmp_path / "ct2")
+    (tmp_path / "in.txt").write_text("\n".join(lines[:8] + ["", lines[8]]) + "\n", encoding="utf-8")
+    common = ["--input", str(tmp_path / "in.txt"), "--beam", "1"]
+    assert main(["translate", "--checkpoint", str(ckpt), *common, "--output", str(tmp_path / "torch.txt")]) == 0
+    assert main(["translate", "--engine", "ctranslate2", "--checkpoint", str(tmp_path / "ct2"), *common,
+                 "--output", str(tmp_path / "ct2.txt")]) == 0
+    torch_out = (tmp_path / "torch.txt").read_text(encoding="utf-8")
+    assert (tmp_path / "ct2.txt").read_text(encoding="utf-8") == torch_out and len(torch_out.splitlines()) == 10
+    capsys.readouterr()
+    assert main(["translate", "--engine", "ctranslate2", "--checkpoint", str(ckpt), *common]) == 2
+    assert "not a CTranslate2 export" in capsys.readouterr().err
+
+
 def test_ctranslate2_translator_truncates_long_lines_with_a_note(trained, tmp_path):
     pytest.importorskip("ctranslate2")
     from aiayn.export import CT2Translator, export_ctranslate2

@@ -255,6 +255,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-len", type=int, default=0, help="minimum output length in tokens")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32", help="bf16 autocast is faster on recent CPUs")
     p.add_argument("--chunk-lines", type=int, default=500, help="lines read, translated and flushed at a time")
+    p.add_argument("--engine", choices=("torch", "ctranslate2"), default="torch",
+                   help="ctranslate2: --checkpoint is a directory from `aiayn export --to ctranslate2` "
+                        "(needs pip install 'aiayn[export]')")
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -298,7 +301,12 @@ def run(args: argparse.Namespace) -> int:
     out, close_out = _open_output(args.output)
     done = 0
     try:
-        translator = Translator.from_checkpoint(args.checkpoint, precision=args.precision)
+        if getattr(args, "engine", "torch") == "ctranslate2":
+            from aiayn.export import CT2Translator  # the same search/translate contract, on CTranslate2
+
+            translator: Any = CT2Translator.from_path(args.checkpoint, precision=args.precision)
+        else:
+            translator = Translator.from_checkpoint(args.checkpoint, precision=args.precision)
         name = "<stdin>" if args.input == "-" else args.input
         for chunk in LineChunks(src, name, args.chunk_lines):
             results = translator.search(chunk, first_line=done + 1, **vars(s))
