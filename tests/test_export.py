@@ -187,6 +187,24 @@ def test_hf_tokenizer_reproduces_aiayn_ids_and_text(trained, tmp_path, monkeypat
         assert tok.decode([BOS_ID, *ids, EOS_ID, PAD_ID], skip_special_tokens=True) == pair.tgt.decode(ids)
 
 
+def test_hf_tokenizer_with_separate_vocabularies(tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    from aiayn.export import save_hf_tokenizer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    src = Tokenizer.train([" ".join(SRC_WORDS[i:] + SRC_WORDS[:i]) for i in range(len(SRC_WORDS))], 300)
+    tgt = Tokenizer.train([" ".join(TGT_WORDS[i:] + TGT_WORDS[:i]) for i in range(len(TGT_WORDS))], 290)
+    pair = TokenizerPair(src, tgt, joint=False)
+    save_hf_tokenizer(pair, tmp_path)
+    assert (tmp_path / "target_vocab.json").is_file()
+    tok = transformers.MarianTokenizer.from_pretrained(tmp_path)
+    assert tok("the dog plays", add_special_tokens=False)["input_ids"] == src.encode("the dog plays")
+    ids = tgt.encode("der hund spielt")
+    assert ids != src.encode("der hund spielt")  # the two vocabularies really differ
+    assert tok(text_target="der hund spielt", add_special_tokens=False)["input_ids"] == ids
+    assert tok.decode(ids + [EOS_ID], skip_special_tokens=True) == "der hund spielt"
+
+
 # -------------------------------------------------------------------------------- CTranslate2
 
 
