@@ -12,7 +12,8 @@ mode, BLEU (sacreBLEU, against the references), and how many translations are id
 fp32's. Greedy search is expected to be identical for HF and CTranslate2 fp32. Beam search: HF and
 CTranslate2 divide by len**alpha, aiayn by ((5 + len) / 6)**alpha, so with alpha > 0 finished
 hypotheses can rank differently; `--identity` adds HF beam 4 with alpha = 0 against aiayn with
-alpha = 0, where the two searches are the same algorithm.
+alpha = 0, where the two searches are the same algorithm, and HF greedy on sources with the EOS
+that `MarianTokenizer` appends by default (aiayn feeds the source without it).
 
 Without --checkpoint, a random-weight `small` model (d_model 256, 3+3 layers) is used with a joint
 tokenizer trained on the Multi30k training text; it seldom emits EOS, so sentences run to their
@@ -148,6 +149,15 @@ def main() -> int:
         if args.identity:
             systems[("aiayn fp32, alpha 0", f"beam {K}")] = aiayn(K, 0.0)
             systems[("HF generate, alpha 0", f"beam {K}")] = hf_gen(K, 0.0)
+
+            def hf_eos(idx: list[int]) -> list[list[int]]:  # MarianTokenizer's default: EOS after the source
+                s = padded([e + [EOS_ID] for e in encoded], idx)
+                with torch.no_grad():
+                    out = hf.generate(input_ids=s, attention_mask=s.ne(PAD_ID), num_beams=1, do_sample=False,
+                                      max_new_tokens=max(limits[i] for i in idx) + 1)
+                return [hf_strip(r)[: limits[i]] for i, r in zip(idx, out.tolist())]
+
+            systems[("HF generate, source + EOS", "greedy")] = hf_eos
     if "ct2" not in skip:
         import ctranslate2
 
