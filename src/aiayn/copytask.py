@@ -105,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
               f"{time.perf_counter() - t0:.0f}s ({model.num_parameters():,} parameters)")
         gen = torch.Generator().manual_seed(args.seed + 1)
         src, _, _ = make_batch(gen, 3, 13, 10, reverse)
-        for row, hyp in zip(src.tolist(), greedy_search(model, src, BOS, EOS)):
-            print("  in ", [t for t in row if t != PAD], "\n  out", hyp)
+        with _threads(1):
+            hyps = greedy_search(model, src, BOS, EOS)
+        for row, hyp in zip(src.tolist(), hyps):
+            print(f"  in  {[t for t in row if t != PAD]}\n  out {hyp}")
     return 0
