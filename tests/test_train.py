@@ -112,6 +112,15 @@ def test_loss_is_label_smoothed_and_ignores_padding():
     torch.testing.assert_close(T.loss_sum(_Fixed(logits2), batch, eps), got)
 
 
+def test_loss_of_the_model_equals_cross_entropy_of_its_logits():
+    torch.manual_seed(0)
+    m = Transformer(preset("tiny", src_vocab_size=40, tgt_vocab_size=40)).eval()
+    b = collate(_examples(6), list(range(6)))
+    logits = m(b.src, b.tgt_in)
+    want = F.cross_entropy(logits.flatten(0, 1), b.tgt_out.flatten(), ignore_index=0, label_smoothing=0.1, reduction="sum")
+    torch.testing.assert_close(T.loss_sum(m, b, 0.1), want, rtol=1e-5, atol=1e-4)
+
+
 def _examples(n: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
     g = random.Random(seed)
     return [([g.randrange(4, 40) for _ in range(g.randint(1, 9))], [g.randrange(4, 40) for _ in range(g.randint(1, 9))])

@@ -56,8 +56,12 @@ def learning_rate(step: int, d_model: int, warmup: int, factor: float = 1.0) -> 
 def loss_sum(model: torch.nn.Module, batch: Any, label_smoothing: float, pad_id: int = 0) -> Tensor:
     """Sum of label-smoothed cross entropies over the non-pad target tokens of one batch (Section 5.4).
 
-    The one place the training loss is computed; the caller divides by the token count.
+    The one place the training loss is computed; the caller divides by the token count. A model
+    with a `loss` method (aiayn's Transformer: projection and softmax only at real target tokens)
+    computes it itself.
     """
+    if hasattr(model, "loss"):
+        return model.loss(batch.src, batch.tgt_in, batch.tgt_out, label_smoothing=label_smoothing, reduction="sum")
     logits = model(batch.src, batch.tgt_in)  # (B, T, V)
     return F.cross_entropy(logits.flatten(0, 1).float(), batch.tgt_out.flatten(), ignore_index=pad_id,
                            label_smoothing=label_smoothing, reduction="sum")
@@ -378,20 +382,32 @@ def rank_batches(examples: list, tc: TrainConfig, epoch: int, d: Dist) -> list[l
 # ---------------------------------------------------------------------------------------- trainer
 
 
+class _LossModule(torch.nn.Module):
+    """The loss as `forward`: DDP synchronises gradients only for what runs through `forward`."""
+
+    def __init__(self, model: Transformer, label_smoothing: float) -> None:
+        super().__init__()
+        self.model, self.label_smoothing = model, label_smoothing
+
+    def forward(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor) -> Tensor:
+        batch = argparse.Namespace(src=src, tgt_in=tgt_in, tgt_out=tgt_out)
+        return loss_sum(self.model, batch, self.label_smoothing, self.model.cfg.pad_id)
+
+
+
 class Trainer:
     """Holds the model, optimizer and position; `train_step` is one optimizer update."""
 
     def __init__(self, model: Transformer, tc: TrainConfig, d: Dist, precision: str = "fp32") -> None:
         self.tc, self.d = tc, d
         self.base = model.to(d.device)
+        self.model: torch.nn.Module = _LossModule(self.base, tc.label_smoothing)
         if d.world > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             # broadcast_buffers=False: the positional table is a buffer that grows per rank on demand.
-            self.model: torch.nn.Module = DDP(self.base, broadcast_buffers=False,
-                                              device_ids=[d.device.index] if d.device.type == "cuda" else None)
-        else:
-            self.model = self.base
+            self.model = DDP(self.model, broadcast_buffers=False,
+                             device_ids=[d.device.index] if d.device.type == "cuda" else None)
         self.opt = torch.optim.Adam(self.base.parameters(), lr=0.0, betas=(tc.adam_beta1, tc.adam_beta2), eps=tc.adam_eps)
         self.autocast, use_scaler, self.precision = precision_context(precision, d.device)
         self.scaler = torch.amp.GradScaler(d.device.type) if use_scaler else None
@@ -412,7 +428,7 @@ class Trainer:
             ctx = self.model.no_sync() if not sync and hasattr(self.model, "no_sync") else contextlib.nullcontext()
             with ctx:
                 with self.autocast():
-                    loss = loss_sum(self.model, batch, self.tc.label_smoothing, self.base.cfg.pad_id)
+                    loss = self.model(batch.src, batch.tgt_in, batch.tgt_out)
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             total_loss += float(loss.detach())
             tokens += int(batch.n_tgt_tokens)
