@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import os
 import select
+import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -295,6 +296,19 @@ def _format(i: int, nb: list[tuple[str, float]], nbest: int) -> bytes:
     return "".join(f"{i} ||| {text} ||| {score:.4f}\n" for text, score in nb[:nbest]).encode("utf-8")
 
 
+@contextlib.contextmanager
+def _sigint_deferred() -> Iterator[None]:
+    """Hold SIGINT back while the block runs; it is delivered (KeyboardInterrupt) right after."""
+    blocked = hasattr(signal, "pthread_sigmask")
+    if blocked:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        if blocked:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def run(args: argparse.Namespace) -> int:
     s = _settings(args)  # flags are checked before the model is loaded
     src, close_in = _open_input(args.input)
@@ -310,9 +324,11 @@ def run(args: argparse.Namespace) -> int:
         name = "<stdin>" if args.input == "-" else args.input
         for chunk in LineChunks(src, name, args.chunk_lines):
             results = translator.search(chunk, first_line=done + 1, **vars(s))
-            out.write(b"".join(_format(done + k, nb, s.nbest) for k, nb in enumerate(results)))
-            out.flush()
-            done += len(chunk)
+            text = b"".join(_format(done + k, nb, s.nbest) for k, nb in enumerate(results))
+            with _sigint_deferred():  # a chunk is written and counted whole, so the Ctrl-C message is exact
+                out.write(text)
+                out.flush()
+                done += len(chunk)
     except KeyboardInterrupt:
         with contextlib.suppress(OSError):
             out.flush()
