@@ -217,6 +217,7 @@ class _Boom:
         return (os.system, (f"touch {_Boom.marker}",))
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
 def test_trainer_state_never_runs_code(saved, tmp_path):
     _Boom.marker = tmp_path / "pwned"  # type: ignore[attr-defined]
     with open(saved / "trainer_state.pt", "wb") as f:
