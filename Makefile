@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PIP) -e '.[test]'
+	$(PIP) -e '.[test,export]'
 	touch $@
 
 install: $(VENV)/.installed

@@ -22,6 +22,7 @@ import contextlib
 import os
 import select
 import signal
+import threading
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -298,15 +299,22 @@ def _format(i: int, nb: list[tuple[str, float]], nbest: int) -> bytes:
 
 @contextlib.contextmanager
 def _sigint_deferred() -> Iterator[None]:
-    """Hold SIGINT back while the block runs; it is delivered (KeyboardInterrupt) right after."""
-    blocked = hasattr(signal, "pthread_sigmask")
-    if blocked:
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    """Hold Ctrl-C back while the block runs, then raise KeyboardInterrupt if it came.
+
+    A Python-level handler, not a signal mask: torch's worker threads would still take a masked
+    signal and interrupt the main thread anywhere inside the block.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    hits: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: hits.append(signum))
     try:
         yield
     finally:
-        if blocked:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        signal.signal(signal.SIGINT, previous)
+    if hits:
+        raise KeyboardInterrupt
 
 
 def run(args: argparse.Namespace) -> int:
