@@ -3,10 +3,15 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
+AIAYN  := $(VENV)/bin/aiayn
+# Multi30k is read from $AIAYN_DATA, else a copy beside the checkout, else downloaded once (sha256-checked).
+ifneq ($(wildcard ../shared/data/multi30k),)
+export AIAYN_DATA ?= $(abspath ../shared/data)
+endif
 # The CPU build of PyTorch; an unpinned torch pulls gigabytes of CUDA packages.
 TORCH  ?= torch==2.13.0
 
-.PHONY: install install-test demo test bench clean
+.PHONY: install install-test demo multi30k test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,14 +26,26 @@ $(VENV)/.installed-test: $(VENV)/.installed
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
+# The main job: train a small de->en model on Multi30k for a few minutes, then translate with it.
+DEMO_MINUTES ?= 5
 demo: install
-	$(VENV)/bin/aiayn demo
+	rm -rf runs/demo
+	$(AIAYN) train --config configs/multi30k.toml --src de --tgt en --max-minutes $(DEMO_MINUTES) \
+	  --valid-bleu 200 --out runs/demo
+	printf '%s\n' "Ein Mann fährt mit dem Fahrrad eine Straße entlang." "Zwei Hunde spielen im Schnee." \
+	  "Eine Frau in einem roten Kleid singt auf einer Bühne." "Kinder spielen Fußball auf einer Wiese." \
+	  | tee /dev/stderr | $(AIAYN) translate --checkpoint runs/demo --beam 4
+
+# Train de->en and en->de for 60 minutes each (one thread each, side by side) and score test_2016_flickr.
+multi30k: install
+	AIAYN=$(AIAYN) bash bench/multi30k.sh de en 60 1 & AIAYN=$(AIAYN) bash bench/multi30k.sh en de 60 1; wait
 
 test: install-test
 	$(PY) -m pytest -q
 
 bench: install
 	$(PY) bench/train_step.py
+	$(PY) bench/decode.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
