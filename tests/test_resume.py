@@ -27,12 +27,16 @@ def _env(tmp_path: Path) -> dict[str, str]:
     return {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
+# Generous limits: CI machines are slow and shared; every wait below ends as soon as its event happens.
+STARTUP_S, RUN_S = 300.0, 600.0
+
+
 def _start(argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
-    f = open(log, "w")
-    return subprocess.Popen([sys.executable, "-m", "aiayn", *argv], stdout=f, stderr=subprocess.STDOUT, env=env)
+    with open(log, "w") as f:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen([sys.executable, "-m", "aiayn", *argv], stdout=f, stderr=subprocess.STDOUT, env=env)
 
 
-def _wait_for(log: Path, text: str, proc: subprocess.Popen, timeout: float = 120.0) -> bool:
+def _wait_for(log: Path, text: str, proc: subprocess.Popen, timeout: float = STARTUP_S) -> bool:
     """Waits until the run prints `text` (its setup is done); False if it exited first."""
     end = time.time() + timeout
     while time.time() < end:
@@ -79,16 +83,23 @@ def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_p
         log = tmp_path / f"log{attempt}.txt"
         proc = _start(argv, log, env)
         if _wait_for(log, "device cpu", proc):
-            # Kill a few steps further on (measured by the metrics log, so machine speed does not matter),
-            # plus a random fraction of a step: the kill lands in a step, a checkpoint write or validation.
+            # Kill a few steps further on, measured by the metrics log, plus a random fraction of the
+            # step time measured meanwhile (a fixed delay would be many steps on a fast machine, so the
+            # run could finish unkilled): the kill lands in a step, a checkpoint write or validation.
             target = max(_logged_steps(run), default=0) + rng.randint(1, 5)
-            while proc.poll() is None and max(_logged_steps(run), default=0) < target:
+            seen = [(time.monotonic(), max(_logged_steps(run), default=0))]  # (when, newest logged step)
+            while proc.poll() is None and seen[-1][1] < target:
+                now = max(_logged_steps(run), default=0)
+                if now != seen[-1][1]:
+                    seen.append((time.monotonic(), now))
                 time.sleep(0.005)
-            time.sleep(rng.uniform(0.0, 0.15))
+            (t1, s1), (t2, s2) = seen[min(1, len(seen) - 1)], seen[-1]  # from the first new step on: no start-up
+            step_s = (t2 - t1) / (s2 - s1) if s2 > s1 else 0.05
+            time.sleep(rng.uniform(0.0, 1.5 * step_s))
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
                 kills += 1
-        proc.wait(timeout=120)
+        proc.wait(timeout=RUN_S)
         torn += bool(list(run.glob(".tmp-*")))  # killed while writing a checkpoint
         done = [int(p.name[5:]) for p in run.glob("step_*") if (p / "config.json").exists()]
         progress.append(max(done, default=0))
@@ -96,7 +107,7 @@ def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_p
     print(f"kills {kills}, checkpoints after each {progress}, {torn} during a checkpoint write")
     log = tmp_path / "final.txt"
     proc = _start(argv, log, env)
-    assert proc.wait(timeout=180) == 0, log.read_text()
+    assert proc.wait(timeout=RUN_S) == 0, log.read_text()
     assert load_checkpoint(run / f"step_{steps}").config["step"] == steps
     a = load_file(str(ref / f"step_{steps}" / "model.safetensors"))
     b = load_file(str(run / f"step_{steps}" / "model.safetensors"))
@@ -121,9 +132,12 @@ def test_signal_finishes_the_step_saves_and_says_how_to_resume(tmp_path, sig):
     log = tmp_path / "log.txt"
     proc = _start(argv, log, env)
     assert _wait_for(log, "device cpu", proc)
-    time.sleep(1.0)
+    end = time.time() + STARTUP_S
+    while max(_logged_steps(run), default=0) < 2 and proc.poll() is None:  # a signal in the middle of the run
+        assert time.time() < end, f"no training step logged after {STARTUP_S}s"
+        time.sleep(0.01)
     proc.send_signal(sig)
-    rc = proc.wait(timeout=60)
+    rc = proc.wait(timeout=RUN_S)
     text = log.read_text()
     assert rc == 128 + sig, text
     name = signal.Signals(sig).name
@@ -139,6 +153,6 @@ def test_signal_finishes_the_step_saves_and_says_how_to_resume(tmp_path, sig):
     # the printed command resumes from that step, and the run finishes
     tail = ["--max-steps", str(step + 3)]  # (a shorter limit, to keep the test quick)
     proc = _start(words[1:] + tail, tmp_path / "log2.txt", env)
-    assert proc.wait(timeout=120) == 0, (tmp_path / "log2.txt").read_text()
+    assert proc.wait(timeout=RUN_S) == 0, (tmp_path / "log2.txt").read_text()
     assert f"resuming from {run / f'step_{step}'}" in (tmp_path / "log2.txt").read_text()
     assert sorted(_train_losses(run)) == list(range(1, step + 4))

@@ -299,3 +299,27 @@ def test_resume_skips_an_unreadable_newest_checkpoint(tmp_path, corpus, capsys):
         (p / "model.safetensors").write_bytes(b"")
     assert cli_main(tiny_args(corpus, out, "--max-steps", "9", "--resume")) == 2
     assert "corrupt or truncated" in capsys.readouterr().err
+
+
+def test_resuming_a_finished_run_takes_no_further_step(tmp_path, corpus):
+    # A run killed after its last checkpoint (or simply re-run with --resume) must not train, save or
+    # log a step past its limit: this once made the SIGKILL resume test log a step 37 of 36.
+    out = tmp_path / "r"
+    args = tiny_args(corpus, out, "--max-steps", "3", "--save-every", "1", "--log-every", "1")
+    train_cli(args)
+    before = (out / "metrics.jsonl").read_text()
+    s = train_cli(args + ["--resume"])
+    assert s["step"] == 3 and s["stop"] == "reached --max-steps 3" and s["checkpoint"] == str(out / "step_3")
+    assert sorted(p.name for p in out.glob("step_*")) == ["step_1", "step_2", "step_3"]
+    assert (out / "metrics.jsonl").read_text() == before
+    # the same for --patience and --max-minutes limits that the checkpoint already meets
+    p = tmp_path / "p"
+    s = train_cli(tiny_args(corpus, p, "--lr-factor", "1e-6", "--patience", "1", "--max-epochs", "9"))
+    assert "patience" in s["stop"]
+    step = s["step"]
+    s = train_cli(tiny_args(corpus, p, "--lr-factor", "1e-6", "--patience", "1", "--max-epochs", "9", "--resume"))
+    assert "patience" in s["stop"] and s["step"] == step
+    m = tmp_path / "m"
+    train_cli(tiny_args(corpus, m, "--max-minutes", "1e-6"))
+    s = train_cli(tiny_args(corpus, m, "--max-minutes", "1e-6", "--resume"))
+    assert s["step"] == 1 and "max-minutes" in s["stop"]

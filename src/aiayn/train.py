@@ -658,7 +658,15 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
     total = tc.max_steps or (tc.max_epochs * steps_per_epoch if tc.max_epochs else None)
     bar = _progress(total, trainer.step, d.main)
     t0 = time.time()
-    stop_reason, last_saved = "", None
+    stop_reason, last_saved = "", (loaded.path if loaded else None)
+    # The loop checks its limits after a step; a resumed run that already met one must take none
+    # (else resuming a finished run trains, saves and logs one step past --max-steps).
+    if tc.max_steps and trainer.step >= tc.max_steps:
+        stop_reason = f"reached --max-steps {tc.max_steps}"
+    elif tc.max_minutes and elapsed >= 60 * tc.max_minutes:
+        stop_reason = f"reached --max-minutes {tc.max_minutes}"
+    elif tc.patience and bad_epochs >= tc.patience:
+        stop_reason = f"no better validation BLEU for {tc.patience} epochs (--patience)"
     window_tokens, window_t = 0, time.time()
     from aiayn.data import collate
 
