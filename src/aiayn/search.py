@@ -130,8 +130,12 @@ def beam_search(model: Any, src: Tensor, bos_id: int, eos_id: int, beam: int = 4
     rows = torch.arange(B, device=dev).repeat_interleave(K)  # (B*K,) every sentence K times
     cache = None
     if use_cache:
-        cache = model.new_cache(memory, src_keep)  # cross K/V computed once, then copied K times
-        cache.reorder(rows)
+        cache = model.new_cache(memory, src_keep)  # cross-attention K/V computed once per sentence
+        expand = getattr(cache, "expand", None)
+        if expand is not None:
+            expand(K)  # K decoder rows per sentence, which share the sentence's cross K/V
+        else:  # a cache without shared source state: copy every row K times
+            cache.reorder(rows)
     else:
         memory, src_keep = memory.index_select(0, rows), src_keep.index_select(0, rows)
     sent = torch.arange(B, device=dev)  # original sentence of each live sentence (b,)
