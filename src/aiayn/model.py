@@ -80,7 +80,9 @@ class Embedding(nn.Module):
 # vocabulary projection), and under bf16 autocast saves casting every weight at every step. The
 # packed copies live beside the model (keyed by the weight, rebuilt when its data pointer, version
 # counter or the dtype changes), never in it, so state_dict, deepcopy and `.to()` are unaffected.
-# Training (grad enabled) always takes `F.linear`.
+# Only frozen weights (requires_grad False, as `Translator` sets) are packed: an optimizer may update
+# trainable weights without bumping their version counter (fused Adam does not), so a packed copy of
+# them could go stale; they, and training, take `F.linear`.
 _PACKED: dict[int, tuple[weakref.ref, tuple, Tensor, Tensor | None]] = {}  # id(weight) -> (ref, key, packed, bias)
 _PACK_BATCH_HINT = 128
 
@@ -97,13 +99,13 @@ _PACKING = {dt: _packing_works(dt) for dt in (torch.float32, torch.bfloat16)}
 
 
 def inference_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """`F.linear(x, weight, bias)` for inference, on a packed weight where that is faster (CPU).
+    """`F.linear(x, weight, bias)`; for a frozen weight on the CPU, on a packed copy of it (faster).
 
     Under autocast, computes in the autocast dtype like `F.linear` would. Shape: (..., in) -> (..., out).
     """
     dev = x.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
-    if dev != "cpu" or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)) \
+    if dev != "cpu" or weight.requires_grad or (x.requires_grad and torch.is_grad_enabled()) \
             or not _PACKING.get(dtype, False):
         return F.linear(x, weight, bias)
     key = (weight.data_ptr(), weight._version, dtype, None if bias is None else (bias.data_ptr(), bias._version))
@@ -118,7 +120,7 @@ def inference_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> T
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` whose inference forward (no grad) takes `inference_linear`."""
+    """`nn.Linear` that takes `inference_linear` (packed weights once frozen for inference)."""
 
     def forward(self, x: Tensor) -> Tensor:
         return inference_linear(x, self.weight, self.bias)
@@ -163,6 +165,10 @@ class LayerCache:
     def reorder_rows(self, indices: Tensor) -> None:
         """Self-attention rows: new row i continues old row indices[i]."""
         if self.self_k is None:
+            return
+        if self.self_k.requires_grad:  # autograd cannot record out=; the plain copy (rarely wanted)
+            self.self_k, self.self_v = self.self_k.index_select(1, indices), self.self_v.index_select(1, indices)  # type: ignore[union-attr]
+            self._spare = None
             return
         cap, _, H, dh = self.self_k.shape
         shape = (cap, indices.numel(), H, dh)

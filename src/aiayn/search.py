@@ -152,8 +152,10 @@ def beam_search(model: Any, src: Tensor, bos_id: int, eos_id: int, beam: int = 4
             logits = model.decode(tokens[:, -1:], None, cache=cache)[:, -1]  # (b*K, V)
         else:
             logits = model.decode(tokens, memory, src_keep)[:, -1]
-        lprobs = F.log_softmax(logits.float(), dim=-1)  # (b*K, V)
-        V = lprobs.size(-1)
+        logits = logits.float()
+        V = logits.size(-1)
+        # candidate scores = hypothesis score + log_softmax(logits), in one pass over (b*K, V)
+        lprobs = logits - (logits.logsumexp(-1, keepdim=True) - scores.view(-1, 1))  # (b*K, V)
         _forbid(lprobs, (pad, bos_id))
         at_limit = max_len.le(step)  # (b,) hypotheses hold max_len tokens: EOS is forced
         if bool(at_limit.any()):
@@ -165,7 +167,7 @@ def beam_search(model: Any, src: Tensor, bos_id: int, eos_id: int, beam: int = 4
                 lprobs[~forced, eos_id] = neg_inf
         elif step < min_len:
             lprobs[:, eos_id] = neg_inf
-        cand = (scores.unsqueeze(2) + lprobs.view(b, K, V)).view(b, K * V)  # (b, K*V)
+        cand = lprobs.view(b, K * V)  # (b, K*V)
         top_scores, top_idx = cand.topk(min(2 * K, K * V), dim=1)  # (b, 2K), best first
         top_beam, top_tok = top_idx // V, top_idx % V
         is_eos = top_tok.eq(eos_id) & top_scores.gt(neg_inf)  # (b, 2K)

@@ -91,7 +91,7 @@ class Translator:
         if precision not in PRECISIONS:
             raise AiaynError(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         self.device = torch.device(device)
-        self.model = model.to(self.device).eval()
+        self.model = model.to(self.device).eval().requires_grad_(False)  # frozen: packed inference GEMMs
         self.tokenizers = tokenizers
         self.precision = precision
         self.max_src_tokens = int(max_src_tokens or model.cfg.max_positions)

@@ -1,0 +1,103 @@
+"""The fast decoding path: the beam-shared cross-attention cache, the growing self-attention
+buffer, and inference linears on packed weights that follow every change of the weights."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from aiayn.config import preset
+from aiayn.model import Transformer, inference_linear
+from aiayn.search import beam_search
+
+V = 30
+
+
+def tiny(seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    return Transformer(preset("tiny", src_vocab_size=V, tgt_vocab_size=V)).eval()
+
+
+def sources() -> torch.Tensor:
+    src = torch.randint(4, V, (3, 5), generator=torch.Generator().manual_seed(3))
+    src[1, 3:] = 0  # padding
+    return src
+
+
+def test_beam_rows_share_cross_attention_and_match_uncached_decoding():
+    model, src = tiny(), sources()
+    K, steps = 4, 40  # past the buffer's first capacity (32), so it grows
+    tgt = torch.randint(4, V, (3 * K, steps), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        keep = src.ne(0)
+        memory = model.encode(src, keep)
+        cache = model.new_cache(memory, keep)
+        cache.expand(K)
+        assert cache.rows == 3 * K and cache.layers[0].cross_k.size(0) == 3  # one copy per sentence
+        cross = cache.layers[0].cross_k
+        perm = torch.tensor([1, 0, 3, 2])  # beams swap inside every sentence: no source-side copy
+        order = (torch.arange(3).repeat_interleave(K) * K).view(3, K) + perm
+        hist = torch.zeros(3 * K, 0, dtype=torch.long)
+        got = []
+        for t in range(steps):
+            got.append(model.decode(tgt[:, t : t + 1], None, cache=cache)[:, -1])
+            hist = torch.cat([hist, tgt[:, t : t + 1]], 1)
+            if t == 35:
+                cache.reorder(order.view(-1))
+                hist = hist[order.view(-1)]
+                got = [g[order.view(-1)] for g in got]
+        assert cache.layers[0].cross_k is cross
+        rows = torch.arange(3).repeat_interleave(K)
+        full = model.decode(hist, memory[rows], keep[rows])  # (3K, steps, V)
+        assert torch.allclose(torch.stack(got, 1), full, atol=1e-4)
+
+        # the second sentence leaves: its source side is dropped, the rest still decodes exactly
+        kept = torch.cat([torch.arange(K), torch.arange(2 * K, 3 * K)])
+        cache.reorder(kept)
+        assert cache.layers[0].cross_k.size(0) == 2 and cache.src_keep.size(0) == 2
+        nxt = torch.randint(4, V, (2 * K, 1))
+        step = model.decode(nxt, None, cache=cache)[:, -1]
+        want = model.decode(torch.cat([hist[kept], nxt], 1), memory[rows[kept]], keep[rows[kept]])[:, -1]
+        assert torch.allclose(step, want, atol=1e-4)
+
+
+def test_inference_linear_packs_frozen_weights_only_and_follows_their_updates():
+    model = tiny()
+    lin = model.decoder.layers[0].ff.w1
+    x = torch.randn(7, lin.in_features)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1, fused=True)  # updates without a version bump
+    for _ in range(2):  # trainable weights: plain F.linear even under no_grad, never a stale copy
+        with torch.no_grad():
+            assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
+        model.train()
+        model.loss(sources(), sources(), sources()).backward()
+        opt.step()
+        model.eval()
+    model.requires_grad_(False)
+    with torch.no_grad():
+        before = lin(x)
+        assert torch.allclose(before, F.linear(x, lin.weight, lin.bias), atol=1e-5)
+        assert torch.allclose(model.project(x[:, :32]), x[:, :32] @ model.output_weight.t(), atol=1e-5)
+    model.load_state_dict(tiny(seed=5).state_dict())  # in place: the packed copy is rebuilt
+    with torch.no_grad():
+        after = lin(x)
+        assert not torch.allclose(before, after)
+        assert torch.allclose(after, F.linear(x, lin.weight, lin.bias), atol=1e-5)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # computes in the autocast dtype
+            y = inference_linear(x, lin.weight, lin.bias)
+        assert y.dtype == torch.bfloat16
+        assert torch.allclose(y.float(), after, atol=0.05)
+    copy.deepcopy(model)  # nothing opaque is stored on the module
+
+
+@pytest.mark.parametrize("beam", [2, 4])
+def test_beam_search_is_unchanged_by_grad_mode(beam):
+    """Frozen (packed weights) and trainable (F.linear, autograd through the cache): same results."""
+    model, src = tiny(), sources()
+    model.requires_grad_(False)
+    fast = beam_search(model, src, 2, 3, beam=beam, nbest=beam, max_len_b=6)
+    with torch.enable_grad():
+        model.requires_grad_(True)
+        plain = beam_search.__wrapped__(model, src, 2, 3, beam=beam, nbest=beam, max_len_b=6)  # type: ignore[attr-defined]
+    assert [[t for t, _ in h] for h in fast] == [[t for t, _ in h] for h in plain]
