@@ -10,3 +10,18 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/reference.py
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _user_cache_in_tmp(tmp_path_factory):
+    """The user cache (tokenizers, downloads) goes to a temporary folder, never ~/.cache, for the whole
+    session: session- and module-scoped fixtures and child processes included."""
+    import os
+
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+    yield
+    if old is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = old
