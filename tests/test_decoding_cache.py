@@ -27,7 +27,7 @@ def sources() -> torch.Tensor:
 
 def test_beam_rows_share_cross_attention_and_match_uncached_decoding():
     model, src = tiny(), sources()
-    K, steps = 4, 40  # past the buffer's first capacity (32), so it grows
+    K, steps = 4, 40
     tgt = torch.randint(4, V, (3 * K, steps), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         keep = src.ne(0)

@@ -132,53 +132,47 @@ class LayerCache:
 
     Cross-attention keys/values are computed once per sentence and shared by that sentence's beam
     rows (`DecoderCache.beam`), so beam search never copies them. Self-attention keys/values grow by
-    one position per step inside a preallocated time-major buffer: appending writes one slice
-    instead of concatenating the whole prefix, and a reorder copies the filled, contiguous prefix.
+    the new positions at every step and stay contiguous (CPU batched matmuls copy strided operands
+    first, which cost more than a preallocated buffer saves). A reorder is lazy: the rows are
+    selected by the next `append`, in the same single copy that adds the new positions.
     """
 
     cross_k: Tensor  # (N, H, S, d_head), one row per sentence
     cross_v: Tensor  # (N, H, S, d_head)
-    self_k: Tensor | None = None  # (capacity, R, H, d_head), R = N * beam rows; positions < `filled` are set
+    self_k: Tensor | None = None  # (R, H, t, d_head), R = N * beam rows, before `pending` is applied
     self_v: Tensor | None = None
-    filled: int = 0
-    _spare: tuple[Tensor, Tensor] | None = field(default=None, repr=False)  # reorder target, swapped in
+    pending: Tensor | None = None  # (R',) rows of self_k/self_v that the next append keeps
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store the new positions; return every key/value so far.
 
-        Shape: k, v (R, H, T, d_head) -> (R, H, filled + T, d_head) each (strided views of the buffer).
+        Shape: k, v (R, H, T, d_head) -> (R, H, t + T, d_head) each.
         """
-        R, H, T, dh = k.shape
-        end = self.filled + T
-        if self.self_k is None or end > self.self_k.size(0) or self.self_k.dtype != k.dtype:
-            cap = max(32, 2 * end)  # doubling: amortised O(1) copies per step
-            grown = [k.new_empty(cap, R, H, dh), k.new_empty(cap, R, H, dh)]
-            if self.self_k is not None and self.filled:
-                grown[0][: self.filled] = self.self_k[: self.filled]
-                grown[1][: self.filled] = self.self_v[: self.filled]  # type: ignore[index]
-            self.self_k, self.self_v, self._spare = grown[0], grown[1], None
-        self.self_k[self.filled : end] = k.permute(2, 0, 1, 3)  # (T, R, H, d_head)
-        self.self_v[self.filled : end] = v.permute(2, 0, 1, 3)  # type: ignore[index]
-        self.filled = end
-        return self.self_k[:end].permute(1, 2, 0, 3), self.self_v[:end].permute(1, 2, 0, 3)  # type: ignore[index]
+        if self.self_k is None:
+            self.self_k, self.self_v = k, v
+        else:
+            self.self_k = _select_cat(self.self_k, self.pending, k)
+            self.self_v = _select_cat(self.self_v, self.pending, v)  # type: ignore[arg-type]
+        self.pending = None
+        return self.self_k, self.self_v  # type: ignore[return-value]
 
     def reorder_rows(self, indices: Tensor) -> None:
-        """Self-attention rows: new row i continues old row indices[i]."""
-        if self.self_k is None:
-            return
-        if self.self_k.requires_grad:  # autograd cannot record out=; the plain copy (rarely wanted)
-            self.self_k, self.self_v = self.self_k.index_select(1, indices), self.self_v.index_select(1, indices)  # type: ignore[union-attr]
-            self._spare = None
-            return
-        cap, _, H, dh = self.self_k.shape
-        shape = (cap, indices.numel(), H, dh)
-        if self._spare is None or self._spare[0].shape != shape:
-            self._spare = (self.self_k.new_empty(shape), self.self_k.new_empty(shape))
-        k, v = self._spare
-        torch.index_select(self.self_k[: self.filled], 1, indices, out=k[: self.filled])
-        torch.index_select(self.self_v[: self.filled], 1, indices, out=v[: self.filled])  # type: ignore[index]
-        self._spare = (self.self_k, self.self_v)  # type: ignore[assignment]
-        self.self_k, self.self_v = k, v
+        """Self-attention rows: new row i continues old row indices[i] (applied at the next append)."""
+        if self.self_k is not None:
+            self.pending = indices if self.pending is None else self.pending.index_select(0, indices)
+
+
+def _select_cat(old: Tensor, rows: Tensor | None, new: Tensor) -> Tensor:
+    """cat([old[rows], new], dim=2) in one copy. Shape: old (R, H, t, d), new (R', H, T, d) -> (R', H, t+T, d)."""
+    if rows is None:
+        return torch.cat([old, new], dim=2)
+    if torch.is_grad_enabled() and (old.requires_grad or new.requires_grad):  # autograd cannot record out=
+        return torch.cat([old.index_select(0, rows), new], dim=2)
+    t = old.size(2)
+    out = new.new_empty(new.size(0), new.size(1), t + new.size(2), new.size(3))
+    torch.index_select(old, 0, rows, out=out[:, :, :t])
+    out[:, :, t:] = new
+    return out
 
 
 @dataclass
