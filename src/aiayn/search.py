@@ -152,10 +152,9 @@ def beam_search(model: Any, src: Tensor, bos_id: int, eos_id: int, beam: int = 4
             logits = model.decode(tokens[:, -1:], None, cache=cache)[:, -1]  # (b*K, V)
         else:
             logits = model.decode(tokens, memory, src_keep)[:, -1]
-        logits = logits.float()
-        V = logits.size(-1)
-        # candidate scores = hypothesis score + log_softmax(logits), in one pass over (b*K, V)
-        lprobs = logits - (logits.logsumexp(-1, keepdim=True) - scores.view(-1, 1))  # (b*K, V)
+        lprobs = F.log_softmax(logits.float(), dim=-1)  # (b*K, V)
+        lprobs += scores.view(-1, 1)  # candidate scores: hypothesis score + token log-probability
+        V = lprobs.size(-1)
         _forbid(lprobs, (pad, bos_id))
         at_limit = max_len.le(step)  # (b,) hypotheses hold max_len tokens: EOS is forced
         if bool(at_limit.any()):
