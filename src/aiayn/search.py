@@ -70,7 +70,7 @@ def _forbid(lprobs: Tensor, ids: tuple[int, ...]) -> None:
             lprobs[:, i] = float("-inf")
 
 
-@torch.no_grad()
+@torch.inference_mode()  # no autograd bookkeeping at all (a few % per step over no_grad)
 def greedy_search(model: Any, src: Tensor, bos_id: int, eos_id: int, max_len_a: float = 1.0,
                   max_len_b: int = 50, min_len: int = 0, use_cache: bool = True) -> list[list[int]]:
     """Greedy search for a batch of right-padded sources.
@@ -113,7 +113,7 @@ def greedy_search(model: Any, src: Tensor, bos_id: int, eos_id: int, max_len_a: 
     return out
 
 
-@torch.no_grad()
+@torch.inference_mode()  # no autograd bookkeeping at all (a few % per step over no_grad)
 def beam_search(model: Any, src: Tensor, bos_id: int, eos_id: int, beam: int = 4, alpha: float = 0.6,
                 max_len_a: float = 1.0, max_len_b: int = 50, min_len: int = 0, nbest: int = 1,
                 use_cache: bool = True) -> list[list[Hypothesis]]:
