@@ -97,8 +97,9 @@ def test_beam_exact_tokens_scores_and_nbest_order(use_cache):
     assert [t for t, _ in h1] == [[], [A]]
     assert h1[0][1] == pytest.approx(L(0.7))
     assert h1[1][1] == pytest.approx(L(0.2))
-    if use_cache:  # sentence 1 is done after step 1 and leaves the batch: 2 sentences x 2 beams, then 1 x 2
-        assert model.rows_per_step == [4, 4, 2]
+    # the first step runs one row per sentence (its beams are still identical), then 2 sentences x
+    # 2 beams; sentence 1 is done after step 1 and leaves the batch: 1 x 2
+    assert model.rows_per_step == [2, 4, 2]
 
 
 def test_length_penalty_flips_the_order_and_len_counts_eos():

@@ -205,13 +205,18 @@ class DecoderCache:
             layer.reorder_rows(rows)
         self.beam *= beam
 
-    def reorder(self, indices: Tensor) -> None:
+    def reorder(self, indices: Tensor, beam: int | None = None) -> None:
         """Keep rows `indices` (R',): new row i continues old row indices[i].
 
-        With beam > 1 the new rows must stay in groups of `beam` that each come from one sentence's
-        rows (beam search's reordering does); the group's sentence is that of its first row.
+        `beam` (default: unchanged) is the number of rows per sentence afterwards. With more than one
+        row per sentence, before or after, the new rows must come in groups of `beam` that each
+        come from one sentence's rows (beam search's reordering does); a group's sentence is that of
+        its first row.
         """
-        sentences = indices if self.beam == 1 else indices[:: self.beam].div(self.beam, rounding_mode="floor")
+        beam = self.beam if beam is None else int(beam)
+        sentences = indices[::beam]
+        if self.beam > 1:
+            sentences = sentences.div(self.beam, rounding_mode="floor")
         N = self.src_keep.size(0)
         unchanged = sentences.numel() == N and bool(
             sentences.eq(torch.arange(N, device=sentences.device)).all())
@@ -222,6 +227,7 @@ class DecoderCache:
             self.src_keep = self.src_keep.index_select(0, sentences)
         for layer in self.layers:
             layer.reorder_rows(indices)
+        self.beam = beam
 
 
 @dataclass

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from aiayn.errors import AiaynError
+from aiayn.model import DecoderCache
 
 Hypothesis = tuple[list[int], float]  # (token ids without BOS/EOS, score)
 
@@ -127,21 +128,13 @@ def beam_search(model: Any, src: Tensor, bos_id: int, eos_id: int, beam: int = 4
     src_keep = src.ne(pad)  # (B, S)
     max_len = _max_lengths(src_keep, max_len_a, max_len_b)  # (B,)
     memory = model.encode(src, src_keep)  # (B, S, d)
-    rows = torch.arange(B, device=dev).repeat_interleave(K)  # (B*K,) every sentence K times
-    cache = None
-    if use_cache:
-        cache = model.new_cache(memory, src_keep)  # cross-attention K/V computed once per sentence
-        expand = getattr(cache, "expand", None)
-        if expand is not None:
-            expand(K)  # K decoder rows per sentence, which share the sentence's cross K/V
-        else:  # a cache without shared source state: copy every row K times
-            cache.reorder(rows)
-    else:
-        memory, src_keep = memory.index_select(0, rows), src_keep.index_select(0, rows)
+    # The K beams of a sentence start identical, so the first step runs one row per sentence and
+    # its best K continuations become the K beams; R is the number of rows per live sentence.
+    cache = model.new_cache(memory, src_keep) if use_cache else None  # cross K/V once per sentence
+    R = 1
     sent = torch.arange(B, device=dev)  # original sentence of each live sentence (b,)
-    tokens = torch.full((B * K, 1), bos_id, dtype=torch.long, device=dev)  # (b*K, 1 + t)
-    scores = torch.zeros(B, K, device=dev)  # (b, K) summed log-probs
-    scores[:, 1:] = float("-inf")  # all K beams start identical: keep one so candidates are distinct
+    tokens = torch.full((B, 1), bos_id, dtype=torch.long, device=dev)  # (b*R, 1 + t)
+    scores = torch.zeros(B, 1, device=dev)  # (b, R) summed log-probs
     n_final = torch.zeros(B, dtype=torch.long, device=dev)  # (b,)
     finals: list[list[Hypothesis]] = [[] for _ in range(B)]
     neg_inf = float("-inf")
@@ -149,16 +142,18 @@ def beam_search(model: Any, src: Tensor, bos_id: int, eos_id: int, beam: int = 4
     while sent.numel():
         b = sent.numel()
         if cache is not None:
-            logits = model.decode(tokens[:, -1:], None, cache=cache)[:, -1]  # (b*K, V)
+            logits = model.decode(tokens[:, -1:], None, cache=cache)[:, -1]  # (b*R, V)
         else:
             logits = model.decode(tokens, memory, src_keep)[:, -1]
-        lprobs = F.log_softmax(logits.float(), dim=-1)  # (b*K, V)
+        lprobs = F.log_softmax(logits.float(), dim=-1)  # (b*R, V)
         lprobs += scores.view(-1, 1)  # candidate scores: hypothesis score + token log-probability
         V = lprobs.size(-1)
+        if V < K:
+            raise AiaynError(f"--beam {K} is larger than the target vocabulary ({V} tokens)")
         _forbid(lprobs, (pad, bos_id))
         at_limit = max_len.le(step)  # (b,) hypotheses hold max_len tokens: EOS is forced
         if bool(at_limit.any()):
-            forced = at_limit.repeat_interleave(K)  # (b*K,)
+            forced = at_limit.repeat_interleave(R)  # (b*R,)
             eos_lp = lprobs[forced, eos_id]
             lprobs[forced] = neg_inf
             lprobs[forced, eos_id] = eos_lp
@@ -166,8 +161,8 @@ def beam_search(model: Any, src: Tensor, bos_id: int, eos_id: int, beam: int = 4
                 lprobs[~forced, eos_id] = neg_inf
         elif step < min_len:
             lprobs[:, eos_id] = neg_inf
-        cand = lprobs.view(b, K * V)  # (b, K*V)
-        top_scores, top_idx = cand.topk(min(2 * K, K * V), dim=1)  # (b, 2K), best first
+        cand = lprobs.view(b, R * V)  # (b, R*V)
+        top_scores, top_idx = cand.topk(min(2 * K, R * V), dim=1)  # (b, 2K), best first
         top_beam, top_tok = top_idx // V, top_idx % V
         is_eos = top_tok.eq(eos_id) & top_scores.gt(neg_inf)  # (b, 2K)
         fin = is_eos.clone()
@@ -177,7 +172,7 @@ def beam_search(model: Any, src: Tensor, bos_id: int, eos_id: int, beam: int = 4
             n_final = n_final + fin.sum(1)
             lp = length_penalty(step + 1, alpha)  # every hypothesis finishing now has step + 1 tokens
             fin_i, fin_j = fin.nonzero(as_tuple=True)
-            hyp_rows = fin_i * K + top_beam[fin_i, fin_j]
+            hyp_rows = fin_i * R + top_beam[fin_i, fin_j]
             for s, ids, sc in zip(sent[fin_i].tolist(), tokens[hyp_rows, 1:].tolist(),
                                   top_scores[fin_i, fin_j].tolist()):
                 finals[s].append((ids, sc / lp))
@@ -189,16 +184,19 @@ def beam_search(model: Any, src: Tensor, bos_id: int, eos_id: int, beam: int = 4
                 break
             sent, max_len, n_final = sent[keep], max_len[keep], n_final[keep]
             cont_scores, cont_pos, top_beam, top_tok = cont_scores[keep], cont_pos[keep], top_beam[keep], top_tok[keep]
-            base = keep * K
+            base = keep * R
         else:
-            base = torch.arange(b, device=dev) * K
+            base = torch.arange(b, device=dev) * R
         src_rows = (base.unsqueeze(1) + top_beam.gather(1, cont_pos)).view(-1)  # (b'*K,) parent hypotheses
         tokens = torch.cat([tokens.index_select(0, src_rows), top_tok.gather(1, cont_pos).view(-1, 1)], dim=1)
         scores = cont_scores
-        if cache is not None:
+        if isinstance(cache, DecoderCache):
+            cache.reorder(src_rows, beam=K)  # K rows per sentence from now on; source side stays shared
+        elif cache is not None:
             cache.reorder(src_rows)
         else:
             memory, src_keep = memory.index_select(0, src_rows), src_keep.index_select(0, src_rows)
+        R = K
         step += 1
     out = []
     for hyps in finals:
