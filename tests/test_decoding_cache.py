@@ -79,6 +79,9 @@ def test_inference_linear_packs_frozen_weights_only_and_follows_their_updates():
         before = lin(x)
         assert torch.allclose(before, F.linear(x, lin.weight, lin.bias), atol=1e-5)
         assert torch.allclose(model.project(x[:, :32]), x[:, :32] @ model.output_weight.t(), atol=1e-5)
+        fused = inference_linear(x - 0.5, lin.weight, lin.bias, relu=True)
+        assert torch.allclose(fused, F.relu(F.linear(x - 0.5, lin.weight, lin.bias)), atol=1e-5)
+        assert fused.eq(0).any()
     model.load_state_dict(tiny(seed=5).state_dict())  # in place: the packed copy is rebuilt
     with torch.no_grad():
         after = lin(x)

@@ -98,8 +98,9 @@ def _packing_works(dtype: torch.dtype) -> bool:
 _PACKING = {dt: _packing_works(dt) for dt in (torch.float32, torch.bfloat16)}
 
 
-def inference_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """`F.linear(x, weight, bias)`; for a frozen weight on the CPU, on a packed copy of it (faster).
+def inference_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, relu: bool = False) -> Tensor:
+    """`F.linear(x, weight, bias)` (then ReLU if `relu`); for a frozen weight on the CPU, on a packed
+    copy of it (faster), with the ReLU fused into the GEMM.
 
     Under autocast, computes in the autocast dtype like `F.linear` would. Shape: (..., in) -> (..., out).
     """
@@ -107,7 +108,7 @@ def inference_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> T
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
     if dev != "cpu" or weight.requires_grad or (x.requires_grad and torch.is_grad_enabled()) \
             or not _PACKING.get(dtype, False):
-        return F.linear(x, weight, bias)
+        return F.relu(F.linear(x, weight, bias)) if relu else F.linear(x, weight, bias)
     key = (weight.data_ptr(), weight._version, dtype, None if bias is None else (bias.data_ptr(), bias._version))
     entry = _PACKED.get(id(weight))
     if entry is None or entry[0]() is not weight or entry[1] != key:
@@ -116,7 +117,8 @@ def inference_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> T
         ref = weakref.ref(weight, lambda _, i=id(weight): _PACKED.pop(i, None))  # dropped with the weight
         entry = (ref, key, torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH_HINT), b)
         _PACKED[id(weight)] = entry
-    return torch.ops.mkldnn._linear_pointwise(x.to(dtype).contiguous(), entry[2], entry[3], "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x.to(dtype).contiguous(), entry[2], entry[3], "relu" if relu else "none",
+                                              [], "")
 
 
 class Linear(nn.Linear):
@@ -386,6 +388,8 @@ class FeedForward(nn.Module):
         self.dropout = dropout
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.act is F.relu and not self.training:  # inference: ReLU fused into the first GEMM
+            return self.w2(inference_linear(x, self.w1.weight, self.w1.bias, relu=True))
         return self.w2(F.dropout(self.act(self.w1(x)), self.dropout, self.training))
 
 
