@@ -28,8 +28,10 @@ def test_two_ranks_match_one_process_with_update_freq_2(tmp_path):
     train_cli(tiny_args(corpus, one, *extra, "--update-freq", "2"))
 
     two = tmp_path / "two"
+    (tmp_path / "tmp").mkdir()
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1",
-           "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+           "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+           "TMPDIR": str(tmp_path / "tmp")}  # torchrun leaves a torchelastic_* log folder in the temp dir
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "aiayn",
            *tiny_args(corpus, two, *extra)]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)  # generous: slow shared CI

@@ -292,6 +292,6 @@ def test_runs_without_a_display_or_pyplot(tmp_path):
             "assert 'matplotlib.pyplot' not in sys.modules; sys.exit(rc)")
     out = tmp_path / "lr.png"
     r = subprocess.run([sys.executable, "-c", code, "plot", "lr-schedule", "--steps", "100", "--dpi", "20", "-o", str(out)],
-                       env=env, capture_output=True, text=True, timeout=120)
+                       env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert png_size(out) == (200, 104)
