@@ -78,6 +78,14 @@ def _forbid(lprobs: Tensor, ids: tuple[int, ...]) -> None:
             lprobs[:, i] = float("-inf")
 
 
+def _uncached_logits(model: Any, tokens: Tensor, memory: Tensor, src_keep: Tensor) -> Tensor:
+    """The decoder over the whole prefix, projected to the vocabulary at the last position only.
+    Shape: tokens (b, t) -> (b, V)."""
+    if hasattr(model, "project"):
+        return model.project(model.decode(tokens, memory, src_keep, project=False)[:, -1])
+    return model.decode(tokens, memory, src_keep)[:, -1]
+
+
 @torch.inference_mode()  # no autograd bookkeeping at all (a few % per step over no_grad)
 def greedy_search(model: Any, src: Tensor, bos_id: int, eos_id: int, max_len_a: float = 1.0,
                   max_len_b: int = 50, min_len: int = 0, use_cache: bool = True) -> list[list[int]]:
@@ -100,7 +108,7 @@ def greedy_search(model: Any, src: Tensor, bos_id: int, eos_id: int, max_len_a: 
         if cache is not None:
             logits = model.decode(tokens[:, -1:], None, cache=cache)[:, -1]  # (b, V)
         else:
-            logits = model.decode(tokens, memory, src_keep)[:, -1]
+            logits = _uncached_logits(model, tokens, memory, src_keep)
         logits = logits.float()
         _forbid(logits, (pad, bos_id))
         if step < min_len:  # the limit is always above `step` here: greedy stops on reaching it
@@ -151,7 +159,7 @@ def beam_search(model: Any, src: Tensor, bos_id: int, eos_id: int, beam: int = 4
         if cache is not None:
             logits = model.decode(tokens[:, -1:], None, cache=cache)[:, -1]  # (b*R, V)
         else:
-            logits = model.decode(tokens, memory, src_keep)[:, -1]
+            logits = _uncached_logits(model, tokens, memory, src_keep)
         lprobs = F.log_softmax(logits.float(), dim=-1)  # (b*R, V)
         lprobs += scores.view(-1, 1)  # candidate scores: hypothesis score + token log-probability
         V = lprobs.size(-1)
