@@ -14,6 +14,15 @@ from aiayn.search import beam_search
 V = 30
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: intra-op threads only add waiting on a busy machine (10x slower seen)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def tiny(seed: int = 0) -> Transformer:
     torch.manual_seed(seed)
     return Transformer(preset("tiny", src_vocab_size=V, tgt_vocab_size=V)).eval()
