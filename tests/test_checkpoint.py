@@ -145,6 +145,25 @@ def test_resolve_prefers_best_then_newest_step(tmp_path, tok):
         ckpt.load_checkpoint(tmp_path / "nope")
 
 
+def test_a_kill_while_pruning_leaves_no_half_deleted_checkpoint(tmp_path, tok, monkeypatch):
+    m = _model(tok)
+    for s in (1, 2, 3):
+        _save(tmp_path / f"step_{s}", m, tok, step=s)
+
+    def killed(path, *args, **kwargs):  # the process dies after removing one file
+        next(p for p in sorted(Path(path).iterdir()) if p.name != "config.json").unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ckpt.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.prune_checkpoints(tmp_path, keep_last=2)
+    monkeypatch.undo()
+    # the half-deleted step_1 is out of sight: no average, resolve or resume can pick it up
+    assert [s for s, _ in ckpt.step_checkpoints(tmp_path)] == [2, 3]
+    ckpt.remove_stale_temporaries(tmp_path)  # what the next `aiayn train` does first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2", "step_3"]
+
+
 @pytest.fixture()
 def saved(tmp_path, tok) -> Path:
     _save(tmp_path / "c", _model(tok), tok, state={"step": 1})

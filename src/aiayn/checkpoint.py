@@ -267,9 +267,18 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def prune_checkpoints(run_dir: str | Path, keep_last: int) -> None:
-    """Removes all but the newest `keep_last` step checkpoints (only ever after a new one is complete)."""
+    """Removes all but the newest `keep_last` step checkpoints (only ever after a new one is complete).
+
+    Each is first renamed to a `.tmp-` name, so a run killed while deleting leaves no half-deleted
+    `step_<N>/` that would still look complete; the next start removes the leftover.
+    """
     for _, d in step_checkpoints(run_dir)[:-keep_last]:
-        shutil.rmtree(d, ignore_errors=True)
+        gone = d.parent / f"{TMP_PREFIX}pruned-{d.name}-{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(d, gone)
+        except OSError:
+            continue
+        shutil.rmtree(gone, ignore_errors=True)
 
 
 def remove_stale_temporaries(run_dir: str | Path) -> None:
