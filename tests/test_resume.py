@@ -88,7 +88,9 @@ def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_p
             # run could finish unkilled): the kill lands in a step, a checkpoint write or validation.
             target = max(_logged_steps(run), default=0) + rng.randint(1, 5)
             seen = [(time.monotonic(), max(_logged_steps(run), default=0))]  # (when, newest logged step)
+            deadline = time.monotonic() + RUN_S
             while proc.poll() is None and seen[-1][1] < target:
+                assert time.monotonic() < deadline, f"no step {target} logged after {RUN_S}s"
                 now = max(_logged_steps(run), default=0)
                 if now != seen[-1][1]:
                     seen.append((time.monotonic(), now))
