@@ -583,7 +583,8 @@ class Transformer(nn.Module):
 
         Without a cache, `tgt` (B, T) is the whole prefix. With a cache, `tgt` holds only the new
         tokens (B, T_new), placed after the `cache.length` tokens decoded so far; `memory` may then
-        be None (cross-attention reads the cached keys/values) and `src_keep` defaults to the cache's.
+        be None (cross-attention reads the cached keys/values) and `src_keep` defaults to the cache's
+        (one row per sentence: the cache's `beam` rows of a sentence share it).
         `tgt_keep` (B, T) is an optional target padding mask for left- or mid-padded targets.
 
         Shape: -> logits (B, T, tgt_vocab) (or hidden states (B, T, d_model) when project=False).
