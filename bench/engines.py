@@ -2,8 +2,8 @@
 
     python bench/engines.py [--checkpoint DIR] [--n N] [--threads T] [--src de --tgt en]
 
-Systems, each with greedy search and beam 4 on Multi30k test_2016_flickr: aiayn (fp32 and bf16
-autocast), Hugging Face `MarianMTModel.generate` on `aiayn export --to hf`, and CTranslate2 on
+Systems, each with greedy search and beam 4 on Multi30k test_2016_flickr: aiayn (fp32 and a bf16
+copy), Hugging Face `MarianMTModel.generate` on `aiayn export --to hf`, and CTranslate2 on
 `aiayn export --to ctranslate2` (float32 and int8). Every system gets the same length-sorted
 batches and the same threads; timings cover search only, after one warm-up batch per system.
 
@@ -16,7 +16,7 @@ alpha = 0, where the two searches are the same algorithm, and HF greedy on sourc
 that `MarianTokenizer` appends by default (aiayn feeds the source without it).
 
 aiayn runs as `Translator` runs it: weights frozen (linear layers on oneDNN-packed weights), bf16
-through autocast; after the table, aiayn's speed-up over HF and CTranslate2 float32 per mode.
+as a bfloat16 copy of the model; after the table, aiayn's speed-up over HF and CTranslate2 float32 per mode.
 
 Without --checkpoint, a random-weight `small` model (d_model 256, 3+3 layers) is used with a joint
 tokenizer trained on the Multi30k training text; it seldom emits EOS, so sentences run to their
@@ -26,7 +26,7 @@ length limit (source length + 50), and BLEU is meaningless.
 from __future__ import annotations
 
 import argparse
-import contextlib
+import copy
 import math
 import platform
 import sys
@@ -116,14 +116,16 @@ def main() -> int:
     print(f"{what}; {n} sentences of {src_path.name}, {len(groups)} batches of at most {args.batch_size}; "
           f"{threads} threads; {platform.processor() or platform.machine()}", flush=True)
 
+    model_bf16 = None if "bf16" in skip else copy.deepcopy(model).to(torch.bfloat16)  # as Translator's bf16
+
     def aiayn(beam: int, a: float, bf16: bool = False):  # type: ignore[no-untyped-def]
+        m = model_bf16 if bf16 else model
+
         def go(idx: list[int]) -> list[list[int]]:
-            ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-            with ctx:
-                s = padded(encoded, idx)
-                if beam == 1:
-                    return greedy_search(model, s, BOS_ID, EOS_ID, A, B)
-                return [h[0][0] for h in beam_search(model, s, BOS_ID, EOS_ID, beam, a, A, B)]
+            s = padded(encoded, idx)
+            if beam == 1:
+                return greedy_search(m, s, BOS_ID, EOS_ID, A, B)
+            return [h[0][0] for h in beam_search(m, s, BOS_ID, EOS_ID, beam, a, A, B)]
         return go
 
     systems = {("aiayn fp32", "greedy"): aiayn(1, 0.0), ("aiayn fp32", f"beam {K}"): aiayn(K, alpha)}
