@@ -28,7 +28,6 @@ hypotheses differently, which does not change the work done per step.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import platform
