@@ -69,13 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hyp-file", help="translations to score, one a line (no model needed)")
     p.add_argument("--ref-file", help="references, one a line, aligned with the source or hypotheses")
     p.add_argument("--save-hyps", help="also write the translations to this file")
-    p.add_argument("--beam", type=int, default=4, help="beam size (1 = greedy)")
-    p.add_argument("--alpha", type=float, default=0.6, help="length penalty ((5+len)/6)^alpha")
-    p.add_argument("--max-tokens", type=int, default=4096, help="source tokens per batch (padding included)")
-    p.add_argument("--batch-size", type=int, default=256, help="sentences per batch at most")
-    p.add_argument("--max-len-a", type=float, default=1.0, help="output length limit a*source_length+b: a")
-    p.add_argument("--max-len-b", type=int, default=50, help="output length limit a*source_length+b: b")
-    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="search precision")
+    from aiayn.translate import add_search_arguments
+
+    add_search_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
@@ -120,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         from aiayn.translate import Settings, Translator
 
         settings = Settings(beam=args.beam, alpha=args.alpha, max_tokens=args.max_tokens, batch_size=args.batch_size,
-                            max_len_a=args.max_len_a, max_len_b=args.max_len_b)
+                            max_len_a=args.max_len_a, max_len_b=args.max_len_b, min_len=args.min_len)
         settings.check()
         translator = Translator.from_checkpoint(args.checkpoint, precision=args.precision)
         hyps = translator.translate(lines, **vars(settings))

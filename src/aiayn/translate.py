@@ -241,19 +241,25 @@ class LineChunks:
                 return
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory, or a run directory (uses best/)")
-    p.add_argument("--input", default="-", help="text file to translate, one sentence a line; - for stdin")
-    p.add_argument("--output", default="-", help="where to write translations; - for stdout")
+def add_search_arguments(p: argparse.ArgumentParser) -> None:
+    """The search flags shared by `aiayn translate` and `aiayn evaluate`."""
     p.add_argument("--beam", type=int, default=4, help="beam size (1 = greedy)")
     p.add_argument("--alpha", type=float, default=0.6, help="length penalty ((5+len)/6)^alpha")
-    p.add_argument("--nbest", type=int, default=1, help="print N hypotheses per line as 'i ||| hyp ||| score'")
     p.add_argument("--max-tokens", type=int, default=4096, help="source tokens per batch (padding included)")
     p.add_argument("--batch-size", type=int, default=256, help="sentences per batch at most")
     p.add_argument("--max-len-a", type=float, default=1.0, help="output length limit a*source_length+b: a")
     p.add_argument("--max-len-b", type=int, default=50, help="output length limit a*source_length+b: b")
     p.add_argument("--min-len", type=int, default=0, help="minimum output length in tokens")
-    p.add_argument("--precision", choices=PRECISIONS, default="fp32", help="bf16: a bfloat16 copy of the model, ~1.3x faster on CPUs with AVX512-BF16")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                   help="bf16: a bfloat16 copy of the model, ~1.3x faster on CPUs with AVX512-BF16")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory, or a run directory (uses best/)")
+    p.add_argument("--input", default="-", help="text file to translate, one sentence a line; - for stdin")
+    p.add_argument("--output", default="-", help="where to write translations; - for stdout")
+    add_search_arguments(p)
+    p.add_argument("--nbest", type=int, default=1, help="print N hypotheses per line as 'i ||| hyp ||| score'")
     p.add_argument("--chunk-lines", type=int, default=500, help="lines read, translated and flushed at a time")
     p.add_argument("--engine", choices=("torch", "ctranslate2"), default="torch",
                    help="ctranslate2: --checkpoint is a directory from `aiayn export --to ctranslate2` "
