@@ -485,7 +485,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--to", required=True, choices=("hf", "ctranslate2"), help="the target format")
     p.add_argument("out", metavar="OUT", help="the output directory (replaced if it exists)")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
-                   help="CTranslate2 only: weight type of the export (default: float32)")
+                   help="CTranslate2 only: weight type of the export (none given: float32)")
 
 
 def run(args: argparse.Namespace) -> int:
