@@ -179,8 +179,9 @@ def main() -> int:
 
         from aiayn.export import CT2Translator, to_ctranslate2
 
+        exports = tempfile.TemporaryDirectory(prefix="aiayn-decode-")  # removed when the run ends
         for q in ("float32", "int8"):
-            ct2 = CT2Translator(to_ctranslate2(model, toks, Path(tempfile.mkdtemp()) / q, None if q == "float32" else q),
+            ct2 = CT2Translator(to_ctranslate2(model, toks, Path(exports.name) / q, None if q == "float32" else q),
                                 threads=torch.get_num_threads())
 
             def ct2_gen(beam, ct2=ct2):

@@ -91,7 +91,8 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
     skip = set(filter(None, args.skip.split(",")))
-    work = Path(tempfile.mkdtemp(prefix="aiayn-engines-"))
+    work_dir = tempfile.TemporaryDirectory(prefix="aiayn-engines-")  # removed when the run ends
+    work = Path(work_dir.name)
     if args.checkpoint:
         ck = load_checkpoint(args.checkpoint)
         model, toks, what, ckpt = ck.model, ck.tokenizers, f"checkpoint {ck.path}", ck.path
