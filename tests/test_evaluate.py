@@ -97,7 +97,8 @@ def test_src_file_mode_translates_then_scores(ckpt, tmp_path, capsys):
     assert got["beam"] == 2 and got["precision"] == "fp32"
 
 
-@pytest.mark.skipif(not os.environ.get("AIAYN_DATA"), reason="needs AIAYN_DATA (the Multi30k data root)")
+@pytest.mark.skipif(not os.path.isdir(os.path.join(os.environ.get("AIAYN_DATA", ""), "multi30k")),
+                    reason="needs AIAYN_DATA (the Multi30k data root)")
 def test_multi30k_mode(ckpt, capsys):
     argv = ["evaluate", "--checkpoint", str(ckpt), "--data", "multi30k", "--src", "de", "--tgt", "en",
             "--split", "test_2016_flickr", "--json", "--beam", "1", "--max-len-a", "0", "--max-len-b", "2"]
