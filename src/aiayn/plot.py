@@ -14,10 +14,10 @@ Command line: `aiayn plot positional-encoding|attention|curves|lr-schedule ... -
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import os
-import tempfile
 import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,6 +32,7 @@ from matplotlib.ticker import MaxNLocator
 
 from aiayn.errors import AiaynError
 from aiayn.model import PositionalEncoding, Transformer
+from aiayn.tokenizer import atomic_write_bytes
 
 FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
 DEFAULT_DPI = 150
@@ -60,15 +61,9 @@ def save_figure(fig: Figure, path: str | os.PathLike, dpi: int = DEFAULT_DPI) ->
     fmt = image_format(path)
     if dpi <= 0:
         raise AiaynError(f"--dpi must be positive, got {dpi}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format=fmt, dpi=dpi, facecolor="white")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    buf = io.BytesIO()
+    fig.savefig(buf, format=fmt, dpi=dpi, facecolor="white")
+    atomic_write_bytes(path, buf.getvalue())
     return path
 
 
