@@ -44,27 +44,9 @@ from aiayn.export import CT2Translator, export_ctranslate2, export_hf
 from aiayn.model import Transformer
 from aiayn.search import beam_search, greedy_search
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizers
+from decode import batches, padded  # bench/decode.py: the same batches for every engine
 
 A, B = 1.0, 50  # aiayn's length limit: floor(A * source length + B)
-
-
-def batches(encoded: list[list[int]], max_tokens: int, batch_size: int) -> list[list[int]]:
-    """Length-sorted batches (longest first) under a source-token budget, the same for every system."""
-    order = sorted(range(len(encoded)), key=lambda i: -len(encoded[i]))
-    out, cur = [], []
-    for i in order:
-        if cur and (len(cur) + 1 > batch_size or (len(cur) + 1) * len(encoded[cur[0]]) > max_tokens):
-            out.append(cur)
-            cur = []
-        cur.append(i)
-    return out + ([cur] if cur else [])
-
-
-def padded(encoded: list[list[int]], idx: list[int]) -> torch.Tensor:
-    src = torch.full((len(idx), max(len(encoded[i]) for i in idx)), PAD_ID, dtype=torch.long)  # (B, S)
-    for r, i in enumerate(idx):
-        src[r, : len(encoded[i])] = torch.tensor(encoded[i])
-    return src
 
 
 def hf_strip(row: list[int]) -> list[int]:
