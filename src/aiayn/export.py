@@ -433,18 +433,11 @@ class CT2Translator:
 
     def search(self, lines: Sequence[str], first_line: int = 1, **settings: Any) -> list[list[tuple[str, float]]]:
         """Per input line, up to `nbest` (translation, score) pairs, as `Translator.search`."""
-        from aiayn.translate import Settings, one_line
+        from aiayn.translate import Settings, encode_sources, one_line
 
         s = Settings(**settings)
         s.check()
-        ids: list[list[int]] = []
-        for k, line in enumerate(lines):
-            row = self.tokenizers.src.encode(line) if line.strip() else []
-            if len(row) > self.max_src_tokens:
-                self.note(f"line {first_line + k}: {len(row)} source tokens, more than the model takes; "
-                          f"translated its first {self.max_src_tokens} tokens only")
-                row = row[: self.max_src_tokens]
-            ids.append(row)
+        ids = encode_sources(self.tokenizers, lines, self.max_src_tokens, self.note, first_line)
         hyps = self.translate_ids(ids, s.beam, s.alpha, s.nbest, s.max_len_a, s.max_len_b, s.min_len, s.max_tokens)
         return [[(one_line(self.tokenizers.tgt.decode(h)), sc) for h, sc in nb] for nb in hyps]
 

@@ -34,6 +34,7 @@ import torch
 
 from aiayn.errors import AiaynError
 from aiayn.search import beam_search, greedy_search
+from aiayn.tokenizer import TokenizerPair
 
 PRECISIONS = ("fp32", "bf16")
 BOS_ID, EOS_ID = 2, 3  # aiayn.tokenizer's fixed special ids (kept here so the stub tests need no tokenizer)
@@ -77,6 +78,21 @@ class Settings:
             raise AiaynError(f"--min-len must be >= 0, got {self.min_len}")
 
 
+def encode_sources(tokenizers: TokenizerPair, lines: Sequence[str], max_src_tokens: int,
+                   note: Callable[[str], None], first_line: int = 1) -> list[list[int]]:
+    """Source ids per line ([] for a blank line); a line longer than `max_src_tokens` is cut to it
+    and `note` says which line (the contract of every translation engine: nothing is dropped)."""
+    out: list[list[int]] = []
+    for i, line in enumerate(lines):
+        ids = tokenizers.src.encode(line) if line.strip() else []
+        if len(ids) > max_src_tokens:
+            note(f"line {first_line + i}: {len(ids)} source tokens, more than the model takes; "
+                 f"translated its first {max_src_tokens} tokens only")
+            ids = ids[:max_src_tokens]
+        out.append(ids)
+    return out
+
+
 def _stderr_note(msg: str) -> None:
     print(f"aiayn translate: {msg}", file=sys.stderr, flush=True)
 
@@ -112,15 +128,7 @@ class Translator:
 
     def encode(self, lines: Sequence[str], first_line: int = 1) -> list[list[int]]:
         """Source ids per line ([] for a blank line), truncated to `max_src_tokens` with a note."""
-        out: list[list[int]] = []
-        for i, line in enumerate(lines):
-            ids = self.tokenizers.src.encode(line) if line.strip() else []
-            if len(ids) > self.max_src_tokens:
-                self.note(f"line {first_line + i}: {len(ids)} source tokens, more than the model takes; "
-                          f"translated its first {self.max_src_tokens} tokens only")
-                ids = ids[: self.max_src_tokens]
-            out.append(ids)
-        return out
+        return encode_sources(self.tokenizers, lines, self.max_src_tokens, self.note, first_line)
 
     def _batches(self, encoded: list[list[int]], s: Settings) -> Iterator[list[int]]:
         """Indices of non-empty sentences, longest first, cut by the token and sentence budgets."""
