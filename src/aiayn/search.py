@@ -160,8 +160,7 @@ def beam_search(model: Any, src: Tensor, bos_id: int, eos_id: int, beam: int = 4
             logits = model.decode(tokens[:, -1:], None, cache=cache)[:, -1]  # (b*R, V)
         else:
             logits = _uncached_logits(model, tokens, memory, src_keep)
-        lprobs = F.log_softmax(logits.float(), dim=-1)  # (b*R, V)
-        lprobs += scores.view(-1, 1)  # candidate scores: hypothesis score + token log-probability
+        lprobs = F.log_softmax(logits.float(), dim=-1)  # (b*R, V) token log-probabilities
         V = lprobs.size(-1)
         if V < K:
             raise AiaynError(f"--beam {K} is larger than the target vocabulary ({V} tokens)")
@@ -176,9 +175,14 @@ def beam_search(model: Any, src: Tensor, bos_id: int, eos_id: int, beam: int = 4
                 lprobs[~forced, eos_id] = neg_inf
         elif step < min_len:
             lprobs[:, eos_id] = neg_inf
-        cand = lprobs.view(b, R * V)  # (b, R*V)
-        top_scores, top_idx = cand.topk(min(2 * K, R * V), dim=1)  # (b, 2K), best first
-        top_beam, top_tok = top_idx // V, top_idx % V
+        # The best 2K of a sentence's R*V candidates are among the best 2K of each of its rows (a
+        # row's candidates share the hypothesis score), so rank within rows first: two small topk
+        # instead of one over R*V, and the score is added to R*W values rather than R*V.
+        W = min(2 * K, V)
+        row_lp, row_tok = lprobs.topk(W, dim=1)  # (b*R, W)
+        cand = (row_lp + scores.view(-1, 1)).view(b, R * W)  # hypothesis score + token log-probability
+        top_scores, top_pos = cand.topk(min(2 * K, R * W), dim=1)  # (b, 2K), best first
+        top_beam, top_tok = top_pos // W, row_tok.view(b, R * W).gather(1, top_pos)
         is_eos = top_tok.eq(eos_id) & top_scores.gt(neg_inf)  # (b, 2K)
         fin = is_eos.clone()
         fin[:, K:] = False  # only an EOS among the best K candidates ends a hypothesis
