@@ -5,14 +5,18 @@ same weights, in one run. (bench/engines.py compares the exports too, with BLEU 
     python bench/decode.py [--checkpoint DIR] [--quick] [--src de --tgt en]
 
 On Multi30k test_2016_flickr (1000 sentences), for greedy and beam 4: sentences/s and target
-tokens/s (tokens generated, EOS excluded). Every system gets the same length-sorted batches, the
-same beam and the same length limits (at most source length + 50 tokens); timings cover search
-only (tokenization excluded), after one small warm-up batch per system. The copy into Marian is checked twice: the logits of one batch, and
-the greedy translations of every sentence (printed as an agreement count).
+tokens/s (tokens generated, EOS excluded). Every system gets the same length-sorted batches (by
+default those of `aiayn translate`: at most 256 sentences and 4096 source tokens, padding counted),
+the same beam and the same length limits (at most source length + 50 tokens); timings cover search
+only (tokenization excluded), after one small warm-up batch per system. The copy into Marian is
+checked twice: the logits of one batch, and the greedy translations of every sentence (printed as
+an agreement count).
 
 aiayn runs as `Translator` runs it: weights frozen (so linear layers use oneDNN-packed weights, see
-`aiayn.model.inference_linear`), bf16 as a bfloat16 copy of the model. The last lines give the speed-ups of aiayn
-over HF, over its own uncached search and over CTranslate2 float32, mode by mode.
+`aiayn.model.inference_linear`), bf16 as a bfloat16 copy of the model. Comparisons are like for
+like: aiayn bf16 is compared with a bfloat16 copy of the Marian model and with its own bf16 search
+without the cache (the fp32 peers are printed beside them). The last lines give the speed-ups of
+aiayn over HF, over its own uncached search and over CTranslate2 float32, mode by mode.
 
 Without --checkpoint, a random-weight `small` model is built with a joint tokenizer trained on the
 Multi30k training text (cached). A random model rarely emits EOS, so nearly every sentence runs to
@@ -43,6 +47,7 @@ from aiayn.export import to_marian  # the weight mapping of `aiayn export --to h
 from aiayn.model import Transformer
 from aiayn.search import beam_search, greedy_search
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizers
+from aiayn.translate import Settings
 
 
 def build(args):
@@ -101,7 +106,7 @@ def run_system(name: str, fn, encoded, groups) -> tuple[dict, list[list[int]]]:
     return row, outputs
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", help="a trained checkpoint (default: a random-weight model)")
     ap.add_argument("--src", default="de")
@@ -113,13 +118,15 @@ def main() -> int:
     ap.add_argument("--n", type=int, help="first N sentences")
     ap.add_argument("--beam", type=int, default=4)
     ap.add_argument("--alpha", type=float, default=0.6)
-    ap.add_argument("--max-tokens", type=int, default=2048, help="source tokens per batch")
-    ap.add_argument("--batch-size", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=Settings.max_tokens,
+                    help="source tokens per batch (default: aiayn translate's)")
+    ap.add_argument("--batch-size", type=int, default=Settings.batch_size,
+                    help="sentences per batch (default: aiayn translate's)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads for every system (1: intra-op threads on a shared, busy CPU slow all down)")
     ap.add_argument("--skip", default="", help="comma-separated systems to skip: hf,uncached,bf16,ct2")
     ap.add_argument("--json", help="also write the results here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     skip = set(filter(None, args.skip.split(",")))
@@ -148,6 +155,9 @@ def main() -> int:
         systems["aiayn greedy, no cache"] = lambda s: greedy_search(model, s, BOS_ID, EOS_ID, a, b, use_cache=False)
         systems[f"aiayn beam {K}, no cache"] = lambda s: [
             h[0][0] for h in beam_search(model, s, BOS_ID, EOS_ID, K, args.alpha, a, b, use_cache=False)]
+        if "bf16" not in skip:
+            systems[f"aiayn beam {K} bf16, no cache"] = lambda s: [
+                h[0][0] for h in beam_search(mb, s, BOS_ID, EOS_ID, K, args.alpha, a, b, use_cache=False)]
     hf = None
     if "hf" not in skip:
         import transformers
@@ -161,19 +171,23 @@ def main() -> int:
                     - model(probe, tgt_in)).abs().max().item()
         print(f"transformers {transformers.__version__}: max |logit difference| Marian vs aiayn = {diff:.2e}", flush=True)
 
-        def hf_gen(beam):
+        def hf_gen(beam, m):
             def go(s):
                 limit = int((s.ne(PAD_ID).sum(1).max().item()) * a + b) + 1  # the longest sentence's limit + EOS
                 extra = dict(length_penalty=args.alpha, early_stopping=True) if beam > 1 else {}
                 with torch.no_grad():
-                    out = hf.generate(input_ids=s, attention_mask=s.ne(PAD_ID), num_beams=beam, do_sample=False,
+                    out = m.generate(input_ids=s, attention_mask=s.ne(PAD_ID), num_beams=beam, do_sample=False,
                                       max_new_tokens=limit, bad_words_ids=[[PAD_ID], [BOS_ID]],
                                       num_return_sequences=1, **extra)
                 return [strip(row[1:]) for row in out.tolist()]
             return go
 
-        systems["HF Marian greedy"] = hf_gen(1)
-        systems[f"HF Marian beam {K}"] = hf_gen(K)
+        systems["HF Marian greedy"] = hf_gen(1, hf)
+        systems[f"HF Marian beam {K}"] = hf_gen(K, hf)
+        if "bf16" not in skip:  # like for like with aiayn's bf16 mode: a bfloat16 copy of the Marian model
+            hfb = copy.deepcopy(hf).to(torch.bfloat16)
+            systems["HF Marian greedy bf16"] = hf_gen(1, hfb)
+            systems[f"HF Marian beam {K} bf16"] = hf_gen(K, hfb)
     if "ct2" not in skip:  # CTranslate2 on `aiayn export --to ctranslate2` of the same weights, fp32 and int8
         import tempfile
 
@@ -213,8 +227,8 @@ def main() -> int:
     print("\n| system | seconds | sentences/s | target tokens/s | speed-up of aiayn (same mode) |")
     print("|---|---:|---:|---:|---:|")
     for r in rows:
-        mode = "greedy" if "greedy" in r["system"] else f"beam {K}"
-        ours = by[f"aiayn {mode}"]["seconds"]
+        mode = ("greedy" if "greedy" in r["system"] else f"beam {K}") + (" bf16" if "bf16" in r["system"] else "")
+        ours = by.get(f"aiayn {mode}", by[f"aiayn {mode.replace(' bf16', '')}"])["seconds"]
         print(f"| {r['system']} | {r['seconds']:.2f} | {r['sent_per_s']:.1f} | {r['tok_per_s']:.0f} | "
               f"{r['seconds'] / ours:.2f}x |")
     def ratio(slow: str, fast: str) -> str:
@@ -226,9 +240,11 @@ def main() -> int:
             ours = f"aiayn {mode}{prec}"
             if ours not in by:
                 continue
-            print(f"  {ours}: vs HF Marian {ratio(f'HF Marian {mode}', ours)}, "
-                  f"vs no cache (fp32) {ratio(f'aiayn {mode}, no cache', ours)}, "
-                  f"vs CTranslate2 float32 {ratio(f'CTranslate2 float32 {mode}', ours)}")
+            print(f"  {ours}: vs HF Marian{prec} {ratio(f'HF Marian {mode}{prec}', ours)}"
+                  + (f" (fp32 {ratio(f'HF Marian {mode}', ours)})" if prec else "")
+                  + f", vs no cache{prec} {ratio(f'aiayn {mode}{prec}, no cache', ours)}"
+                  + (f" (fp32 {ratio(f'aiayn {mode}, no cache', ours)})" if prec else "")
+                  + f", vs CTranslate2 float32 {ratio(f'CTranslate2 float32 {mode}', ours)}")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "n": n, "model": what}, indent=2))
     return 0
