@@ -109,7 +109,6 @@ def greedy_search(model: Any, src: Tensor, bos_id: int, eos_id: int, max_len_a: 
             logits = model.decode(tokens[:, -1:], None, cache=cache)[:, -1]  # (b, V)
         else:
             logits = _uncached_logits(model, tokens, memory, src_keep)
-        logits = logits.float()
         _forbid(logits, (pad, bos_id))
         if step < min_len:  # the limit is always above `step` here: greedy stops on reaching it
             logits[:, eos_id] = float("-inf")
@@ -160,7 +159,7 @@ def beam_search(model: Any, src: Tensor, bos_id: int, eos_id: int, beam: int = 4
             logits = model.decode(tokens[:, -1:], None, cache=cache)[:, -1]  # (b*R, V)
         else:
             logits = _uncached_logits(model, tokens, memory, src_keep)
-        lprobs = F.log_softmax(logits.float(), dim=-1)  # (b*R, V) token log-probabilities
+        lprobs = F.log_softmax(logits, dim=-1, dtype=torch.float32)  # (b*R, V) token log-probabilities
         V = lprobs.size(-1)
         if V < K:
             raise AiaynError(f"--beam {K} is larger than the target vocabulary ({V} tokens)")
