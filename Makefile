@@ -36,9 +36,10 @@ demo: install
 	  "Eine Frau in einem roten Kleid singt auf einer Bühne." "Kinder spielen Fußball auf einer Wiese." \
 	  | tee /dev/stderr | $(AIAYN) translate --checkpoint runs/demo --beam 4
 
-# Train de->en and en->de for 60 minutes each (one thread each, side by side) and score test_2016_flickr.
+# Train de->en, then en->de, 60 minutes each on both cores; tune beam/alpha on val; score test_2016_flickr.
 multi30k: install
-	AIAYN=$(AIAYN) bash bench/multi30k.sh de en 60 1 & AIAYN=$(AIAYN) bash bench/multi30k.sh en de 60 1; wait
+	AIAYN=$(AIAYN) bash bench/multi30k.sh de en 60 2
+	AIAYN=$(AIAYN) bash bench/multi30k.sh en de 60 2
 
 test: install-test
 	$(PY) -m pytest -q

@@ -1,23 +1,38 @@
 #!/usr/bin/env bash
 # Train on Multi30k and score test_2016_flickr: bench/multi30k.sh SRC TGT [MINUTES] [THREADS]
-# Writes runs/multi30k-SRC-TGT/ (checkpoints, metrics.jsonl, averaged/) and scores.jsonl there.
+# Writes runs/multi30k-SRC-TGT/ (checkpoints, metrics.jsonl, averaged/), the search settings tuned
+# on the validation set (val.jsonl) and the test scores (scores.jsonl). The test set is translated
+# only with settings fixed in advance or chosen on val: best/ greedy and beam 4, and averaged/ with
+# the paper's beam 4 / alpha 0.6 and with the val-tuned beam and alpha, in fp32 and bf16.
 set -euo pipefail
 src=${1:?source language}; tgt=${2:?target language}; minutes=${3:-60}; threads=${4:-0}
 aiayn=${AIAYN:-aiayn}
-run=runs/multi30k-$src-$tgt
-$aiayn train --config configs/multi30k.toml --src "$src" --tgt "$tgt" --max-minutes "$minutes" \
-  --threads "$threads" --out "$run"
-$aiayn average --checkpoint "$run" -n 5 -o "$run/averaged"
-: > "$run/scores.jsonl"
-for ckpt in best averaged; do
-  for beam in 1 4; do
-    for prec in fp32 bf16; do
-      echo "== $ckpt beam $beam $prec" >&2
-      $aiayn evaluate --checkpoint "$run/$ckpt" --data multi30k --src "$src" --tgt "$tgt" \
-        --split test_2016_flickr --beam "$beam" --precision "$prec" --json \
-        | python3 -c "import json,sys; d=json.load(sys.stdin); d.update(checkpoint='$ckpt', beam=$beam, precision='$prec'); print(json.dumps(d))" \
-        >> "$run/scores.jsonl"
-    done
+run=${RUN:-runs/multi30k-$src-$tgt}  # RUN=DIR scores (or trains) another run directory
+if [ ! -e "$run/averaged" ]; then
+  $aiayn train --config configs/multi30k.toml --src "$src" --tgt "$tgt" --max-minutes "$minutes" \
+    --threads "$threads" --out "$run"
+  $aiayn average --checkpoint "$run" -n 5 -o "$run/averaged"
+fi
+score() {  # score SPLIT CHECKPOINT BEAM ALPHA PRECISION -> one JSON line
+  $aiayn evaluate --checkpoint "$run/$2" --data multi30k --src "$src" --tgt "$tgt" --split "$1" \
+    --beam "$3" --alpha "$4" --precision "$5" --json \
+    | python3 -c "import json,sys; d=json.load(sys.stdin); d.update(split='$1', checkpoint='$2', beam=$3, alpha=$4, precision='$5'); print(json.dumps(d))"
+}
+: > "$run/val.jsonl"
+for beam in 4 6; do
+  for alpha in 0.6 1.0 1.4 1.8 2.2; do
+    echo "== val averaged beam $beam alpha $alpha" >&2
+    score val averaged "$beam" "$alpha" fp32 >> "$run/val.jsonl"
   done
+done
+read -r vbeam valpha < <(python3 -c "
+import json; rows = [json.loads(l) for l in open('$run/val.jsonl')]
+r = max(rows, key=lambda r: r['bleu']); print(r['beam'], r['alpha'])")
+echo "== tuned on val: beam $vbeam alpha $valpha" >&2
+: > "$run/scores.jsonl"
+for spec in "best 1 0.6 fp32" "best 4 0.6 fp32" "averaged 4 0.6 fp32" "averaged 4 0.6 bf16" \
+            "averaged $vbeam $valpha fp32" "averaged $vbeam $valpha bf16"; do
+  echo "== test $spec" >&2
+  score test_2016_flickr $spec >> "$run/scores.jsonl"
 done
 cat "$run/scores.jsonl"
