@@ -6,11 +6,12 @@ run the decoder one token at a time on the key/value cache (`DecoderCache`, reor
 step), and drop finished sentences from the batch so that they stop costing compute.
 
 Where the time goes, and what keeps it down (CPU, measured with bench/decode.py): the linear layers
-are ~70% of a step, the vocabulary projection the largest of them, so they run on packed weights
-(`aiayn.model.inference_linear`, for frozen weights as `Translator` sets them; bf16 halves them
-again). The K beams of a sentence share one copy of its cross-attention keys/values, the first beam
-step runs one row per sentence (its beams are still identical), and the self-attention cache is
-reordered in the same copy that appends the new step. Everything runs under `inference_mode`.
+are about two thirds of an fp32 step, the vocabulary projection the largest of them, so they run on
+packed weights (`aiayn.model.inference_linear`, for frozen weights as `Translator` sets them; bf16
+halves them again). The K beams of a sentence share one copy of its cross-attention keys/values,
+the first beam step runs one row per sentence (its beams are still identical), candidates are
+ranked within each row before the merge per sentence, and the self-attention cache is reordered in
+the same copy that appends the new step. Everything runs under `inference_mode`.
 
 Conventions, pinned by tests/test_search.py:
 
