@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import aiayn.model
 from aiayn.config import PRESETS, ConfigError, ModelConfig, preset
 from aiayn.errors import AiaynError
-from aiayn.model import Packed, PositionalEncoding, Transformer, sinusoidal_table
+from aiayn.model import LayerCache, Packed, PositionalEncoding, Transformer, sinusoidal_table
 from reference import TorchReference
 
 V = 50
@@ -238,6 +238,33 @@ def test_cached_decoding_after_reorder():
         want = model.decode(want_tgt, memory[order], src_keep[order])[:, 3:]
     assert torch.allclose(got, want, atol=1e-5)
 
+
+def test_layer_cache_reuses_two_buffers_and_keeps_values():
+    """Appends with reorders (rows duplicated, dropped, shrinking) give exactly index_select + cat,
+    while the storage takes turns between two buffers: nothing new once they are big enough."""
+    g = torch.Generator().manual_seed(0)
+    H, d = 2, 3
+    k0, v0 = torch.randn(6, H, 1, d, generator=g), torch.randn(6, H, 1, d, generator=g)
+    cache = LayerCache(torch.zeros(6, H, 1, d), torch.zeros(6, H, 1, d))
+    ref_k, ref_v = cache.append(k0, v0)
+    ref_k, ref_v = ref_k.clone(), ref_v.clone()
+    storages = []
+    rows = 6
+    for step in range(12):
+        if step % 3 == 2 and rows > 2:
+            rows -= 1  # a sentence left the batch
+        order = torch.randint(0, ref_k.size(0), (rows,), generator=g)
+        cache.reorder_rows(order)
+        k, v = torch.randn(rows, H, 1, d, generator=g), torch.randn(rows, H, 1, d, generator=g)
+        got_k, got_v = cache.append(k, v)
+        ref_k = torch.cat([ref_k.index_select(0, order), k], 2)
+        ref_v = torch.cat([ref_v.index_select(0, order), v], 2)
+        assert torch.equal(got_k, ref_k) and torch.equal(got_v, ref_v)
+        assert got_k.is_contiguous() and got_v.is_contiguous()
+        storages.append(got_k.untyped_storage().data_ptr())
+    # fresh buffers are made only to grow (room for 8 more positions each time): 12 steps, few buffers
+    assert len(set(storages)) <= 4
+    assert all(a != b for a, b in zip(storages, storages[1:]))  # never written over while read
 
 def test_fully_padded_source_row_gives_no_nan():
     model = tiny()

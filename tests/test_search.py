@@ -2,6 +2,7 @@
 then equivalences on a real random-weight Transformer (beam 1 = greedy, cached = uncached,
 batch invariance) and the length rules."""
 
+import copy
 import math
 from types import SimpleNamespace
 
@@ -178,6 +179,23 @@ def test_cached_equals_uncached(beam):
     assert greedy_search(model, src, BOS, EOS, max_len_b=10) == greedy_search(
         model, src, BOS, EOS, max_len_b=10, use_cache=False)
 
+
+def test_row_blocks_do_not_change_the_search(monkeypatch):
+    """The vocabulary stage runs on blocks of rows (`ROW_BLOCK`): any block size gives the same
+    tokens and scores, forced EOS at the length limit and min_len across block edges included."""
+    import aiayn.search as search
+
+    model, src = random_model(), random_batch([6, 2, 8, 4, 5, 7, 3])
+    kw = dict(beam=4, nbest=4, max_len_b=6, min_len=2)
+    want = beam_search(model, src, BOS, EOS, **kw)
+    for block in (1, 3, 5):
+        monkeypatch.setattr(search, "ROW_BLOCK", block)
+        assert beam_search(model, src, BOS, EOS, **kw) == want
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)  # bf16 logits are upcast into the float32 buffers
+    monkeypatch.setattr(search, "ROW_BLOCK", 128)
+    want16 = beam_search(bf16, src, BOS, EOS, **kw)
+    monkeypatch.setattr(search, "ROW_BLOCK", 3)
+    assert beam_search(bf16, src, BOS, EOS, **kw) == want16
 
 def test_batch_invariance():
     model = random_model()

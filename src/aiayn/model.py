@@ -136,7 +136,10 @@ class LayerCache:
     rows (`DecoderCache.beam`), so beam search never copies them. Self-attention keys/values grow by
     the new positions at every step and stay contiguous (CPU batched matmuls copy strided operands
     first, which cost more than a preallocated buffer saves). A reorder is lazy: the rows are
-    selected by the next `append`, in the same single copy that adds the new positions.
+    selected by the next `append`, in the same single copy that adds the new positions. That copy
+    goes into the storage the step before last used (two buffers per tensor, taking turns), so a
+    step allocates nothing large: fresh memory of that size would cost page faults at every step.
+    The keys/values that `append` returns are therefore only valid until the next `append`.
     """
 
     cross_k: Tensor  # (N, H, S, d_head), one row per sentence
@@ -144,17 +147,18 @@ class LayerCache:
     self_k: Tensor | None = None  # (R, H, t, d_head), R = N * beam rows, before `pending` is applied
     self_v: Tensor | None = None
     pending: Tensor | None = None  # (R',) rows of self_k/self_v that the next append keeps
+    spare: list[Tensor | None] = field(default_factory=lambda: [None, None])  # flat storage for the next k, v
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store the new positions; return every key/value so far.
+        """Store the new positions; return every key/value so far (valid until the next append).
 
         Shape: k, v (R, H, T, d_head) -> (R, H, t + T, d_head) each.
         """
         if self.self_k is None:
             self.self_k, self.self_v = k, v
         else:
-            self.self_k = _select_cat(self.self_k, self.pending, k)
-            self.self_v = _select_cat(self.self_v, self.pending, v)  # type: ignore[arg-type]
+            self.self_k, self.spare[0] = _select_cat(self.self_k, self.pending, k, self.spare[0])
+            self.self_v, self.spare[1] = _select_cat(self.self_v, self.pending, v, self.spare[1])  # type: ignore[arg-type]
         self.pending = None
         return self.self_k, self.self_v  # type: ignore[return-value]
 
@@ -164,17 +168,28 @@ class LayerCache:
             self.pending = indices if self.pending is None else self.pending.index_select(0, indices)
 
 
-def _select_cat(old: Tensor, rows: Tensor | None, new: Tensor) -> Tensor:
-    """cat([old[rows], new], dim=2) in one copy. Shape: old (R, H, t, d), new (R', H, T, d) -> (R', H, t+T, d)."""
-    if rows is None:
-        return torch.cat([old, new], dim=2)
+def _select_cat(old: Tensor, rows: Tensor | None, new: Tensor, spare: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """cat([old[rows], new], dim=2) in one copy, written into `spare` (flat storage) when it is large
+    enough. Returns the result and the storage to use next time (old's, if it was one of ours).
+
+    Shape: old (R, H, t, d), new (R', H, T, d) -> (R', H, t+T, d)."""
     if torch.is_grad_enabled() and (old.requires_grad or new.requires_grad):  # autograd cannot record out=
-        return torch.cat([old.index_select(0, rows), new], dim=2)
+        return torch.cat([old if rows is None else old.index_select(0, rows), new], dim=2), None
     t = old.size(2)
-    out = new.new_empty(new.size(0), new.size(1), t + new.size(2), new.size(3))
-    torch.index_select(old, 0, rows, out=out[:, :, :t])
+    shape = (new.size(0), new.size(1), t + new.size(2), new.size(3))
+    need = shape[0] * shape[1] * shape[2] * shape[3]
+    if spare is None or spare.numel() < need or spare.dtype != new.dtype or spare.device != new.device:
+        # room for 8 more positions, so that the next steps can reuse it as the rows shrink
+        spare = new.new_empty(need + shape[0] * shape[1] * 8 * shape[3])
+    out = spare[:need].view(shape)
+    if rows is None:
+        out[:, :, :t] = old
+    else:
+        torch.index_select(old, 0, rows, out=out[:, :, :t])
     out[:, :, t:] = new
-    return out
+    base = old._base if old._base is not None else old
+    # old's storage is ours to reuse only if it is a flat buffer made here (not a projection's output)
+    return out, (base if base.dim() == 1 and base.is_contiguous() else None)
 
 
 @dataclass

@@ -11,7 +11,10 @@ packed weights (`aiayn.model.inference_linear`, for frozen weights as `Translato
 halves them again). The K beams of a sentence share one copy of its cross-attention keys/values,
 the first beam step runs one row per sentence (its beams are still identical), candidates are
 ranked within each row before the merge per sentence, and the self-attention cache is reordered in
-the same copy that appends the new step. Everything runs under `inference_mode`.
+the same copy that appends the new step. Nothing large is allocated per step: the cache takes turns
+between two buffers, and log-softmax and top-k run on blocks of `ROW_BLOCK` rows in buffers kept
+for the whole search (fresh memory of that size costs page faults at every step). Everything runs
+under `inference_mode`.
 
 Conventions, pinned by tests/test_search.py:
 
@@ -87,6 +90,71 @@ def _uncached_logits(model: Any, tokens: Tensor, memory: Tensor, src_keep: Tenso
     return model.decode(tokens, memory, src_keep)[:, -1]
 
 
+# The vocabulary stage of a beam step (log-softmax and per-row top-k over the projected logits) runs
+# on blocks of this many decoder rows, in two float32 buffers kept for the whole search: (rows, V)
+# temporaries allocated at every step cost page faults and fall out of the caches (bf16 search,
+# 1000 sentences: half the system time and about 8% less wall time than the whole batch at once).
+ROW_BLOCK = 128
+
+
+def _hidden(model: Any, tokens: Tensor, memory: Tensor, src_keep: Tensor, cache: Any) -> Tensor:
+    """The last decoder state of every row, (b, d); a model without `project` gives logits (b, V)."""
+    kw = {"project": False} if hasattr(model, "project") else {}
+    if cache is not None:
+        return model.decode(tokens[:, -1:], None, cache=cache, **kw)[:, -1]
+    return model.decode(tokens, memory, src_keep, **kw)[:, -1]
+
+
+class _RowTopk:
+    """log_softmax over the vocabulary, then the best `width` tokens of each row, block by block.
+
+    The rules on tokens apply before ranking: `banned` ids are never chosen, EOS is the only choice
+    of a `forced` row and is forbidden in the others when `no_eos`."""
+
+    def __init__(self, model: Any, width: int, beam: int, banned: tuple[int, ...], eos_id: int) -> None:
+        self.project = getattr(model, "project", None)
+        self.width, self.beam, self.banned, self.eos = width, beam, banned, eos_id
+        self.buf: tuple[Tensor, Tensor] | None = None
+
+    def _buffers(self, rows: int, V: int, like: Tensor) -> tuple[Tensor, Tensor]:
+        n = min(ROW_BLOCK, rows)
+        if self.buf is None or self.buf[0].size(1) != V or self.buf[0].size(0) < n:
+            self.buf = (like.new_empty(n, V, dtype=torch.float32), like.new_empty(n, V, dtype=torch.float32))
+        return self.buf
+
+    def __call__(self, hidden: Tensor, forced: Tensor | None, no_eos: bool) -> tuple[Tensor, Tensor]:
+        """Shape: hidden (n, d) (or logits (n, V)), forced (n,) bool or None -> values, ids (n, width)."""
+        n = hidden.size(0)
+        logits = self.project(hidden) if self.project is not None else hidden  # (n, V), one GEMM
+        V = logits.size(-1)
+        if V < self.beam:
+            raise AiaynError(f"--beam {self.beam} is larger than the target vocabulary ({V} tokens)")
+        raw, lp = self._buffers(n, V, logits)
+        vals, ids = [], []
+        for i in range(0, n, raw.size(0)):
+            blk = logits[i:i + raw.size(0)]
+            m = blk.size(0)
+            x = blk if blk.dtype == torch.float32 else raw[:m].copy_(blk)  # upcast in place
+            lprobs = torch.log_softmax(x, dim=-1, out=lp[:m])  # (m, V) token log-probabilities
+            _forbid(lprobs, self.banned)
+            if forced is not None:
+                f = forced[i:i + m]
+                if bool(f.any()):
+                    eos_lp = lprobs[f, self.eos]
+                    lprobs[f] = float("-inf")
+                    lprobs[f, self.eos] = eos_lp
+                if no_eos:
+                    lprobs[~f, self.eos] = float("-inf")
+            elif no_eos:
+                lprobs[:, self.eos] = float("-inf")
+            v, j = lprobs.topk(min(self.width, V), dim=1)
+            vals.append(v)
+            ids.append(j)
+        if len(vals) == 1:
+            return vals[0], ids[0]
+        return torch.cat(vals), torch.cat(ids)
+
+
 @torch.inference_mode()  # no autograd bookkeeping at all (a few % per step over no_grad)
 def greedy_search(model: Any, src: Tensor, bos_id: int, eos_id: int, max_len_a: float = 1.0,
                   max_len_b: int = 50, min_len: int = 0, use_cache: bool = True) -> list[list[int]]:
@@ -153,33 +221,15 @@ def beam_search(model: Any, src: Tensor, bos_id: int, eos_id: int, beam: int = 4
     n_final = torch.zeros(B, dtype=torch.long, device=dev)  # (b,)
     finals: list[list[Hypothesis]] = [[] for _ in range(B)]
     neg_inf = float("-inf")
+    row_topk = _RowTopk(model, 2 * K, K, (pad, bos_id), eos_id)
     step = 0
     while sent.numel():
         b = sent.numel()
-        if cache is not None:
-            logits = model.decode(tokens[:, -1:], None, cache=cache)[:, -1]  # (b*R, V)
-        else:
-            logits = _uncached_logits(model, tokens, memory, src_keep)
-        lprobs = F.log_softmax(logits, dim=-1, dtype=torch.float32)  # (b*R, V) token log-probabilities
-        V = lprobs.size(-1)
-        if V < K:
-            raise AiaynError(f"--beam {K} is larger than the target vocabulary ({V} tokens)")
-        _forbid(lprobs, (pad, bos_id))
+        hidden = _hidden(model, tokens, memory, src_keep, cache)  # (b*R, d) or logits (b*R, V)
         at_limit = max_len.le(step)  # (b,) hypotheses hold max_len tokens: EOS is forced
-        if bool(at_limit.any()):
-            forced = at_limit.repeat_interleave(R)  # (b*R,)
-            eos_lp = lprobs[forced, eos_id]
-            lprobs[forced] = neg_inf
-            lprobs[forced, eos_id] = eos_lp
-            if step < min_len:
-                lprobs[~forced, eos_id] = neg_inf
-        elif step < min_len:
-            lprobs[:, eos_id] = neg_inf
-        # The best 2K of a sentence's R*V candidates are among the best 2K of each of its rows (a
-        # row's candidates share the hypothesis score), so rank within rows first: two small topk
-        # instead of one over R*V, and the score is added to R*W values rather than R*V.
-        W = min(2 * K, V)
-        row_lp, row_tok = lprobs.topk(W, dim=1)  # (b*R, W)
+        forced = at_limit.repeat_interleave(R) if bool(at_limit.any()) else None  # (b*R,)
+        row_lp, row_tok = row_topk(hidden, forced, step < min_len)  # (b*R, W)
+        W = row_lp.size(1)
         cand = (row_lp + scores.view(-1, 1)).view(b, R * W)  # hypothesis score + token log-probability
         top_scores, top_pos = cand.topk(min(2 * K, R * W), dim=1)  # (b, 2K), best first
         top_beam, top_tok = top_pos // W, row_tok.view(b, R * W).gather(1, top_pos)
