@@ -197,6 +197,34 @@ def test_row_blocks_do_not_change_the_search(monkeypatch):
     monkeypatch.setattr(search, "ROW_BLOCK", 3)
     assert beam_search(bf16, src, BOS, EOS, **kw) == want16
 
+@pytest.mark.parametrize("V,k", [(8000, 8), (200, 8), (64, 2), (48, 3)])
+def test_topk_rows_gives_the_values_of_topk(V, k):
+    """The strided two-stage top-k returns exactly topk's values, with ties and -inf rows."""
+    from aiayn.search import _topk_rows
+
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(37, V, generator=g).log_softmax(-1)
+    x[0] = float("-inf")
+    x[0, 5] = -1.0  # a forced row: one finite value
+    x[1] = x[1].round(decimals=0)  # many ties
+    x[2, : V // 2] = float("-inf")
+    x[3, :] = 0.0
+    v, i = _topk_rows(x, k)
+    want_v, _ = x.topk(k, dim=1)
+    assert torch.equal(v, want_v)
+    assert torch.equal(x.gather(1, i), v)
+    assert all(len(set(row)) == k for row in i.tolist())  # k distinct tokens per row
+
+
+def test_fast_topk_does_not_change_the_search(monkeypatch):
+    import aiayn.search as search
+
+    model, src = random_model(vocab=200), random_batch([6, 2, 8, 4, 5], vocab=200)
+    kw = dict(beam=4, nbest=4, max_len_b=6)
+    fast = beam_search(model, src, BOS, EOS, **kw)
+    monkeypatch.setattr(search, "TOPK_GROUPS", 7)  # 200 % 7 != 0: plain topk
+    assert beam_search(model, src, BOS, EOS, **kw) == fast
+
 def test_batch_invariance():
     model = random_model()
     batch = random_batch([4, 11, 9, 12])

