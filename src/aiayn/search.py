@@ -13,8 +13,8 @@ the first beam step runs one row per sentence (its beams are still identical), c
 ranked within each row before the merge per sentence, and the self-attention cache is reordered in
 the same copy that appends the new step. Nothing large is allocated per step: the cache takes turns
 between two buffers, and log-softmax and top-k run on blocks of `ROW_BLOCK` rows in buffers kept
-for the whole search (fresh memory of that size costs page faults at every step). Everything runs
-under `inference_mode`.
+for the whole search (fresh memory of that size costs page faults at every step). The per-row top-k
+takes two stages (`_topk_rows`). Everything runs under `inference_mode`.
 
 Conventions, pinned by tests/test_search.py:
 
