@@ -10,9 +10,8 @@ default those of `aiayn translate`: at most 256 sentences and 4096 source tokens
 the same beam and the same length limits (at most source length + 50 tokens); timings cover search
 only (tokenization excluded), after one small warm-up batch per system. With --repeat N the systems
 take turns N times and each one's fastest round counts (timings on a shared machine vary by about
-10% from run to run). The copy into Marian is
-checked twice: the logits of one batch, and the greedy translations of every sentence (printed as
-an agreement count).
+10% from run to run). The copy into Marian is checked twice: the logits of one batch, and the
+greedy translations of every sentence (printed as an agreement count).
 
 aiayn runs as `Translator` runs it: weights frozen (so linear layers use oneDNN-packed weights, see
 `aiayn.model.inference_linear`), bf16 as a bfloat16 copy of the model. Comparisons are like for
@@ -49,7 +48,7 @@ from aiayn.export import to_marian  # the weight mapping of `aiayn export --to h
 from aiayn.model import Transformer
 from aiayn.search import beam_search, greedy_search
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizers
-from aiayn.translate import Settings
+from aiayn.translate import Settings, length_batches
 
 
 def build(args):
@@ -66,15 +65,9 @@ def build(args):
 
 
 def batches(encoded: list[list[int]], max_tokens: int, batch_size: int) -> list[list[int]]:
-    """Length-sorted batches (longest first) under a source-token budget, the same for every system."""
-    order = sorted(range(len(encoded)), key=lambda i: -len(encoded[i]))
-    out, cur = [], []
-    for i in order:
-        if cur and (len(cur) + 1 > batch_size or (len(cur) + 1) * len(encoded[cur[0]]) > max_tokens):
-            out.append(cur)
-            cur = []
-        cur.append(i)
-    return out + ([cur] if cur else [])
+    """Length-sorted batches (longest first) under a source-token budget, the same for every system:
+    those `aiayn translate` makes."""
+    return list(length_batches(encoded, max_tokens, batch_size))
 
 
 def padded(encoded: list[list[int]], idx: list[int]) -> torch.Tensor:

@@ -93,6 +93,21 @@ def encode_sources(tokenizers: TokenizerPair, lines: Sequence[str], max_src_toke
     return out
 
 
+def length_batches(encoded: list[list[int]], max_tokens: int, batch_size: int) -> Iterator[list[int]]:
+    """Indices of non-empty sentences, longest first, cut so that a batch holds at most `batch_size`
+    sentences and `max_tokens` source tokens, padding counted (a longer sentence still goes, alone)."""
+    order = sorted((i for i, ids in enumerate(encoded) if ids), key=lambda i: -len(encoded[i]))
+    batch: list[int] = []
+    for i in order:
+        longest = len(encoded[batch[0]]) if batch else len(encoded[i])
+        if batch and (len(batch) + 1 > batch_size or (len(batch) + 1) * longest > max_tokens):
+            yield batch
+            batch = []
+        batch.append(i)
+    if batch:
+        yield batch
+
+
 def _stderr_note(msg: str) -> None:
     print(f"aiayn translate: {msg}", file=sys.stderr, flush=True)
 
@@ -130,19 +145,6 @@ class Translator:
         """Source ids per line ([] for a blank line), truncated to `max_src_tokens` with a note."""
         return encode_sources(self.tokenizers, lines, self.max_src_tokens, self.note, first_line)
 
-    def _batches(self, encoded: list[list[int]], s: Settings) -> Iterator[list[int]]:
-        """Indices of non-empty sentences, longest first, cut by the token and sentence budgets."""
-        order = sorted((i for i, ids in enumerate(encoded) if ids), key=lambda i: -len(encoded[i]))
-        batch: list[int] = []
-        for i in order:
-            longest = len(encoded[batch[0]]) if batch else len(encoded[i])
-            if batch and (len(batch) + 1 > s.batch_size or (len(batch) + 1) * longest > s.max_tokens):
-                yield batch
-                batch = []
-            batch.append(i)  # a sentence over the budget still goes, alone
-        if batch:
-            yield batch
-
     @torch.no_grad()
     def search(self, lines: Sequence[str], first_line: int = 1, **settings: Any) -> list[list[tuple[str, float]]]:
         """Per input line, up to `nbest` (translation, score) pairs, best first; blank -> [("", 0.0)].
@@ -157,7 +159,7 @@ class Translator:
         encoded = self.encode(lines, first_line)
         results: list[list[tuple[str, float]]] = [[("", 0.0)] for _ in lines]
         pad = self.model.cfg.pad_id
-        for batch in self._batches(encoded, s):
+        for batch in length_batches(encoded, s.max_tokens, s.batch_size):
             S = len(encoded[batch[0]])
             src = torch.full((len(batch), S), pad, dtype=torch.long)  # (B, S) right-padded
             for row, i in enumerate(batch):
