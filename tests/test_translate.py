@@ -8,6 +8,7 @@ import select
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -142,19 +143,43 @@ def test_stdin_streams_line_by_line(ckpt, translator):
         proc.kill()
 
 
-def test_ctrl_c_keeps_finished_lines_and_exits_130(ckpt):
+def _sigint(handler):
+    # A child inherits an ignored SIGINT (pytest started as a background job of a script has one), and
+    # Python then keeps ignoring it: set the disposition explicitly, whatever the runner's is.
+    return lambda: signal.signal(signal.SIGINT, handler)
+
+
+@pytest.mark.parametrize("pause", [0.0, 0.3])  # at once (maybe still writing), and while waiting for input
+def test_ctrl_c_keeps_finished_lines_and_exits_130(ckpt, pause):
     proc = subprocess.Popen([sys.executable, "-m", "aiayn", "translate", "--checkpoint", str(ckpt),
                              "--beam", "2", *FAST_FLAGS], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+                            stderr=subprocess.PIPE, preexec_fn=_sigint(signal.SIG_DFL))
     try:
         proc.stdin.write(b"a man runs\nthe dog\n")
         proc.stdin.flush()
         _read_lines(proc, 2)  # both lines are done; the translator now waits for more input
+        time.sleep(pause)
         proc.send_signal(signal.SIGINT)
         rest, err = proc.communicate(timeout=300)
         assert proc.returncode == 130
         assert rest == b""  # nothing half-written after the two finished lines
         assert b"interrupted" in err and b"first 2 input line(s)" in err
+    finally:
+        proc.kill()
+
+
+def test_an_ignored_sigint_stays_ignored(ckpt):
+    proc = subprocess.Popen([sys.executable, "-m", "aiayn", "translate", "--checkpoint", str(ckpt),
+                             "--beam", "2", *FAST_FLAGS], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, preexec_fn=_sigint(signal.SIG_IGN))
+    try:
+        proc.stdin.write(b"a man runs\n")
+        proc.stdin.flush()
+        _read_lines(proc, 1)
+        proc.send_signal(signal.SIGINT)
+        rest, err = proc.communicate(b"the dog\n", timeout=300)
+        assert proc.returncode == 0, err
+        assert rest.count(b"\n") == 1  # the line sent after the signal is translated too
     finally:
         proc.kill()
 

@@ -316,9 +316,10 @@ def _sigint_deferred() -> Iterator[None]:
     """Hold Ctrl-C back while the block runs, then raise KeyboardInterrupt if it came.
 
     A Python-level handler, not a signal mask: torch's worker threads would still take a masked
-    signal and interrupt the main thread anywhere inside the block.
+    signal and interrupt the main thread anywhere inside the block. A SIGINT that the process was
+    started with ignored (a background job of a script, `nohup`) stays ignored, as everywhere else.
     """
-    if threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         yield
         return
     hits: list[int] = []
