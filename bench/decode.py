@@ -10,7 +10,10 @@ default those of `aiayn translate`: at most 256 sentences and 4096 source tokens
 the same beam and the same length limits (at most source length + 50 tokens); timings cover search
 only (tokenization excluded), after one small warm-up batch per system. With --repeat N the systems
 take turns N times and each one's fastest round counts (timings on a shared machine vary by about
-10% from run to run). The copy into Marian is checked twice: the logits of one batch, and the
+10% from run to run). aiayn runs as `aiayn translate` does, several batches at once (--workers,
+default one per thread, each batch on its share of the threads; `aiayn.translate.map_batches`), and
+also one batch at a time for comparison; its uncached search gets the same workers. HF Marian and
+CTranslate2 run one batch at a time on all threads. The copy into Marian is checked twice: the logits of one batch, and the
 greedy translations of every sentence (printed as an agreement count).
 
 aiayn runs as `Translator` runs it: weights frozen (so linear layers use oneDNN-packed weights, see
@@ -48,7 +51,7 @@ from aiayn.export import to_marian  # the weight mapping of `aiayn export --to h
 from aiayn.model import Transformer
 from aiayn.search import beam_search, greedy_search
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizers
-from aiayn.translate import Settings, length_batches
+from aiayn.translate import Settings, length_batches, map_batches
 
 
 def build(args):
@@ -87,12 +90,15 @@ def strip(ids: list[int]) -> list[int]:
     return out
 
 
-def run_system(name: str, fn, encoded, groups) -> tuple[dict, list[list[int]]]:
+def run_system(name: str, fn, encoded, groups, workers: int = 1) -> tuple[dict, list[list[int]]]:
+    """Times `fn` over all batches; `workers` batches at once as `aiayn translate` runs them
+    (`translate.map_batches`), 1 for the peers, which run one batch at a time on all threads."""
     outputs: list[list[int]] = [[] for _ in encoded]
     fn(padded(encoded, groups[-1][:4]))  # warm-up: lazy initialisation (packed weights, kernels) is not timed
     t0 = time.perf_counter()
-    for idx in groups:
-        for i, ids in zip(idx, fn(padded(encoded, idx))):
+    results = map_batches(lambda idx: fn(padded(encoded, idx)), groups, workers)
+    for idx, res in zip(groups, results):
+        for i, ids in zip(idx, res):
             outputs[i] = ids
     dt = time.perf_counter() - t0
     n_tok = sum(len(o) for o in outputs)
@@ -124,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="sentences per batch (default: aiayn translate's)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads for every system (1: intra-op threads on a shared, busy CPU slow all down)")
+    ap.add_argument("--workers", type=int, default=Settings.workers,
+                    help="aiayn's batches searched at once (default: aiayn translate's, one per thread)")
     ap.add_argument("--skip", default="", help="comma-separated systems to skip: hf,uncached,bf16,ct2")
     ap.add_argument("--repeat", type=int, default=1,
                     help="rounds over all systems; each system's fastest round is reported (default 1)")
@@ -141,18 +149,24 @@ def main(argv: list[str] | None = None) -> int:
     encoded = [toks.src.encode(line)[: model.cfg.max_positions] or [toks.src.encode(".")[0]] for line in lines]
     groups = batches(encoded, args.max_tokens, args.batch_size)
     K, a, b = args.beam, 1.0, 50
+    workers = min(len(groups), args.workers or torch.get_num_threads())
     print(f"{what}; {n} sentences of {src_path.name}, {len(groups)} batches; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}", flush=True)
+          f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}; aiayn runs "
+          f"{workers} batch(es) at once (--workers), the peers one at a time", flush=True)
 
     systems = {
         "aiayn greedy": lambda s: greedy_search(model, s, BOS_ID, EOS_ID, a, b),
         f"aiayn beam {K}": lambda s: [h[0][0] for h in beam_search(model, s, BOS_ID, EOS_ID, K, args.alpha, a, b)],
     }
+    if workers > 1:  # what the workers add: the same search, one batch at a time on all threads
+        systems[f"aiayn beam {K}, 1 worker"] = systems[f"aiayn beam {K}"]
     if "bf16" not in skip:  # as `Translator(precision="bf16")`: a bfloat16 copy of the model
         mb = copy.deepcopy(model).to(torch.bfloat16)
         systems["aiayn greedy bf16"] = lambda s: greedy_search(mb, s, BOS_ID, EOS_ID, a, b)
         systems[f"aiayn beam {K} bf16"] = lambda s: [
             h[0][0] for h in beam_search(mb, s, BOS_ID, EOS_ID, K, args.alpha, a, b)]
+        if workers > 1:
+            systems[f"aiayn beam {K} bf16, 1 worker"] = systems[f"aiayn beam {K} bf16"]
     if "uncached" not in skip:
         systems["aiayn greedy, no cache"] = lambda s: greedy_search(model, s, BOS_ID, EOS_ID, a, b, use_cache=False)
         systems[f"aiayn beam {K}, no cache"] = lambda s: [
@@ -215,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {r + 1} of {args.repeat}", flush=True)
         rounds.append([])
         for name, fn in systems.items():
-            row, outs[name] = run_system(name, fn, encoded, groups)
+            w = workers if name.startswith("aiayn") and not name.endswith("1 worker") else 1
+            row, outs[name] = run_system(name, fn, encoded, groups, w)
             rounds[-1].append(row)
     rows = best_of(rounds)
     by = {r["system"]: r for r in rows}
@@ -227,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     if "ct2" not in skip:
         agree = sum(o == h for o, h in zip(outs["aiayn greedy"], outs["CTranslate2 float32 greedy"]))
         print(f"greedy translations identical, aiayn vs CTranslate2 float32: {agree}/{n}")
+    if f"aiayn beam {K}, 1 worker" in outs:
+        same = sum(x == y for x, y in zip(outs[f"aiayn beam {K}"], outs[f"aiayn beam {K}, 1 worker"]))
+        print(f"beam {K} translations identical, {workers} workers vs 1: {same}/{n}")
     if "uncached" not in skip:
         same = sum(x == y for x, y in zip(outs[f"aiayn beam {K}"], outs[f"aiayn beam {K}, no cache"]))
         print(f"beam {K} translations identical, cached vs uncached: {same}/{n}")

@@ -21,7 +21,7 @@ from aiayn.config import preset
 from aiayn.errors import AiaynError
 from aiayn.model import Transformer
 from aiayn.tokenizer import EOS_ID, Tokenizer, TokenizerPair
-from aiayn.translate import Translator, one_line
+from aiayn.translate import Translator, map_batches, one_line
 
 WORDS = "a man woman dog runs the in on blue red street child plays ball with two people are sitting Mann Hund läuft".split()
 FAST = dict(max_len_a=0.0, max_len_b=4)  # at most 4 target tokens: a random model rarely stops by itself
@@ -215,6 +215,7 @@ def test_output_is_always_one_line():
     (["--nbest", "5", "--beam", "4"], "--nbest"),
     (["--max-tokens", "0"], "--max-tokens"),
     (["--alpha", "-1"], "--alpha"),
+    (["--workers", "-1"], "--workers"),
     (["--input", "/nonexistent/in.txt"], "/nonexistent/in.txt"),
 ])
 def test_bad_flags_are_one_line_errors(flags, words, capsys, ckpt):
@@ -237,3 +238,36 @@ def test_invalid_utf8_names_the_line(ckpt, tmp_path):
     assert r.returncode == 2
     assert f"{bad}:2: invalid UTF-8" in r.stderr.decode()
     assert r.stderr.decode().count("\n") == 1
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_workers_change_the_time_not_the_translations(translator, beam):
+    rng = random.Random(1)
+    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 14))) for _ in range(60)] + ["", "a"]
+    threads = torch.get_num_threads()
+    one = translator.search(lines, beam=beam, nbest=beam, max_tokens=40, workers=1, **FAST)  # many small batches
+    for w in (2, 3):  # repr: the exact scores, and greedy's nan equals nan
+        assert repr(translator.search(lines, beam=beam, nbest=beam, max_tokens=40, workers=w, **FAST)) == repr(one)
+    assert torch.get_num_threads() == threads
+
+
+def test_map_batches_keeps_order_and_raises_and_restores_threads():
+    threads = torch.get_num_threads()
+    seen = []
+
+    def square(x):
+        seen.append(torch.get_num_threads())  # each worker runs on its share of the threads
+        return x * x
+
+    assert map_batches(square, list(range(9)), workers=3) == [x * x for x in range(9)]
+    assert set(seen) == {max(1, threads // 3)}
+    assert map_batches(square, [], workers=2) == []
+
+    def boom(x):
+        if x == 4:
+            raise ValueError("batch 4")
+        return x
+
+    with pytest.raises(ValueError, match="batch 4"):
+        map_batches(boom, list(range(8)), workers=2)
+    assert torch.get_num_threads() == threads

@@ -24,16 +24,17 @@ import copy
 import os
 import select
 import signal
-import threading
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import IO, Any, BinaryIO
 
 import torch
 
 from aiayn.errors import AiaynError
-from aiayn.search import beam_search, greedy_search
+from aiayn.search import Hypothesis, beam_search, greedy_search
 from aiayn.tokenizer import TokenizerPair
 
 PRECISIONS = ("fp32", "bf16")
@@ -60,6 +61,7 @@ class Settings:
     max_len_a: float = 1.0
     max_len_b: int = 50
     min_len: int = 0
+    workers: int = 0  # batches searched at once on the CPU; 0: one per torch thread (see `map_batches`)
 
     def check(self) -> None:
         if self.beam < 1:
@@ -76,6 +78,8 @@ class Settings:
             raise AiaynError(f"--max-len-a and --max-len-b must be >= 0, got {self.max_len_a} and {self.max_len_b}")
         if self.min_len < 0:
             raise AiaynError(f"--min-len must be >= 0, got {self.min_len}")
+        if self.workers < 0:
+            raise AiaynError(f"--workers must be >= 0 (0: one per CPU thread), got {self.workers}")
 
 
 def encode_sources(tokenizers: TokenizerPair, lines: Sequence[str], max_src_tokens: int,
@@ -106,6 +110,32 @@ def length_batches(encoded: list[list[int]], max_tokens: int, batch_size: int) -
         batch.append(i)
     if batch:
         yield batch
+
+
+def map_batches(fn: Callable[[Any], Any], batches: Sequence[Any], workers: int = 0,
+                device: torch.device | str = "cpu") -> list[Any]:
+    """[fn(b) for b in batches], with up to `workers` batches searched at once on the CPU.
+
+    A decoding step is many small operations (attention over a few keys, layer norms, the per-row
+    top-k) that split poorly across intra-op threads; independent batches split perfectly. So, like
+    Marian's CPU workers and CTranslate2's inter_threads, W workers each take the next batch (the
+    longest come first) and run it on T // W of torch's T threads; torch releases the GIL inside
+    every operation. 0 means one worker per thread. The results do not depend on `workers` (each
+    batch is searched as it would be alone), only the time does; other devices take one at a time.
+
+    Measured with bench/decode.py (2 threads, 1000 sentences, beam 4): see the README."""
+    threads = torch.get_num_threads()
+    n = min(len(batches), workers or threads) if torch.device(device).type == "cpu" else 1
+    if n <= 1:
+        return [fn(b) for b in batches]
+    torch.set_num_threads(max(1, threads // n))  # threads started now take this count (torch's global)
+    pool = ThreadPoolExecutor(n, thread_name_prefix="aiayn-search")
+    try:
+        futures = [pool.submit(fn, b) for b in batches]
+        return [f.result() for f in futures]
+    finally:  # on an error or Ctrl-C, batches not yet started are dropped; running ones end first
+        pool.shutdown(wait=True, cancel_futures=True)
+        torch.set_num_threads(threads)
 
 
 def _stderr_note(msg: str) -> None:
@@ -152,26 +182,28 @@ class Translator:
         Scores are those of `aiayn.search.beam_search`; greedy search (beam=1) reports nan.
 
         `settings` are the fields of `Settings` (beam, alpha, nbest, max_tokens, batch_size,
-        max_len_a, max_len_b, min_len). `first_line` numbers the lines in notes.
+        max_len_a, max_len_b, min_len, workers). `first_line` numbers the lines in notes.
         """
         s = Settings(**settings)
         s.check()
         encoded = self.encode(lines, first_line)
         results: list[list[tuple[str, float]]] = [[("", 0.0)] for _ in lines]
         pad = self.model.cfg.pad_id
-        for batch in length_batches(encoded, s.max_tokens, s.batch_size):
+
+        def run(batch: list[int]) -> list[list[Hypothesis]]:
             S = len(encoded[batch[0]])
             src = torch.full((len(batch), S), pad, dtype=torch.long)  # (B, S) right-padded
             for row, i in enumerate(batch):
                 src[row, : len(encoded[i])] = torch.tensor(encoded[i])
             src = src.to(self.device)
             if s.beam == 1:
-                hyps = [[(ids, float("nan"))] for ids in greedy_search(
+                return [[(ids, float("nan"))] for ids in greedy_search(
                     self.model, src, BOS_ID, EOS_ID, s.max_len_a, s.max_len_b, s.min_len)]
-            else:
-                hyps = beam_search(self.model, src, BOS_ID, EOS_ID, beam=s.beam, alpha=s.alpha,
-                                   max_len_a=s.max_len_a, max_len_b=s.max_len_b, min_len=s.min_len,
-                                   nbest=s.nbest)
+            return beam_search(self.model, src, BOS_ID, EOS_ID, beam=s.beam, alpha=s.alpha, max_len_a=s.max_len_a,
+                               max_len_b=s.max_len_b, min_len=s.min_len, nbest=s.nbest)
+
+        batches = list(length_batches(encoded, s.max_tokens, s.batch_size))
+        for batch, hyps in zip(batches, map_batches(run, batches, s.workers, self.device)):
             for i, nb in zip(batch, hyps):
                 results[i] = [(one_line(self.tokenizers.tgt.decode(ids)), score) for ids, score in nb]
         return results
@@ -260,6 +292,8 @@ def add_search_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-len-a", type=float, default=1.0, help="output length limit a*source_length+b: a")
     p.add_argument("--max-len-b", type=int, default=50, help="output length limit a*source_length+b: b")
     p.add_argument("--min-len", type=int, default=0, help="minimum output length in tokens")
+    p.add_argument("--workers", type=int, default=0,
+                   help="batches searched at once on the CPU, each on its share of the threads (0: one per thread)")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="bf16: a bfloat16 copy of the model, ~1.5x faster beam search on CPUs with AVX512-BF16")
 
@@ -278,7 +312,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _settings(args: argparse.Namespace) -> Settings:
     s = Settings(beam=args.beam, alpha=args.alpha, nbest=args.nbest, max_tokens=args.max_tokens,
-                 batch_size=args.batch_size, max_len_a=args.max_len_a, max_len_b=args.max_len_b, min_len=args.min_len)
+                 batch_size=args.batch_size, max_len_a=args.max_len_a, max_len_b=args.max_len_b, min_len=args.min_len,
+                 workers=args.workers)
     s.check()
     if args.chunk_lines < 1:
         raise AiaynError(f"--chunk-lines must be positive, got {args.chunk_lines}")
