@@ -242,9 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     if "ct2" not in skip:
         agree = sum(o == h for o, h in zip(outs["aiayn greedy"], outs["CTranslate2 float32 greedy"]))
         print(f"greedy translations identical, aiayn vs CTranslate2 float32: {agree}/{n}")
-    if f"aiayn beam {K}, 1 worker" in outs:
-        same = sum(x == y for x, y in zip(outs[f"aiayn beam {K}"], outs[f"aiayn beam {K}, 1 worker"]))
-        print(f"beam {K} translations identical, {workers} workers vs 1: {same}/{n}")
+    for prec in ("", " bf16"):
+        if f"aiayn beam {K}{prec}, 1 worker" in outs:
+            same = sum(x == y for x, y in zip(outs[f"aiayn beam {K}{prec}"], outs[f"aiayn beam {K}{prec}, 1 worker"]))
+            print(f"beam {K}{prec} translations identical, {workers} workers vs 1: {same}/{n}")
     if "uncached" not in skip:
         same = sum(x == y for x, y in zip(outs[f"aiayn beam {K}"], outs[f"aiayn beam {K}, no cache"]))
         print(f"beam {K} translations identical, cached vs uncached: {same}/{n}")
