@@ -10,8 +10,9 @@ default those of `aiayn translate`: at most 256 sentences and 4096 source tokens
 the same beam and the same length limits (at most source length + 50 tokens); timings cover search
 only (tokenization excluded), after one small warm-up batch per system. With --repeat N the systems
 take turns N times and each one's fastest round counts (timings on a shared machine vary by about
-10% from run to run). aiayn runs as `aiayn translate` does, several batches at once (--workers,
-default one per thread, each batch on its share of the threads; `aiayn.translate.map_batches`), and
+10% from run to run). aiayn runs as `Translator.translate` does on the whole list, several batches
+at once (--workers, default one per thread, each batch on its share of the threads;
+`aiayn.translate.map_batches`; `aiayn translate` does the same within each --chunk-lines chunk), and
 also one batch at a time for comparison; its uncached search gets the same workers. HF Marian and
 CTranslate2 run one batch at a time on all threads. The copy into Marian is checked twice: the logits of one batch, and the
 greedy translations of every sentence (printed as an agreement count).

@@ -8,6 +8,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -270,4 +271,65 @@ def test_map_batches_keeps_order_and_raises_and_restores_threads():
 
     with pytest.raises(ValueError, match="batch 4"):
         map_batches(boom, list(range(8)), workers=2)
+    assert torch.get_num_threads() == threads == _count_in_a_new_thread()
+
+
+def test_overlapping_and_nested_map_batches_put_the_thread_count_back():
+    # call A starts, call B starts, A ends, B ends: each must see (and leave) the original count
+    threads = torch.get_num_threads()
+    a_running, b_running, a_done = threading.Event(), threading.Event(), threading.Event()
+
+    def in_a(x):
+        a_running.set()
+        assert b_running.wait(10)
+        return map_batches(lambda y: y + x, [1, 2, 3], workers=2)  # nested, inside a worker
+
+    def in_b(x):
+        b_running.set()
+        assert a_done.wait(10)
+        return x
+
+    def call_a(out):
+        out["a"] = map_batches(in_a, [0, 1], workers=2)
+        a_done.set()
+
+    def call_b(out):
+        assert a_running.wait(10)
+        out["b"] = map_batches(in_b, [0, 1], workers=2)
+
+    out: dict = {}
+    callers = [threading.Thread(target=f, args=(out,)) for f in (call_a, call_b)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join()
+    assert out == {"a": [[1, 2, 3], [2, 3, 4]], "b": [0, 1]}
     assert torch.get_num_threads() == threads
+    assert _count_in_a_new_thread() == threads  # new threads take torch's global count, not main's own
+
+
+def _count_in_a_new_thread() -> int:
+    seen: list = []
+    t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    return seen[0]
+
+
+def test_translator_search_runs_batches_on_workers(translator, monkeypatch):
+    import aiayn.translate as tr
+
+    names = set()
+    real = tr.beam_search
+
+    def spy(*args, **kw):
+        names.add(threading.current_thread().name.split("_")[0])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(tr, "beam_search", spy)
+    lines = ["a man runs", "the dog plays with a ball in the street", "two people", "a child"]
+    translator.search(lines, beam=2, max_tokens=8, workers=2, **FAST)
+    assert names == {"aiayn-search"}
+    names.clear()
+    translator.search(lines, beam=2, max_tokens=8, workers=1, **FAST)
+    assert names == {threading.main_thread().name}

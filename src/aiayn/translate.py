@@ -112,30 +112,58 @@ def length_batches(encoded: list[list[int]], max_tokens: int, batch_size: int) -
         yield batch
 
 
+_threads_lock = threading.Lock()
+_threads_state = {"users": 0, "saved": 0}  # map_batches calls running, and torch's thread count before them
+
+
+@contextlib.contextmanager
+def _original_thread_count() -> Iterator[int]:
+    """torch's thread count as it was before any running `map_batches` call (calls may overlap, from
+    several threads or nested), put back as the global count when the last of them ends.
+
+    torch keeps one count per thread, taken from a process-wide one when the thread first runs an
+    operation; a worker sets its own (and with it the process-wide one), so the caller's is unchanged
+    and only the process-wide count needs putting back."""
+    with _threads_lock:
+        if _threads_state["users"] == 0:
+            _threads_state["saved"] = torch.get_num_threads()
+        _threads_state["users"] += 1
+        total = _threads_state["saved"]
+    try:
+        yield total
+    finally:
+        with _threads_lock:
+            _threads_state["users"] -= 1
+            if _threads_state["users"] == 0:
+                torch.set_num_threads(_threads_state["saved"])
+
+
 def map_batches(fn: Callable[[Any], Any], batches: Sequence[Any], workers: int = 0,
                 device: torch.device | str = "cpu") -> list[Any]:
     """[fn(b) for b in batches], with up to `workers` batches searched at once on the CPU.
 
     A decoding step is many small operations (attention over a few keys, layer norms, the per-row
-    top-k) that split poorly across intra-op threads; independent batches split perfectly. So, like
-    Marian's CPU workers and CTranslate2's inter_threads, W workers each take the next batch (the
-    longest come first) and run it on T // W of torch's T threads; torch releases the GIL inside
-    every operation. 0 means one worker per thread. The results do not depend on `workers` (each
-    batch is searched as it would be alone), only the time does; other devices take one at a time.
+    top-k) that split poorly across intra-op threads, while independent batches need no
+    synchronisation at all. So, like Marian's CPU workers and CTranslate2's inter_threads, W workers
+    each take the next batch (the longest come first) and run it on T // W of torch's T threads;
+    torch releases the GIL inside every operation. 0 means one worker per thread. The results do not
+    depend on `workers` (each batch is searched as it would be alone), only the time does; other
+    devices take one batch at a time. `fn` runs in worker threads, where grad mode and autocast are
+    the thread's own (torch keeps them per thread): the searches set inference mode themselves.
 
     Measured with bench/decode.py (2 threads, 1000 sentences, beam 4): see the README."""
-    threads = torch.get_num_threads()
-    n = min(len(batches), workers or threads) if torch.device(device).type == "cpu" else 1
-    if n <= 1:
+    if torch.device(device).type != "cpu" or len(batches) <= 1 or workers == 1 or \
+            (workers == 0 and torch.get_num_threads() <= 1):
         return [fn(b) for b in batches]
-    torch.set_num_threads(max(1, threads // n))  # threads started now take this count (torch's global)
-    pool = ThreadPoolExecutor(n, thread_name_prefix="aiayn-search")
-    try:
-        futures = [pool.submit(fn, b) for b in batches]
-        return [f.result() for f in futures]
-    finally:  # on an error or Ctrl-C, batches not yet started are dropped; running ones end first
-        pool.shutdown(wait=True, cancel_futures=True)
-        torch.set_num_threads(threads)
+    with _original_thread_count() as total:
+        n = min(workers or total, len(batches))
+        pool = ThreadPoolExecutor(n, thread_name_prefix="aiayn-search", initializer=torch.set_num_threads,
+                                  initargs=(max(1, total // n),))  # each worker on its share of the threads
+        try:
+            futures = [pool.submit(fn, b) for b in batches]
+            return [f.result() for f in futures]
+        finally:  # on an error or Ctrl-C, batches not yet started are dropped; running ones end first
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _stderr_note(msg: str) -> None:
@@ -293,7 +321,8 @@ def add_search_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-len-b", type=int, default=50, help="output length limit a*source_length+b: b")
     p.add_argument("--min-len", type=int, default=0, help="minimum output length in tokens")
     p.add_argument("--workers", type=int, default=0,
-                   help="batches searched at once on the CPU, each on its share of the threads (0: one per thread)")
+                   help="batches searched at once on the CPU, each on its share of the threads (0: one per thread); "
+                        "translate takes them from one --chunk-lines chunk at a time; the torch engine only")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="bf16: a bfloat16 copy of the model, ~1.5x faster beam search on CPUs with AVX512-BF16")
 
