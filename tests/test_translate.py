@@ -169,6 +169,31 @@ def test_ctrl_c_keeps_finished_lines_and_exits_130(ckpt, pause):
         proc.kill()
 
 
+def test_ctrl_c_during_a_search_on_workers_keeps_whole_chunks(ckpt):
+    # the second chunk is being searched on 2 workers (or was just written) when Ctrl-C comes:
+    # either way the output holds whole chunks only, and the message counts them exactly
+    n = 200
+    lines = b"".join(f"a man runs {i} with the dog in the street\n".encode() for i in range(n))
+    proc = subprocess.Popen([sys.executable, "-m", "aiayn", "translate", "--checkpoint", str(ckpt), "--beam", "3",
+                             "--workers", "2", "--max-tokens", "64", "--chunk-lines", str(n), *FAST_FLAGS],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=_sigint(signal.SIG_DFL))
+    try:
+        proc.stdin.write(lines)
+        proc.stdin.flush()
+        first = _read_lines(proc, n)
+        proc.stdin.write(lines)
+        proc.stdin.flush()
+        proc.send_signal(signal.SIGINT)
+        rest, err = proc.communicate(timeout=300)
+        assert proc.returncode == 130, err
+        done = (first + rest).count(b"\n")
+        assert done in (n, 2 * n) and (first + rest).endswith(b"\n")
+        assert f"first {done} input line(s)".encode() in err
+    finally:
+        proc.kill()
+
+
 def test_an_ignored_sigint_stays_ignored(ckpt):
     proc = subprocess.Popen([sys.executable, "-m", "aiayn", "translate", "--checkpoint", str(ckpt),
                              "--beam", "2", *FAST_FLAGS], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
