@@ -14,8 +14,8 @@ take turns N times and each one's fastest round counts (timings on a shared mach
 at once (--workers, default one per thread, each batch on its share of the threads;
 `aiayn.translate.map_batches`; `aiayn translate` does the same within each --chunk-lines chunk), and
 also one batch at a time for comparison; its uncached search gets the same workers. HF Marian and
-CTranslate2 run one batch at a time on all threads. The copy into Marian is checked twice: the logits of one batch, and the
-greedy translations of every sentence (printed as an agreement count).
+CTranslate2 run one batch at a time on all threads. The copy into Marian is checked twice: the
+logits of one batch, and the greedy translations of every sentence (printed as an agreement count).
 
 aiayn runs as `Translator` runs it: weights frozen (so linear layers use oneDNN-packed weights, see
 `aiayn.model.inference_linear`), bf16 as a bfloat16 copy of the model. Comparisons are like for
@@ -52,7 +52,7 @@ from aiayn.export import to_marian  # the weight mapping of `aiayn export --to h
 from aiayn.model import Transformer
 from aiayn.search import beam_search, greedy_search
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizers
-from aiayn.translate import Settings, length_batches, map_batches
+from aiayn.translate import Settings, length_batches, map_batches, worker_count
 
 
 def build(args):
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     encoded = [toks.src.encode(line)[: model.cfg.max_positions] or [toks.src.encode(".")[0]] for line in lines]
     groups = batches(encoded, args.max_tokens, args.batch_size)
     K, a, b = args.beam, 1.0, 50
-    workers = min(len(groups), args.workers or torch.get_num_threads())
+    workers = worker_count(args.workers, len(groups))  # as map_batches will run aiayn
     print(f"{what}; {n} sentences of {src_path.name}, {len(groups)} batches; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}; aiayn runs "
           f"{workers} batch(es) at once (--workers), the peers one at a time", flush=True)

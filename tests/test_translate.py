@@ -115,6 +115,16 @@ def test_nbest_format_and_order(ckpt, tmp_path):
         assert scores == sorted(scores, reverse=True)
 
 
+def _translating(ckpt, *flags, sigint=signal.SIG_DFL):
+    """`aiayn translate` as a child with pipes on stdin/stdout/stderr, `flags` after the checkpoint.
+
+    A child inherits an ignored SIGINT (pytest started as a background job of a script has one), and
+    Python then keeps ignoring it: its disposition is set explicitly, whatever the runner's is."""
+    argv = [sys.executable, "-m", "aiayn", "translate", "--checkpoint", str(ckpt), *flags, *FAST_FLAGS]
+    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
+
+
 def _read_lines(proc, n=1, timeout=300.0):  # generous: includes start-up on a slow CI
     """Exactly n lines from the child's stdout, read unbuffered, failing if they do not come."""
     fd, data = proc.stdout.fileno(), b""
@@ -129,9 +139,7 @@ def _read_lines(proc, n=1, timeout=300.0):  # generous: includes start-up on a s
 
 
 def test_stdin_streams_line_by_line(ckpt, translator):
-    proc = subprocess.Popen([sys.executable, "-m", "aiayn", "translate", "--checkpoint", str(ckpt),
-                             "--beam", "2", *FAST_FLAGS], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+    proc = _translating(ckpt, "--beam", "2")
     try:
         # each answer arrives while stdin is still open: the pipe is not read to the end first
         for line in ("a man runs", "two dogs", ""):
@@ -144,17 +152,9 @@ def test_stdin_streams_line_by_line(ckpt, translator):
         proc.kill()
 
 
-def _sigint(handler):
-    # A child inherits an ignored SIGINT (pytest started as a background job of a script has one), and
-    # Python then keeps ignoring it: set the disposition explicitly, whatever the runner's is.
-    return lambda: signal.signal(signal.SIGINT, handler)
-
-
 @pytest.mark.parametrize("pause", [0.0, 0.3])  # at once (maybe still writing), and while waiting for input
 def test_ctrl_c_keeps_finished_lines_and_exits_130(ckpt, pause):
-    proc = subprocess.Popen([sys.executable, "-m", "aiayn", "translate", "--checkpoint", str(ckpt),
-                             "--beam", "2", *FAST_FLAGS], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, preexec_fn=_sigint(signal.SIG_DFL))
+    proc = _translating(ckpt, "--beam", "2")
     try:
         proc.stdin.write(b"a man runs\nthe dog\n")
         proc.stdin.flush()
@@ -174,10 +174,7 @@ def test_ctrl_c_during_a_search_on_workers_keeps_whole_chunks(ckpt):
     # either way the output holds whole chunks only, and the message counts them exactly
     n = 200
     lines = b"".join(f"a man runs {i} with the dog in the street\n".encode() for i in range(n))
-    proc = subprocess.Popen([sys.executable, "-m", "aiayn", "translate", "--checkpoint", str(ckpt), "--beam", "3",
-                             "--workers", "2", "--max-tokens", "64", "--chunk-lines", str(n), *FAST_FLAGS],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            preexec_fn=_sigint(signal.SIG_DFL))
+    proc = _translating(ckpt, "--beam", "3", "--workers", "2", "--max-tokens", "64", "--chunk-lines", str(n))
     try:
         proc.stdin.write(lines)
         proc.stdin.flush()
@@ -195,9 +192,7 @@ def test_ctrl_c_during_a_search_on_workers_keeps_whole_chunks(ckpt):
 
 
 def test_an_ignored_sigint_stays_ignored(ckpt):
-    proc = subprocess.Popen([sys.executable, "-m", "aiayn", "translate", "--checkpoint", str(ckpt),
-                             "--beam", "2", *FAST_FLAGS], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, preexec_fn=_sigint(signal.SIG_IGN))
+    proc = _translating(ckpt, "--beam", "2", sigint=signal.SIG_IGN)
     try:
         proc.stdin.write(b"a man runs\n")
         proc.stdin.flush()

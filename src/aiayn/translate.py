@@ -138,6 +138,14 @@ def _original_thread_count() -> Iterator[int]:
                 torch.set_num_threads(_threads_state["saved"])
 
 
+def worker_count(workers: int, n_batches: int, device: torch.device | str = "cpu") -> int:
+    """How many batches `map_batches` searches at once: `workers` (0: one per torch thread) on the
+    CPU, never more than there are batches; one on other devices."""
+    if torch.device(device).type != "cpu":
+        return 1
+    return max(1, min(workers or torch.get_num_threads(), n_batches))
+
+
 def map_batches(fn: Callable[[Any], Any], batches: Sequence[Any], workers: int = 0,
                 device: torch.device | str = "cpu") -> list[Any]:
     """[fn(b) for b in batches], with up to `workers` batches searched at once on the CPU.
@@ -152,11 +160,10 @@ def map_batches(fn: Callable[[Any], Any], batches: Sequence[Any], workers: int =
     the thread's own (torch keeps them per thread): the searches set inference mode themselves.
 
     Measured with bench/decode.py (2 threads, 1000 sentences, beam 4): see the README."""
-    if torch.device(device).type != "cpu" or len(batches) <= 1 or workers == 1 or \
-            (workers == 0 and torch.get_num_threads() <= 1):
+    n = worker_count(workers, len(batches), device)
+    if n == 1:
         return [fn(b) for b in batches]
     with _original_thread_count() as total:
-        n = min(workers or total, len(batches))
         pool = ThreadPoolExecutor(n, thread_name_prefix="aiayn-search", initializer=torch.set_num_threads,
                                   initargs=(max(1, total // n),))  # each worker on its share of the threads
         try:
