@@ -21,7 +21,10 @@ aiayn runs as `Translator` runs it: weights frozen (so linear layers use oneDNN-
 `aiayn.model.inference_linear`), bf16 as a bfloat16 copy of the model. Comparisons are like for
 like: aiayn bf16 is compared with a bfloat16 copy of the Marian model and with its own bf16 search
 without the cache (the fp32 peers are printed beside them). The last lines give the speed-ups of
-aiayn over HF, over its own uncached search and over CTranslate2 float32, mode by mode.
+aiayn over HF, over its own uncached search and over CTranslate2 float32, mode by mode, and then
+the work behind them: the multiply-adds in linear layers (most of a step's time) of aiayn's beam
+search with and without the cache and of HF's, counted in one more, untimed pass (`--skip work`
+leaves it out).
 
 Without --checkpoint, a random-weight `small` model is built with a joint tokenizer trained on the
 Multi30k training text (cached). A random model rarely emits EOS, so nearly every sentence runs to
@@ -37,6 +40,7 @@ hypotheses differently, which does not change the work done per step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import platform
@@ -108,6 +112,47 @@ def run_system(name: str, fn, encoded, groups, workers: int = 1) -> tuple[dict, 
     return row, outputs
 
 
+@contextlib.contextmanager
+def counting_linear_macs():
+    """Counts the multiply-adds of every linear layer run inside the block, aiayn's
+    (`aiayn.model.inference_linear`) and torch's (`F.linear`, which HF Marian's layers call); a call
+    that one of them makes to the other counts once. Yields a one-element list holding the count.
+    Not thread-safe: run the counted systems one batch at a time."""
+    import aiayn.model as aiayn_model
+
+    total, depth = [0], [0]
+
+    def counted(f):
+        def linear(x, weight, *args, **kwargs):
+            if depth[0] == 0:
+                total[0] += x.numel() // x.size(-1) * weight.size(0) * weight.size(1)
+            depth[0] += 1
+            try:
+                return f(x, weight, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return linear
+
+    saved = aiayn_model.inference_linear, torch.nn.functional.linear
+    aiayn_model.inference_linear, torch.nn.functional.linear = counted(saved[0]), counted(saved[1])
+    try:
+        yield total
+    finally:
+        aiayn_model.inference_linear, torch.nn.functional.linear = saved
+
+
+def linear_work(systems: dict, names: list[str], encoded, groups) -> dict[str, int]:
+    """Multiply-adds in linear layers of each named system over all batches (one untimed pass each)."""
+    work = {}
+    for name in names:
+        if name in systems:
+            with counting_linear_macs() as total:
+                for idx in groups:
+                    systems[name](padded(encoded, idx))
+            work[name] = total[0]
+    return work
+
+
 def best_of(rounds: list[list[dict]]) -> list[dict]:
     """Per system, the fastest of its rounds (a shared machine only ever adds time)."""
     return [min(rs, key=lambda r: r["seconds"]) for rs in zip(*rounds)]
@@ -133,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch threads for every system (1: intra-op threads on a shared, busy CPU slow all down)")
     ap.add_argument("--workers", type=int, default=Settings.workers,
                     help="aiayn's batches searched at once (default: aiayn translate's, one per thread)")
-    ap.add_argument("--skip", default="", help="comma-separated systems to skip: hf,uncached,bf16,ct2")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: hf,uncached,bf16,ct2,work "
+                    "(work: the untimed count of linear-layer multiply-adds)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="rounds over all systems; each system's fastest round is reported (default 1)")
     ap.add_argument("--json", help="also write the results here")
@@ -273,8 +319,17 @@ def main(argv: list[str] | None = None) -> int:
                   + f", vs no cache{prec} {ratio(f'aiayn {mode}{prec}, no cache', ours)}"
                   + (f" (fp32 {ratio(f'aiayn {mode}, no cache', ours)})" if prec else "")
                   + f", vs CTranslate2 float32 {ratio(f'CTranslate2 float32 {mode}', ours)}")
+    work = {}
+    if "work" not in skip:  # the arithmetic behind the ratios: linear layers are most of a step
+        names = [f"aiayn beam {K}", f"aiayn beam {K}, no cache", f"HF Marian beam {K}"]
+        work = linear_work(systems, names, encoded, groups)
+        ours = work[f"aiayn beam {K}"]
+        print(f"\nlinear-layer work, beam {K} (fp32 models, multiply-adds counted in one untimed pass):")
+        for name, macs in work.items():
+            print(f"  {name}: {macs / 1e9:.1f} G" + ("" if name == f"aiayn beam {K}" else f", {macs / ours:.2f}x aiayn's"))
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "rounds": rounds, "n": n, "model": what}, indent=2))
+        Path(args.json).write_text(json.dumps({"rows": rows, "rounds": rounds, "n": n, "model": what,
+                                               "linear_macs": work}, indent=2))
     return 0
 
 

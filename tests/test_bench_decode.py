@@ -14,11 +14,16 @@ pytestmark = pytest.mark.skipif(
     not DATA or not Path(DATA, "multi30k").is_dir(), reason="AIAYN_DATA (Multi30k) not set")
 
 
-def test_tiny_run_prints_every_system_and_the_ratios(capsys):
-    pytest.importorskip("transformers")
+def _bench():
     spec = importlib.util.spec_from_file_location("aiayn_bench_decode", BENCH)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)  # type: ignore[union-attr]
+    return bench
+
+
+def test_tiny_run_prints_every_system_and_the_ratios(capsys):
+    pytest.importorskip("transformers")
+    bench = _bench()
     threads = torch.get_num_threads()
     try:
         assert bench.main(["--preset", "tiny", "--vocab-size", "1000", "--n", "6", "--skip", "ct2",
@@ -36,3 +41,24 @@ def test_tiny_run_prints_every_system_and_the_ratios(capsys):
     assert "beam 4 bf16 translations identical, 2 workers vs 1: 6/6" in out
     assert re.search(r"aiayn beam 4 bf16: vs HF Marian bf16 \d+\.\d\dx \(fp32 \d+\.\d\dx\), "
                      r"vs no cache bf16 \d+\.\d\dx \(fp32 \d+\.\d\dx\)", out)
+    # the work behind the ratios, counted after the timings
+    assert re.search(r"^  aiayn beam 4: \d+\.\d G$", out, re.M)
+    m = re.search(r"^  aiayn beam 4, no cache: \d+\.\d G, (\d+\.\d\d)x aiayn's$", out, re.M)
+    assert m and float(m.group(1)) > 1.0
+    assert re.search(r"^  HF Marian beam 4: \d+\.\d G, \d+\.\d\dx aiayn's$", out, re.M)
+
+
+def test_linear_work_counts_each_linear_once():
+    from aiayn.model import Linear, inference_linear
+
+    bench = _bench()
+    layer = Linear(16, 32)  # trainable: inference_linear falls back to F.linear, which must not count again
+    x = torch.randn(3, 5, 16)
+    with bench.counting_linear_macs() as total:
+        layer(x)
+        torch.nn.functional.linear(x[0], layer.weight)  # torch's own linear counts too
+    assert total[0] == 3 * 5 * 16 * 32 + 5 * 16 * 32
+    import aiayn.model
+
+    assert aiayn.model.inference_linear is inference_linear  # put back afterwards
+    assert torch.nn.functional.linear is torch._C._nn.linear
