@@ -218,6 +218,31 @@ def test_config_that_does_not_fit_the_weights(saved):
         ckpt.load_checkpoint(saved)
 
 
+@pytest.mark.parametrize("field, value, words", [
+    ("d_model", "abc", "d_model must be a whole number"),
+    ("max_positions", 10.5, "max_positions must be a whole number"),
+    ("n_heads", 4.0, "n_heads must be a whole number"),
+    ("pad_id", 0.0, "pad_id must be a whole number"),
+    ("norm_first", 0, "norm_first must be true or false"),
+    ("dropout", "0.1", "dropout must be a finite number"),
+    ("activation", 1, "activation must be a string"),
+])
+def test_config_values_of_the_wrong_type(saved, field, value, words):
+    cfg = json.loads((saved / "config.json").read_text())
+    cfg["model"][field] = value
+    (saved / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(AiaynError, match=words):
+        ckpt.load_checkpoint(saved)
+
+
+def test_a_tokenizer_section_that_is_not_an_object(saved):
+    cfg = json.loads((saved / "config.json").read_text())
+    cfg["tokenizer"] = [1]
+    (saved / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(AiaynError, match='"tokenizer" must be an object'):
+        ckpt.load_checkpoint(saved)
+
+
 def test_tokenizer_that_does_not_fit_the_model(saved):
     other = Tokenizer.train(_lines(200, 1) + ["quick brown fox jumps over lazy"] * 20, 320)
     assert other.vocab_size != 300

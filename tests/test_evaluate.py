@@ -106,3 +106,25 @@ def test_multi30k_mode(ckpt, capsys):
     got = json.loads(capsys.readouterr().out)
     assert got["n"] == 1000 and got["source"].endswith("test_2016_flickr.de.gz")
     assert got["references"].endswith("test_2016_flickr.en.gz")
+
+
+def test_an_all_empty_hypothesis_file_is_scored(tmp_path, capsys):
+    h, r = write(tmp_path / "h.txt", [""]), write(tmp_path / "r.txt", ["A dog runs ."])
+    assert cli.main(["evaluate", "--hyp-file", h, "--ref-file", r, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["n"] == 1 and got["bleu"] == 0.0
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    assert cli.main(["evaluate", "--hyp-file", str(empty), "--ref-file", r]) == 2
+    assert "file is empty" in capsys.readouterr().err
+
+
+def test_save_hyps_is_checked_before_translating(ckpt, tmp_path, capsys):
+    s, r = write(tmp_path / "s.txt", ["ein Mann"]), write(tmp_path / "r.txt", ["a man"])
+    for target, words in ((r, "is also an input file"), (s, "is also an input file"),
+                          (str(tmp_path), "is a directory"), (str(tmp_path / "no" / "h.txt"), "no such directory")):
+        assert cli.main(["evaluate", "--checkpoint", str(ckpt), "--src-file", s, "--ref-file", r,
+                         "--save-hyps", target, *FAST]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and words in err, err
+    assert Path(r).read_text() == "a man\n" and Path(s).read_text() == "ein Mann\n"

@@ -101,6 +101,9 @@ def test_truncation_note_names_the_line(parts):
 def test_empty_outputs_for_blank_inputs(translator):
     assert translator.translate(["", " ", "\t"], beam=4) == ["", "", ""]
     assert translator.translate([]) == []
+    # n-best: N entries for a blank line too, so that the flat list splits back into lines
+    out = translator.translate(["", "a man runs", " "], beam=2, nbest=2, **FAST)
+    assert len(out) == 6 and out[:2] == ["", ""] and out[4:] == ["", ""]
 
 
 def test_nbest_format_and_order(ckpt, tmp_path):
@@ -108,9 +111,9 @@ def test_nbest_format_and_order(ckpt, tmp_path):
               input="a man runs\n\nthe dog\n".encode())
     assert r.returncode == 0, r.stderr
     rows = [line.split(" ||| ") for line in r.stdout.decode().splitlines()]
-    assert [int(i) for i, _, _ in rows if i != "1"] == [0, 0, 0, 2, 2, 2]
-    assert rows[3] == ["1", "", "0.0000"]  # the empty line
-    for first in (0, 4):
+    assert [int(i) for i, _, _ in rows] == [0, 0, 0, 1, 1, 1, 2, 2, 2]  # N lines for every input line
+    assert rows[3:6] == [["1", "", "0.0000"]] * 3  # the empty line
+    for first in (0, 6):
         scores = [float(s) for _, _, s in rows[first:first + 3]]
         assert scores == sorted(scores, reverse=True)
 
@@ -236,6 +239,10 @@ def test_output_is_always_one_line():
     (["--nbest", "5", "--beam", "4"], "--nbest"),
     (["--max-tokens", "0"], "--max-tokens"),
     (["--alpha", "-1"], "--alpha"),
+    (["--alpha", "nan"], "--alpha"),
+    (["--alpha", "inf"], "--alpha"),
+    (["--max-len-a", "nan"], "--max-len-a"),
+    (["--max-len-a", "inf"], "--max-len-a"),
     (["--workers", "-1"], "--workers"),
     (["--input", "/nonexistent/in.txt"], "/nonexistent/in.txt"),
 ])
@@ -353,3 +360,77 @@ def test_translator_search_runs_batches_on_workers(translator, monkeypatch):
     names.clear()
     translator.search(lines, beam=2, max_tokens=8, workers=1, **FAST)
     assert names == {threading.main_thread().name}
+
+
+def test_output_that_is_the_input_is_refused_and_the_input_kept(ckpt, tmp_path):
+    text = b"a man runs\nthe dog\n"
+    f = tmp_path / "same.txt"
+    f.write_bytes(text)
+    (tmp_path / "link.txt").symlink_to(f)
+    for argv, stdin in ((["--input", str(f)], None), (["--input", str(tmp_path / "link.txt")], None), ([], f)):
+        with open(stdin or os.devnull, "rb") as src:
+            r = aiayn("translate", "--checkpoint", str(ckpt), *argv, "--output", str(f), *FAST_FLAGS, stdin=src)
+        assert r.returncode == 2 and b"is also the input" in r.stderr and r.stderr.count(b"\n") == 1
+        assert f.read_bytes() == text
+
+
+def test_a_failed_start_leaves_the_old_output_as_it_was(tmp_path, capsys):
+    out = tmp_path / "out.txt"
+    out.write_text("earlier translations\n")
+    assert cli.main(["translate", "--checkpoint", str(tmp_path / "nope"), "--input", os.devnull,
+                     "--output", str(out)]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert out.read_text() == "earlier translations\n"
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("to_stdout", [False, True])
+def test_a_full_disk_is_a_one_line_error(ckpt, to_stdout):
+    with open("/dev/full", "wb") as full:
+        argv = [] if to_stdout else ["--output", "/dev/full"]
+        r = subprocess.run([sys.executable, "-m", "aiayn", "translate", "--checkpoint", str(ckpt), *argv, *FAST_FLAGS],
+                           input=b"a man runs\n", stdout=full if to_stdout else subprocess.PIPE,
+                           stderr=subprocess.PIPE, timeout=600)
+    assert r.returncode == 2
+    err = r.stderr.decode()
+    assert err.count("\n") == 1 and "cannot write (No space left on device)" in err, err
+
+
+def test_closed_standard_streams_are_one_line_errors(ckpt):
+    for closed, words in ((1, "standard output is closed"), (0, "standard input is closed")):
+        r = subprocess.run([sys.executable, "-m", "aiayn", "translate", "--checkpoint", str(ckpt)],
+                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=600,
+                           preexec_fn=lambda fd=closed: os.close(fd))  # as `>&-` / `<&-` in a shell
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.decode().count("\n") == 1 and words in r.stderr.decode()
+
+
+def test_a_huge_length_factor_is_no_limit():
+    from aiayn.search import _max_lengths
+
+    keep = torch.ones(2, 3, dtype=torch.bool)
+    assert _max_lengths(keep, 1e300, 50).tolist() == [2 ** 62] * 2  # not an int64 overflow to 1 token
+    assert _max_lengths(keep, 1.5, 2).tolist() == [6, 6]
+
+
+def test_ctrl_c_while_the_command_loads_exits_130(monkeypatch, capsys):
+    def interrupted(command=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert cli.main(["translate", "--checkpoint", "x"]) == 130
+    assert capsys.readouterr().err == "aiayn translate: interrupted\n"
+
+
+def test_lines_before_invalid_utf8_are_written_and_counted(ckpt):
+    r = aiayn("translate", "--checkpoint", str(ckpt), *FAST_FLAGS, input=b"a man runs\nthe dog\n\xff\nmore\n")
+    assert r.returncode == 2
+    assert len(r.stdout.decode().splitlines()) == 2  # the two good lines of the same chunk
+    err = r.stderr.decode()
+    assert err.count("\n") == 1 and "<stdin>:3: invalid UTF-8" in err and "the first 2 input line(s)" in err
+
+
+def test_invisible_only_lines_are_blank(translator):
+    lines = ["\x00", "\u200b", "\ufeff", " \u200b\t", "a man runs"]
+    out = translator.translate(lines, beam=2, **FAST)
+    assert out[:4] == ["", "", "", ""]

@@ -163,8 +163,12 @@ def read_config(path: Path) -> dict[str, Any]:
         cfg = json.loads(file.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise AiaynError(f"{file} is corrupt ({e}); use another checkpoint") from e
+    except OSError as e:
+        raise AiaynError(f"{file}: cannot read ({e.strerror or e})") from e
     if not isinstance(cfg, dict) or not isinstance(cfg.get("model"), dict):
         raise AiaynError(f"{file} has no \"model\" section; it is not an aiayn checkpoint config")
+    if not isinstance(cfg.get("tokenizer") or {}, dict):
+        raise AiaynError(f"{file}: \"tokenizer\" must be an object; use another checkpoint")
     return cfg
 
 

@@ -46,7 +46,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
-    parser = build_parser(command if command in COMMANDS else None)
+    try:  # importing the subcommand (torch) takes a moment; Ctrl-C then is an interrupt like any other
+        parser = build_parser(command if command in COMMANDS else None)
+    except KeyboardInterrupt:
+        print(f"aiayn {command}: interrupted" if command in COMMANDS else "aiayn: interrupted", file=sys.stderr)
+        return 130
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

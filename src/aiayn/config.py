@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import typing
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -26,6 +28,27 @@ def _from_dict(cls: type[T], data: dict[str, Any]) -> T:
     if unknown:
         raise ConfigError(f"{cls.__name__}: unknown field(s) {', '.join(unknown)}")
     return cls(**data)
+
+
+_KINDS = {bool: "true or false", int: "a whole number", float: "a finite number", str: "a string"}
+
+
+def _check_types(obj: Any, need: Any) -> None:
+    """Every field holds a value of its annotated type (a config.json can hold anything): an int
+    field a whole number (not a bool), a float field a finite number, a bool field a bool."""
+    for name, kind in typing.get_type_hints(type(obj)).items():
+        v = getattr(obj, name)
+        if kind is bool:
+            ok = isinstance(v, bool)
+        elif kind is int:
+            ok = isinstance(v, int) and not isinstance(v, bool)
+        elif kind is float:
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        elif kind is str:
+            ok = isinstance(v, str)
+        else:
+            continue
+        need(ok, f"{name} must be {_KINDS[kind]}, got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -59,6 +82,7 @@ class ModelConfig:
             if not cond:
                 raise ConfigError(f"ModelConfig: {msg}")
 
+        _check_types(self, need)
         for name in ("src_vocab_size", "tgt_vocab_size", "d_model", "n_heads", "d_ff", "max_positions"):
             need(int(getattr(self, name)) > 0, f"{name} must be positive, got {getattr(self, name)}")
         for name in ("encoder_layers", "decoder_layers"):

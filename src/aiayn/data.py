@@ -68,8 +68,11 @@ Example = tuple[list[int], list[int]]  # (source ids, target ids), without BOS/E
 # Reading text
 
 
-def read_lines(path: str | os.PathLike[str]) -> list[str]:
+def read_lines(path: str | os.PathLike[str], blank_ok: bool = False) -> list[str]:
     """The lines of a plain or gzip UTF-8 text file, without line endings ("\\n" or "\\r\\n").
+
+    A file with no text is an error, unless `blank_ok` (hypotheses: an empty translation is one),
+    where only a file with no lines at all is.
 
     Lines are split on "\\n" only: `str.splitlines` would also split on characters such as
     U+2028 or U+001C that can occur inside a sentence, and shift the alignment.
@@ -90,7 +93,7 @@ def read_lines(path: str | os.PathLike[str]) -> list[str]:
             raise AiaynError(f"{path}: corrupt or truncated gzip file ({e}); download or copy it again") from None
     if raw.startswith(b"\xef\xbb\xbf"):
         raw = raw[3:]  # a UTF-8 byte-order mark is not part of the first sentence
-    if not raw.strip():
+    if not (raw if blank_ok else raw.strip()):
         raise AiaynError(f"{path}: file is empty")
     try:
         text = raw.decode("utf-8")

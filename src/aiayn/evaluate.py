@@ -12,8 +12,11 @@ its default 13a tokenization, printed with sacreBLEU's signature so that scores 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
+from pathlib import Path
 from typing import Any, Sequence
 
 import sacrebleu
@@ -99,12 +102,30 @@ def _inputs(args: argparse.Namespace) -> tuple[str, str | None, str]:
     return "translate", args.src_file, args.ref_file
 
 
+def _check_save_path(path: str, inputs: Sequence[str]) -> None:
+    """--save-hyps must be writable and must not be one of the input files; checked before translating."""
+    target = Path(path)
+    for other in inputs:
+        with contextlib.suppress(OSError):
+            if target.exists() and target.samefile(other):
+                raise AiaynError(f"{path}: is also an input file; save the translations elsewhere (--save-hyps)")
+    if target.is_dir():
+        raise AiaynError(f"{path}: is a directory; give a file name (--save-hyps)")
+    parent = target.parent
+    if not parent.is_dir():
+        raise AiaynError(f"{parent}: no such directory (--save-hyps)")
+    if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise AiaynError(f"{path}: cannot write there (--save-hyps)")
+
+
 def run(args: argparse.Namespace) -> int:
     from aiayn.data import read_lines
 
     mode, first, ref_path = _inputs(args)
+    if args.save_hyps and mode == "translate":
+        _check_save_path(args.save_hyps, [first, ref_path])
     refs = read_lines(ref_path)
-    lines = read_lines(first)  # type: ignore[arg-type]
+    lines = read_lines(first, blank_ok=mode == "hyp")  # type: ignore[arg-type]
     if len(lines) != len(refs):
         kind = "hypotheses" if mode == "hyp" else "source lines"
         raise AiaynError(f"{first} has {len(lines)} {kind} but {ref_path} has {len(refs)} references; "
@@ -126,7 +147,10 @@ def run(args: argparse.Namespace) -> int:
         if args.save_hyps:
             from aiayn.tokenizer import atomic_write_bytes
 
-            atomic_write_bytes(args.save_hyps, "".join(h + "\n" for h in hyps).encode("utf-8"))
+            try:
+                atomic_write_bytes(args.save_hyps, "".join(h + "\n" for h in hyps).encode("utf-8"))
+            except OSError as e:
+                raise AiaynError(f"{args.save_hyps}: cannot write ({e.strerror or e}) (--save-hyps)") from None
     scores = corpus_scores(hyps, refs)
     if args.json:
         print(json.dumps({**scores, **info}, sort_keys=True))

@@ -412,13 +412,13 @@ class CT2Translator:
                       max_tokens: int = 4096) -> list[list[tuple[list[int], float]]]:
         """Per sentence, up to `nbest` (ids, score) pairs, best first; ids without BOS/EOS.
 
-        An empty source gives [([], 0.0)]. Greedy scores are nan (as in aiayn).
+        An empty source gives `nbest` times ([], 0.0). Greedy scores are nan (as in aiayn).
         """
-        out: list[list[tuple[list[int], float]]] = [[([], 0.0)] for _ in src_ids]
+        out: list[list[tuple[list[int], float]]] = [[([], 0.0)] * int(nbest) for _ in src_ids]
         todo = [i for i, s in enumerate(src_ids) if len(s)]
         if not todo:
             return out
-        limits = [max(1, math.floor(len(src_ids[i]) * max_len_a + max_len_b)) for i in todo]
+        limits = [min(max(1, math.floor(len(src_ids[i]) * max_len_a + max_len_b)), 2 ** 31 - 1) for i in todo]
         results = self.engine.translate_batch(
             [[self._src_vocab[t] for t in src_ids[i]] for i in todo],
             beam_size=int(beam), num_hypotheses=int(nbest), length_penalty=float(alpha) if beam > 1 else 0.0,

@@ -37,6 +37,7 @@ Conventions, pinned by tests/test_search.py:
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -58,10 +59,10 @@ def _check(beam: int, nbest: int, alpha: float, max_len_a: float, max_len_b: flo
         raise AiaynError(f"--beam must be at least 1, got {beam}")
     if not 1 <= int(nbest) <= int(beam):
         raise AiaynError(f"--nbest must be between 1 and the beam size {beam}, got {nbest}")
-    if alpha < 0:
-        raise AiaynError(f"--alpha (length penalty) must be >= 0, got {alpha}")
-    if max_len_a < 0 or max_len_b < 0:
-        raise AiaynError(f"maximum length a*len+b needs a >= 0 and b >= 0, got a={max_len_a}, b={max_len_b}")
+    if not alpha >= 0 or math.isinf(alpha):  # nan fails the comparison
+        raise AiaynError(f"--alpha (length penalty) must be a finite number >= 0, got {alpha}")
+    if not (max_len_a >= 0 and max_len_b >= 0) or math.isinf(max_len_a) or math.isinf(max_len_b):
+        raise AiaynError(f"maximum length a*len+b needs finite a >= 0 and b >= 0, got a={max_len_a}, b={max_len_b}")
     if min_len < 0:
         raise AiaynError(f"minimum length must be >= 0, got {min_len}")
 
@@ -72,7 +73,7 @@ def _pad_id(model: Any) -> int:
 
 def _max_lengths(src_keep: Tensor, a: float, b: float) -> Tensor:
     """(B, S) bool -> (B,) long: floor(a * source length + b), at least 1."""
-    return (src_keep.sum(1).double() * a + b).floor().long().clamp_min(1)
+    return (src_keep.sum(1).double() * a + b).floor().clamp(1, 2 ** 62).long()  # huge a: no overflow
 
 
 def _forbid(lprobs: Tensor, ids: tuple[int, ...]) -> None:

@@ -21,11 +21,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import math
 import os
 import select
 import signal
+import stat
 import sys
 import threading
+import unicodedata
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -68,18 +71,28 @@ class Settings:
             raise AiaynError(f"--beam must be at least 1, got {self.beam}")
         if not 1 <= self.nbest <= self.beam:
             raise AiaynError(f"--nbest must be between 1 and --beam ({self.beam}), got {self.nbest}")
-        if self.alpha < 0:
-            raise AiaynError(f"--alpha must be >= 0, got {self.alpha}")
+        if not self.alpha >= 0 or math.isinf(self.alpha):  # nan fails the comparison
+            raise AiaynError(f"--alpha must be a finite number >= 0, got {self.alpha}")
         if self.max_tokens < 1:
             raise AiaynError(f"--max-tokens must be positive, got {self.max_tokens}")
         if self.batch_size < 1:
             raise AiaynError(f"--batch-size must be positive, got {self.batch_size}")
-        if self.max_len_a < 0 or self.max_len_b < 0:
-            raise AiaynError(f"--max-len-a and --max-len-b must be >= 0, got {self.max_len_a} and {self.max_len_b}")
+        if not (self.max_len_a >= 0 and self.max_len_b >= 0) or math.isinf(self.max_len_a):
+            raise AiaynError(f"--max-len-a and --max-len-b must be finite numbers >= 0, got {self.max_len_a} and "
+                             f"{self.max_len_b}")
         if self.min_len < 0:
             raise AiaynError(f"--min-len must be >= 0, got {self.min_len}")
         if self.workers < 0:
             raise AiaynError(f"--workers must be >= 0 (0: one per CPU thread), got {self.workers}")
+
+
+_INVISIBLE = frozenset(("Cc", "Cf", "Zs", "Zl", "Zp"))  # controls, format marks (ZWSP, BOM), spaces
+
+
+def has_text(line: str) -> bool:
+    """False for a line of nothing but whitespace, control and format characters (a NUL, a zero-width
+    space, a stray byte-order mark): it is blank and gets an empty translation."""
+    return any(unicodedata.category(c) not in _INVISIBLE for c in line)
 
 
 def encode_sources(tokenizers: TokenizerPair, lines: Sequence[str], max_src_tokens: int,
@@ -88,7 +101,7 @@ def encode_sources(tokenizers: TokenizerPair, lines: Sequence[str], max_src_toke
     and `note` says which line (the contract of every translation engine: nothing is dropped)."""
     out: list[list[int]] = []
     for i, line in enumerate(lines):
-        ids = tokenizers.src.encode(line) if line.strip() else []
+        ids = tokenizers.src.encode(line) if has_text(line) else []
         if len(ids) > max_src_tokens:
             note(f"line {first_line + i}: {len(ids)} source tokens, more than the model takes; "
                  f"translated its first {max_src_tokens} tokens only")
@@ -212,7 +225,8 @@ class Translator:
 
     @torch.no_grad()
     def search(self, lines: Sequence[str], first_line: int = 1, **settings: Any) -> list[list[tuple[str, float]]]:
-        """Per input line, up to `nbest` (translation, score) pairs, best first; blank -> [("", 0.0)].
+        """Per input line, up to `nbest` (translation, score) pairs, best first; a blank line gives
+        `nbest` times ("", 0.0), so that n-best lists stay aligned with the input.
 
         Scores are those of `aiayn.search.beam_search`; greedy search (beam=1) reports nan.
 
@@ -222,7 +236,7 @@ class Translator:
         s = Settings(**settings)
         s.check()
         encoded = self.encode(lines, first_line)
-        results: list[list[tuple[str, float]]] = [[("", 0.0)] for _ in lines]
+        results: list[list[tuple[str, float]]] = [[("", 0.0)] * s.nbest for _ in lines]
         pad = self.model.cfg.pad_id
 
         def run(batch: list[int]) -> list[list[Hypothesis]]:
@@ -313,7 +327,15 @@ class LineChunks:
             if complete:
                 first = self.line_no + 1
                 self.line_no += len(complete)
-                yield [self._decode(raw, first + k) for k, raw in enumerate(complete)]
+                lines: list[str] = []
+                for k, raw in enumerate(complete):
+                    try:
+                        lines.append(self._decode(raw, first + k))
+                    except AiaynError:
+                        if lines:  # the lines before the bad one are still translated and written
+                            yield lines
+                        raise
+                yield lines
             if self.eof and not self.buf:
                 return
 
@@ -358,6 +380,8 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 def _open_input(name: str) -> tuple[BinaryIO, bool]:
     if name == "-":
+        if sys.stdin is None:
+            raise AiaynError("standard input is closed; give --input FILE")
         return sys.stdin.buffer, False
     try:
         return open(name, "rb"), True
@@ -365,6 +389,19 @@ def _open_input(name: str) -> tuple[BinaryIO, bool]:
         raise AiaynError(f"{name}: no such file (--input)") from None
     except OSError as e:
         raise AiaynError(f"{name}: cannot read ({e.strerror or e}) (--input)") from None
+
+
+def _check_output(name: str, src: BinaryIO) -> None:
+    """Before the model loads: standard output must be open, and --output must not be the input
+    (opening it for writing would empty the file before a line of it is read)."""
+    if name == "-":
+        if sys.stdout is None:
+            raise AiaynError("standard output is closed; give --output FILE")
+        return
+    with contextlib.suppress(OSError, ValueError):
+        have, want = os.fstat(src.fileno()), os.stat(name)
+        if stat.S_ISREG(want.st_mode) and (have.st_dev, have.st_ino) == (want.st_dev, want.st_ino):
+            raise AiaynError(f"{name}: is also the input; write the translations to another file (--output)")
 
 
 def _open_output(name: str) -> tuple[IO[bytes], bool]:
@@ -403,40 +440,63 @@ def _sigint_deferred() -> Iterator[None]:
         raise KeyboardInterrupt
 
 
+def _silence_stdout() -> None:
+    """Point standard output at /dev/null, so that the interpreter's last flush of what is still
+    buffered cannot fail again at exit."""
+    with contextlib.suppress(OSError, AttributeError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def run(args: argparse.Namespace) -> int:
     s = _settings(args)  # flags are checked before the model is loaded
     src, close_in = _open_input(args.input)
-    out, close_out = _open_output(args.output)
+    out: IO[bytes] | None = None
+    close_out = False
     done = 0
     try:
+        _check_output(args.output, src)
         if getattr(args, "engine", "torch") == "ctranslate2":
             from aiayn.export import CT2Translator  # the same search/translate contract, on CTranslate2
 
             translator: Any = CT2Translator.from_path(args.checkpoint, precision=args.precision)
         else:
             translator = Translator.from_checkpoint(args.checkpoint, precision=args.precision)
+        out, close_out = _open_output(args.output)  # only now: a failed start leaves an old file as it was
         name = "<stdin>" if args.input == "-" else args.input
         for chunk in LineChunks(src, name, args.chunk_lines):
             results = translator.search(chunk, first_line=done + 1, **vars(s))
             text = b"".join(_format(done + k, nb, s.nbest) for k, nb in enumerate(results))
             with _sigint_deferred():  # a chunk is written and counted whole, so the Ctrl-C message is exact
-                out.write(text)
-                out.flush()
+                try:
+                    out.write(text)
+                    out.flush()
+                except BrokenPipeError:
+                    raise
+                except OSError as e:
+                    if not close_out:
+                        _silence_stdout()
+                    where = "standard output" if args.output == "-" else args.output
+                    raise AiaynError(f"{where}: cannot write ({e.strerror or e})") from None
                 done += len(chunk)
+    except AiaynError as e:
+        if done:  # say what is already there, as for Ctrl-C
+            raise AiaynError(f"{e}; the first {done} input line(s) are translated and written") from None
+        raise
     except KeyboardInterrupt:
-        with contextlib.suppress(OSError):
-            out.flush()
+        if out is not None:
+            with contextlib.suppress(OSError):
+                out.flush()
         print(f"aiayn translate: interrupted; the first {done} input line(s) are translated and written, "
               f"line-aligned; rerun on the rest with `tail -n +{done + 1}`", file=sys.stderr, flush=True)
         return 130
     except BrokenPipeError:  # the reader went away (`| head`): nothing left to do
-        with contextlib.suppress(OSError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _silence_stdout()
         return 0
     finally:
         if close_in:
             src.close()
-        if close_out:
-            out.close()
+        if close_out and out is not None:
+            with contextlib.suppress(OSError):  # a write error was already reported
+                out.close()
     return 0
 
