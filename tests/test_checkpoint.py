@@ -307,3 +307,54 @@ def test_average_refuses_mixed_models_and_bad_input(tmp_path, tok, capsys):
     assert cli_main(["average", "--checkpoint", str(tmp_path / "a"), "-o", str(tmp_path / "o")]) == 2
     assert "holds no step_<N>/ checkpoints" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_average_never_replaces_what_is_not_an_earlier_average(tmp_path, tok, capsys):
+    run = tmp_path / "run"
+    for step in (1, 2):
+        _save(run / f"step_{step}", _model(tok, seed=step), tok, step=step, state={"step": step})
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep")
+    afile = tmp_path / "afile"
+    afile.write_text("keep")
+    for out, words in ((precious, "exists and is not a checkpoint"), (run, "one of the checkpoints being averaged"),
+                       (run / "step_2", "one of the checkpoints being averaged"), (afile / "x", "cannot make the folder")):
+        assert cli_main(["average", "--checkpoint", str(run), "-n", "2", "-o", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and words in err, err
+    assert (precious / "notes.txt").read_text() == "keep" and afile.read_text() == "keep"
+    assert sorted(p.name for p in run.iterdir()) == ["step_1", "step_2"]
+    other = tmp_path / "other" / "step_9"
+    _save(other, _model(tok, seed=9), tok, step=9, state={"step": 9})
+    assert cli_main(["average", "--inputs", str(run / "step_1"), "-o", str(other)]) == 2
+    assert "training checkpoint" in capsys.readouterr().err
+    avg = tmp_path / "avg"
+    for _ in range(2):  # an earlier average is replaced
+        assert cli_main(["average", "--checkpoint", str(run), "-n", "2", "-o", str(avg)]) == 0
+    assert (avg / "config.json").is_file()
+
+
+def test_average_refuses_checkpoints_with_different_tokenizers(tmp_path, tok):
+    other = Tokenizer.train(_lines(200, 1) + ["quick brown fox jumps over lazy"] * 20, tok.src.vocab_size)
+    pair = TokenizerPair(other, other, joint=True)
+    _save(tmp_path / "a", _model(tok), tok)
+    _save(tmp_path / "b", _model(tok), pair)
+    with pytest.raises(AiaynError, match="another src tokenizer"):
+        ckpt.average_checkpoints([tmp_path / "a", tmp_path / "b"], tmp_path / "avg")
+
+
+def test_a_full_disk_reported_by_safetensors_is_a_clear_error(tmp_path, tok, monkeypatch):
+    from safetensors import SafetensorError
+
+    _save(tmp_path / "c", _model(tok), tok)
+    before = _tree(tmp_path / "c")
+
+    def full(*a, **kw):
+        raise SafetensorError("Error while serializing: I/O error: File too large")
+
+    monkeypatch.setattr(ckpt, "save_file", full)
+    with pytest.raises(AiaynError, match="could not write checkpoint .*File too large.*previous checkpoint is intact"):
+        _save(tmp_path / "c", _model(tok, seed=1), tok)
+    assert _tree(tmp_path / "c") == before
+    assert [p.name for p in tmp_path.iterdir()] == ["c"]  # no temporary left

@@ -24,6 +24,7 @@ class _Server:
     def __init__(self, root: Path) -> None:
         self.requests: list[str] = []
         self.cut_short = False
+        self.garbled_length = False
         server = self
 
         class Handler(http.server.SimpleHTTPRequestHandler):
@@ -37,6 +38,11 @@ class _Server:
                     self.close_connection = True
                     return
                 super().do_GET()
+
+            def send_header(self, keyword: str, value: str) -> None:
+                if server.garbled_length and keyword == "Content-Length":
+                    value = "abc"  # a broken mirror: the sha256 still decides
+                super().send_header(keyword, value)
 
             def log_message(self, *args: object) -> None:
                 pass
@@ -156,3 +162,13 @@ def test_the_real_files_pass_the_real_table(tmp_path: Path, monkeypatch: pytest.
         server.close()
     a, b = read_parallel(src, tgt)
     assert len(a) == len(b) == 1000
+
+
+def test_a_garbled_content_length_or_a_bad_mirror_url(served: _Server, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    served.garbled_length = True
+    src, _ = multi30k_paths("val", "de", "en")
+    assert read_parallel(src, src)[0] == LINES["de"]
+    monkeypatch.setenv("AIAYN_MULTI30K_URL", "http://[::1/x")
+    with pytest.raises(AiaynError, match=r"could not download http://\[::1/x/val\.de\.gz \(Invalid IPv6 URL\)"):
+        data.download_multi30k("val", "de", tmp_path / "elsewhere")

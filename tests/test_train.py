@@ -17,6 +17,7 @@ from aiayn.cli import build_parser
 from aiayn.cli import main as cli_main
 from aiayn.config import ModelConfig, TrainConfig, preset
 from aiayn.data import Batch, collate
+from aiayn.errors import AiaynError
 from aiayn.model import Transformer
 
 EN = "the a cat dog sees runs big small red house tree man woman child ball blue green eats under".split()
@@ -261,12 +262,69 @@ def test_config_file_and_flag_overrides(tmp_path, suffix):
         (["--precision", "fp8"], "--precision must be one of"),
         (["--d-model", "30"], "d_model 30 is not divisible by n_heads 4"),
         (["--config", "/nonexistent/c.toml"], "--config /nonexistent/c.toml: cannot read it"),
+        (["--seed", "100000000000000000000"], "--seed must be between 0 and 2^63 - 1"),
+        (["--vocab-size", "3000000000"], "--vocab-size must be between 16 and 1,000,000"),
+        (["--threads", "100000000000"], "--threads must be at most 4096"),
+        (["--warmup", "1" + "0" * 400], "--warmup must be at most 10^12 steps"),
+        (["--max-positions", "100000000000"], "max_positions must be at most 100,000"),
     ],
 )
 def test_bad_options_give_one_line_errors(tmp_path, corpus, capsys, extra, message):
     assert cli_main(tiny_args(corpus, tmp_path / "r", "--max-steps", "1", *extra)) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("text, message", [
+    ('keep_last = 1.5', "--keep-last must be a whole number, got 1.5"),
+    ('device = 5', "--device must be a string, got 5"),
+    ('log_every = 1.5', "--log-every must be a whole number, got 1.5"),
+    ('joint_vocab = "false"', "--joint-vocab must be true or false, got 'false'"),
+    ('spm_model_type = 5', "--spm-model-type must be a string, got 5"),
+    ('[model]\nn_heads = 4.0', "n_heads must be a whole number, got 4.0"),
+])
+def test_config_file_values_of_the_wrong_type(tmp_path, corpus, capsys, text, message):
+    f = tmp_path / "c.toml"
+    f.write_text(text + "\n")
+    assert cli_main(tiny_args(corpus, tmp_path / "r", "--max-steps", "1", "--config", str(f))) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_an_explicit_preset_flag_beats_the_config_file_in_either_spelling(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('preset = "base"\n')
+    for flag in (["--preset", "tiny"], ["--preset=tiny"]):
+        argv = ["train", "--config", str(f), *flag]
+        assert T.build_configs(build_parser("train").parse_args(argv))[0] == "tiny", flag
+    assert T.build_configs(build_parser("train").parse_args(["train", "--config", str(f)]))[0] == "base"
+    assert T.build_configs(build_parser("train").parse_args(["train"]))[0] == "small"
+    f.write_text("preset = []\n")
+    with pytest.raises(AiaynError, match=r"unknown preset \[\]"):
+        T.build_configs(build_parser("train").parse_args(["train", "--config", str(f)]))
+
+
+def test_an_out_that_cannot_be_a_directory_is_a_one_line_error(tmp_path, corpus, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("keep\n")
+    for out in (afile, afile / "sub"):
+        assert cli_main(tiny_args(corpus, out, "--max-steps", "1")) == 2
+        err = capsys.readouterr().err
+        assert f"--out {out}: cannot make the run directory" in err and err.count("\n") == 1, err
+    assert afile.read_text() == "keep\n"
+
+
+def test_resume_skips_a_trainer_state_that_lacks_a_field(tmp_path, corpus, capsys):
+    out = tmp_path / "r"
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--save-every", "1")) == 0
+    f = out / "step_2" / "trainer_state.pt"
+    state = torch.load(f, weights_only=True)
+    del state["tokens_seen"]
+    torch.save(state, f)
+    capsys.readouterr()
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "3", "--save-every", "1", "--resume")) == 0
+    printed = capsys.readouterr().out
+    assert "lacks tokens_seen" in printed and f"resuming from {out / 'step_1'}" in printed
 
 
 def test_bad_data_options(tmp_path, corpus, capsys, monkeypatch):

@@ -85,7 +85,13 @@ def write_dir_atomic(path: Path, fill) -> None:  # type: ignore[no-untyped-def]
     disk) removes the temporary directory and leaves what was at `path` untouched.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() and not path.is_dir():
+        raise AiaynError(f"could not write checkpoint {path}: it exists and is not a directory; choose another path")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file in the way, no permission
+        raise AiaynError(f"could not write checkpoint {path}: cannot make the folder {path.parent} "
+                         f"({e.strerror or e}); choose another path") from None
     tmp = path.parent / f"{TMP_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}"
     try:
         tmp.mkdir()
@@ -101,9 +107,10 @@ def write_dir_atomic(path: Path, fill) -> None:  # type: ignore[no-untyped-def]
         _fsync_path(path.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    except OSError as e:
+    except (OSError, SafetensorError, RuntimeError) as e:  # safetensors and torch.save report a full disk in their own types
         shutil.rmtree(tmp, ignore_errors=True)
-        raise AiaynError(f"could not write checkpoint {path}: {e.strerror or e}; "
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0][:200]
+        raise AiaynError(f"could not write checkpoint {path}: {why}; "
                          "the previous checkpoint is intact; free space or choose another --out") from e
 
 
@@ -307,6 +314,10 @@ def average_checkpoints(paths: list[Path], out: str | Path) -> Path:
         if c.model_config != first.model_config:
             raise AiaynError(f"{c.path} has a different model config from {first.path}; only checkpoints of "
                              "one run can be averaged")
+        for side in ("src", "tgt"):
+            if getattr(c.tokenizers, side).sha256() != getattr(first.tokenizers, side).sha256():
+                raise AiaynError(f"{c.path} has another {side} tokenizer than {first.path}; only checkpoints of "
+                                 "one run can be averaged")
     sums = {k: v.double().clone() for k, v in first.model.state_dict().items()}
     for c in ckpts[1:]:
         for k, v in c.model.state_dict().items():
@@ -319,6 +330,21 @@ def average_checkpoints(paths: list[Path], out: str | Path) -> Path:
     cfg["averaged_from"] = [str(c.path) for c in ckpts]
     save_checkpoint(out, model, last.tokenizers, cfg)
     return Path(out)
+
+
+def _check_average_output(out: Path, inputs: list[Path]) -> None:
+    """-o may name a new path or an earlier average (replaced), never an input, a folder holding one
+    (a run directory), a training checkpoint or anything else: replacing it would delete it."""
+    if not out.exists():
+        return
+    real = out.resolve()
+    for p in inputs:
+        if real == p.resolve() or real in p.resolve().parents:
+            raise AiaynError(f"-o {out} is (or holds) {p}, one of the checkpoints being averaged; choose a new path")
+    if not (out / CONFIG).is_file():
+        raise AiaynError(f"-o {out} exists and is not a checkpoint; choose a new path (it would be replaced)")
+    if (out / TRAINER_STATE).exists():
+        raise AiaynError(f"-o {out} is a training checkpoint (it has {TRAINER_STATE}); choose a new path")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -342,6 +368,7 @@ def run(args: argparse.Namespace) -> int:
         if not steps:
             raise AiaynError(f"--checkpoint {args.checkpoint} holds no step_<N>/ checkpoints")
         paths = [d for _, d in steps[-args.num:]]
+    _check_average_output(Path(args.output), paths)
     out = average_checkpoints(paths, args.output)
     print(f"averaged {len(paths)} checkpoint{'s' if len(paths) > 1 else ''} ({', '.join(p.name for p in paths)}) into {out}")
     return 0

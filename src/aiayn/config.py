@@ -11,7 +11,7 @@ import json
 import math
 import typing
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Iterator, TypeVar
 
 from aiayn.errors import AiaynError
 
@@ -30,14 +30,22 @@ def _from_dict(cls: type[T], data: dict[str, Any]) -> T:
     return cls(**data)
 
 
+MAX_POSITIONS_LIMIT = 100_000  # a sinusoid table of max_positions x d_model floats is built up front
+
 _KINDS = {bool: "true or false", int: "a whole number", float: "a finite number", str: "a string"}
 
 
-def _check_types(obj: Any, need: Any) -> None:
-    """Every field holds a value of its annotated type (a config.json can hold anything): an int
-    field a whole number (not a bool), a float field a finite number, a bool field a bool."""
+def _type_errors(obj: Any) -> Iterator[tuple[str, str]]:
+    """(field, what it must be) for every field whose value is not of its annotated type (a config
+    file can hold anything): an int field a whole number (not a bool), a float field a finite
+    number, a bool field a bool, a str field a string; `X | None` fields may also be None."""
     for name, kind in typing.get_type_hints(type(obj)).items():
         v = getattr(obj, name)
+        args = typing.get_args(kind)
+        if type(None) in args:
+            if v is None:
+                continue
+            kind = next(a for a in args if a is not type(None))
         if kind is bool:
             ok = isinstance(v, bool)
         elif kind is int:
@@ -48,7 +56,8 @@ def _check_types(obj: Any, need: Any) -> None:
             ok = isinstance(v, str)
         else:
             continue
-        need(ok, f"{name} must be {_KINDS[kind]}, got {v!r}")
+        if not ok:
+            yield name, _KINDS[kind]
 
 
 @dataclass(frozen=True)
@@ -82,9 +91,13 @@ class ModelConfig:
             if not cond:
                 raise ConfigError(f"ModelConfig: {msg}")
 
-        _check_types(self, need)
+        for name, kind in _type_errors(self):
+            need(False, f"{name} must be {kind}, got {getattr(self, name)!r}")
         for name in ("src_vocab_size", "tgt_vocab_size", "d_model", "n_heads", "d_ff", "max_positions"):
             need(int(getattr(self, name)) > 0, f"{name} must be positive, got {getattr(self, name)}")
+        need(self.max_positions <= MAX_POSITIONS_LIMIT,
+             f"max_positions must be at most {MAX_POSITIONS_LIMIT:,} (the table grows by itself for longer "
+             f"inputs), got {self.max_positions}")
         for name in ("encoder_layers", "decoder_layers"):
             need(int(getattr(self, name)) >= 1, f"{name} must be at least 1, got {getattr(self, name)}")
         need(self.d_model % self.n_heads == 0, f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
@@ -195,7 +208,9 @@ class TrainConfig:
                 flag = "--" + field.replace("_", "-")
                 raise ConfigError(f"{flag} {msg}, got {getattr(self, field)!r}")
 
-        need(self.vocab_size >= 16, "vocab_size", "must be at least 16")
+        for name, kind in _type_errors(self):
+            need(False, name, f"must be {kind}")
+        need(16 <= self.vocab_size <= 1_000_000, "vocab_size", "must be between 16 and 1,000,000")
         need(self.spm_model_type in ("bpe", "unigram"), "spm_model_type", "must be 'bpe' or 'unigram'")
         need(self.max_tokens >= 2, "max_tokens", "must be at least 2 (tokens per batch, padding counted)")
         need(self.max_len >= 1, "max_len", "must be at least 1")
@@ -203,6 +218,7 @@ class TrainConfig:
         need(self.update_freq >= 1, "update_freq", "must be at least 1")
         need(self.lr_factor > 0, "lr_factor", "must be positive")
         need(self.warmup >= 1, "warmup", "must be a positive number of steps")
+        need(self.warmup <= 10**12, "warmup", "must be at most 10^12 steps")
         need(0.0 <= self.adam_beta1 < 1.0, "adam_beta1", "must be in [0, 1)")
         need(0.0 <= self.adam_beta2 < 1.0, "adam_beta2", "must be in [0, 1)")
         need(self.adam_eps > 0, "adam_eps", "must be positive")
@@ -215,6 +231,8 @@ class TrainConfig:
             need(getattr(self, name) >= 0, name, "must be 0 (off) or positive")
         need(self.max_minutes >= 0, "max_minutes", "must be 0 (off) or positive")
         need(self.keep_last >= 1, "keep_last", "must be at least 1")
+        need(0 <= self.seed < 2**63, "seed", "must be between 0 and 2^63 - 1")
+        need(self.threads <= 4096, "threads", "must be at most 4096")
 
     def replace(self, **changes: Any) -> "TrainConfig":
         return dataclasses.replace(self, **changes)

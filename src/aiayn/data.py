@@ -223,7 +223,8 @@ def download_multi30k(split: str, lang: str, folder: str | Path, timeout: float 
         with os.fdopen(fd, "wb") as out:
             try:
                 with urllib.request.urlopen(url, timeout=timeout) as resp:
-                    expected = int(resp.headers.get("Content-Length") or -1)
+                    length = (resp.headers.get("Content-Length") or "").strip()
+                    expected = int(length) if length.isdigit() else -1  # a garbled header: the sha256 decides
                     size = 0
                     for chunk in iter(lambda: resp.read(1 << 16), b""):
                         out.write(chunk)
@@ -231,8 +232,8 @@ def download_multi30k(split: str, lang: str, folder: str | Path, timeout: float 
                         size += len(chunk)
                 if 0 <= expected != size:  # a dropped connection can end the stream early without an error
                     raise http.client.IncompleteRead(b"", expected - size)
-            except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-                reason = getattr(e, "reason", None) or getattr(e, "strerror", None) or type(e).__name__
+            except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as e:  # ValueError: a bad URL
+                reason = getattr(e, "reason", None) or getattr(e, "strerror", None) or str(e) or type(e).__name__
                 if isinstance(e, http.client.IncompleteRead):
                     reason = f"the transfer stopped {e.expected} bytes short"
                 raise AiaynError(

@@ -112,7 +112,8 @@ _HELP = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="small", choices=list(PRESETS), help="model size")
+    p.add_argument("--preset", default=None, choices=list(PRESETS),
+                   help="model size (default: the --config file's preset, else small)")
     p.add_argument("--config", metavar="FILE", default=None,
                    help="TOML or JSON file of options: top-level keys, or [model] and [train] tables; flags override it")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
@@ -159,7 +160,7 @@ def build_configs(args: argparse.Namespace) -> tuple[str, dict[str, Any], TrainC
     train_names = {f.name for f in dataclasses.fields(TrainConfig)}
     model_over: dict[str, Any] = {}
     train_over: dict[str, Any] = {}
-    name = args.preset
+    name = "small"
     if args.config:
         data = _read_config_file(args.config)
         flat: dict[str, Any] = {}
@@ -176,15 +177,15 @@ def build_configs(args: argparse.Namespace) -> tuple[str, dict[str, Any], TrainC
                 train_over[k] = v
             else:
                 raise AiaynError(f"--config {args.config}: unknown option {k!r}")
-        if "--preset" in sys.argv:  # an explicit flag beats the file
-            name = args.preset
+    if args.preset is not None:  # an explicit flag beats the file
+        name = args.preset
     for k in model_names:
         if hasattr(args, k):
             model_over[k] = getattr(args, k)
     for k in train_names:
         if hasattr(args, k):
             train_over[k] = getattr(args, k)
-    if name not in PRESETS:
+    if not isinstance(name, str) or name not in PRESETS:
         raise AiaynError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     try:
         tc = TrainConfig(**train_over)
@@ -545,6 +546,11 @@ class Metrics:
         os.replace(tmp, self.path)
 
 
+# what a trainer_state.pt must hold to resume from it (`Trainer.state` and the loop's position)
+RESUME_KEYS = frozenset({"optimizer", "step", "epoch", "position", "elapsed_s", "best_bleu", "bad_epochs",
+                         "tokens_seen", "rng"})
+
+
 def resume_command(out: Path, world: int) -> str:
     argv = sys.argv[1:]
     if argv[:1] == ["train"]:
@@ -568,7 +574,10 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
         raise AiaynError(f"--out {out} already holds checkpoints (newest {existing[-1][1].name}); add --resume to "
                          "continue that run, or choose another --out")
     if d.main:
-        out.mkdir(parents=True, exist_ok=True)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise AiaynError(f"--out {out}: cannot make the run directory ({e.strerror or e}); choose another --out") from None
         ckpt.remove_stale_temporaries(out)
     d.barrier()
 
@@ -578,6 +587,10 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
         for _, path in reversed(existing):  # an unreadable newest checkpoint falls back to the one before
             try:
                 loaded = ckpt.load_checkpoint(path, with_trainer_state=True)
+                missing = sorted(RESUME_KEYS - set(loaded.trainer_state or {}))
+                if missing:
+                    loaded = None
+                    raise AiaynError(f"{path / ckpt.TRAINER_STATE} lacks {', '.join(missing)}")
                 break
             except AiaynError as e:
                 first_error = first_error or e
