@@ -358,3 +358,13 @@ def test_a_full_disk_reported_by_safetensors_is_a_clear_error(tmp_path, tok, mon
         _save(tmp_path / "c", _model(tok, seed=1), tok)
     assert _tree(tmp_path / "c") == before
     assert [p.name for p in tmp_path.iterdir()] == ["c"]  # no temporary left
+
+
+def test_checkpoint_files_get_the_usual_modes(tmp_path, tok):
+    import stat
+
+    _save(tmp_path / "c", _model(tok), tok, state={"step": 1})
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in (tmp_path / "c").iterdir():  # safetensors alone would make model.safetensors 0600
+        assert stat.S_IMODE(f.stat().st_mode) == 0o666 & ~umask, f.name

@@ -28,3 +28,14 @@ def test_tiny_model_learns_the_task_perfectly(reverse):
     assert accuracy == 1.0  # greedy exact match on 200 strings it never saw
     assert not model.training
     assert torch.get_num_threads() == threads  # the one-thread setting does not leak
+
+
+@pytest.mark.parametrize("argv, words", [(["--steps", "0"], "--steps must be at least 1"),
+                                         (["--steps", "-3"], "--steps must be at least 1"),
+                                         (["--seed", "99999999999999999999"], "--seed must be between 0")])
+def test_bad_demo_flags_are_one_line_errors(argv, words, capsys):
+    from aiayn.cli import main
+
+    assert main(["demo", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and words in err

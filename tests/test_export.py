@@ -309,6 +309,35 @@ def test_ctranslate2_export_leaves_the_model_untouched(tmp_path):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+def test_export_never_replaces_the_checkpoint_or_a_folder_that_is_not_an_export(trained, tmp_path, capsys):
+    pytest.importorskip("ctranslate2")
+    import os
+    import shutil
+    import stat
+
+    ckpt = tmp_path / "run" / "best"
+    shutil.copytree(trained[0], ckpt)
+    before = sorted(p.name for p in ckpt.iterdir())
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep")
+    afile = tmp_path / "afile"
+    afile.write_text("keep")
+    for out, words in ((ckpt, "is (or holds) the checkpoint"), (tmp_path / "run", "is (or holds) the checkpoint"),
+                       (precious, "is not an earlier export"), (afile / "out", "cannot write to")):
+        assert main(["export", "--checkpoint", str(tmp_path / "run"), "--to", "ctranslate2", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and words in err, err
+    assert sorted(p.name for p in ckpt.iterdir()) == before and (precious / "notes.txt").read_text() == "keep"
+    out = tmp_path / "ct2"
+    for _ in range(2):  # an earlier export is replaced
+        assert main(["export", "--checkpoint", str(ckpt), "--to", "ctranslate2", str(out)]) == 0
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask  # not mkdtemp's private 0700
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o666 & ~umask for f in out.iterdir())
+
+
 # ------------------------------------------------------------------------------ without extras
 
 

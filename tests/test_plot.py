@@ -295,3 +295,31 @@ def test_runs_without_a_display_or_pyplot(tmp_path):
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert png_size(out) == (200, 104)
+
+
+def test_more_bad_settings_are_one_line_errors_before_any_work(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("keep")
+    (tmp_path / "d.png").mkdir()
+    cases = [
+        (["plot", "positional-encoding", "--dpi", "100000", "-o", str(tmp_path / "pe.png")], "--dpi must be between 1"),
+        (["plot", "lr-schedule", "--factor", "nan", "-o", str(tmp_path / "lr.png")], "--factor must be a positive finite"),
+        (["plot", "lr-schedule", "--factor", "inf", "-o", str(tmp_path / "lr.png")], "--factor must be a positive finite"),
+        (["plot", "positional-encoding", "-o", str(afile / "pe.png")], f"-o {afile / 'pe.png'}: cannot write"),
+        (["plot", "positional-encoding", "-o", str(tmp_path / "d.png")], f"-o {tmp_path / 'd.png'}: cannot write"),
+    ]
+    for argv, words in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and words in err, (argv, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "d.png"]  # nothing half-written
+
+
+def test_a_picture_too_large_to_draw_is_refused(model, tokenizers, tmp_path, monkeypatch):
+    with pytest.raises(AiaynError, match="readable up to 200 a side: use a shorter --src"):
+        plot.attention_figure(plot.attention_maps(model, tokenizers, "a man " * 150, "a"), ("encoder",))
+    fig, _ = plot.positional_encoding_figure(64, 10)  # 13 x 5 inches
+    monkeypatch.setattr(plot, "MAX_PIXELS", 1000)
+    with pytest.raises(AiaynError, match="would be 1300 x 500 pixels, more than 1000 a side; lower --dpi"):
+        plot.save_figure(fig, tmp_path / "pe.png", dpi=100)
+    assert not (tmp_path / "pe.png").exists()

@@ -434,3 +434,24 @@ def test_invisible_only_lines_are_blank(translator):
     lines = ["\x00", "\u200b", "\ufeff", " \u200b\t", "a man runs"]
     out = translator.translate(lines, beam=2, **FAST)
     assert out[:4] == ["", "", "", ""]
+
+
+def test_an_os_error_no_module_reported_is_one_line_and_a_closed_pipe_is_quiet(monkeypatch, capsys):
+    import errno
+
+    import aiayn.copytask
+
+    def full(args):
+        raise OSError(errno.ENOSPC, "No space left on device", "/some/file")
+
+    monkeypatch.setattr(aiayn.copytask, "run", full)
+    assert cli.main(["demo"]) == 2
+    assert capsys.readouterr().err == "aiayn demo: error: /some/file: No space left on device\n"
+
+    def gone(args):
+        raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+    monkeypatch.setattr(aiayn.copytask, "run", gone)
+    monkeypatch.setattr(os, "dup2", lambda *a: None)  # leave pytest's stdout alone
+    assert cli.main(["demo"]) == 0
+    assert capsys.readouterr().err == ""

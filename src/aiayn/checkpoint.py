@@ -96,7 +96,10 @@ def write_dir_atomic(path: Path, fill) -> None:  # type: ignore[no-untyped-def]
     try:
         tmp.mkdir()
         fill(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
         for f in tmp.iterdir():
+            f.chmod(0o666 & ~umask)  # the usual mode (safetensors writes its files 0600)
             _fsync_path(f)
         _fsync_path(tmp)
         old = None

@@ -8,7 +8,9 @@ as one line on stderr, exit status 2, no traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
 import sys
 
 from aiayn import __version__
@@ -63,3 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"aiayn {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`| head`): nothing left to say
+        with contextlib.suppress(OSError, AttributeError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except OSError as e:  # a file system problem no module turned into a message of its own
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"aiayn {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2

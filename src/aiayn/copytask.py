@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from aiayn.config import preset
+from aiayn.errors import AiaynError
 from aiayn.model import Transformer
 from aiayn.search import greedy_search
 
@@ -96,6 +97,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.steps < 1:
+        raise AiaynError(f"--steps must be at least 1, got {args.steps}")
+    if not 0 <= args.seed < 2**63:
+        raise AiaynError(f"--seed must be between 0 and 2^63 - 1, got {args.seed}")
     for reverse in (False, True):
         name = "reversed copy" if reverse else "copy"
         print(f"== {name} task: tiny Transformer, {args.steps} steps")

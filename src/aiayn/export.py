@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -238,12 +239,14 @@ def save_hf_tokenizer(tokenizers: TokenizerPair, out: Path) -> None:
 
 def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
     """Writes a MarianMTModel directory (config, safetensors, generation config, tokenizer) to `out`."""
-    from aiayn.checkpoint import load_checkpoint
+    from aiayn.checkpoint import load_checkpoint, resolve_checkpoint
 
+    for source in (resolve_checkpoint(checkpoint), checkpoint):  # the checkpoint itself, and a run holding it
+        check_out(out, source)
     ck = load_checkpoint(checkpoint)
     hf = to_marian(ck.model, ck.tokenizers)
     hf.generation_config = generation_config(ck.model)
-    out = Path(out)
+    out = Path(os.path.abspath(out))
     tmp = _fresh_dir(out)
     try:
         hf.save_pretrained(str(tmp), safe_serialization=True)
@@ -338,7 +341,7 @@ def to_ctranslate2(model: Transformer, tokenizers: TokenizerPair, out: str | Pat
         def _load(self) -> Any:
             return spec
 
-    out = Path(out)
+    out = Path(os.path.abspath(out))
     tmp = _fresh_dir(out)
     try:
         _Given().convert(str(tmp), quantization=quantization, force=True)
@@ -355,11 +358,13 @@ def to_ctranslate2(model: Transformer, tokenizers: TokenizerPair, out: str | Pat
 
 def export_ctranslate2(checkpoint: str | Path, out: str | Path, quantization: str | None = None) -> Path:
     """`aiayn export --to ctranslate2`: a checkpoint (or run directory) to a CTranslate2 directory."""
-    from aiayn.checkpoint import load_checkpoint
+    from aiayn.checkpoint import load_checkpoint, resolve_checkpoint
 
     _require("ctranslate2")
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise AiaynError(f"--quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
+    for source in (resolve_checkpoint(checkpoint), checkpoint):  # the checkpoint itself, and a run holding it
+        check_out(out, source)
     ck = load_checkpoint(checkpoint)
     return to_ctranslate2(ck.model, ck.tokenizers, out, quantization, {"aiayn_checkpoint": str(ck.path)})
 
@@ -451,15 +456,52 @@ class CT2Translator:
 # ------------------------------------------------------------------------------------- helpers
 
 
+def _is_export(d: Path) -> bool:
+    """An earlier export of either kind (or an empty folder): what OUT may replace."""
+    if not any(d.iterdir()):
+        return True
+    if (d / "aiayn.json").is_file() and (d / "model.bin").is_file():  # CTranslate2
+        return True
+    try:
+        cfg = json.loads((d / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and cfg.get("model_type") == "marian"  # Hugging Face
+
+
+def check_out(out: str | Path, source: str | Path | None = None) -> Path:
+    """OUT as an absolute path, refused (one line) if replacing it would lose anything: a file, a
+    folder that is not an earlier export, or the checkpoint being exported (or a folder holding it)."""
+    out = Path(os.path.abspath(out))
+    if source is not None:
+        src = Path(os.path.abspath(source))
+        if out == src or out in src.parents:
+            raise AiaynError(f"OUT {out} is (or holds) the checkpoint {source}; choose a new OUT")
+    if out.exists():
+        if not out.is_dir():
+            raise AiaynError(f"output {out} exists and is not a directory; choose another OUT")
+        if not _is_export(out):
+            raise AiaynError(f"OUT {out} exists and is not an earlier export; choose a new OUT (it would be replaced)")
+    return out
+
+
 def _fresh_dir(out: Path) -> Path:
-    if out.exists() and not out.is_dir():
-        raise AiaynError(f"output {out} exists and is not a directory; choose another OUT")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
+    out = check_out(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
+    except OSError as e:
+        raise AiaynError(f"cannot write to {out.parent} ({e.strerror or e}); choose another OUT") from None
 
 
 def _replace_dir(tmp: Path, out: Path) -> None:
-    """Moves a finished export into place; an existing export at `out` is replaced only then."""
+    """Moves a finished export into place; an existing export at `out` is replaced only then. The
+    files get the usual modes (mkdtemp makes a private folder; safetensors writes 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in [tmp, *tmp.rglob("*")]:
+        f.chmod((0o777 if f.is_dir() else 0o666) & ~umask)
+    out = Path(os.path.abspath(out))
     if out.exists():
         old = out.parent / f".tmp-old-{out.name}"
         shutil.rmtree(old, ignore_errors=True)
@@ -476,7 +518,7 @@ def _replace_dir(tmp: Path, out: Path) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, metavar="DIR", help="a checkpoint or run directory (its best/)")
     p.add_argument("--to", required=True, choices=("hf", "ctranslate2"), help="the target format")
-    p.add_argument("out", metavar="OUT", help="the output directory (replaced if it exists)")
+    p.add_argument("out", metavar="OUT", help="the output directory (an earlier export there is replaced)")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                    help="CTranslate2 only: weight type of the export (none given: float32)")
 

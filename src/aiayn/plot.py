@@ -51,6 +51,16 @@ def image_format(path: str | os.PathLike) -> str:
     return FORMATS[suffix]
 
 
+MAX_DPI = 1200
+MAX_PIXELS = 32768  # a side of a PNG; matplotlib's own limit is 65536, and memory runs out before it
+MAX_ATTENTION_TOKENS = 200  # a side of an attention map; longer ones are unreadable at any size
+
+
+def check_dpi(dpi: int) -> None:
+    if not 1 <= dpi <= MAX_DPI:
+        raise AiaynError(f"--dpi must be between 1 and {MAX_DPI}, got {dpi}")
+
+
 def save_figure(fig: Figure, path: str | os.PathLike, dpi: int = DEFAULT_DPI) -> Path:
     """Write `fig` atomically (a temporary file renamed into place); the format follows the name.
 
@@ -59,11 +69,17 @@ def save_figure(fig: Figure, path: str | os.PathLike, dpi: int = DEFAULT_DPI) ->
     """
     path = Path(path)
     fmt = image_format(path)
-    if dpi <= 0:
-        raise AiaynError(f"--dpi must be positive, got {dpi}")
+    check_dpi(dpi)
+    w, h = (int(x * dpi) for x in fig.get_size_inches())
+    if fmt == "png" and max(w, h) > MAX_PIXELS:
+        raise AiaynError(f"the picture would be {w} x {h} pixels, more than {MAX_PIXELS} a side; lower --dpi "
+                         "(or draw less)")
     buf = io.BytesIO()
     fig.savefig(buf, format=fmt, dpi=dpi, facecolor="white")
-    atomic_write_bytes(path, buf.getvalue())
+    try:
+        atomic_write_bytes(path, buf.getvalue())
+    except OSError as e:
+        raise AiaynError(f"-o {path}: cannot write ({e.strerror or e}); choose another file name") from None
     return path
 
 
@@ -262,6 +278,9 @@ def attention_figure(maps: AttentionMaps, kinds: Sequence[str] = ATTENTION_KINDS
         drawn[kind], numbers[kind] = arr[[n - 1 for n in chosen]], chosen
         xl, yl = _section_labels(maps, kind)
         L, H, Tq, Tk = drawn[kind].shape
+        if max(Tq, Tk) > MAX_ATTENTION_TOKENS:
+            raise AiaynError(f"the {kind} attention map would be {Tq} x {Tk} tokens; it is readable up to "
+                             f"{MAX_ATTENTION_TOKENS} a side: use a shorter --src (or --tgt)")
         cell = 0.19  # inches per token: room for a 7-point label
         pw, ph = max(1.3, cell * Tk), max(1.3, cell * Tq)
         margin_x = 0.07 * max(map(len, yl)) + 1.3  # y tick labels, layer labels, colorbar
@@ -440,8 +459,8 @@ def lr_schedule_figure(d_models: Sequence[int], warmups: Sequence[int], steps: i
     for w in warmups:
         if w <= 0:
             raise AiaynError(f"--warmup must be positive, got {w}")
-    if factor <= 0:
-        raise AiaynError(f"--factor must be positive, got {factor}")
+    if not 0 < factor < math.inf:  # nan fails too
+        raise AiaynError(f"--factor must be a positive finite number, got {factor}")
     steps = steps if steps is not None else 10 * max(warmups)
     if steps < 1:
         raise AiaynError(f"--steps must be at least 1, got {steps}")
@@ -537,7 +556,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    image_format(args.output)  # fail on a bad name before any work
+    image_format(args.output)  # fail on a bad name or --dpi before any work
+    check_dpi(args.dpi)
     if args.picture == "positional-encoding":
         d_model = args.d_model
         if args.checkpoint:
