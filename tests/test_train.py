@@ -314,6 +314,18 @@ def test_an_out_that_cannot_be_a_directory_is_a_one_line_error(tmp_path, corpus,
     assert afile.read_text() == "keep\n"
 
 
+def test_resume_refuses_options_that_change_the_batches(tmp_path, corpus, capsys):
+    out = tmp_path / "r"
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "1")) == 0
+    capsys.readouterr()
+    for flag, value, words in (("--seed", "2", "--seed 2 differs from the run's 1"),
+                               ("--max-tokens", "200", "--max-tokens 200 differs from the run's 160")):
+        assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--resume", flag, value)) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and words in err, err
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--resume", "--patience", "3")) == 0  # others may change
+
+
 def test_resume_skips_a_trainer_state_that_lacks_a_field(tmp_path, corpus, capsys):
     out = tmp_path / "r"
     assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--save-every", "1")) == 0

@@ -455,3 +455,11 @@ def test_an_os_error_no_module_reported_is_one_line_and_a_closed_pipe_is_quiet(m
     monkeypatch.setattr(os, "dup2", lambda *a: None)  # leave pytest's stdout alone
     assert cli.main(["demo"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_a_ctranslate2_export_without_its_engine_says_so(tmp_path, capsys):
+    for f in ("model.bin", "aiayn.json", "config.json"):
+        (tmp_path / f).write_text("{}")
+    assert cli.main(["translate", "--checkpoint", str(tmp_path), "--input", os.devnull]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is a CTranslate2 export" in err and "--engine ctranslate2" in err

@@ -293,11 +293,11 @@ class Stopper:
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.signum = signum
-        signal.signal(signum, self._old.get(signum, signal.SIG_DFL))
+        signal.signal(signum, self._old.get(signum) or signal.SIG_DFL)
 
     def __exit__(self, *exc: Any) -> None:
         for s, h in self._old.items():
-            signal.signal(s, h)
+            signal.signal(s, signal.SIG_DFL if h is None else h)  # None: a handler set from C, not restorable
 
 
 # ------------------------------------------------------------------------------------------- data
@@ -546,6 +546,9 @@ class Metrics:
         os.replace(tmp, self.path)
 
 
+# options that decide the batches and their order: a resumed run must keep them
+BATCH_ORDER_FIELDS = ("seed", "max_tokens", "update_freq", "max_len", "long")
+
 # what a trainer_state.pt must hold to resume from it (`Trainer.state` and the loop's position)
 RESUME_KEYS = frozenset({"optimizer", "step", "epoch", "position", "elapsed_s", "best_bleu", "bad_epochs",
                          "tokens_seen", "rng"})
@@ -597,6 +600,12 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
                 info(f"warning: cannot resume from {path}: {e}")
         if loaded is None:
             raise first_error  # type: ignore[misc]
+        before = loaded.config.get("train") if isinstance(loaded.config.get("train"), dict) else {}
+        for name in BATCH_ORDER_FIELDS:  # the saved position means something only with the same batches
+            if name in before and before[name] != getattr(tc, name):
+                flag = "--" + name.replace("_", "-")
+                raise AiaynError(f"{flag} {getattr(tc, name)} differs from the run's {before[name]}: resuming would "
+                                 f"change the batches and the place in them; resume with {flag} {before[name]}")
         info(f"resuming from {loaded.path}")
     elif resume:
         info(f"nothing to resume in {out}; starting a new run")

@@ -460,6 +460,9 @@ def run(args: argparse.Namespace) -> int:
 
             translator: Any = CT2Translator.from_path(args.checkpoint, precision=args.precision)
         else:
+            if all(os.path.isfile(os.path.join(args.checkpoint, f)) for f in ("model.bin", "aiayn.json")):
+                raise AiaynError(f"{args.checkpoint} is a CTranslate2 export (aiayn export --to ctranslate2); "
+                                 "add --engine ctranslate2")
             translator = Translator.from_checkpoint(args.checkpoint, precision=args.precision)
         out, close_out = _open_output(args.output)  # only now: a failed start leaves an old file as it was
         name = "<stdin>" if args.input == "-" else args.input
