@@ -309,7 +309,7 @@ def test_average_refuses_mixed_models_and_bad_input(tmp_path, tok, capsys):
     assert not (tmp_path / "o").exists()
 
 
-def test_average_never_replaces_what_is_not_an_earlier_average(tmp_path, tok, capsys):
+def test_average_never_replaces_what_is_not_an_earlier_average(tmp_path, tok, capsys, monkeypatch):
     run = tmp_path / "run"
     for step in (1, 2):
         _save(run / f"step_{step}", _model(tok, seed=step), tok, step=step, state={"step": step})
@@ -318,7 +318,12 @@ def test_average_never_replaces_what_is_not_an_earlier_average(tmp_path, tok, ca
     (precious / "notes.txt").write_text("keep")
     afile = tmp_path / "afile"
     afile.write_text("keep")
-    for out, words in ((precious, "exists and is not a checkpoint"), (run, "one of the checkpoints being averaged"),
+    fake = tmp_path / "proj"  # a config.json of something else
+    fake.mkdir()
+    (fake / "config.json").write_text("{}")
+    (fake / "notes.txt").write_text("keep")
+    for out, words in ((precious, "is not an earlier average"), (fake, "is not an earlier average"),
+                       (run, "one of the checkpoints being averaged"),
                        (run / "step_2", "one of the checkpoints being averaged"), (afile / "x", "cannot make the folder")):
         assert cli_main(["average", "--checkpoint", str(run), "-n", "2", "-o", str(out)]) == 2
         err = capsys.readouterr().err
@@ -328,8 +333,13 @@ def test_average_never_replaces_what_is_not_an_earlier_average(tmp_path, tok, ca
     other = tmp_path / "other" / "step_9"
     _save(other, _model(tok, seed=9), tok, step=9, state={"step": 9})
     assert cli_main(["average", "--inputs", str(run / "step_1"), "-o", str(other)]) == 2
-    assert "training checkpoint" in capsys.readouterr().err
+    assert "is not an earlier average" in capsys.readouterr().err
+    assert (fake / "notes.txt").read_text() == "keep"
+    monkeypatch.chdir(run / "step_1")
+    assert cli_main(["average", "--checkpoint", str(run), "-n", "2", "-o", "."]) == 2
+    assert "the current directory" in capsys.readouterr().err
     avg = tmp_path / "avg"
+    avg.mkdir()  # an empty folder is taken
     for _ in range(2):  # an earlier average is replaced
         assert cli_main(["average", "--checkpoint", str(run), "-n", "2", "-o", str(avg)]) == 0
     assert (avg / "config.json").is_file()

@@ -32,7 +32,7 @@ def test_tiny_model_learns_the_task_perfectly(reverse):
 
 @pytest.mark.parametrize("argv, words", [(["--steps", "0"], "--steps must be at least 1"),
                                          (["--steps", "-3"], "--steps must be at least 1"),
-                                         (["--seed", "99999999999999999999"], "--seed must be between 0")])
+                                         (["--seed", "99999999999999999999"], "--seed must fit in 64 bits")])
 def test_bad_demo_flags_are_one_line_errors(argv, words, capsys):
     from aiayn.cli import main
 

@@ -323,13 +323,26 @@ def test_export_never_replaces_the_checkpoint_or_a_folder_that_is_not_an_export(
     (precious / "notes.txt").write_text("keep")
     afile = tmp_path / "afile"
     afile.write_text("keep")
+    opus = tmp_path / "opus"  # somebody else's Marian model
+    opus.mkdir()
+    (opus / "config.json").write_text('{"model_type": "marian"}')
     for out, words in ((ckpt, "is (or holds) the checkpoint"), (tmp_path / "run", "is (or holds) the checkpoint"),
-                       (precious, "is not an earlier export"), (afile / "out", "cannot write to")):
+                       (precious, "is not an earlier aiayn export"), (opus, "is not an earlier aiayn export"),
+                       (afile / "out", "cannot write to")):
         assert main(["export", "--checkpoint", str(tmp_path / "run"), "--to", "ctranslate2", str(out)]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and words in err, err
     assert sorted(p.name for p in ckpt.iterdir()) == before and (precious / "notes.txt").read_text() == "keep"
+    assert (opus / "config.json").is_file()
+    cwd = os.getcwd()
+    try:
+        os.chdir(precious)
+        assert main(["export", "--checkpoint", str(ckpt), "--to", "ctranslate2", "."]) == 2
+        assert "the current directory" in capsys.readouterr().err
+    finally:
+        os.chdir(cwd)
     out = tmp_path / "ct2"
+    out.mkdir()  # an empty folder is taken
     for _ in range(2):  # an earlier export is replaced
         assert main(["export", "--checkpoint", str(ckpt), "--to", "ctranslate2", str(out)]) == 0
     umask = os.umask(0)

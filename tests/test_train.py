@@ -262,7 +262,7 @@ def test_config_file_and_flag_overrides(tmp_path, suffix):
         (["--precision", "fp8"], "--precision must be one of"),
         (["--d-model", "30"], "d_model 30 is not divisible by n_heads 4"),
         (["--config", "/nonexistent/c.toml"], "--config /nonexistent/c.toml: cannot read it"),
-        (["--seed", "100000000000000000000"], "--seed must be between 0 and 2^63 - 1"),
+        (["--seed", "100000000000000000000"], "--seed must fit in 64 bits"),
         (["--vocab-size", "3000000000"], "--vocab-size must be between 16 and 1,000,000"),
         (["--threads", "100000000000"], "--threads must be at most 4096"),
         (["--warmup", "1" + "0" * 400], "--warmup must be at most 10^12 steps"),

@@ -37,6 +37,7 @@ from safetensors.torch import load_file, save_file
 from aiayn.config import ConfigError, ModelConfig
 from aiayn.errors import AiaynError
 from aiayn.model import Transformer
+from aiayn.tokenizer import umask
 
 CONFIG, WEIGHTS, TRAINER_STATE = "config.json", "model.safetensors", "trainer_state.pt"
 TMP_PREFIX = ".tmp-"
@@ -78,7 +79,7 @@ def _unique_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {g[0]: sd[g[0]].detach().cpu().contiguous() for g in _tied_groups(model)}
 
 
-def write_dir_atomic(path: Path, fill) -> None:  # type: ignore[no-untyped-def]
+def write_dir_atomic(path: Path, fill, flag: str = "--out") -> None:  # type: ignore[no-untyped-def]
     """Calls `fill(tmp_dir)` to write the files, then moves the finished directory to `path`.
 
     An existing `path` is replaced only after the new directory is complete. Any OSError (a full
@@ -86,20 +87,19 @@ def write_dir_atomic(path: Path, fill) -> None:  # type: ignore[no-untyped-def]
     """
     path = Path(path)
     if path.exists() and not path.is_dir():
-        raise AiaynError(f"could not write checkpoint {path}: it exists and is not a directory; choose another path")
+        raise AiaynError(f"could not write checkpoint {path}: it exists and is not a directory; choose another {flag}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a file in the way, no permission
         raise AiaynError(f"could not write checkpoint {path}: cannot make the folder {path.parent} "
-                         f"({e.strerror or e}); choose another path") from None
+                         f"({e.strerror or e}); choose another {flag}") from None
     tmp = path.parent / f"{TMP_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}"
     try:
         tmp.mkdir()
         fill(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
+        mask = umask()
         for f in tmp.iterdir():
-            f.chmod(0o666 & ~umask)  # the usual mode (safetensors writes its files 0600)
+            f.chmod(0o666 & ~mask)  # the usual mode (safetensors writes its files 0600)
             _fsync_path(f)
         _fsync_path(tmp)
         old = None
@@ -114,11 +114,11 @@ def write_dir_atomic(path: Path, fill) -> None:  # type: ignore[no-untyped-def]
         shutil.rmtree(tmp, ignore_errors=True)
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0][:200]
         raise AiaynError(f"could not write checkpoint {path}: {why}; "
-                         "the previous checkpoint is intact; free space or choose another --out") from e
+                         f"the previous checkpoint is intact; free space or choose another {flag}") from e
 
 
 def save_checkpoint(path: str | Path, model: Transformer, tokenizers: Any, config: dict[str, Any],
-                    trainer_state: dict[str, Any] | None = None) -> None:
+                    trainer_state: dict[str, Any] | None = None, flag: str = "--out") -> None:
     """Writes a complete checkpoint directory atomically (see the module docstring).
 
     `config` holds at least "train" (a TrainConfig dict) and "step"; "model", "tokenizer" and
@@ -139,7 +139,7 @@ def save_checkpoint(path: str | Path, model: Transformer, tokenizers: Any, confi
             torch.save(trainer_state, tmp / TRAINER_STATE)
         (tmp / CONFIG).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
-    write_dir_atomic(Path(path), fill)
+    write_dir_atomic(Path(path), fill, flag)  # `flag` names the option in messages
 
 
 def tokenizer_info(tokenizers: Any) -> dict[str, Any]:
@@ -331,23 +331,29 @@ def average_checkpoints(paths: list[Path], out: str | Path) -> Path:
     last = ckpts[-1]
     cfg = {k: v for k, v in last.config.items() if k not in ("versions",)}
     cfg["averaged_from"] = [str(c.path) for c in ckpts]
-    save_checkpoint(out, model, last.tokenizers, cfg)
+    save_checkpoint(out, model, last.tokenizers, cfg, flag="-o")
     return Path(out)
 
 
 def _check_average_output(out: Path, inputs: list[Path]) -> None:
-    """-o may name a new path or an earlier average (replaced), never an input, a folder holding one
-    (a run directory), a training checkpoint or anything else: replacing it would delete it."""
-    if not out.exists():
-        return
-    real = out.resolve()
+    """-o may name a new path, an empty folder or an earlier average (replaced); never an input, a
+    folder holding one (a run directory), the current directory or anything else: replacing it would
+    delete it."""
+    real, here = out.resolve(), Path.cwd().resolve()
+    if real == here or real in here.parents:
+        raise AiaynError(f"-o {out} is (or holds) the current directory; choose a new path")
     for p in inputs:
         if real == p.resolve() or real in p.resolve().parents:
             raise AiaynError(f"-o {out} is (or holds) {p}, one of the checkpoints being averaged; choose a new path")
-    if not (out / CONFIG).is_file():
-        raise AiaynError(f"-o {out} exists and is not a checkpoint; choose a new path (it would be replaced)")
-    if (out / TRAINER_STATE).exists():
-        raise AiaynError(f"-o {out} is a training checkpoint (it has {TRAINER_STATE}); choose a new path")
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return
+    try:
+        cfg = json.loads((out / CONFIG).read_text(encoding="utf-8"))
+        earlier = isinstance(cfg, dict) and "averaged_from" in cfg
+    except (OSError, ValueError, TypeError):
+        earlier = False
+    if not out.is_dir() or not earlier:
+        raise AiaynError(f"-o {out} exists and is not an earlier average; choose a new path (it would be replaced)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -231,7 +231,7 @@ class TrainConfig:
             need(getattr(self, name) >= 0, name, "must be 0 (off) or positive")
         need(self.max_minutes >= 0, "max_minutes", "must be 0 (off) or positive")
         need(self.keep_last >= 1, "keep_last", "must be at least 1")
-        need(0 <= self.seed < 2**63, "seed", "must be between 0 and 2^63 - 1")
+        need(-(2**63) <= self.seed < 2**64, "seed", "must fit in 64 bits")
         need(self.threads <= 4096, "threads", "must be at most 4096")
 
     def replace(self, **changes: Any) -> "TrainConfig":

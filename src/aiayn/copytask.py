@@ -99,8 +99,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise AiaynError(f"--steps must be at least 1, got {args.steps}")
-    if not 0 <= args.seed < 2**63:
-        raise AiaynError(f"--seed must be between 0 and 2^63 - 1, got {args.seed}")
+    if not -(2**63) <= args.seed < 2**64:
+        raise AiaynError(f"--seed must fit in 64 bits, got {args.seed}")
     for reverse in (False, True):
         name = "reversed copy" if reverse else "copy"
         print(f"== {name} task: tiny Transformer, {args.steps} steps")

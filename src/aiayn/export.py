@@ -39,7 +39,7 @@ from torch import Tensor
 
 from aiayn.errors import AiaynError
 from aiayn.model import Transformer, sinusoidal_table
-from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, TokenizerPair
+from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, TokenizerPair, umask
 
 INSTALL_HINT = "pip install 'aiayn[export]'"
 PIECES = {PAD_ID: "<pad>", UNK_ID: "<unk>", BOS_ID: "<s>", EOS_ID: "</s>"}
@@ -251,6 +251,9 @@ def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
     try:
         hf.save_pretrained(str(tmp), safe_serialization=True)
         save_hf_tokenizer(ck.tokenizers, tmp)
+        info = {"format": "hf", "aiayn_checkpoint": str(ck.path), "model": ck.model.cfg.to_dict(),
+                "tokenizer": ck.tokenizers.describe()}
+        (tmp / MARKER).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -348,7 +351,7 @@ def to_ctranslate2(model: Transformer, tokenizers: TokenizerPair, out: str | Pat
         tokenizers.save(tmp)
         info = {**(meta or {}), "quantization": quantization or "float32", "model": model.cfg.to_dict(),
                 "tokenizer": tokenizers.describe()}
-        (tmp / "aiayn.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        (tmp / MARKER).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -456,32 +459,29 @@ class CT2Translator:
 # ------------------------------------------------------------------------------------- helpers
 
 
+MARKER = "aiayn.json"  # written into every export: what it was made from; OUT may replace a folder holding it
+
+
 def _is_export(d: Path) -> bool:
-    """An earlier export of either kind (or an empty folder): what OUT may replace."""
-    if not any(d.iterdir()):
-        return True
-    if (d / "aiayn.json").is_file() and (d / "model.bin").is_file():  # CTranslate2
-        return True
-    try:
-        cfg = json.loads((d / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(cfg, dict) and cfg.get("model_type") == "marian"  # Hugging Face
+    """An earlier aiayn export of either kind, or an empty folder: what OUT may replace."""
+    return not any(d.iterdir()) or (d / MARKER).is_file()
 
 
 def check_out(out: str | Path, source: str | Path | None = None) -> Path:
     """OUT as an absolute path, refused (one line) if replacing it would lose anything: a file, a
     folder that is not an earlier export, or the checkpoint being exported (or a folder holding it)."""
     out = Path(os.path.abspath(out))
-    if source is not None:
-        src = Path(os.path.abspath(source))
-        if out == src or out in src.parents:
-            raise AiaynError(f"OUT {out} is (or holds) the checkpoint {source}; choose a new OUT")
+    for inside, what in ((source, f"the checkpoint {source}"), (os.getcwd(), "the current directory")):
+        if inside is not None:
+            there = Path(os.path.abspath(inside))
+            if out == there or out in there.parents:
+                raise AiaynError(f"OUT {out} is (or holds) {what}; choose a new OUT")
     if out.exists():
         if not out.is_dir():
             raise AiaynError(f"output {out} exists and is not a directory; choose another OUT")
         if not _is_export(out):
-            raise AiaynError(f"OUT {out} exists and is not an earlier export; choose a new OUT (it would be replaced)")
+            raise AiaynError(f"OUT {out} exists and is not an earlier aiayn export (no {MARKER}); choose a new OUT "
+                             "(it would be replaced)")
     return out
 
 
@@ -497,10 +497,9 @@ def _fresh_dir(out: Path) -> Path:
 def _replace_dir(tmp: Path, out: Path) -> None:
     """Moves a finished export into place; an existing export at `out` is replaced only then. The
     files get the usual modes (mkdtemp makes a private folder; safetensors writes 0600)."""
-    umask = os.umask(0)
-    os.umask(umask)
+    mask = umask()
     for f in [tmp, *tmp.rglob("*")]:
-        f.chmod((0o777 if f.is_dir() else 0o666) & ~umask)
+        f.chmod((0o777 if f.is_dir() else 0o666) & ~mask)
     out = Path(os.path.abspath(out))
     if out.exists():
         old = out.parent / f".tmp-old-{out.name}"

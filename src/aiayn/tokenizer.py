@@ -43,7 +43,16 @@ JOINT_FILE, SRC_FILE, TGT_FILE = "spm.model", "src.spm.model", "tgt.spm.model"
 _CACHE_VERSION = 1  # bump when the training options below change, so stale cache entries are not reused
 
 
-def _umask() -> int:
+def umask() -> int:
+    """The process's umask, read without changing it where Linux tells it (os.umask can only be read
+    by setting it, which races with threads creating files)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
     mask = os.umask(0)
     os.umask(mask)
     return mask
@@ -55,7 +64,7 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600 files; give the mode a plain open() would
+        os.fchmod(fd, 0o666 & ~umask())  # mkstemp makes 0600 files; give the mode a plain open() would
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
