@@ -128,6 +128,19 @@ def test_half_written_checkpoint_is_never_taken_as_latest(tmp_path, tok):
     assert not (tmp_path / ".tmp-step_9-deadbeef").exists()
 
 
+def test_a_kill_between_the_two_renames_of_a_replace_loses_nothing(tmp_path, tok):
+    _save(tmp_path / "best", _model(tok), tok, step=5)
+    # killed after the old best/ was moved aside and before the new one was moved in
+    os.rename(tmp_path / "best", tmp_path / ".tmp-old-best-0123abcd")
+    (tmp_path / ".tmp-best-89abcdef").mkdir()  # the new one, unfinished
+    _save(tmp_path / "step_7", _model(tok), tok, step=7)
+    (tmp_path / "step_7").rename(tmp_path / ".tmp-old-step_7-00000000")  # replaced, and the successor is there
+    _save(tmp_path / "step_7", _model(tok, seed=1), tok, step=7)
+    ckpt.remove_stale_temporaries(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "step_7"]
+    assert ckpt.load_checkpoint(tmp_path / "best").config["step"] == 5
+
+
 def test_resolve_prefers_best_then_newest_step(tmp_path, tok):
     m = _model(tok)
     for s in (2, 10, 4):

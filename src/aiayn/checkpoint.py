@@ -295,13 +295,21 @@ def prune_checkpoints(run_dir: str | Path, keep_last: int) -> None:
         shutil.rmtree(gone, ignore_errors=True)
 
 
+_OLD = re.compile(re.escape(TMP_PREFIX) + r"old-(.+)-[0-9a-f]{8}")
+
+
 def remove_stale_temporaries(run_dir: str | Path) -> None:
-    """Removes `.tmp-*` directories that a killed save left behind."""
+    """Removes `.tmp-*` directories that a killed save left behind, except a replaced checkpoint whose
+    successor never arrived (killed between `write_dir_atomic`'s two renames): that one goes back."""
     run_dir = Path(run_dir)
     if run_dir.is_dir():
         for d in run_dir.iterdir():
             if d.name.startswith(TMP_PREFIX) and d.is_dir():
-                shutil.rmtree(d, ignore_errors=True)
+                m = _OLD.fullmatch(d.name)
+                if m and not (run_dir / m.group(1)).exists() and (d / CONFIG).is_file():
+                    os.rename(d, run_dir / m.group(1))
+                else:
+                    shutil.rmtree(d, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------- averaging
