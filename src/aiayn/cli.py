@@ -45,6 +45,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def silence_stdout() -> None:
+    """Point standard output at /dev/null, so that the interpreter's last flush of what is still
+    buffered (after a closed pipe or a full disk) cannot fail again at exit."""
+    with contextlib.suppress(OSError, AttributeError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
@@ -66,8 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"aiayn {args.command}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader went away (`| head`): nothing left to say
-        with contextlib.suppress(OSError, AttributeError, ValueError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        silence_stdout()
         return 0
     except OSError as e:  # a file system problem no module turned into a message of its own
         where = f"{e.filename}: " if e.filename else ""

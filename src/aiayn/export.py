@@ -241,8 +241,7 @@ def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
     """Writes a MarianMTModel directory (config, safetensors, generation config, tokenizer) to `out`."""
     from aiayn.checkpoint import load_checkpoint, resolve_checkpoint
 
-    for source in (resolve_checkpoint(checkpoint), checkpoint):  # the checkpoint itself, and a run holding it
-        check_out(out, source)
+    check_out(out, resolve_checkpoint(checkpoint))  # a run directory holds the checkpoint it resolves to
     ck = load_checkpoint(checkpoint)
     hf = to_marian(ck.model, ck.tokenizers)
     hf.generation_config = generation_config(ck.model)
@@ -366,8 +365,7 @@ def export_ctranslate2(checkpoint: str | Path, out: str | Path, quantization: st
     _require("ctranslate2")
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise AiaynError(f"--quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
-    for source in (resolve_checkpoint(checkpoint), checkpoint):  # the checkpoint itself, and a run holding it
-        check_out(out, source)
+    check_out(out, resolve_checkpoint(checkpoint))  # a run directory holds the checkpoint it resolves to
     ck = load_checkpoint(checkpoint)
     return to_ctranslate2(ck.model, ck.tokenizers, out, quantization, {"aiayn_checkpoint": str(ck.path)})
 
@@ -500,7 +498,6 @@ def _replace_dir(tmp: Path, out: Path) -> None:
     mask = umask()
     for f in [tmp, *tmp.rglob("*")]:
         f.chmod((0o777 if f.is_dir() else 0o666) & ~mask)
-    out = Path(os.path.abspath(out))
     if out.exists():
         old = out.parent / f".tmp-old-{out.name}"
         shutil.rmtree(old, ignore_errors=True)

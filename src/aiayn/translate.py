@@ -36,6 +36,7 @@ from typing import IO, Any, BinaryIO
 
 import torch
 
+from aiayn.cli import silence_stdout
 from aiayn.errors import AiaynError
 from aiayn.search import Hypothesis, beam_search, greedy_search
 from aiayn.tokenizer import TokenizerPair
@@ -440,13 +441,6 @@ def _sigint_deferred() -> Iterator[None]:
         raise KeyboardInterrupt
 
 
-def _silence_stdout() -> None:
-    """Point standard output at /dev/null, so that the interpreter's last flush of what is still
-    buffered cannot fail again at exit."""
-    with contextlib.suppress(OSError, AttributeError, ValueError):
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-
-
 def run(args: argparse.Namespace) -> int:
     s = _settings(args)  # flags are checked before the model is loaded
     src, close_in = _open_input(args.input)
@@ -477,7 +471,7 @@ def run(args: argparse.Namespace) -> int:
                     raise
                 except OSError as e:
                     if not close_out:
-                        _silence_stdout()
+                        silence_stdout()
                     where = "standard output" if args.output == "-" else args.output
                     raise AiaynError(f"{where}: cannot write ({e.strerror or e})") from None
                 done += len(chunk)
@@ -492,9 +486,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"aiayn translate: interrupted; the first {done} input line(s) are translated and written, "
               f"line-aligned; rerun on the rest with `tail -n +{done + 1}`", file=sys.stderr, flush=True)
         return 130
-    except BrokenPipeError:  # the reader went away (`| head`): nothing left to do
-        _silence_stdout()
-        return 0
     finally:
         if close_in:
             src.close()
