@@ -1,0 +1,225 @@
+"""The batching scheduler of `aiayn serve`: lines of concurrent requests in, token-bounded batches out.
+
+HTTP handlers only validate and `submit`; this scheduler is the one place that decides what runs
+next. It lives on the event loop (all its state is touched there only, so it needs no locks) and
+hands each batch to one model thread, so the event loop never runs a tensor operation and the model
+is never used by two batches at once (the CPU workers of `aiayn.translate.map_batches` split a
+batch further inside that thread).
+
+A batch holds lines that share one `key` (the search settings): lines with other settings wait for
+a batch of their own, so every line is searched exactly as `aiayn translate` would search it. The
+scheduler takes lines oldest first until `max_batch_tokens` source tokens, and waits at most
+`max_wait` seconds after the oldest line arrived for a batch to fill. A request's lines may be cut
+across several batches; its future is answered once all of them are back.
+
+Limits are data: `max_queue` lines may wait (not yet in a batch); beyond that `submit` raises
+`QueueFull`. A cancelled request (its client went away) loses its lines that have not started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+# run(key, lines) -> one result per line; called in the model thread, never on the event loop
+RunBatch = Callable[[Hashable, list[str]], list[Any]]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The settings and limits of `aiayn serve` (data: flags set them, /v1/info shows them)."""
+
+    beam: int = 4  # default beam size
+    max_batch_tokens: int = 2048  # source tokens per batch
+    max_wait_ms: float = 5.0  # how long a line may wait for a batch to fill
+    max_queue: int = 1024  # lines waiting for a batch; also the most lines one request may hold
+    max_chars: int = 2000  # characters per line
+    max_beam: int = 16  # the largest beam a request may ask for
+
+
+class QueueFull(Exception):
+    """More lines are waiting than `max_queue` allows; the client should retry later."""
+
+
+@dataclass(eq=False)
+class Job:
+    """One request: its lines, their costs in source tokens, and where the answers go."""
+
+    key: Hashable
+    lines: list[str]
+    costs: list[int]
+    future: asyncio.Future
+    arrived: float = field(default_factory=time.monotonic)
+    taken: int = 0  # lines already put in a batch (they are taken in order)
+    results: list[Any] = field(default_factory=list)
+    returned: int = 0
+
+    def __post_init__(self) -> None:
+        self.results = [None] * len(self.lines)
+
+
+@dataclass
+class Stats:
+    """What the scheduler has done, for /metrics (read on the event loop)."""
+
+    batches: int = 0
+    lines: int = 0
+    dropped: int = 0  # lines of cancelled requests never searched
+    on_batch: Callable[[int, int, float], None] | None = None  # (lines, source tokens, seconds)
+    on_drop: Callable[[int], None] | None = None  # (lines)
+
+
+class Scheduler:
+    """Merges the lines of concurrent jobs into batches and runs them one at a time in a model thread."""
+
+    def __init__(self, run: RunBatch, max_batch_tokens: int = 2048, max_wait: float = 0.005,
+                 max_queue: int = 1024) -> None:
+        self.run = run
+        self.max_batch_tokens, self.max_wait, self.max_queue = max_batch_tokens, max_wait, max_queue
+        self.queue: deque[Job] = deque()
+        self.waiting = 0  # lines in the queue not yet taken into a batch
+        self.stats = Stats()
+        self.busy = False  # a batch is running in the model thread
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="aiayn-model")  # the one thread that owns the model
+
+    # ---------------------------------------------------------------- called by handlers
+
+    def submit(self, key: Hashable, lines: Sequence[str], costs: Sequence[int]) -> Job:
+        """Queues a request's lines; await `job.future` for their results, in order."""
+        if self.waiting + len(lines) > self.max_queue:
+            raise QueueFull(f"{self.waiting} lines are waiting, at most {self.max_queue}")
+        loop = asyncio.get_running_loop()
+        job = Job(key, list(lines), list(costs), loop.create_future())
+        if not lines:
+            job.future.set_result([])
+            return job
+        self.queue.append(job)
+        self.waiting += len(lines)
+        self._ensure_started()
+        assert self._wake is not None
+        self._wake.set()
+        return job
+
+    def cancel(self, job: Job) -> None:
+        """Drops the lines of `job` that no batch has taken yet (its client went away)."""
+        if job.future.done():
+            return
+        job.future.cancel()
+        left = self._unqueue(job)
+        self.stats.dropped += left
+        if left and self.stats.on_drop is not None:
+            self.stats.on_drop(left)
+
+    def _unqueue(self, job: Job) -> int:
+        """Removes `job` from the queue; returns how many of its lines had not been taken."""
+        if job not in self.queue:
+            return 0
+        left = len(job.lines) - job.taken
+        self.waiting -= left
+        self.queue.remove(job)
+        return left
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Runs `fn(*args)` in the model thread, between batches (loading, warm-up)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def close(self) -> None:
+        """Ends the loop once the queue is empty and the running batch is back."""
+        while self.queue or self.busy:
+            await asyncio.sleep(0.01)
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        self._pool.shutdown(wait=True)
+
+    # ---------------------------------------------------------------- the loop
+
+    def _ensure_started(self) -> None:
+        if self._task is None or self._task.done():
+            self._wake = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="aiayn-scheduler")
+
+    def _ready_tokens(self, key: Hashable) -> int:
+        """Source tokens waiting under `key` (the most the next batch could hold)."""
+        return sum(sum(j.costs[j.taken:]) for j in self.queue if j.key == key)
+
+    async def _fill(self) -> None:
+        """Waits until the oldest job's batch is full or it has waited `max_wait` seconds."""
+        assert self._wake is not None
+        while self.queue:
+            head = self.queue[0]
+            left = head.arrived + self.max_wait - time.monotonic()
+            if left <= 0 or self._ready_tokens(head.key) >= self.max_batch_tokens:
+                return
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), left)
+            except TimeoutError:
+                return
+
+    def _cut(self) -> list[tuple[Job, int]]:
+        """Takes (job, line index) pairs, oldest first, under the oldest job's key, up to
+        `max_batch_tokens` source tokens (a first line longer than that still goes, alone)."""
+        key = self.queue[0].key
+        batch: list[tuple[Job, int]] = []
+        tokens = 0
+        for job in list(self.queue):
+            if job.key != key:
+                continue
+            while job.taken < len(job.lines):
+                cost = job.costs[job.taken]
+                if batch and tokens + cost > self.max_batch_tokens:
+                    return batch
+                batch.append((job, job.taken))
+                job.taken += 1
+                tokens += cost
+                self.waiting -= 1
+            self.queue.remove(job)  # all its lines are taken
+        return batch
+
+    async def _loop(self) -> None:
+        assert self._wake is not None
+        while True:
+            if not self.queue:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            await self._fill()
+            if not self.queue:  # everything waiting was cancelled meanwhile
+                continue
+            batch = self._cut()
+            await self._run(batch)
+
+    async def _run(self, batch: list[tuple[Job, int]]) -> None:
+        key = batch[0][0].key
+        lines = [job.lines[i] for job, i in batch]
+        tokens = sum(job.costs[i] for job, i in batch)
+        self.busy = True
+        start = time.perf_counter()
+        try:
+            results = await self.call(self.run, key, lines)
+        except Exception as e:  # a fault in the search fails its requests, never the loop
+            for job in {job for job, _ in batch}:
+                self._unqueue(job)  # its lines still waiting go too
+                if not job.future.done():
+                    job.future.set_exception(e)
+            return
+        finally:
+            self.busy = False
+        self.stats.batches += 1
+        self.stats.lines += len(lines)
+        if self.stats.on_batch is not None:
+            self.stats.on_batch(len(lines), tokens, time.perf_counter() - start)
+        for (job, i), result in zip(batch, results):
+            job.results[i] = result
+            job.returned += 1
+            if job.returned == len(job.lines) and not job.future.done():
+                job.future.set_result(job.results)

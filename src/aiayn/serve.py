@@ -1,0 +1,107 @@
+"""`aiayn serve`: the command line of the translation server (the app itself is `aiayn.serve_app`).
+
+Flags are checked and the checkpoint is loaded before anything listens, so a bad flag or checkpoint
+is a one-line error. The socket is bound here (port 0 picks a free one, printed on stderr); uvicorn
+then serves the app until SIGINT or SIGTERM, drains the requests in flight and the command exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import socket
+import sys
+from collections.abc import Iterator
+
+from aiayn.errors import AiaynError
+from aiayn.scheduler import Limits
+
+
+# ----------------------------------------------------------------------------------- the CLI
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = Limits()
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory, or a run directory (uses best/)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback by default)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on; 0: any free port (printed)")
+    p.add_argument("--beam", type=int, default=d.beam, help="default beam size (1 = greedy)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="bf16: a bfloat16 copy of the model")
+    p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens, help="source tokens per batch")
+    p.add_argument("--max-wait-ms", type=float, default=d.max_wait_ms,
+                   help="how long a line may wait for others to share its batch (0: batches only what is waiting)")
+    p.add_argument("--max-queue", type=int, default=d.max_queue,
+                   help="lines that may wait for a batch (more: 503); also the most lines per request")
+    p.add_argument("--max-chars", type=int, default=d.max_chars, help="characters per line (more: 413)")
+
+
+def _limits(args: argparse.Namespace) -> Limits:
+    if not 0 <= args.port <= 65535:
+        raise AiaynError(f"--port must be between 0 and 65535, got {args.port}")
+    if not 1 <= args.beam <= Limits().max_beam:
+        raise AiaynError(f"--beam must be between 1 and {Limits().max_beam}, got {args.beam}")
+    for flag in ("max_batch_tokens", "max_queue", "max_chars"):
+        if getattr(args, flag) < 1:
+            raise AiaynError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    if not 0 <= args.max_wait_ms < 60_000:
+        raise AiaynError(f"--max-wait-ms must be between 0 and 60000, got {args.max_wait_ms}")
+    return Limits(beam=args.beam, max_batch_tokens=args.max_batch_tokens, max_wait_ms=args.max_wait_ms,
+                  max_queue=args.max_queue, max_chars=args.max_chars)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise AiaynError(f"--host {host}: cannot resolve ({e.strerror})") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise AiaynError(f"cannot listen on {host}:{port} ({e.strerror or e}); choose another --port") from None
+    sock.listen(2048)
+    return sock
+
+
+@contextlib.contextmanager
+def _signals_end_quietly() -> Iterator[None]:
+    """uvicorn drains on SIGINT/SIGTERM and then raises the signal again for the handler it found;
+    this one ignores it, so that a drained server exits 0."""
+    previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def run(args: argparse.Namespace) -> int:
+    limits = _limits(args)
+    try:
+        import uvicorn
+
+        from aiayn.serve_app import create_app, refuse_long
+    except ImportError as e:
+        raise AiaynError(f"aiayn serve needs {e.name}: pip install 'aiayn[serve]'") from None
+    from aiayn.checkpoint import load_checkpoint, resolve_checkpoint
+    from aiayn.translate import Translator
+
+    ckpt = load_checkpoint(resolve_checkpoint(args.checkpoint))
+    train = ckpt.config.get("train") or {}
+    if not (isinstance(train.get("src"), str) and isinstance(train.get("tgt"), str)):
+        raise AiaynError(f"{ckpt.path}/config.json names no source and target language (train.src, train.tgt)")
+    translator = Translator(ckpt.model, ckpt.tokenizers, precision=args.precision, note=refuse_long)
+    app = create_app(translator, limits, (train["src"], train["tgt"]), checkpoint=str(ckpt.path))
+    sock = _bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    print(f"aiayn serve: {train['src']}->{train['tgt']} on http://{host}:{port}/ (ready once /health says so); "
+          "Ctrl-C or SIGTERM stops after the requests in flight", file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
+    with _signals_end_quietly():
+        server.run(sockets=[sock])
+    print("aiayn serve: stopped", file=sys.stderr, flush=True)
+    return 0

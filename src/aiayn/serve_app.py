@@ -1,0 +1,487 @@
+"""The HTTP app of `aiayn serve` (FastAPI): validate, count tokens, enqueue, answer.
+
+Endpoints: LibreTranslate's `POST /translate` (JSON or an HTML form) and `GET /languages`, so its
+clients work unchanged; `POST /v1/translate` (n-best lists with scores, subword tokens on both sides,
+cross-attention on request); `GET /health` (200 once the model is warmed up), `GET /v1/info`,
+`GET /metrics` (Prometheus), `/docs` (OpenAPI) and `GET /`, the page in src/aiayn/static/.
+
+Handlers never touch the model: lines go to `aiayn.scheduler.Scheduler`, whose model thread runs
+`run_batch` on `Translator.search`, so a line gets the translation `aiayn translate` gives it with the
+same settings, whatever shares its batch. Errors are JSON bodies `{"error": message}`: 400 a language
+pair the model does not serve, 411/413 a body without length or too large, 413 a line over
+--max-chars or the model's length, 422 a malformed body (naming the field), 503 a full queue or a
+model still warming up (both with Retry-After).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import platform
+import time
+from collections.abc import Sequence
+from contextlib import asynccontextmanager
+from dataclasses import asdict
+from importlib import resources
+from typing import Any, Literal, NamedTuple
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException
+
+from aiayn import __version__
+from aiayn.errors import AiaynError
+from aiayn.scheduler import Limits, QueueFull, Scheduler
+
+DEFAULT_ALPHA = 0.6
+LANGUAGE_NAMES = {"en": "English", "de": "German", "fr": "French", "cs": "Czech"}
+PATHS = ("/", "/translate", "/languages", "/v1/translate", "/v1/info", "/health", "/metrics", "/docs")
+log = logging.getLogger("aiayn.serve")
+
+
+class Key(NamedTuple):
+    """Search settings: only lines with equal keys share a batch."""
+
+    beam: int
+    alpha: float
+    nbest: int
+    attention: bool
+
+
+class LineTooLong(AiaynError):
+    """A line has more source tokens than the model takes (the server refuses it, never truncates)."""
+
+
+def refuse_long(message: str) -> None:
+    """`Translator.note` for the server: a line the translator would truncate is refused instead."""
+    raise LineTooLong(message)
+
+
+class ApiError(Exception):
+    """An error answered as `{"error": message}` (and `"field"` for a 422)."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None, field: str = "") -> None:
+        super().__init__(message)
+        self.status, self.message, self.headers, self.field = status, message, headers, field
+
+
+# ----------------------------------------------------------------------- work in the model thread
+
+
+def _score(x: float) -> float | None:
+    return None if math.isnan(x) else round(x, 6)  # greedy search has no score; JSON has no nan
+
+
+def cross_attention(model: Any, src_ids: list[int], hyps: list[list[int]]) -> list[list[list[list[float]]]]:
+    """Cross-attention of a teacher-forced pass over (source, each hypothesis), mean over heads.
+
+    Returns per hypothesis a list over layers of T rows of S weights: row t is what the decoder
+    attends to while it predicts target token t (the EOS row is left out)."""
+    import torch
+
+    from aiayn.tokenizer import BOS_ID, PAD_ID
+
+    T = max(len(h) for h in hyps)
+    src = torch.tensor([src_ids] * len(hyps))  # (N, S)
+    tgt = torch.full((len(hyps), T + 1), PAD_ID, dtype=torch.long)  # (N, 1 + T) right-padded
+    tgt[:, 0] = BOS_ID
+    for row, h in enumerate(hyps):
+        tgt[row, 1:1 + len(h)] = torch.tensor(h, dtype=torch.long)
+    with torch.inference_mode():
+        cross = model.attention_weights(src.to(model_device(model)), tgt.to(model_device(model)))["cross"]
+        mean = torch.stack([w.float().mean(1) for w in cross], 1).cpu()  # (N, L, 1 + T, S)
+    return [mean[row, :, :len(h)].round(decimals=4).tolist() for row, h in enumerate(hyps)]
+
+
+def model_device(model: Any) -> Any:
+    return next(model.parameters()).device
+
+
+def run_batch(translator: Any, key: Key, lines: list[str]) -> list[list[dict[str, Any]]]:
+    """Per line, its n-best hypotheses: text, score, target subwords (and attention on request).
+
+    Target subwords are the target tokenizer's segmentation of the translation; the attention is
+    that of a teacher-forced pass over the source and those subwords."""
+    found = translator.search(lines, beam=key.beam, alpha=key.alpha, nbest=key.nbest)
+    tgt = translator.tokenizers.tgt
+    out = []
+    for line, nbest in zip(lines, found):
+        hyps = [{"text": text, "score": _score(score), "tokens": tgt.pieces(text) if text else []}
+                for text, score in nbest]
+        if key.attention:
+            ids = [tgt.encode(h["text"]) for h in hyps]
+            src_ids = translator.encode([line])[0]
+            maps = cross_attention(translator.model, src_ids, ids) if src_ids and all(ids) else [[] for _ in hyps]
+            for h, m in zip(hyps, maps):
+                h["attention"] = m
+        out.append(hyps)
+    return out
+
+
+def warm_up(translator: Any, beam: int) -> None:
+    """A search of a short and a longer line, so that the first client does not pay for lazy set-up."""
+    src = translator.tokenizers.src
+    pieces = (src.id_to_piece(i) for i in range(4, min(200, src.vocab_size)))
+    words = [p[1:] for p in pieces if p.startswith("\u2581") and p[1:].isalpha()] or ["a"]
+    n = max(1, min(20, translator.max_src_tokens // 4))
+    translator.search([" ".join(words[:3]), " ".join((words * n)[:n])], beam=beam, alpha=DEFAULT_ALPHA)
+
+
+# ------------------------------------------------------------------------------------ schemas
+
+
+class LibreRequest(BaseModel):
+    """LibreTranslate's /translate fields (JSON or form); unknown fields are ignored, as there."""
+
+    q: str | list[str] = Field(description="text (lines are translated one by one) or a list of texts")
+    source: str = Field(description="source language code; must be the model's")
+    target: str = Field(description="target language code; must be the model's")
+    format: Literal["text"] = Field("text", description="only plain text is supported")
+    alternatives: int = Field(0, ge=0, le=15, description="alternative translations (n-best) to add")
+    api_key: str | None = Field(None, description="accepted and ignored")
+
+
+class TranslateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    text: list[str] = Field(min_length=1, description="lines to translate")
+    beam: int | None = Field(None, ge=1, le=Limits().max_beam, description="beam size (default: the server's)")
+    alpha: float = Field(DEFAULT_ALPHA, ge=0, le=10, allow_inf_nan=False, description="length penalty")
+    nbest: int = Field(1, ge=1, le=Limits().max_beam, description="hypotheses per line, at most beam")
+    attention: bool = Field(False, description="add each hypothesis's cross-attention (layers x target x source)")
+
+
+class Hypothesis(BaseModel):
+    text: str
+    score: float | None = Field(description="log-probability / length penalty; null for greedy search")
+    tokens: list[str] = Field(description="target subwords")
+    attention: list[list[list[float]]] | None = Field(None, description="per layer, target x source, head mean")
+
+
+class LineResult(BaseModel):
+    source_tokens: list[str]
+    hypotheses: list[Hypothesis]
+
+
+class TranslateResponse(BaseModel):
+    translations: list[LineResult]
+    beam: int
+    alpha: float
+
+
+# ------------------------------------------------------------------------------------ metrics
+
+
+class Metrics:
+    """Prometheus metrics of one app (its own registry, so several apps can live in one process)."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("aiayn_requests", "HTTP requests by path and status", ["path", "status"], registry=r)
+        self.latency = Histogram("aiayn_request_seconds", "HTTP request latency", ["path"], registry=r,
+                                 buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
+        sizes = tuple(2.0 ** k for k in range(14))
+        self.batch_lines = Histogram("aiayn_batch_lines", "lines per batch", registry=r, buckets=sizes)
+        self.batch_tokens = Histogram("aiayn_batch_source_tokens", "source tokens per batch", registry=r, buckets=sizes)
+        self.target_tokens = Counter("aiayn_target_tokens", "target subwords of the best translations", registry=r)
+        self.tokens_per_s = Gauge("aiayn_tokens_per_second", "target subwords per second in the last batch", registry=r)
+        self.dropped = Counter("aiayn_dropped_lines", "lines dropped unsearched: their client went away", registry=r)
+        Gauge("aiayn_queue_lines", "lines waiting for a batch", registry=r).set_function(lambda: scheduler.waiting)
+
+
+class _Middleware:
+    """Counts every request (status, latency) and refuses bodies over the size limit (ASGI)."""
+
+    def __init__(self, app: Any, metrics: Metrics, max_body: int) -> None:
+        self.app, self.metrics, self.max_body = app, metrics, max_body
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"] if scope["path"] in PATHS else "other"  # bounded label values
+        status = [500]
+
+        async def counted(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        start = time.perf_counter()
+        try:
+            await (self._too_large(scope) or self.app)(scope, receive, counted)
+        finally:
+            self.metrics.requests.labels(path, str(status[0])).inc()
+            self.metrics.latency.labels(path).observe(time.perf_counter() - start)
+
+    def _too_large(self, scope: dict) -> Response | None:
+        if scope["method"] != "POST":
+            return None
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
+        if length is None:
+            return _error(411, "send the body with a Content-Length header")
+        if not length.isdigit() or int(length) > self.max_body:
+            return _error(413, f"the body is over {self.max_body} bytes")
+        return None
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None, **extra: Any) -> JSONResponse:
+    return JSONResponse({"error": message, **extra}, status_code=status, headers=headers)
+
+
+_UNION_TAGS = ("str", "list[str]", "int", "none")
+
+
+def _field(loc: Sequence[Any]) -> str:
+    """A pydantic error location as a field name: ("body", "text", 2) -> "text[2]"."""
+    parts = list(loc[1:] if len(loc) > 1 and loc[0] == "body" else loc)
+    name = ""
+    for p in parts:
+        if p in _UNION_TAGS:  # pydantic names the union member tried: ("q", "list[str]", 0)
+            continue
+        name += f"[{p}]" if isinstance(p, int) else (f".{p}" if name else str(p))
+    return name or "body"
+
+
+def _invalid(errors: Sequence[Any]) -> JSONResponse:
+    first = errors[0]
+    if first.get("type") == "json_invalid":  # loc is ("body", character position)
+        where = first.get("loc", ())[-1]
+        return _error(422, f"body: not valid JSON ({first.get('ctx', {}).get('error', 'decode error')} at "
+                           f"character {where})", field="body")
+    field = _field(first.get("loc", ()))
+    return _error(422, f"{field}: {first.get('msg', 'invalid')}", field=field)
+
+
+# ------------------------------------------------------------------------------------ the app
+
+
+class Server:
+    """What the handlers share: the translator (read-only here), limits, scheduler and metrics."""
+
+    def __init__(self, translator: Any, limits: Limits, languages: tuple[str, str], checkpoint: str) -> None:
+        translator.note = refuse_long  # the server refuses a line the translator would truncate
+        self.translator, self.limits, self.languages, self.checkpoint = translator, limits, languages, checkpoint
+        self.scheduler = Scheduler(self._work, limits.max_batch_tokens, limits.max_wait_ms / 1000, limits.max_queue)
+        self.metrics = Metrics(self.scheduler)
+        self.scheduler.stats.on_batch = self._on_batch
+        self.scheduler.stats.on_drop = self.metrics.dropped.inc
+        self.ready = False
+        self.failure = ""
+
+    def _work(self, key: Key, lines: list[str]) -> list[list[dict[str, Any]]]:
+        start = time.perf_counter()
+        out = run_batch(self.translator, key, lines)
+        n = sum(len(nb[0]["tokens"]) for nb in out if nb)
+        self.metrics.target_tokens.inc(n)
+        self.metrics.tokens_per_s.set(n / max(time.perf_counter() - start, 1e-9))
+        return out
+
+    def _on_batch(self, lines: int, tokens: int, seconds: float) -> None:
+        self.metrics.batch_lines.observe(lines)
+        self.metrics.batch_tokens.observe(tokens)
+
+    async def warm_up(self) -> None:
+        try:
+            await self.scheduler.call(warm_up, self.translator, self.limits.beam)
+            self.ready = True
+        except Exception as e:  # reported by /health; the process stays up to say so
+            log.exception("warm-up failed")
+            self.failure = f"warm-up failed: {type(e).__name__}: {e}"
+
+    def source_ids(self, lines: Sequence[str]) -> list[list[int]]:
+        """Source ids per line; 413 for a line over --max-chars or the model's length."""
+        out = []
+        for i, line in enumerate(lines):
+            if len(line) > self.limits.max_chars:
+                raise ApiError(413, f"line {i}: {len(line)} characters, more than --max-chars {self.limits.max_chars}")
+            try:
+                out.append(self.translator.encode([line])[0])
+            except LineTooLong:
+                raise ApiError(413, f"line {i}: more source tokens than the model takes "
+                                    f"({self.translator.max_src_tokens})") from None
+        return out
+
+    async def translate(self, request: Request, lines: list[str], key: Key) -> tuple[list[list[int]], list[Any]]:
+        """Source ids and results per line, once the scheduler has them (or the client has gone)."""
+        if not self.ready:
+            raise ApiError(503, self.failure or "the model is warming up; retry shortly", {"Retry-After": "1"})
+        if len(lines) > self.limits.max_queue:
+            raise ApiError(413, f"{len(lines)} lines in one request, more than --max-queue {self.limits.max_queue}")
+        ids = self.source_ids(lines)
+        try:
+            job = self.scheduler.submit(key, lines, [len(x) for x in ids])
+        except QueueFull as e:
+            raise ApiError(503, f"the server is busy ({e}); retry shortly", {"Retry-After": "1"}) from None
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({job.future, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            self.scheduler.cancel(job)  # a no-op once answered; drops unstarted lines otherwise
+        if job.future.cancelled():
+            raise ApiError(499, "the client closed the request")
+        if job.future.exception() is not None:
+            log.error("translation failed", exc_info=job.future.exception())
+            raise ApiError(500, f"translation failed ({type(job.future.exception()).__name__})")
+        return ids, job.future.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away (the body has been read: the next message is a disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def create_app(translator: Any, limits: Limits, languages: tuple[str, str], checkpoint: str = "") -> FastAPI:
+    """The app serving `translator` (a `aiayn.translate.Translator`) for the pair `languages`."""
+    srv = Server(translator, limits, languages, checkpoint)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):  # type: ignore[no-untyped-def]
+        warming = asyncio.create_task(srv.warm_up())
+        yield
+        await asyncio.gather(warming, return_exceptions=True)
+        await srv.scheduler.close()  # uvicorn has drained the requests in flight by now
+
+    app = FastAPI(title="aiayn", version=__version__, lifespan=lifespan,
+                  description=f"Translation {languages[0]}->{languages[1]} with a Transformer; batches across clients.")
+    app.state.server = srv
+    max_body = limits.max_queue * limits.max_chars * 4 + (1 << 16)  # UTF-8 and JSON overhead
+    app.add_middleware(_Middleware, metrics=srv.metrics, max_body=max_body)
+    _handlers(app)
+    _libre_routes(app, srv)
+    _v1_routes(app, srv)
+    _info_routes(app, srv)
+    return app
+
+
+def _handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError) -> JSONResponse:
+        return _error(e.status, e.message, e.headers, **({"field": e.field} if e.field else {}))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        return _invalid(e.errors())
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+        return _error(e.status_code, str(e.detail), e.headers)
+
+
+def _check_pair(srv: Server, source: str, target: str) -> None:
+    src, tgt = srv.languages
+    if (source, target) != (src, tgt):
+        raise ApiError(400, f"this server translates {src} to {tgt} only (source={src!r}, target={tgt!r}); "
+                            f"got source={source!r}, target={target!r}")
+
+
+async def _libre_fields(request: Request) -> dict[str, Any]:
+    """The request's fields from an HTML form or a JSON object (LibreTranslate takes both)."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind in ("application/x-www-form-urlencoded", "multipart/form-data"):
+        form = await request.form()
+        return {k: (v[0] if len(v) == 1 else v) for k in form.keys() for v in [form.getlist(k)]}
+    try:
+        data = json.loads(await request.body())
+    except ValueError:
+        raise ApiError(422, "body: not valid JSON (send a JSON object or an HTML form)", field="body") from None
+    if not isinstance(data, dict):
+        raise ApiError(422, "body: must be a JSON object", field="body")
+    return data
+
+
+_LIBRE_BODY = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": LibreRequest.model_json_schema()},
+    "application/x-www-form-urlencoded": {"schema": LibreRequest.model_json_schema()}}}}
+
+
+def _libre_routes(app: FastAPI, srv: Server) -> None:
+    @app.post("/translate", openapi_extra=_LIBRE_BODY, tags=["LibreTranslate"])
+    async def libre_translate(request: Request) -> JSONResponse:
+        """LibreTranslate's API: `{"translatedText": ..., "alternatives": [...]}` for `q` a string or a list."""
+        try:
+            req = LibreRequest.model_validate(await _libre_fields(request))
+        except ValidationError as e:
+            return _invalid(e.errors())
+        _check_pair(srv, req.source, req.target)
+        if req.alternatives > srv.limits.beam - 1:
+            raise ApiError(422, f"alternatives: at most {srv.limits.beam - 1} with beam {srv.limits.beam}",
+                           field="alternatives")
+        texts = [req.q] if isinstance(req.q, str) else req.q
+        split = [t.replace("\r\n", "\n").split("\n") for t in texts]  # a text's lines, translated one by one
+        key = Key(srv.limits.beam, DEFAULT_ALPHA, req.alternatives + 1, False)
+        _, results = await srv.translate(request, [line for lines in split for line in lines], key)
+        best, alts, at = [], [], 0
+        for lines in split:
+            nbests = results[at:at + len(lines)]
+            at += len(lines)
+            best.append("\n".join(nb[0]["text"] for nb in nbests))
+            k_max = min(len(nb) for nb in nbests) if nbests else 1
+            alts.append(["\n".join(nb[k]["text"] for nb in nbests) for k in range(1, min(k_max, req.alternatives + 1))])
+        body: dict[str, Any] = {"translatedText": best[0] if isinstance(req.q, str) else best}
+        if req.alternatives:
+            body["alternatives"] = alts[0] if isinstance(req.q, str) else alts
+        return JSONResponse(body)
+
+    @app.get("/languages", tags=["LibreTranslate"])
+    async def languages() -> list[dict[str, Any]]:
+        """The languages as LibreTranslate lists them: the source with its one target, then the target."""
+        src, tgt = srv.languages
+        return [{"code": src, "name": LANGUAGE_NAMES.get(src, src), "targets": [tgt]},
+                {"code": tgt, "name": LANGUAGE_NAMES.get(tgt, tgt), "targets": []}]
+
+
+def _v1_routes(app: FastAPI, srv: Server) -> None:
+    @app.post("/v1/translate", response_model=None, responses={200: {"model": TranslateResponse}})
+    async def translate(req: TranslateRequest, request: Request) -> JSONResponse:
+        """Per line: the n-best translations with scores, the subwords on both sides and, with
+        `attention`, each hypothesis's cross-attention (per layer, target x source subwords)."""
+        beam = req.beam or srv.limits.beam
+        if req.nbest > beam:
+            raise ApiError(422, f"nbest: at most the beam size ({beam}), got {req.nbest}", field="nbest")
+        ids, results = await srv.translate(request, req.text, Key(beam, req.alpha, req.nbest, req.attention))
+        piece = srv.translator.tokenizers.src.id_to_piece
+        lines = [{"source_tokens": [piece(i) for i in src], "hypotheses": hyps} for src, hyps in zip(ids, results)]
+        return JSONResponse({"translations": lines, "beam": beam, "alpha": req.alpha})
+
+
+def _info_routes(app: FastAPI, srv: Server) -> None:
+    import torch
+
+    model = srv.translator.model
+    info = {"languages": {"source": srv.languages[0], "target": srv.languages[1]}, "checkpoint": srv.checkpoint,
+            "model": {**asdict(model.cfg), "parameters": model.num_parameters()},
+            "precision": srv.translator.precision, "limits": asdict(srv.limits),
+            "versions": {"aiayn": __version__, "torch": torch.__version__, "python": platform.python_version()}}
+    page = resources.files("aiayn") / "static"
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """200 once the model is loaded and warmed up; 503 before (or if warm-up failed)."""
+        if srv.ready:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "failed" if srv.failure else "warming up", "error": srv.failure or None},
+                            status_code=503, headers={"Retry-After": "1"})
+
+    @app.get("/v1/info")
+    async def v1_info() -> dict[str, Any]:
+        """Languages, model shape, checkpoint, limits and versions."""
+        return info
+
+    @app.get("/metrics", response_class=Response)
+    async def metrics() -> Response:
+        """Prometheus metrics: requests by status, latency, batch sizes, queue depth, tokens/s."""
+        return Response(generate_latest(srv.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def index() -> HTMLResponse:
+        return HTMLResponse((page / "index.html").read_text(encoding="utf-8"))
+
+    app.mount("/static", StaticFiles(packages=[("aiayn", "static")]), name="static")

@@ -1,0 +1,376 @@
+"""`aiayn serve` in process: every endpoint and error code, LibreTranslate's shapes, translations equal
+to `Translator.translate` alone and under concurrent requests, batching across clients, and the
+scheduler's rules (token-bounded batches, settings kept apart, cancelled work dropped)."""
+
+import asyncio
+import json
+import math
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+from fastapi.testclient import TestClient  # noqa: E402
+
+from aiayn.scheduler import Limits, QueueFull, Scheduler  # noqa: E402
+from aiayn.serve_app import create_app  # noqa: E402
+from aiayn.translate import Translator  # noqa: E402
+from serve_model import tiny_checkpoint  # noqa: E402
+
+LINES = ["ein Mann läuft auf der Straße", "", "Hund und Kind spielt im Park mit Ball", "rot blau",
+         "eine Frau sitzt", "   ", "der Hund spielt mit dem roten Ball im Park und der Mann läuft"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)  # the machine is shared; a tiny model gains nothing from more
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.getbasetemp())
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    return Translator.from_checkpoint(ckpt)
+
+
+def make_app(ckpt, **limits):
+    return create_app(Translator.from_checkpoint(ckpt), Limits(**limits), ("de", "en"), checkpoint=str(ckpt))
+
+
+def ready(client, timeout=60.0):
+    end = time.monotonic() + timeout
+    while client.get("/health").status_code != 200:
+        assert time.monotonic() < end, "the server never became ready"
+        time.sleep(0.02)
+    return client
+
+
+@pytest.fixture(scope="module")
+def client(ckpt):
+    with TestClient(make_app(ckpt, max_wait_ms=20, max_chars=300)) as c:
+        yield ready(c)
+
+
+# ---------------------------------------------------------------------------------------- health
+
+
+def test_health_is_503_until_warmed_up_and_translate_refuses_meanwhile(ckpt):
+    c = TestClient(make_app(ckpt))  # no lifespan: the model is never warmed up
+    r = c.get("/health")
+    assert r.status_code == 503 and r.json()["status"] == "warming up" and r.headers["retry-after"] == "1"
+    r = c.post("/v1/translate", json={"text": ["ein Mann"]})
+    assert r.status_code == 503 and "warming up" in r.json()["error"]
+    with TestClient(make_app(ckpt)) as c:
+        assert ready(c).get("/health").json() == {"status": "ok"}
+
+
+# ------------------------------------------------------------------------------- /v1/translate
+
+
+def test_v1_translate_equals_translator(client, reference):
+    r = client.post("/v1/translate", json={"text": LINES})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["beam"] == 4 and body["alpha"] == 0.6
+    got = [t["hypotheses"][0]["text"] for t in body["translations"]]
+    assert got == reference.translate(LINES, beam=4)
+    assert got[0] == "a man runs on the street"
+    first = body["translations"][0]
+    assert first["source_tokens"] == reference.tokenizers.src.pieces(LINES[0])
+    assert "".join(first["hypotheses"][0]["tokens"]).replace("\u2581", " ").strip() == got[0]
+    assert body["translations"][1] == {"source_tokens": [], "hypotheses": [{"text": "", "score": 0.0, "tokens": []}]}
+
+
+@pytest.mark.parametrize("beam,nbest,alpha", [(1, 1, 0.6), (3, 3, 0.0), (5, 2, 1.0)])
+def test_v1_settings_equal_translator(client, reference, beam, nbest, alpha):
+    r = client.post("/v1/translate", json={"text": LINES, "beam": beam, "nbest": nbest, "alpha": alpha})
+    assert r.status_code == 200, r.text
+    got = r.json()["translations"]
+    want = reference.search(LINES, beam=beam, nbest=nbest, alpha=alpha)
+    assert [[h["text"] for h in t["hypotheses"]] for t in got] == [[text for text, _ in nb] for nb in want]
+    for t, nb in zip(got, want):
+        for h, (_, score) in zip(t["hypotheses"], nb):
+            assert h["score"] is None if math.isnan(score) else h["score"] == pytest.approx(score, abs=1e-5)
+    if beam == 1:
+        assert got[0]["hypotheses"][0]["score"] is None  # greedy search has no score
+
+
+def test_v1_attention_is_target_by_source_per_layer(client):
+    r = client.post("/v1/translate", json={"text": ["ein Mann läuft", ""], "attention": True, "nbest": 2})
+    assert r.status_code == 200
+    line = r.json()["translations"][0]
+    S = len(line["source_tokens"])
+    for h in line["hypotheses"]:
+        att = h["attention"]
+        assert len(att) == 2  # the tiny model's decoder layers
+        for layer in att:
+            assert len(layer) == len(h["tokens"]) and all(len(row) == S for row in layer)
+            assert all(abs(sum(row) - 1) < 1e-2 for row in layer)  # each row a distribution over the source
+    assert r.json()["translations"][1]["hypotheses"][0]["attention"] == []
+
+
+# ---------------------------------------------------------------------------------- LibreTranslate
+
+
+def test_libre_string_list_and_alternatives(client, reference):
+    r = client.post("/translate", json={"q": "ein Mann läuft", "source": "de", "target": "en"})
+    assert r.status_code == 200 and r.json() == {"translatedText": reference.translate(["ein Mann läuft"])[0]}
+    r = client.post("/translate", json={"q": ["rot blau", "eine Frau sitzt"], "source": "de", "target": "en",
+                                        "alternatives": 2})
+    body = r.json()
+    nbest = reference.search(["rot blau", "eine Frau sitzt"], beam=4, nbest=3)
+    assert body["translatedText"] == [nb[0][0] for nb in nbest]
+    assert body["alternatives"] == [[text for text, _ in nb[1:]] for nb in nbest]
+    r = client.post("/translate", json={"q": "ein Mann läuft\nrot blau", "source": "de", "target": "en",
+                                        "api_key": "ignored", "alternatives": 1})
+    assert r.json()["translatedText"] == "\n".join(reference.translate(["ein Mann läuft", "rot blau"]))
+    assert len(r.json()["alternatives"]) == 1
+
+
+def test_libre_html_form_urlencoded_and_multipart(client, reference):
+    want = reference.translate(["der Hund spielt"])[0]
+    fields = {"q": "der Hund spielt", "source": "de", "target": "en"}
+    assert client.post("/translate", data=fields).json() == {"translatedText": want}
+    r = client.post("/translate", files={k: (None, v) for k, v in fields.items()})
+    assert r.json() == {"translatedText": want}
+
+
+def test_libre_languages(client):
+    assert client.get("/languages").json() == [{"code": "de", "name": "German", "targets": ["en"]},
+                                               {"code": "en", "name": "English", "targets": []}]
+
+
+def test_libre_wrong_pair_is_400_naming_the_served_pair(client):
+    r = client.post("/translate", json={"q": "hallo", "source": "en", "target": "fr"})
+    assert r.status_code == 400
+    assert "translates de to en only" in r.json()["error"] and "'fr'" in r.json()["error"]
+
+
+# ------------------------------------------------------------------------------------ errors
+
+
+@pytest.mark.parametrize("path,body,field", [
+    ("/v1/translate", b'{"text": ["a"', "body"),  # malformed JSON
+    ("/v1/translate", {"text": "not a list"}, "text"),
+    ("/v1/translate", {"text": ["ok", 5]}, "text[1]"),
+    ("/v1/translate", {"text": []}, "text"),
+    ("/v1/translate", {"text": ["a"], "beam": 0}, "beam"),
+    ("/v1/translate", {"text": ["a"], "beam": 2, "nbest": 3}, "nbest"),
+    ("/v1/translate", {"text": ["a"], "alpha": -1}, "alpha"),
+    ("/v1/translate", {"text": ["a"], "colour": "red"}, "colour"),
+    ("/translate", {"source": "de", "target": "en"}, "q"),
+    ("/translate", {"q": "a", "source": "de", "target": "en", "format": "html"}, "format"),
+    ("/translate", {"q": "a", "source": "de", "target": "en", "alternatives": 9}, "alternatives"),
+    ("/translate", {"q": 3, "source": "de", "target": "en"}, "q"),
+    ("/translate", b"[1, 2", "body"),
+    ("/translate", b'["q"]', "body"),
+])
+def test_422_names_the_field(client, path, body, field):
+    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    r = client.post(path, **kw)
+    assert r.status_code == 422, r.text
+    assert r.json()["error"].startswith(f"{field}:"), r.json()
+
+
+def test_413_for_long_lines_and_bodies(client, ckpt):
+    r = client.post("/v1/translate", json={"text": ["ok", "x" * 301]})
+    assert r.status_code == 413 and r.json()["error"].startswith("line 1: 301 characters")
+    r = client.post("/v1/translate", json={"text": [" ".join(["rot"] * 70)]})  # max_positions is 64
+    assert r.status_code == 413 and "more source tokens than the model takes (64)" in r.json()["error"]
+    r = client.post("/translate", json={"q": " ".join(["rot"] * 70), "source": "de", "target": "en"})
+    assert r.status_code == 413
+    with TestClient(make_app(ckpt, max_queue=3)) as c:
+        r = ready(c).post("/v1/translate", json={"text": ["a"] * 4})
+        assert r.status_code == 413 and "more than --max-queue 3" in r.json()["error"]
+        r = c.post("/v1/translate", content=b"x" * 100_000, headers={"content-type": "application/json"})
+        assert r.status_code == 413 and "bytes" in r.json()["error"]
+
+
+def test_unknown_path_and_method_are_json(client):
+    r = client.get("/nowhere")
+    assert r.status_code == 404 and "error" in r.json()
+    r = client.get("/v1/translate")
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_503_with_retry_after_when_the_queue_is_full(ckpt):
+    # a long wait and a huge batch: the first request's lines sit in the queue for 1.5 s
+    app = make_app(ckpt, max_queue=4, max_wait_ms=1500, max_batch_tokens=100_000)
+    with TestClient(app) as c, ThreadPoolExecutor(1) as pool:
+        ready(c)
+        first = pool.submit(c.post, "/v1/translate", json={"text": ["ein Mann", "rot", "blau"]})
+        end = time.monotonic() + 10
+        while app.state.server.scheduler.waiting < 3:
+            assert time.monotonic() < end
+            time.sleep(0.005)
+        r = c.post("/v1/translate", json={"text": ["Hund", "Kind"]})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1" and "busy" in r.json()["error"]
+        assert first.result().status_code == 200  # the waiting request is not hurt
+        assert c.post("/v1/translate", json={"text": ["Hund", "Kind"]}).status_code == 200
+
+
+# ------------------------------------------------------------------------------ concurrency
+
+
+def test_concurrent_requests_share_batches_and_match_translator(ckpt, reference):
+    app = make_app(ckpt, max_wait_ms=100)
+    lines = [f"{w} {v} läuft" for w in ("ein Mann", "eine Frau", "der Hund", "ein Kind") for v in ("rot", "blau", "und")]
+    settings = [{"beam": 4}, {"beam": 2, "nbest": 2}]  # two settings: they never share a batch
+    with TestClient(app) as c, ThreadPoolExecutor(16) as pool:
+        ready(c)
+        before = app.state.server.scheduler.stats.batches
+        jobs = [(line, s, pool.submit(c.post, "/v1/translate", json={"text": [line], **s}))
+                for line in lines for s in settings]
+        for line, s, job in jobs:
+            r = job.result()
+            assert r.status_code == 200
+            want = reference.search([line], beam=s["beam"], nbest=s.get("nbest", 1))[0]
+            assert [h["text"] for h in r.json()["translations"][0]["hypotheses"]] == [t for t, _ in want]
+        batches = app.state.server.scheduler.stats.batches - before
+        assert 2 <= batches < len(jobs) // 2  # lines of different clients were merged
+        metrics = c.get("/metrics").text
+    assert "aiayn_batch_lines_count" in metrics
+
+
+# ------------------------------------------------------------------------------ the other endpoints
+
+
+def test_info_metrics_docs_and_page(client):
+    info = client.get("/v1/info").json()
+    assert info["languages"] == {"source": "de", "target": "en"} and info["model"]["d_model"] == 32
+    assert info["limits"]["beam"] == 4 and info["limits"]["max_chars"] == 300 and "torch" in info["versions"]
+    client.post("/v1/translate", json={"text": ["rot"]})
+    metrics = client.get("/metrics")
+    assert metrics.headers["content-type"].startswith("text/plain")
+    for name in ('aiayn_requests_total{path="/v1/translate",status="200"}', "aiayn_request_seconds_bucket",
+                 "aiayn_batch_lines_bucket", "aiayn_batch_source_tokens_bucket", "aiayn_queue_lines 0.0",
+                 "aiayn_tokens_per_second", "aiayn_target_tokens_total", "aiayn_dropped_lines_total"):
+        assert name in metrics.text, name
+    assert client.get("/docs").status_code == 200
+    paths = client.get("/openapi.json").json()["paths"]
+    assert {"/translate", "/v1/translate", "/languages", "/health", "/v1/info", "/metrics"} <= set(paths)
+    page = client.get("/")
+    assert page.status_code == 200 and "<textarea" in page.text
+    for asset in ("/static/app.js", "/static/style.css"):
+        assert client.get(asset).status_code == 200, asset
+
+
+# ------------------------------------------------------------------------------ disconnects
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_client_disconnect_drops_its_unstarted_lines(ckpt):
+    import uvicorn
+
+    app = make_app(ckpt, max_wait_ms=3000, max_batch_tokens=100_000)  # lines wait 3 s for company
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        base = f"http://127.0.0.1:{port}"
+        end = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{base}/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < end
+            time.sleep(0.05)
+        srv = app.state.server
+        body = json.dumps({"text": ["ein Mann", "rot blau"]}).encode()
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(b"POST /v1/translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            while srv.scheduler.waiting < 2:
+                assert time.monotonic() < end
+                time.sleep(0.005)
+        # the client is gone before its lines' batch started: they are dropped, never searched
+        while srv.scheduler.stats.dropped < 2:
+            assert time.monotonic() < end, "the lines of a closed connection were not dropped"
+            time.sleep(0.005)
+        assert srv.scheduler.waiting == 0 and srv.scheduler.stats.lines == 0
+        assert "aiayn_dropped_lines_total 2.0" in httpx.get(f"{base}/metrics").text
+        assert httpx.post(f"{base}/v1/translate", json={"text": ["rot"]}, timeout=30).status_code == 200
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+# ------------------------------------------------------------------------------ the scheduler
+
+
+def _run_scheduler(coro_fn, **kw):
+    async def main():
+        calls = []
+
+        def run(key, lines):
+            calls.append((key, list(lines)))
+            if "boom" in lines:
+                raise RuntimeError("boom")
+            return [f"{key}:{line}" for line in lines]
+
+        s = Scheduler(run, **kw)
+        try:
+            return await coro_fn(s, calls)
+        finally:
+            await s.close()
+
+    return asyncio.run(main())
+
+
+def test_scheduler_cuts_token_bounded_batches_and_keeps_settings_apart():
+    async def go(s, calls):
+        a = s.submit("k1", ["a1", "a2", "a3"], [4, 4, 4])
+        b = s.submit("k2", ["b1"], [1])
+        c = s.submit("k1", ["c1"], [4])
+        results = await asyncio.gather(a.future, b.future, c.future)
+        return results, calls
+
+    results, calls = _run_scheduler(go, max_batch_tokens=8, max_wait=0.05)
+    assert results == [["k1:a1", "k1:a2", "k1:a3"], ["k2:b1"], ["k1:c1"]]
+    assert calls == [("k1", ["a1", "a2"]), ("k1", ["a3", "c1"]), ("k2", ["b1"])]  # oldest first, 8 tokens each
+
+
+def test_scheduler_drops_cancelled_work_bounds_the_queue_and_survives_faults():
+    async def go(s, calls):
+        a = s.submit("k", ["a1", "a2"], [1, 1])
+        with pytest.raises(QueueFull):
+            s.submit("k", ["x", "y"], [1, 1])
+        s.cancel(a)
+        assert s.waiting == 0 and s.stats.dropped == 2
+        bad = s.submit("k", ["boom"], [1])
+        with pytest.raises(RuntimeError):
+            await bad.future
+        ok = s.submit("k", ["fine"], [1])
+        return await ok.future, calls
+
+    result, calls = _run_scheduler(go, max_queue=3, max_wait=0.05)
+    assert result == ["k:fine"] and calls == [("k", ["boom"]), ("k", ["fine"])]
+
+
+def test_scheduler_waits_at_most_max_wait():
+    async def go(s, calls):
+        start = time.monotonic()
+        await s.submit("k", ["a"], [1]).future
+        return time.monotonic() - start
+
+    assert 0.15 <= _run_scheduler(go, max_wait=0.2, max_batch_tokens=100) < 2.0
+    assert _run_scheduler(go, max_wait=10.0, max_batch_tokens=1) < 2.0  # a full batch goes at once
