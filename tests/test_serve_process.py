@@ -1,0 +1,151 @@
+"""`aiayn serve` as a real process on 127.0.0.1: start-up on a free port, /health, a burst of concurrent
+clients answered as `aiayn translate` answers, SIGTERM and Ctrl-C draining with nothing lost, and
+one-line errors for bad flags."""
+
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+from serve_model import sentence, tiny_checkpoint  # noqa: E402
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.getbasetemp())
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+class Served:
+    """`aiayn serve` on a free port; `url` once it has said where it listens, `wait_ready` for /health."""
+
+    def __init__(self, ckpt, *flags):
+        self.proc = subprocess.Popen([sys.executable, "-m", "aiayn", "serve", "--checkpoint", str(ckpt), "--port", "0",
+                                      *flags], stderr=subprocess.PIPE, text=True, env=_env())
+        line = self.proc.stderr.readline()
+        m = re.search(r"http://127\.0\.0\.1:(\d+)/", line)
+        assert m, f"no address in {line!r}"
+        self.port = int(m.group(1))
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout=120.0):
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                if httpx.get(f"{self.url}/health").status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            assert self.proc.poll() is None and time.monotonic() < end, "the server did not become ready"
+            time.sleep(0.1)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
+
+
+@pytest.fixture
+def served(ckpt):
+    started = []
+
+    def start(*flags):
+        started.append(Served(ckpt, *flags))
+        return started[-1]
+
+    yield start
+    for s in started:
+        s.stop()
+
+
+def _post(url, lines, **kw):
+    return httpx.post(f"{url}/v1/translate", json={"text": lines, **kw}, timeout=120)
+
+
+def test_burst_of_clients_matches_aiayn_translate_then_sigterm_drains(ckpt, served, tmp_path):
+    rng = random.Random(1)
+    lines = [sentence(rng)[0] for _ in range(48)]
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    want = subprocess.run([sys.executable, "-m", "aiayn", "translate", "--checkpoint", str(ckpt), "--input", str(src)],
+                          capture_output=True, text=True, env=_env(), timeout=300)
+    assert want.returncode == 0, want.stderr
+    want = want.stdout.splitlines()
+
+    s = served("--max-wait-ms", "300", "--max-batch-tokens", "100000").wait_ready()
+    with ThreadPoolExecutor(48) as pool:  # one line per request, all at once
+        got = list(pool.map(lambda line: _post(s.url, [line]), lines))
+    assert [r.status_code for r in got] == [200] * len(lines)
+    assert [r.json()["translations"][0]["hypotheses"][0]["text"] for r in got] == want
+    batches = re.search(r"^aiayn_batch_lines_count (\S+)$", httpx.get(f"{s.url}/metrics").text, re.M)
+    assert 1 <= float(batches.group(1)) < len(lines) // 4  # the warm-up is not counted; clients shared batches
+
+    # SIGTERM while requests wait for their batch: they are answered, then the server exits 0
+    with ThreadPoolExecutor(8) as pool:
+        inflight = [pool.submit(_post, s.url, [line]) for line in lines[:8]]
+        end = time.monotonic() + 30
+        while "aiayn_queue_lines 8.0" not in httpx.get(f"{s.url}/metrics").text:
+            assert time.monotonic() < end
+            time.sleep(0.01)
+        s.proc.send_signal(signal.SIGTERM)
+        answers = [f.result() for f in inflight]
+    assert [r.status_code for r in answers] == [200] * 8
+    assert [r.json()["translations"][0]["hypotheses"][0]["text"] for r in answers] == want[:8]
+    assert s.proc.wait(60) == 0
+    assert "stopped" in s.proc.stderr.read()
+    with pytest.raises(httpx.TransportError):  # new work is refused: nothing listens any more
+        _post(s.url, ["ein Mann"])
+
+
+def test_ctrl_c_exits_0_and_libretranslate_form_works(ckpt, served):
+    s = served().wait_ready()
+    r = httpx.post(f"{s.url}/translate", data={"q": "ein Mann läuft", "source": "de", "target": "en"})
+    assert r.status_code == 200 and r.json() == {"translatedText": "a man runs"}
+    s.proc.send_signal(signal.SIGINT)
+    assert s.proc.wait(60) == 0
+
+
+def test_bad_flags_and_checkpoints_are_one_line_errors(ckpt, tmp_path):
+    def serve(*argv):
+        return subprocess.run([sys.executable, "-m", "aiayn", "serve", *argv], capture_output=True, text=True,
+                              env=_env(), timeout=120)
+
+    for argv, words in [(["--checkpoint", str(ckpt), "--beam", "0"], "--beam must be between 1 and 16"),
+                        (["--checkpoint", str(ckpt), "--max-queue", "0"], "--max-queue must be positive"),
+                        (["--checkpoint", str(ckpt), "--port", "70000"], "--port must be between"),
+                        (["--checkpoint", str(tmp_path / "none")], "does not exist")]:
+        r = serve(*argv)
+        assert r.returncode == 2 and words in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        r = serve("--checkpoint", str(ckpt), "--port", str(taken.getsockname()[1]))
+    assert r.returncode == 2 and "choose another --port" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    no_lang = tmp_path / "nolang"
+    no_lang.mkdir()
+    for f in os.listdir(ckpt):
+        (no_lang / f).write_bytes((ckpt / f).read_bytes())
+    cfg = json.loads((no_lang / "config.json").read_text())
+    cfg.pop("train")
+    (no_lang / "config.json").write_text(json.dumps(cfg))
+    r = serve("--checkpoint", str(no_lang))
+    assert r.returncode == 2 and "names no source and target language" in r.stderr, r.stderr
+
