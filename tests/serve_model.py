@@ -41,7 +41,7 @@ def _batch(pairs: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torc
 def train_tiny(path: Path, steps: int = 400) -> Path:
     rng = random.Random(0)
     corpus = [sentence(rng) for _ in range(2000)]
-    tok = Tokenizer.train([s for pair in corpus for s in pair], 330)
+    tok = Tokenizer.train([s for pair in corpus for s in pair], 360)
     torch.manual_seed(0)
     cfg = preset("tiny", src_vocab_size=tok.vocab_size, tgt_vocab_size=tok.vocab_size, max_positions=64)
     model = Transformer(cfg)

@@ -90,7 +90,7 @@ def test_burst_of_clients_matches_aiayn_translate_then_sigterm_drains(ckpt, serv
     assert want.returncode == 0, want.stderr
     want = want.stdout.splitlines()
 
-    s = served("--max-wait-ms", "300", "--max-batch-tokens", "100000").wait_ready()
+    s = served("--max-wait-ms", "3000", "--max-batch-tokens", "100000").wait_ready()  # lines wait for company
     with ThreadPoolExecutor(48) as pool:  # one line per request, all at once
         got = list(pool.map(lambda line: _post(s.url, [line]), lines))
     assert [r.status_code for r in got] == [200] * len(lines)

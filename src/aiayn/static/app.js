@@ -1,1 +1,185 @@
+// The page of `aiayn serve`: translate, list the n-best, draw the cross-attention on a canvas.
+// Plain JavaScript, no libraries: it talks to /v1/info and /v1/translate only.
+"use strict";
 
+const $ = (id) => document.getElementById(id);
+const HOT = "214, 56, 36";  // the heatmap's colour (rgb), its alpha is the attention weight
+const state = { result: null, matrix: [], focus: -1 };
+
+async function loadInfo() {
+  const info = await (await fetch("/v1/info")).json();
+  $("pair").textContent = `${info.languages.source} → ${info.languages.target}`;
+  $("beam").value = info.limits.beam;
+  $("beam").max = info.limits.max_beam;
+  const layers = $("layer");
+  layers.add(new Option("mean of layers", "mean"));
+  for (let l = 0; l < info.model.decoder_layers; l++) layers.add(new Option(`layer ${l + 1}`, String(l)));
+}
+
+function showError(message) {
+  $("error").textContent = message;
+  $("error").hidden = !message;
+}
+
+async function translate() {
+  const lines = $("source").value.split("\n");
+  if (!lines.some((l) => l.trim())) return;
+  const beam = Number($("beam").value) || 1;
+  const body = { text: lines, beam, alpha: Number($("alpha").value), nbest: Math.min(4, beam), attention: true };
+  $("go").disabled = true;
+  $("status").textContent = "translating…";
+  showError("");
+  try {
+    const r = await fetch("/v1/translate", { method: "POST", headers: { "Content-Type": "application/json" },
+                                            body: JSON.stringify(body) });
+    const data = await r.json();
+    if (!r.ok) throw new Error(`${r.status}: ${data.error || r.statusText}`);
+    state.result = data;
+    $("translation").textContent = data.translations.map((t) => t.hypotheses[0].text).join("\n");
+    fillLines(lines);
+    $("inside").hidden = false;
+    show();
+    $("status").textContent = "";
+  } catch (e) {
+    showError(String(e.message || e));
+    $("status").textContent = "";
+  } finally {
+    $("go").disabled = false;
+  }
+}
+
+function fillLines(lines) {
+  const sel = $("line");
+  sel.replaceChildren();
+  lines.forEach((l, i) => { if (l.trim()) sel.add(new Option(`${i + 1}: ${l.slice(0, 40)}`, String(i))); });
+}
+
+function fillHyps(hyps) {
+  const sel = $("hyp");
+  const keep = Math.min(Number(sel.value) || 0, hyps.length - 1);
+  sel.replaceChildren(...hyps.map((_, i) => new Option(String(i + 1), String(i))));
+  sel.value = String(keep);
+}
+
+function current() {
+  const line = state.result.translations[Number($("line").value)];
+  return { line, hyp: line.hypotheses[Number($("hyp").value) || 0] };
+}
+
+// (T, S) weights of one decoder layer, or their mean over layers
+function layerMatrix(attention, choice) {
+  if (!attention || !attention.length) return [];
+  if (choice !== "mean") return attention[Number(choice)];
+  return attention[0].map((row, t) => row.map((_, s) =>
+    attention.reduce((sum, layer) => sum + layer[t][s], 0) / attention.length));
+}
+
+function show() {
+  const line = state.result.translations[Number($("line").value)];
+  fillHyps(line.hypotheses);
+  const { hyp } = current();
+  $("nbest").replaceChildren(...line.hypotheses.map((h) => {
+    const li = document.createElement("li");
+    li.textContent = h.text;
+    const score = document.createElement("span");
+    score.className = "score";
+    score.textContent = h.score === null ? "greedy" : h.score.toFixed(4);
+    li.append(score);
+    return li;
+  }));
+  state.matrix = layerMatrix(hyp.attention, $("layer").value);
+  $("src-tokens").replaceChildren(...line.source_tokens.map((p, i) => chip(p, i, "src-token")));
+  $("tgt-tokens").replaceChildren(...hyp.tokens.map((p, i) => {
+    const c = chip(p, i, "tgt-token");
+    c.addEventListener("mouseenter", () => focus(i));
+    c.addEventListener("mouseleave", () => focus(-1));
+    return c;
+  }));
+  focus(-1);
+}
+
+function chip(text, i, kind) {
+  const span = document.createElement("span");
+  span.className = `tok ${kind}`;
+  span.dataset.index = String(i);
+  span.textContent = text;
+  return span;
+}
+
+// Highlights the source tokens that target token t attends to (t = -1: none).
+function focus(t) {
+  state.focus = t;
+  const row = t >= 0 ? state.matrix[t] : null;
+  const top = row ? row.indexOf(Math.max(...row)) : -1;
+  document.querySelectorAll(".src-token").forEach((el, s) => {
+    el.style.backgroundColor = row ? `rgba(${HOT}, ${row[s].toFixed(3)})` : "";
+    el.classList.toggle("focus", s === top);
+    el.title = row ? `attention ${row[s].toFixed(3)}` : "";
+  });
+  document.querySelectorAll(".tgt-token").forEach((el, i) => el.classList.toggle("active", i === t));
+  $("src-tokens").dataset.focus = String(top);
+  draw();
+}
+
+function draw() {
+  const { line, hyp } = current();
+  const m = state.matrix, src = line.source_tokens, tgt = hyp.tokens;
+  const canvas = $("heatmap"), ctx = canvas.getContext("2d");
+  const font = "12px ui-monospace, Menlo, Consolas, monospace";
+  ctx.font = font;
+  const cell = 24;
+  const left = Math.max(40, ...tgt.map((p) => ctx.measureText(p).width)) + 12;
+  const top = Math.max(40, ...src.map((p) => ctx.measureText(p).width)) * 0.75 + 16;
+  const width = left + cell * src.length + 10, height = top + cell * tgt.length + 10;
+  const ratio = window.devicePixelRatio || 1;
+  canvas.width = width * ratio;
+  canvas.height = height * ratio;
+  canvas.style.width = `${width}px`;
+  canvas.style.height = `${height}px`;
+  ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
+  ctx.clearRect(0, 0, width, height);
+  ctx.font = font;
+  m.forEach((row, t) => row.forEach((w, s) => {
+    ctx.fillStyle = `rgba(${HOT}, ${w})`;
+    ctx.fillRect(left + s * cell, top + t * cell, cell - 1, cell - 1);
+  }));
+  ctx.strokeStyle = "#d8dce3";
+  ctx.strokeRect(left - 0.5, top - 0.5, cell * src.length, cell * tgt.length);
+  ctx.fillStyle = "#1d2330";
+  ctx.textAlign = "right";
+  ctx.textBaseline = "middle";
+  tgt.forEach((p, t) => ctx.fillText(p, left - 6, top + t * cell + cell / 2));
+  src.forEach((p, s) => {  // column labels, slanted
+    ctx.save();
+    ctx.translate(left + s * cell + cell / 2, top - 6);
+    ctx.rotate(-Math.PI / 4);
+    ctx.textAlign = "left";
+    ctx.fillText(p, 0, 0);
+    ctx.restore();
+  });
+  if (state.focus >= 0) {
+    ctx.strokeStyle = "#2456c8";
+    ctx.lineWidth = 2;
+    ctx.strokeRect(left - 1, top + state.focus * cell - 1, cell * src.length + 1, cell + 1);
+    ctx.lineWidth = 1;
+  }
+  canvas.dataset.rows = String(tgt.length);
+  canvas.dataset.cols = String(src.length);
+  canvas.onmousemove = (e) => {
+    const t = Math.floor((e.offsetY - top) / cell);
+    if (t !== state.focus) focus(t >= 0 && t < tgt.length ? t : -1);
+  };
+  canvas.onmouseleave = () => focus(-1);
+}
+
+$("source").addEventListener("keydown", (e) => {
+  if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) {
+    e.preventDefault();
+    translate();
+  }
+});
+$("go").addEventListener("click", translate);
+$("line").addEventListener("change", () => { $("hyp").value = "0"; show(); });
+$("hyp").addEventListener("change", show);
+$("layer").addEventListener("change", show);
+loadInfo().catch((e) => showError(`cannot reach the server: ${e.message || e}`));
