@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PIP) -e '.[test,export]'
+	$(PIP) -e '.[test,export,serve]'
 	touch $@
 
 install: $(VENV)/.installed
