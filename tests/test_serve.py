@@ -205,11 +205,12 @@ def test_unknown_path_and_method_are_json(client):
 
 
 def test_503_with_retry_after_when_the_queue_is_full(ckpt):
-    # a long wait and a huge batch: the first request's lines sit in the queue for 1.5 s
+    # a long wait and a huge batch: after a batch of 4, the first request's 3 lines sit in the queue 1.5 s
     app = make_app(ckpt, max_queue=4, max_wait_ms=1500, max_batch_tokens=100_000)
     with TestClient(app) as c, ThreadPoolExecutor(1) as pool:
         ready(c)
-        first = pool.submit(c.post, "/v1/translate", json={"text": ["ein Mann", "rot", "blau"]})
+        assert c.post("/v1/translate", json={"text": ["rot"] * 4}).status_code == 200  # a batch of 4 lines,
+        first = pool.submit(c.post, "/v1/translate", json={"text": ["ein Mann", "rot", "blau"]})  # so 3 wait
         end = time.monotonic() + 10
         while app.state.server.scheduler.waiting < 3:
             assert time.monotonic() < end
@@ -278,7 +279,8 @@ def _free_port():
 def test_client_disconnect_drops_its_unstarted_lines(ckpt):
     import uvicorn
 
-    app = make_app(ckpt, max_wait_ms=3000, max_batch_tokens=100_000)  # lines wait 3 s for company
+    # after a batch of 4 lines, fewer lines wait up to 3 s for company
+    app = make_app(ckpt, max_wait_ms=3000, max_batch_tokens=100_000)
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -295,6 +297,7 @@ def test_client_disconnect_drops_its_unstarted_lines(ckpt):
             assert time.monotonic() < end
             time.sleep(0.05)
         srv = app.state.server
+        assert httpx.post(f"{base}/v1/translate", json={"text": ["rot"] * 4}, timeout=60).status_code == 200
         body = json.dumps({"text": ["ein Mann", "rot blau"]}).encode()
         with socket.create_connection(("127.0.0.1", port)) as sock:
             sock.sendall(b"POST /v1/translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -306,7 +309,7 @@ def test_client_disconnect_drops_its_unstarted_lines(ckpt):
         while srv.scheduler.stats.dropped < 2:
             assert time.monotonic() < end, "the lines of a closed connection were not dropped"
             time.sleep(0.005)
-        assert srv.scheduler.waiting == 0 and srv.scheduler.stats.lines == 0
+        assert srv.scheduler.waiting == 0 and srv.scheduler.stats.lines == 4  # the priming batch only
         assert "aiayn_dropped_lines_total 2.0" in httpx.get(f"{base}/metrics").text
         assert httpx.post(f"{base}/v1/translate", json={"text": ["rot"]}, timeout=30).status_code == 200
     finally:
@@ -366,11 +369,21 @@ def test_scheduler_drops_cancelled_work_bounds_the_queue_and_survives_faults():
     assert result == ["k:fine"] and calls == [("k", ["boom"]), ("k", ["fine"])]
 
 
-def test_scheduler_waits_at_most_max_wait():
+def test_scheduler_waits_for_as_many_lines_as_the_last_batch_at_most_max_wait():
     async def go(s, calls):
         start = time.monotonic()
-        await s.submit("k", ["a"], [1]).future
-        return time.monotonic() - start
+        await s.submit("k", ["a", "b", "c"], [1, 1, 1]).future  # the first batch goes at once
+        first = time.monotonic() - start
+        start = time.monotonic()
+        await s.submit("k", ["d"], [1]).future  # one line, after a batch of three: waits for company
+        second = time.monotonic() - start
+        s.submit("k", ["e", "f"], [1, 1])
+        start = time.monotonic()
+        await s.submit("k", ["g"], [1]).future  # three lines waiting: as many as the last batch held
+        return first, second, time.monotonic() - start, calls
 
-    assert 0.15 <= _run_scheduler(go, max_wait=0.2, max_batch_tokens=100) < 2.0
-    assert _run_scheduler(go, max_wait=10.0, max_batch_tokens=1) < 2.0  # a full batch goes at once
+    first, second, third, calls = _run_scheduler(go, max_wait=0.3, max_batch_tokens=100)
+    assert first < 0.2 and 0.25 <= second < 2.0 and third < 0.2
+    assert calls == [("k", ["a", "b", "c"]), ("k", ["d"]), ("k", ["e", "f", "g"])]
+    full, *_ = _run_scheduler(go, max_wait=10.0, max_batch_tokens=1)  # a full batch goes at once
+    assert full < 2.0

@@ -8,9 +8,12 @@ batch further inside that thread).
 
 A batch holds lines that share one `key` (the search settings): lines with other settings wait for
 a batch of their own, so every line is searched exactly as `aiayn translate` would search it. The
-scheduler takes lines oldest first until `max_batch_tokens` source tokens, and waits at most
-`max_wait` seconds after the oldest line arrived for a batch to fill. A request's lines may be cut
-across several batches; its future is answered once all of them are back.
+scheduler takes lines oldest first until `max_batch_tokens` source tokens. It waits for a batch
+to fill at most `max_wait` seconds after the oldest line arrived, and no longer than it takes for as
+many lines as the previous batch held: under steady load (c clients, each sending again as soon as
+it is answered) that is the size the next batch will have, and a lone client, whose previous batch
+was one line, never waits. A request's lines may be cut across several batches; its future is
+answered once all of them are back.
 
 Limits are data: `max_queue` lines may wait (not yet in a batch); beyond that `submit` raises
 `QueueFull`. A cancelled request (its client went away) loses its lines that have not started.
@@ -85,6 +88,7 @@ class Scheduler:
         self.waiting = 0  # lines in the queue not yet taken into a batch
         self.stats = Stats()
         self.busy = False  # a batch is running in the model thread
+        self.last_lines = 1  # lines in the previous batch: what the next one waits for at most
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="aiayn-model")  # the one thread that owns the model
@@ -147,17 +151,20 @@ class Scheduler:
             self._wake = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="aiayn-scheduler")
 
-    def _ready_tokens(self, key: Hashable) -> int:
-        """Source tokens waiting under `key` (the most the next batch could hold)."""
-        return sum(sum(j.costs[j.taken:]) for j in self.queue if j.key == key)
+    def _ready(self, key: Hashable) -> tuple[int, int]:
+        """Lines and source tokens waiting under `key` (the most the next batch could hold)."""
+        jobs = [j for j in self.queue if j.key == key]
+        return sum(len(j.lines) - j.taken for j in jobs), sum(sum(j.costs[j.taken:]) for j in jobs)
 
     async def _fill(self) -> None:
-        """Waits until the oldest job's batch is full or it has waited `max_wait` seconds."""
+        """Waits until the oldest job's batch is full, holds as many lines as the previous batch,
+        or has waited `max_wait` seconds."""
         assert self._wake is not None
         while self.queue:
             head = self.queue[0]
             left = head.arrived + self.max_wait - time.monotonic()
-            if left <= 0 or self._ready_tokens(head.key) >= self.max_batch_tokens:
+            lines, tokens = self._ready(head.key)
+            if left <= 0 or tokens >= self.max_batch_tokens or lines >= self.last_lines:
                 return
             self._wake.clear()
             try:
@@ -216,6 +223,7 @@ class Scheduler:
             self.busy = False
         self.stats.batches += 1
         self.stats.lines += len(lines)
+        self.last_lines = len(lines)
         if self.stats.on_batch is not None:
             self.stats.on_batch(len(lines), tokens, time.perf_counter() - start)
         for (job, i), result in zip(batch, results):

@@ -103,12 +103,24 @@ def model_device(model: Any) -> Any:
     return next(model.parameters()).device
 
 
+def _split_tokens(translator: Any, lines: list[str]) -> int:
+    """A `max_tokens` that cuts the batch into about one part per torch thread: `map_batches` then
+    searches the parts at once, each on its own thread, which beats one part on all threads for the
+    small batches a server sees (the results do not depend on it: each line is searched alike)."""
+    import torch
+
+    lengths = [len(ids) for ids in translator.encode(lines)]
+    share = math.ceil(sum(lengths) * 1.1 / torch.get_num_threads())
+    return max(1, min(4096, max(max(lengths, default=1), share)))
+
+
 def run_batch(translator: Any, key: Key, lines: list[str]) -> list[list[dict[str, Any]]]:
     """Per line, its n-best hypotheses: text, score, target subwords (and attention on request).
 
     Target subwords are the target tokenizer's segmentation of the translation; the attention is
     that of a teacher-forced pass over the source and those subwords."""
-    found = translator.search(lines, beam=key.beam, alpha=key.alpha, nbest=key.nbest)
+    found = translator.search(lines, beam=key.beam, alpha=key.alpha, nbest=key.nbest,
+                              max_tokens=_split_tokens(translator, lines))
     tgt = translator.tokenizers.tgt
     out = []
     for line, nbest in zip(lines, found):
