@@ -70,8 +70,15 @@ def argmax(row):
     return max(range(len(row)), key=row.__getitem__)
 
 
-def test_page_translates_draws_attention_and_highlights_on_hover(tmp_path_factory, tmp_path):
-    torch.set_num_threads(1)
+@pytest.fixture
+def one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)  # the machine is shared; a tiny model gains nothing from more
+    yield
+    torch.set_num_threads(old)
+
+
+def test_page_translates_draws_attention_and_highlights_on_hover(tmp_path_factory, tmp_path, one_thread):
     ckpt = tiny_checkpoint(tmp_path_factory.getbasetemp())
     app = create_app(Translator.from_checkpoint(ckpt), Limits(), ("de", "en"), checkpoint=str(ckpt))
     url, stop = serve(app)

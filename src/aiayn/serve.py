@@ -84,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from aiayn.serve_app import create_app, refuse_long
+        from aiayn.serve_app import create_app
+        from aiayn.serve_batch import refuse_long
     except ImportError as e:
         raise AiaynError(f"aiayn serve needs {e.name}: pip install 'aiayn[serve]'") from None
     from aiayn.checkpoint import load_checkpoint, resolve_checkpoint

@@ -1,0 +1,102 @@
+"""What the model thread of `aiayn serve` does with one batch: search it through `Translator.search`
+(so each line gets the translation `aiayn translate` gives it with the same settings), segment the
+translations into target subwords and, on request, compute their cross-attention.
+
+No HTTP here (`aiayn.serve_app`) and no batching (`aiayn.scheduler`): plain functions of a
+`Translator` and lines, run only in the scheduler's model thread.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+
+from aiayn.errors import AiaynError
+from aiayn.tokenizer import BOS_ID, PAD_ID
+
+DEFAULT_ALPHA = 0.6
+
+
+class Key(NamedTuple):
+    """Search settings: only lines with equal keys share a batch."""
+
+    beam: int
+    alpha: float
+    nbest: int
+    attention: bool
+
+
+class LineTooLong(AiaynError):
+    """A line has more source tokens than the model takes (the server refuses it, never truncates)."""
+
+
+def refuse_long(message: str) -> None:
+    """`Translator.note` for the server: a line the translator would truncate is refused instead."""
+    raise LineTooLong(message)
+
+
+def _score(x: float) -> float | None:
+    return None if math.isnan(x) else round(x, 6)  # greedy search has no score; JSON has no nan
+
+
+def cross_attention(model: Any, src_ids: list[int], hyps: list[list[int]]) -> list[list[list[list[float]]]]:
+    """Cross-attention of a teacher-forced pass over (source, each hypothesis), mean over heads.
+
+    Returns per hypothesis a list over layers of T rows of S weights: row t is what the decoder
+    attends to while it predicts target token t (the EOS row is left out)."""
+    T = max(len(h) for h in hyps)
+    src = torch.tensor([src_ids] * len(hyps))  # (N, S)
+    tgt = torch.full((len(hyps), T + 1), PAD_ID, dtype=torch.long)  # (N, 1 + T) right-padded
+    tgt[:, 0] = BOS_ID
+    for row, h in enumerate(hyps):
+        tgt[row, 1:1 + len(h)] = torch.tensor(h, dtype=torch.long)
+    with torch.inference_mode():
+        cross = model.attention_weights(src.to(model_device(model)), tgt.to(model_device(model)))["cross"]
+        mean = torch.stack([w.float().mean(1) for w in cross], 1).cpu()  # (N, L, 1 + T, S)
+    return [mean[row, :, :len(h)].round(decimals=4).tolist() for row, h in enumerate(hyps)]
+
+
+def model_device(model: Any) -> Any:
+    return next(model.parameters()).device
+
+
+def _split_tokens(translator: Any, lines: list[str]) -> int:
+    """A `max_tokens` that cuts the batch into about one part per torch thread: `map_batches` then
+    searches the parts at once, each on its own thread, which beats one part on all threads for the
+    small batches a server sees (the results do not depend on it: each line is searched alike)."""
+    lengths = [len(ids) for ids in translator.encode(lines)]
+    share = math.ceil(sum(lengths) * 1.1 / torch.get_num_threads())
+    return max(1, min(4096, max(max(lengths, default=1), share)))
+
+
+def run_batch(translator: Any, key: Key, lines: list[str]) -> list[list[dict[str, Any]]]:
+    """Per line, its n-best hypotheses: text, score, target subwords (and attention on request).
+
+    Target subwords are the target tokenizer's segmentation of the translation; the attention is
+    that of a teacher-forced pass over the source and those subwords."""
+    found = translator.search(lines, beam=key.beam, alpha=key.alpha, nbest=key.nbest,
+                              max_tokens=_split_tokens(translator, lines))
+    tgt = translator.tokenizers.tgt
+    out = []
+    for line, nbest in zip(lines, found):
+        hyps = [{"text": text, "score": _score(score), "tokens": tgt.pieces(text) if text else []}
+                for text, score in nbest]
+        if key.attention:
+            ids = [tgt.encode(h["text"]) for h in hyps]
+            src_ids = translator.encode([line])[0]
+            maps = cross_attention(translator.model, src_ids, ids) if src_ids and all(ids) else [[] for _ in hyps]
+            for h, m in zip(hyps, maps):
+                h["attention"] = m
+        out.append(hyps)
+    return out
+
+
+def warm_up(translator: Any, beam: int) -> None:
+    """A search of a short and a longer line, so that the first client does not pay for lazy set-up."""
+    src = translator.tokenizers.src
+    pieces = (src.id_to_piece(i) for i in range(4, min(200, src.vocab_size)))
+    words = [p[1:] for p in pieces if p.startswith("\u2581") and p[1:].isalpha()] or ["a"]
+    n = max(1, min(20, translator.max_src_tokens // 4))
+    translator.search([" ".join(words[:3]), " ".join((words * n)[:n])], beam=beam, alpha=DEFAULT_ALPHA)
