@@ -387,3 +387,16 @@ def test_scheduler_waits_for_as_many_lines_as_the_last_batch_at_most_max_wait():
     assert calls == [("k", ["a", "b", "c"]), ("k", ["d"]), ("k", ["e", "f", "g"])]
     full, *_ = _run_scheduler(go, max_wait=10.0, max_batch_tokens=1)  # a full batch goes at once
     assert full < 2.0
+
+
+def test_a_fault_in_the_scheduler_fails_the_waiting_requests_instead_of_hanging_them():
+    async def go(s, calls):
+        cut = s._cut
+        s._cut = lambda: (_ for _ in ()).throw(RuntimeError("bug"))
+        bad = s.submit("k", ["a"], [1])
+        with pytest.raises(RuntimeError, match="bug"):
+            await asyncio.wait_for(bad.future, 5)
+        s._cut = cut
+        return await asyncio.wait_for(s.submit("k", ["b"], [1]).future, 5), s.waiting
+
+    assert _run_scheduler(go) == (["k:b"], 0)

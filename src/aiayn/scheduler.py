@@ -22,6 +22,7 @@ Limits are data: `max_queue` lines may wait (not yet in a batch); beyond that `s
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
@@ -29,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+log = logging.getLogger("aiayn.serve")
 # run(key, lines) -> one result per line; called in the model thread, never on the event loop
 RunBatch = Callable[[Hashable, list[str]], list[Any]]
 
@@ -199,11 +201,16 @@ class Scheduler:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            await self._fill()
-            if not self.queue:  # everything waiting was cancelled meanwhile
-                continue
-            batch = self._cut()
-            await self._run(batch)
+            try:
+                await self._fill()
+                if self.queue:  # unless everything waiting was cancelled meanwhile
+                    await self._run(self._cut())
+            except Exception as e:  # a bug here must not leave requests waiting for ever
+                log.exception("the scheduler failed; failing the requests waiting")
+                for job in list(self.queue):
+                    self._unqueue(job)
+                    if not job.future.done():
+                        job.future.set_exception(e)
 
     async def _run(self, batch: list[tuple[Job, int]]) -> None:
         key = batch[0][0].key

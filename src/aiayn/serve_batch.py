@@ -84,13 +84,23 @@ def run_batch(translator: Any, key: Key, lines: list[str]) -> list[list[dict[str
         hyps = [{"text": text, "score": _score(score), "tokens": tgt.pieces(text) if text else []}
                 for text, score in nbest]
         if key.attention:
-            ids = [tgt.encode(h["text"]) for h in hyps]
-            src_ids = translator.encode([line])[0]
-            maps = cross_attention(translator.model, src_ids, ids) if src_ids and all(ids) else [[] for _ in hyps]
-            for h, m in zip(hyps, maps):
+            for h, m in zip(hyps, _attention(translator, line, [h["text"] for h in hyps])):
                 h["attention"] = m
         out.append(hyps)
     return out
+
+
+def _attention(translator: Any, line: str, texts: list[str]) -> list[list[list[list[float]]]]:
+    """Per translation of `line`, its cross-attention ([] for an empty translation or source)."""
+    tgt = translator.tokenizers.tgt
+    src_ids = translator.encode([line])[0]
+    ids = [tgt.encode(text) for text in texts]
+    fits = [i for i, h in enumerate(ids) if h]
+    maps: list[list[list[list[float]]]] = [[] for _ in texts]
+    if src_ids and fits:
+        for i, m in zip(fits, cross_attention(translator.model, src_ids, [ids[i] for i in fits])):
+            maps[i] = m
+    return maps
 
 
 def warm_up(translator: Any, beam: int) -> None:
