@@ -106,6 +106,8 @@ class Metrics:
         sizes = tuple(2.0 ** k for k in range(14))
         self.batch_lines = Histogram("aiayn_batch_lines", "lines per batch", registry=r, buckets=sizes)
         self.batch_tokens = Histogram("aiayn_batch_source_tokens", "source tokens per batch", registry=r, buckets=sizes)
+        self.batch_seconds = Histogram("aiayn_batch_seconds", "time the model thread spent on a batch", registry=r,
+                                       buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
         self.target_tokens = Counter("aiayn_target_tokens", "target subwords of the best translations", registry=r)
         self.tokens_per_s = Gauge("aiayn_tokens_per_second", "target subwords per second in the last batch", registry=r)
         self.dropped = Counter("aiayn_dropped_lines", "lines dropped unsearched: their client went away", registry=r)
@@ -203,6 +205,7 @@ class Server:
     def _on_batch(self, lines: int, tokens: int, seconds: float) -> None:
         self.metrics.batch_lines.observe(lines)
         self.metrics.batch_tokens.observe(tokens)
+        self.metrics.batch_seconds.observe(seconds)
 
     async def warm_up(self) -> None:
         try:
