@@ -116,8 +116,10 @@ def test_burst_of_clients_matches_aiayn_translate_then_sigterm_drains(ckpt, serv
         _post(s.url, ["ein Mann"])
 
 
-def test_ctrl_c_exits_0_and_libretranslate_form_works(ckpt, served):
+def test_ctrl_c_exits_0_libretranslate_form_and_capped_kernel_caches(ckpt, served):
     s = served().wait_ready()
+    runtime = httpx.get(f"{s.url}/v1/info").json()["runtime"]  # oneDNN's kernel caches are capped (flat RSS)
+    assert runtime["onednn_primitive_cache_capacity"] == runtime["lru_cache_capacity"] == "64"
     r = httpx.post(f"{s.url}/translate", data={"q": "ein Mann läuft", "source": "de", "target": "en"})
     assert r.status_code == 200 and r.json() == {"translatedText": "a man runs"}
     s.proc.send_signal(signal.SIGINT)

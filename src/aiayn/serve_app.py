@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import platform
 import time
 from collections.abc import Sequence
@@ -380,7 +381,9 @@ def _info_routes(app: FastAPI, srv: Server) -> None:
     info = {"languages": {"source": srv.languages[0], "target": srv.languages[1]}, "checkpoint": srv.checkpoint,
             "model": {**asdict(model.cfg), "parameters": model.num_parameters()},
             "precision": srv.translator.precision, "limits": asdict(srv.limits),
-            "versions": {"aiayn": __version__, "torch": torch.__version__, "python": platform.python_version()}}
+            "versions": {"aiayn": __version__, "torch": torch.__version__, "python": platform.python_version()},
+            "runtime": {"torch_threads": torch.get_num_threads(),
+                        **{k.lower(): os.environ.get(k) for k in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}}}
     page = resources.files("aiayn") / "static"
 
     @app.get("/health")
