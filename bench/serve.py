@@ -25,6 +25,7 @@ import http.client
 import json
 import os
 import re
+import socket
 import statistics
 import subprocess
 import sys
@@ -84,6 +85,11 @@ def load(url: str, lines: list[str], clients: int) -> tuple[float, list[float], 
 
     def client() -> None:
         conn = http.client.HTTPConnection(host, int(port), timeout=600)
+        conn.connect()
+        # http.client writes a request's headers and body separately: without TCP_NODELAY, Nagle's
+        # algorithm holds the body back until the server's delayed ACK (40 ms) on a kept-alive
+        # connection. urllib3/requests and browsers set it; so does this client.
+        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             while True:
                 with lock:

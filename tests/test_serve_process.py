@@ -2,6 +2,7 @@
 clients answered as `aiayn translate` answers, SIGTERM and Ctrl-C draining with nothing lost, and
 one-line errors for bad flags."""
 
+import http.client
 import json
 import os
 import random
@@ -122,6 +123,18 @@ def test_ctrl_c_exits_0_libretranslate_form_and_capped_kernel_caches(ckpt, serve
     assert runtime["onednn_primitive_cache_capacity"] == runtime["lru_cache_capacity"] == "64"
     r = httpx.post(f"{s.url}/translate", data={"q": "ein Mann läuft", "source": "de", "target": "en"})
     assert r.status_code == 200 and r.json() == {"translatedText": "a man runs"}
+    # kept-alive connections answer at once: no 40 ms stall of Nagle's algorithm and delayed ACKs
+    conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=30)
+    conn.connect()
+    conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    took = []
+    for _ in range(20):
+        start = time.perf_counter()
+        conn.request("GET", "/health")
+        assert conn.getresponse().read() == b'{"status":"ok"}'
+        took.append(time.perf_counter() - start)
+    conn.close()
+    assert sorted(took)[10] < 0.025, took
     s.proc.send_signal(signal.SIGINT)
     assert s.proc.wait(60) == 0
 

@@ -64,8 +64,10 @@ def _bind(host: str, port: int) -> socket.socket:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
         raise AiaynError(f"--host {host}: cannot resolve ({e.strerror})") from None
-    family, _, _, _, addr = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    family, kind, proto, _, addr = infos[0]
+    # the protocol number matters: asyncio sets TCP_NODELAY only on sockets that name IPPROTO_TCP, and
+    # without it every response (headers and body are two writes) waited 40 ms for a delayed ACK
+    sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(addr)
