@@ -221,6 +221,19 @@ def test_503_with_retry_after_when_the_queue_is_full(ckpt):
         assert c.post("/v1/translate", json={"text": ["Hund", "Kind"]}).status_code == 200
 
 
+def test_a_fault_in_the_search_is_a_500_json_and_the_server_goes_on(ckpt):
+    app = make_app(ckpt)
+    with TestClient(app) as c:
+        ready(c)
+        srv = app.state.server
+        work = srv.scheduler.run
+        srv.scheduler.run = lambda key, lines: 1 / 0
+        r = c.post("/v1/translate", json={"text": ["ein Mann"]})
+        assert r.status_code == 500 and r.json() == {"error": "translation failed (ZeroDivisionError)"}
+        srv.scheduler.run = work
+        assert c.post("/v1/translate", json={"text": ["ein Mann"]}).status_code == 200
+
+
 # ------------------------------------------------------------------------------ concurrency
 
 
