@@ -183,7 +183,7 @@ def test_422_names_the_field(client, path, body, field):
     assert r.json()["error"].startswith(f"{field}:"), r.json()
 
 
-def test_413_for_long_lines_and_bodies(client, ckpt):
+def test_413_for_long_lines_and_bodies_411_without_length(client, ckpt):
     r = client.post("/v1/translate", json={"text": ["ok", "x" * 301]})
     assert r.status_code == 413 and r.json()["error"].startswith("line 1: 301 characters")
     r = client.post("/v1/translate", json={"text": [" ".join(["rot"] * 70)]})  # max_positions is 64
@@ -195,6 +195,8 @@ def test_413_for_long_lines_and_bodies(client, ckpt):
         assert r.status_code == 413 and "more than --max-queue 3" in r.json()["error"]
         r = c.post("/v1/translate", content=b"x" * 100_000, headers={"content-type": "application/json"})
         assert r.status_code == 413 and "bytes" in r.json()["error"]
+        r = c.post("/v1/translate", content=iter([b'{"text": ["a"]}']), headers={"content-type": "application/json"})
+        assert r.status_code == 411 and "Content-Length" in r.json()["error"]  # chunked: no length to check
 
 
 def test_unknown_path_and_method_are_json(client):
