@@ -18,7 +18,7 @@ CTranslate2 run one batch at a time on all threads. The copy into Marian is chec
 logits of one batch, and the greedy translations of every sentence (printed as an agreement count).
 
 aiayn runs as `Translator` runs it: weights frozen (so linear layers use oneDNN-packed weights, see
-`aiayn.model.inference_linear`), bf16 as a bfloat16 copy of the model. Comparisons are like for
+`aiayn.kernels.inference_linear`), bf16 as a bfloat16 copy of the model. Comparisons are like for
 like: aiayn bf16 is compared with a bfloat16 copy of the Marian model and with its own bf16 search
 without the cache (the fp32 peers are printed beside them). The last lines give the speed-ups of
 aiayn over HF, over its own uncached search and over CTranslate2 float32, mode by mode, and then
@@ -115,10 +115,10 @@ def run_system(name: str, fn, encoded, groups, workers: int = 1) -> tuple[dict, 
 @contextlib.contextmanager
 def counting_linear_macs():
     """Counts the multiply-adds of every linear layer run inside the block, aiayn's
-    (`aiayn.model.inference_linear`) and torch's (`F.linear`, which HF Marian's layers call); a call
+    (`aiayn.kernels.inference_linear`) and torch's (`F.linear`, which HF Marian's layers call); a call
     that one of them makes to the other counts once. Yields a one-element list holding the count.
     Not thread-safe: run the counted systems one batch at a time."""
-    import aiayn.model as aiayn_model
+    from aiayn import kernels
 
     total, depth = [0], [0]
 
@@ -133,12 +133,12 @@ def counting_linear_macs():
                 depth[0] -= 1
         return linear
 
-    saved = aiayn_model.inference_linear, torch.nn.functional.linear
-    aiayn_model.inference_linear, torch.nn.functional.linear = counted(saved[0]), counted(saved[1])
+    saved = kernels.inference_linear, torch.nn.functional.linear
+    kernels.inference_linear, torch.nn.functional.linear = counted(saved[0]), counted(saved[1])
     try:
         yield total
     finally:
-        aiayn_model.inference_linear, torch.nn.functional.linear = saved
+        kernels.inference_linear, torch.nn.functional.linear = saved
 
 
 def linear_work(systems: dict, names: list[str], encoded, groups) -> dict[str, int]:

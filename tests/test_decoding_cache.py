@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from aiayn.config import preset
-from aiayn.model import Transformer, inference_linear
+from aiayn.kernels import inference_linear
+from aiayn.model import Transformer
 from aiayn.search import beam_search
 
 V = 30

@@ -7,10 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import aiayn.model
+import aiayn.kernels
+from aiayn.cache import LayerCache
 from aiayn.config import PRESETS, ConfigError, ModelConfig, preset
 from aiayn.errors import AiaynError
-from aiayn.model import LayerCache, Packed, PositionalEncoding, Transformer, sinusoidal_table
+from aiayn.kernels import Packed
+from aiayn.model import PositionalEncoding, Transformer, sinusoidal_table
 from reference import TorchReference
 
 V = 50
@@ -65,7 +67,7 @@ def test_matches_torch_transformer_with_padding(overrides):
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_fused_attention_path_matches_torch_transformer(norm_first, monkeypatch):
     """With the explicit CPU attention switched off, `F.scaled_dot_product_attention` runs everywhere."""
-    monkeypatch.setattr(aiayn.model, "EXPLICIT_ATTENTION_MAX_KEYS", 0)
+    monkeypatch.setattr(aiayn.kernels, "EXPLICIT_ATTENTION_MAX_KEYS", 0)
     called = []
     sdpa = F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: called.append(1) or sdpa(*a, **k))
