@@ -51,8 +51,9 @@ from pathlib import Path
 import torch
 
 from aiayn.config import preset
-from aiayn.data import multi30k_paths, read_lines
+from aiayn.data import multi30k_paths
 from aiayn.export import to_marian  # the weight mapping of `aiayn export --to hf`
+from aiayn.files import read_lines
 from aiayn.model import Transformer
 from aiayn.search import beam_search, greedy_search
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizers

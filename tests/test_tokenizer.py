@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from aiayn import files
 from aiayn import tokenizer as tk
 from aiayn.errors import AiaynError
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, TokenizerPair, build_tokenizers
@@ -194,7 +195,7 @@ def test_build_tokenizers_default_cache_is_the_user_cache(tmp_path: Path, monkey
     tgt = _write(tmp_path / "b", CORPUS[3:6] * 5)
     build_tokenizers(src, tgt, 300)
     assert list((tmp_path / "xdg" / "aiayn" / "spm").glob("*/spm.model"))
-    assert tk.default_cache_dir() == tmp_path / "xdg" / "aiayn"
+    assert files.default_cache_dir() == tmp_path / "xdg" / "aiayn"
 
 
 def test_build_tokenizers_missing_file(tmp_path: Path) -> None:

@@ -36,8 +36,8 @@ from safetensors.torch import load_file, save_file
 
 from aiayn.config import ConfigError, ModelConfig
 from aiayn.errors import AiaynError
+from aiayn.files import umask
 from aiayn.model import Transformer
-from aiayn.tokenizer import umask
 
 CONFIG, WEIGHTS, TRAINER_STATE = "config.json", "model.safetensors", "trainer_state.pt"
 TMP_PREFIX = ".tmp-"

@@ -8,13 +8,12 @@ as one line on stderr, exit status 2, no traceback.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
-import os
 import sys
 
 from aiayn import __version__
 from aiayn.errors import AiaynError
+from aiayn.files import silence_stdout
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -43,13 +42,6 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         if name == command:  # only the chosen subcommand's module is imported
             importlib.import_module(module).add_arguments(p)
     return parser
-
-
-def silence_stdout() -> None:
-    """Point standard output at /dev/null, so that the interpreter's last flush of what is still
-    buffered (after a closed pipe or a full disk) cannot fail again at exit."""
-    with contextlib.suppress(OSError, AttributeError, ValueError):
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def main(argv: list[str] | None = None) -> int:

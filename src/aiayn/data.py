@@ -2,7 +2,7 @@
 approximate sequence length. Each training batch contained a set of sentence pairs containing
 approximately 25000 source tokens and 25000 target tokens").
 
-- `read_lines` / `read_parallel`: two aligned files, plain or .gz, strict UTF-8. Every problem a
+- `read_parallel`: two aligned files, plain or .gz, strict UTF-8 (`aiayn.files.read_lines`). Every problem a
   user can fix is one `AiaynError` line naming the file (and the 1-based line where there is one):
   a missing or empty file, invalid UTF-8, different line counts, a blank line.
   Blank lines are an error, not skipped: in aligned files a blank line is usually a missing
@@ -19,7 +19,6 @@ approximately 25000 source tokens and 25000 target tokens").
 from __future__ import annotations
 
 import argparse
-import gzip
 import hashlib
 import http.client
 import os
@@ -28,7 +27,6 @@ import sys
 import tempfile
 import urllib.error
 import urllib.request
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -37,7 +35,8 @@ import torch
 from torch import Tensor
 
 from aiayn.errors import AiaynError
-from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, TokenizerPair, default_cache_dir
+from aiayn.files import default_cache_dir, file_sha256, read_lines
+from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, TokenizerPair
 
 LANGS = ("en", "de", "fr", "cs")
 SPLITS = ("train", "val", "test_2016_flickr")
@@ -66,47 +65,6 @@ Example = tuple[list[int], list[int]]  # (source ids, target ids), without BOS/E
 
 # ---------------------------------------------------------------------------------------------
 # Reading text
-
-
-def read_lines(path: str | os.PathLike[str], blank_ok: bool = False) -> list[str]:
-    """The lines of a plain or gzip UTF-8 text file, without line endings ("\\n" or "\\r\\n").
-
-    A file with no text is an error, unless `blank_ok` (hypotheses: an empty translation is one),
-    where only a file with no lines at all is.
-
-    Lines are split on "\\n" only: `str.splitlines` would also split on characters such as
-    U+2028 or U+001C that can occur inside a sentence, and shift the alignment.
-    """
-    path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise AiaynError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise AiaynError(f"{path}: is a directory, expected a text file") from None
-    except OSError as e:
-        raise AiaynError(f"{path}: cannot read ({e.strerror or e})") from None
-    if raw[:2] == b"\x1f\x8b":  # gzip magic, whatever the file is called
-        try:
-            raw = gzip.decompress(raw)
-        except (OSError, EOFError, zlib.error) as e:
-            raise AiaynError(f"{path}: corrupt or truncated gzip file ({e}); download or copy it again") from None
-    if raw.startswith(b"\xef\xbb\xbf"):
-        raw = raw[3:]  # a UTF-8 byte-order mark is not part of the first sentence
-    if not (raw if blank_ok else raw.strip()):
-        raise AiaynError(f"{path}: file is empty")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
-        col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
-        raise AiaynError(
-            f"{path}:{line}: invalid UTF-8 (byte 0x{raw[e.start]:02x} at column {col}); convert the file to UTF-8"
-        ) from None
-    lines = text.split("\n")
-    if lines[-1] == "":
-        lines.pop()  # the newline that ends the last line
-    return [s[:-1] if s.endswith("\r") else s for s in lines]
 
 
 def read_parallel(src_path: str | os.PathLike[str], tgt_path: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
@@ -188,14 +146,6 @@ def multi30k_cache_dir() -> Path:
     return default_cache_dir() / "multi30k"
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def download_multi30k(split: str, lang: str, folder: str | Path, timeout: float = 60.0) -> Path:
     """`folder/<split>.<lang>.gz`, downloaded unless already there with the right sha256.
 
@@ -209,7 +159,7 @@ def download_multi30k(split: str, lang: str, folder: str | Path, timeout: float 
     want = MULTI30K_SHA256[name]
     folder = Path(folder)
     target = folder / name
-    if target.is_file() and _sha256_file(target) == want:
+    if target.is_file() and file_sha256(target) == want:
         return target
     url = f"{os.environ.get(URL_ENV) or MULTI30K_URL}".rstrip("/") + f"/{name}"
     try:

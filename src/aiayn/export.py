@@ -38,8 +38,9 @@ import torch
 from torch import Tensor
 
 from aiayn.errors import AiaynError
+from aiayn.files import umask
 from aiayn.model import Transformer, sinusoidal_table
-from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, TokenizerPair, umask
+from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, TokenizerPair
 
 INSTALL_HINT = "pip install 'aiayn[export]'"
 PIECES = {PAD_ID: "<pad>", UNK_ID: "<unk>", BOS_ID: "<s>", EOS_ID: "</s>"}

@@ -31,8 +31,8 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from aiayn.errors import AiaynError
+from aiayn.files import atomic_write_bytes
 from aiayn.model import PositionalEncoding, Transformer
-from aiayn.tokenizer import atomic_write_bytes
 
 FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
 DEFAULT_DPI = 150

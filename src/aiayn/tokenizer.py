@@ -28,7 +28,6 @@ import io
 import json
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -36,43 +35,12 @@ from typing import Any, Iterable, Sequence
 import sentencepiece as spm
 
 from aiayn.errors import AiaynError
+from aiayn.files import atomic_write_bytes, default_cache_dir, file_sha256, read_lines
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 MODEL_TYPES = ("bpe", "unigram")
 JOINT_FILE, SRC_FILE, TGT_FILE = "spm.model", "src.spm.model", "tgt.spm.model"
 _CACHE_VERSION = 1  # bump when the training options below change, so stale cache entries are not reused
-
-
-def umask() -> int:
-    """The process's umask, read without changing it where Linux tells it (os.umask can only be read
-    by setting it, which races with threads creating files)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write `data` to `path` through a temporary file in the same folder, fsync, then rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o666 & ~umask())  # mkstemp makes 0600 files; give the mode a plain open() would
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _trainer_options(vocab_size: int, model_type: str) -> dict[str, Any]:
@@ -258,23 +226,6 @@ class TokenizerPair:
         }
 
 
-def default_cache_dir() -> Path:
-    """The user cache for aiayn: $XDG_CACHE_HOME/aiayn, else ~/.cache/aiayn."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "aiayn"
-
-
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    try:
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-    except FileNotFoundError:
-        raise AiaynError(f"{path}: no such file") from None
-    return h.hexdigest()
-
-
 def build_tokenizers(
     train_src: Path,
     train_tgt: Path,
@@ -288,8 +239,6 @@ def build_tokenizers(
     The cache key is the sha256 of both files' bytes and of the settings, so changed data or
     settings retrain. `cache_dir` defaults to `default_cache_dir() / "spm"`.
     """
-    from aiayn.data import read_lines  # data.py imports this module's ids; import here to avoid a cycle
-
     if model_type not in MODEL_TYPES:
         raise AiaynError(f"unknown tokenizer model type {model_type!r}; choose one of {', '.join(MODEL_TYPES)}")
     train_src, train_tgt = Path(train_src), Path(train_tgt)
@@ -299,8 +248,8 @@ def build_tokenizers(
         "vocab_size": int(vocab_size),
         "joint": bool(joint),
         "model_type": model_type,
-        "src": _file_digest(train_src),
-        "tgt": _file_digest(train_tgt),
+        "src": file_sha256(train_src),
+        "tgt": file_sha256(train_tgt),
     }
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:24]
     folder = Path(cache_dir if cache_dir is not None else default_cache_dir() / "spm") / key

@@ -36,8 +36,8 @@ from typing import IO, Any, BinaryIO
 
 import torch
 
-from aiayn.cli import silence_stdout
 from aiayn.errors import AiaynError
+from aiayn.files import silence_stdout
 from aiayn.search import Hypothesis, beam_search, greedy_search
 from aiayn.tokenizer import TokenizerPair
 
