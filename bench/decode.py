@@ -255,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     if "ct2" not in skip:  # CTranslate2 on `aiayn export --to ctranslate2` of the same weights, fp32 and int8
         import tempfile
 
-        from aiayn.export import CT2Translator, to_ctranslate2
+        from aiayn.export import to_ctranslate2
+        from aiayn.translate import CT2Translator
 
         exports = tempfile.TemporaryDirectory(prefix="aiayn-decode-")  # removed when the run ends
         for q in ("float32", "int8"):

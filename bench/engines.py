@@ -40,11 +40,12 @@ from aiayn.checkpoint import load_checkpoint, save_checkpoint
 from aiayn.config import preset
 from aiayn.data import multi30k_paths
 from aiayn.evaluate import corpus_scores
-from aiayn.export import CT2Translator, export_ctranslate2, export_hf
+from aiayn.export import export_ctranslate2, export_hf
 from aiayn.files import read_lines
 from aiayn.model import Transformer
 from aiayn.search import beam_search, greedy_search
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizers
+from aiayn.translate import CT2Translator
 from decode import batches, padded  # bench/decode.py: the same batches for every engine
 
 A, B = 1.0, 50  # aiayn's length limit: floor(A * source length + B)

@@ -210,7 +210,7 @@ def test_hf_tokenizer_with_separate_vocabularies(tmp_path, monkeypatch):
 
 def test_ctranslate2_export_greedy_is_identical(trained, tmp_path):
     pytest.importorskip("ctranslate2")
-    from aiayn.export import CT2Translator
+    from aiayn.translate import CT2Translator
 
     ckpt, model, pair, lines = trained
     out = tmp_path / "ct2"
@@ -260,7 +260,8 @@ def test_translate_cli_with_ctranslate2_engine_matches_torch(trained, tmp_path, 
 
 def test_ctranslate2_translator_truncates_long_lines_with_a_note(trained, tmp_path):
     pytest.importorskip("ctranslate2")
-    from aiayn.export import CT2Translator, export_ctranslate2
+    from aiayn.export import export_ctranslate2
+    from aiayn.translate import CT2Translator
 
     ckpt, _, pair, _ = trained
     export_ctranslate2(ckpt, tmp_path / "ct2")
@@ -275,7 +276,8 @@ def test_ctranslate2_translator_truncates_long_lines_with_a_note(trained, tmp_pa
 
 def test_ctranslate2_int8_and_pre_norm(tmp_path):
     pytest.importorskip("ctranslate2")
-    from aiayn.export import CT2Translator, export_ctranslate2
+    from aiayn.export import export_ctranslate2
+    from aiayn.translate import CT2Translator
 
     tok = Tokenizer.train([f"{w} {v}" for w in SRC_WORDS for v in TGT_WORDS], 300)
     pair = TokenizerPair(tok, tok, joint=True)

@@ -14,7 +14,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiayn import files
-from aiayn import tokenizer as tk
 from aiayn.errors import AiaynError
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, TokenizerPair, build_tokenizers
 

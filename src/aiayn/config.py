@@ -149,7 +149,8 @@ def preset(name: str, **overrides: Any) -> ModelConfig:
     return ModelConfig(**{**PRESETS[name], **overrides})
 
 
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # training: autocast dtypes (`TrainConfig.precision`)
+INFERENCE_PRECISIONS = ("fp32", "bf16")  # search: the weights' dtype (`Translator`, `CT2Translator`)
 
 
 @dataclass(frozen=True)

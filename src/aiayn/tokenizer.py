@@ -38,6 +38,7 @@ from aiayn.errors import AiaynError
 from aiayn.files import atomic_write_bytes, default_cache_dir, file_sha256, read_lines
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+PIECES = {PAD_ID: "<pad>", UNK_ID: "<unk>", BOS_ID: "<s>", EOS_ID: "</s>"}  # their fixed piece names
 MODEL_TYPES = ("bpe", "unigram")
 JOINT_FILE, SRC_FILE, TGT_FILE = "spm.model", "src.spm.model", "tgt.spm.model"
 _CACHE_VERSION = 1  # bump when the training options below change, so stale cache entries are not reused
@@ -51,10 +52,10 @@ def _trainer_options(vocab_size: int, model_type: str) -> dict[str, Any]:
         unk_id=UNK_ID,
         bos_id=BOS_ID,
         eos_id=EOS_ID,
-        pad_piece="<pad>",
-        unk_piece="<unk>",
-        bos_piece="<s>",
-        eos_piece="</s>",
+        pad_piece=PIECES[PAD_ID],
+        unk_piece=PIECES[UNK_ID],
+        bos_piece=PIECES[BOS_ID],
+        eos_piece=PIECES[EOS_ID],
         byte_fallback=True,
         character_coverage=1.0,
         normalization_rule_name="identity",
@@ -177,6 +178,17 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, sha256={self.sha256()[:12]})"
+
+
+def vocabulary(tok: Tokenizer) -> list[str]:
+    """The pieces of a tokenizer in id order (id i -> piece i); special pieces have fixed names."""
+    pieces = [tok.id_to_piece(i) for i in range(tok.vocab_size)]
+    for i, name in PIECES.items():
+        if pieces[i] != name:
+            raise AiaynError(f"tokenizer piece {i} is {pieces[i]!r}, expected {name!r}; train the tokenizer with aiayn")
+    if len(set(pieces)) != len(pieces):
+        raise AiaynError("the tokenizer has duplicate pieces; it cannot be mapped to a vocabulary file")
+    return pieces
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Translation with a trained model: the Python API (`Translator`) and `aiayn translate`.
+"""Translation with a trained model: the Python API (`Translator` on torch, `CT2Translator` on a
+CTranslate2 export, one interface) and `aiayn translate`.
 
 Raw text in, detokenized text out (Section 6.1's beam search, see `aiayn.search`). The promises,
 pinned by tests/test_translate.py:
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import json
 import math
 import os
 import select
@@ -32,17 +34,16 @@ import unicodedata
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO, Any, BinaryIO
 
 import torch
 
-from aiayn.errors import AiaynError
+from aiayn.config import INFERENCE_PRECISIONS
+from aiayn.errors import AiaynError, require
 from aiayn.files import silence_stdout
 from aiayn.search import Hypothesis, beam_search, greedy_search
-from aiayn.tokenizer import TokenizerPair
-
-PRECISIONS = ("fp32", "bf16")
-BOS_ID, EOS_ID = 2, 3  # aiayn.tokenizer's fixed special ids (kept here so the stub tests need no tokenizer)
+from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, PIECES, TokenizerPair, vocabulary
 
 # Characters that `str.splitlines` treats as line ends: an output line must never contain one.
 _LINE_BREAKS = str.maketrans({c: " " for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"})
@@ -191,7 +192,22 @@ def _stderr_note(msg: str) -> None:
     print(f"aiayn translate: {msg}", file=sys.stderr, flush=True)
 
 
-class Translator:
+class BaseTranslator:
+    """The interface of both translators, `Translator` (torch) and `CT2Translator` (CTranslate2):
+    `search` gives each input line its n-best (translation, score) list, `translate` the texts."""
+
+    def search(self, lines: Sequence[str], first_line: int = 1, **settings: Any) -> list[list[tuple[str, float]]]:
+        raise NotImplementedError
+
+    def translate(self, lines: Sequence[str], beam: int = 4, alpha: float = 0.6, nbest: int = 1,
+                  max_tokens: int = 4096, **settings: Any) -> list[str]:
+        """Translations of `lines`, one per line in order (with nbest=N: N consecutive ones per line,
+        the best first; fewer only if the search found fewer)."""
+        res = self.search(lines, beam=beam, alpha=alpha, nbest=nbest, max_tokens=max_tokens, **settings)
+        return [text for nb in res for text, _ in nb[:nbest]]
+
+
+class Translator(BaseTranslator):
     """A model and its tokenizers, ready to translate lists of raw sentences.
 
     `max_src_tokens` (default: the model's `max_positions`) caps the source length; longer lines
@@ -200,8 +216,8 @@ class Translator:
 
     def __init__(self, model: Any, tokenizers: Any, precision: str = "fp32", device: str | torch.device = "cpu",
                  max_src_tokens: int | None = None, note: Callable[[str], None] | None = None) -> None:
-        if precision not in PRECISIONS:
-            raise AiaynError(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        if precision not in INFERENCE_PRECISIONS:
+            raise AiaynError(f"--precision must be one of {', '.join(INFERENCE_PRECISIONS)}, got {precision!r}")
         self.device = torch.device(device)
         if precision == "bf16" and next(model.parameters()).dtype != torch.bfloat16:
             model = copy.deepcopy(model).to(torch.bfloat16)  # a copy: the caller's model stays as it was
@@ -258,12 +274,81 @@ class Translator:
                 results[i] = [(one_line(self.tokenizers.tgt.decode(ids)), score) for ids, score in nb]
         return results
 
-    def translate(self, lines: Sequence[str], beam: int = 4, alpha: float = 0.6, nbest: int = 1,
-                  max_tokens: int = 4096, **settings: Any) -> list[str]:
-        """Translations of `lines`, one per line in order (with nbest=N: N consecutive ones per line,
-        the best first; fewer only if the search found fewer)."""
-        res = self.search(lines, beam=beam, alpha=alpha, nbest=nbest, max_tokens=max_tokens, **settings)
-        return [text for nb in res for text, _ in nb[:nbest]]
+
+class CT2Translator(BaseTranslator):
+    """Translates text with a CTranslate2 export (`aiayn export --to ctranslate2`).
+
+    The same contract as `Translator` (`search` and `translate` take the same settings): one output
+    per input line, in order; a blank line gives an empty translation; a line longer than the
+    model's `max_positions` is truncated with a note. The maximum length per
+    sentence is aiayn's floor(max_len_a * source length + max_len_b) tokens; PAD and BOS are never
+    generated. Greedy search gives aiayn's translations; CTranslate2's beam search divides scores by
+    len**alpha where aiayn divides by ((5 + len) / 6)**alpha, and it stops a hypothesis at the
+    batch's longest length limit (cut to the sentence's own limit afterwards) instead of forcing EOS.
+    `precision` "fp32" computes in the export's own weight type (float32 or int8); "bf16" in bfloat16.
+    """
+
+    def __init__(self, path: str | Path, precision: str = "fp32", threads: int = 0,
+                 note: Any = None) -> None:
+        ct2 = require("ctranslate2", "--engine ctranslate2")
+        path = Path(path)
+        if not (path / "model.bin").is_file():
+            raise AiaynError(f"{path} is not a CTranslate2 export (no model.bin); create one with "
+                             "`aiayn export --checkpoint DIR --to ctranslate2 OUT`")
+        if precision not in INFERENCE_PRECISIONS:
+            raise AiaynError(f"--precision must be one of {', '.join(INFERENCE_PRECISIONS)}, got {precision!r}")
+        self.path = path
+        self.tokenizers = TokenizerPair.load(path)
+        self._src_vocab = vocabulary(self.tokenizers.src)
+        self._tgt_index = {p: i for i, p in enumerate(vocabulary(self.tokenizers.tgt))}
+        try:
+            meta = json.loads((path / "aiayn.json").read_text(encoding="utf-8"))
+            self.max_src_tokens = int(meta["model"]["max_positions"])
+        except (OSError, ValueError, KeyError, TypeError):
+            raise AiaynError(f"{path}/aiayn.json is missing or damaged; export the checkpoint again") from None
+        self.note = note or _stderr_note
+        compute = "default" if precision == "fp32" else "bfloat16"
+        try:
+            self.engine = ct2.Translator(str(path), device="cpu", compute_type=compute, intra_threads=threads)
+        except (RuntimeError, ValueError) as e:
+            raise AiaynError(f"{path}: CTranslate2 cannot load it with precision {precision} "
+                             f"({str(e).splitlines()[0]})") from e
+
+    @classmethod
+    def from_path(cls, path: str | Path, precision: str = "fp32", **kwargs: Any) -> "CT2Translator":
+        return cls(path, precision, **kwargs)
+
+    def translate_ids(self, src_ids: Sequence[Sequence[int]], beam: int = 4, alpha: float = 0.6, nbest: int = 1,
+                      max_len_a: float = 1.0, max_len_b: int = 50, min_len: int = 0,
+                      max_tokens: int = 4096) -> list[list[tuple[list[int], float]]]:
+        """Per sentence, up to `nbest` (ids, score) pairs, best first; ids without BOS/EOS.
+
+        An empty source gives `nbest` times ([], 0.0). Greedy scores are nan (as in aiayn).
+        """
+        out: list[list[tuple[list[int], float]]] = [[([], 0.0)] * int(nbest) for _ in src_ids]
+        todo = [i for i, s in enumerate(src_ids) if len(s)]
+        if not todo:
+            return out
+        limits = [min(max(1, math.floor(len(src_ids[i]) * max_len_a + max_len_b)), 2 ** 31 - 1) for i in todo]
+        results = self.engine.translate_batch(
+            [[self._src_vocab[t] for t in src_ids[i]] for i in todo],
+            beam_size=int(beam), num_hypotheses=int(nbest), length_penalty=float(alpha) if beam > 1 else 0.0,
+            max_decoding_length=max(limits), min_decoding_length=int(min_len), max_input_length=0,
+            suppress_sequences=[[PIECES[PAD_ID]], [PIECES[BOS_ID]]], return_scores=beam > 1,
+            max_batch_size=int(max_tokens), batch_type="tokens",
+        )
+        for i, limit, r in zip(todo, limits, results):
+            scores = r.scores if beam > 1 else [float("nan")] * len(r.hypotheses)
+            out[i] = [([self._tgt_index[p] for p in h][:limit], float(sc)) for h, sc in zip(r.hypotheses, scores)]
+        return out
+
+    def search(self, lines: Sequence[str], first_line: int = 1, **settings: Any) -> list[list[tuple[str, float]]]:
+        """Per input line, up to `nbest` (translation, score) pairs, as `Translator.search`."""
+        s = Settings(**settings)
+        s.check()
+        ids = encode_sources(self.tokenizers, lines, self.max_src_tokens, self.note, first_line)
+        hyps = self.translate_ids(ids, s.beam, s.alpha, s.nbest, s.max_len_a, s.max_len_b, s.min_len, s.max_tokens)
+        return [[(one_line(self.tokenizers.tgt.decode(h)), sc) for h, sc in nb] for nb in hyps]
 
 
 # ------------------------------------------------------------------------------------- the CLI
@@ -353,7 +438,7 @@ def add_search_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=0,
                    help="batches searched at once on the CPU, each on its share of the threads (0: one per thread); "
                         "translate takes them from one --chunk-lines chunk at a time; the torch engine only")
-    p.add_argument("--precision", choices=PRECISIONS, default="fp32",
+    p.add_argument("--precision", choices=INFERENCE_PRECISIONS, default="fp32",
                    help="bf16: a bfloat16 copy of the model, ~1.5x faster beam search on CPUs with AVX512-BF16")
 
 
@@ -450,8 +535,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         _check_output(args.output, src)
         if getattr(args, "engine", "torch") == "ctranslate2":
-            from aiayn.export import CT2Translator  # the same search/translate contract, on CTranslate2
-
             translator: Any = CT2Translator.from_path(args.checkpoint, precision=args.precision)
         else:
             if all(os.path.isfile(os.path.join(args.checkpoint, f)) for f in ("model.bin", "aiayn.json")):
