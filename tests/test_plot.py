@@ -16,12 +16,11 @@ import torch
 
 from aiayn import checkpoint, plot
 from aiayn.cli import main
-from aiayn.config import TrainConfig, preset
+from aiayn.config import TrainConfig, learning_rate, preset
 from aiayn.errors import AiaynError
 from aiayn.model import Transformer, sinusoidal_table
 from aiayn.search import greedy_search
 from aiayn.tokenizer import BOS_ID, EOS_ID, Tokenizer, TokenizerPair
-from aiayn.train import learning_rate
 
 SENTENCES = [
     "Ein Mann fährt Fahrrad.", "A man rides a bike.", "Zwei Hunde spielen im Schnee.", "Two dogs play in the snow.",
@@ -140,7 +139,8 @@ def test_attention_rows_sum_to_one_and_decoder_sees_no_future(model, tokenizers)
 
 def test_attention_figure_draws_those_weights_with_subword_labels(model, tokenizers):
     maps = plot.attention_maps(model, tokenizers, SRC, TGT)
-    pieces_src, pieces_tgt = tokenizers.src.pieces(SRC), tokenizers.tgt.pieces(TGT)
+    pieces_src = [tokenizers.src.id_to_piece(i) for i in tokenizers.src.encode(SRC)]
+    pieces_tgt = [tokenizers.tgt.id_to_piece(i) for i in tokenizers.tgt.encode(TGT)]
     assert maps.src_labels == pieces_src
     assert maps.tgt_in_labels == ["<s>"] + pieces_tgt  # what each decoder position reads
     assert maps.tgt_out_labels == pieces_tgt + ["</s>"]  # what it predicts

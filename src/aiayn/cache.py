@@ -103,8 +103,8 @@ class DecoderCache:
     """The decoding cache: per-layer keys/values, the source padding mask and the decoded length.
 
     The cache holds N sentences and R = N * `beam` decoder rows; row r belongs to sentence
-    r // beam. `expand(beam)` gives every sentence `beam` rows (beam search), and `reorder(indices)`
-    selects rows (beam search reorders hypotheses and drops finished sentences). Source-side state
+    r // beam. `reorder(indices, beam)` selects rows: beam search gives every sentence `beam` rows,
+    reorders hypotheses and drops finished sentences. Source-side state
     (cross-attention keys/values, `src_keep`) is kept once per sentence and only copied when the
     set of sentences changes.
     """
@@ -113,19 +113,6 @@ class DecoderCache:
     src_keep: Tensor  # (N, S) bool, True = real source token
     length: int = 0
     beam: int = 1  # decoder rows per sentence
-
-    @property
-    def rows(self) -> int:
-        return self.src_keep.size(0) * self.beam
-
-    def expand(self, beam: int) -> None:
-        """Every row becomes `beam` consecutive rows (copies of it); the source side is not copied."""
-        if beam == 1:
-            return
-        rows = torch.arange(self.rows, device=self.src_keep.device).repeat_interleave(beam)
-        for layer in self.layers:
-            layer.reorder_rows(rows)
-        self.beam *= beam
 
     def reorder(self, indices: Tensor, beam: int | None = None) -> None:
         """Keep rows `indices` (R',): new row i continues old row indices[i].

@@ -1,13 +1,13 @@
 """Frozen configuration dataclasses with the paper's defaults (Vaswani et al., 2017, Table 3).
 
-A config is plain data: it round-trips through JSON (`to_json` / `from_json`) so that a checkpoint
-directory describes the model it holds. Presets: `tiny` (tests), `small`, `base` and `big`.
+A config is plain data: it round-trips through JSON (`to_dict` / `from_dict`) so that a checkpoint
+directory describes the model it holds. The learning-rate schedule (Section 5.3) is here too, a
+formula of the config's numbers that the trainer and the plots share. Presets: `tiny` (tests), `small`, `base` and `big`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import typing
 from dataclasses import dataclass
@@ -125,13 +125,6 @@ class ModelConfig:
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
         return _from_dict(cls, data)
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> "ModelConfig":
-        return cls.from_dict(json.loads(text))
-
 
 # Table 3 of the paper: base and big; small and tiny are sizes that train on a laptop CPU.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -147,6 +140,12 @@ def preset(name: str, **overrides: Any) -> ModelConfig:
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     return ModelConfig(**{**PRESETS[name], **overrides})
+
+
+def learning_rate(step: int, d_model: int, warmup: int, factor: float = 1.0) -> float:
+    """Section 5.3: linear warm-up for `warmup` steps, then decay with the inverse square root."""
+    step = max(step, 1)
+    return factor * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
 
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # training: autocast dtypes (`TrainConfig.precision`)

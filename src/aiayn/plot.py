@@ -30,14 +30,15 @@ import torch
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from aiayn.config import learning_rate
 from aiayn.errors import AiaynError
 from aiayn.files import atomic_write_bytes
 from aiayn.model import PositionalEncoding, Transformer
+from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, PIECES
 
 FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
 DEFAULT_DPI = 150
-# The special ids of aiayn.tokenizer (PAD, UNK, BOS, EOS = 0, 1, 2, 3), named for axis labels.
-SPECIAL_LABELS = {0: "<pad>", 2: "<s>", 3: "</s>"}
+SPECIAL_LABELS = {i: PIECES[i] for i in (PAD_ID, BOS_ID, EOS_ID)}  # axis labels of the special ids
 
 
 # ----------------------------------------------------------------------------------------- output
@@ -206,7 +207,6 @@ def attention_arrays(model: Transformer, src: torch.Tensor, tgt_in: torch.Tensor
 def greedy_ids(model: Transformer, src: torch.Tensor, max_len_a: float = 1.0, max_len_b: int = 50) -> list[int]:
     """The model's greedy translation of one source (1, S) (aiayn.search.greedy_search), in eval mode."""
     from aiayn.search import greedy_search
-    from aiayn.tokenizer import BOS_ID, EOS_ID
 
     was_training = model.training
     model.eval()
@@ -443,9 +443,7 @@ def curves_figure(records: list[dict[str, Any]], title: str | None = None) -> tu
 
 
 def schedule(steps: np.ndarray, d_model: int, warmup: int, factor: float = 1.0) -> np.ndarray:
-    """The trainer's learning rate (`aiayn.train.learning_rate`, Section 5.3) at each step."""
-    from aiayn.train import learning_rate
-
+    """The trainer's learning rate (`aiayn.config.learning_rate`, Section 5.3) at each step."""
     return np.array([learning_rate(int(s), d_model, warmup, factor) for s in steps], dtype=np.float64)
 
 

@@ -157,18 +157,11 @@ class Tokenizer:
             raise AiaynError(f"token id {bad[0]} is outside the tokenizer's vocabulary of {n}; model and tokenizer do not match")
         return str(self._sp.decode(keep))
 
-    def pieces(self, text: str) -> list[str]:
-        """Subword pieces of `text` as strings (for plot labels); "▁" marks a preceding space."""
-        return list(self._sp.encode(text, out_type=str))
-
     def id_to_piece(self, i: int) -> str:
         return str(self._sp.id_to_piece(int(i)))
 
     def sha256(self) -> str:
         return hashlib.sha256(self._bytes).hexdigest()
-
-    def to_bytes(self) -> bytes:
-        return self._bytes
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Tokenizer) and other._bytes == self._bytes

@@ -40,17 +40,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from aiayn import checkpoint as ckpt
-from aiayn.config import PRESETS, ConfigError, ModelConfig, TrainConfig, preset
+from aiayn.config import PRESETS, ConfigError, ModelConfig, TrainConfig, learning_rate, preset
 from aiayn.errors import AiaynError
 from aiayn.model import Transformer
 
 # ------------------------------------------------------------------------------------ the recipe
-
-
-def learning_rate(step: int, d_model: int, warmup: int, factor: float = 1.0) -> float:
-    """Section 5.3: linear warm-up for `warmup` steps, then decay with the inverse square root."""
-    step = max(step, 1)
-    return factor * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
 
 
 def loss_sum(model: torch.nn.Module, batch: Any, label_smoothing: float, pad_id: int = 0) -> Tensor:
