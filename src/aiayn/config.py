@@ -1,8 +1,9 @@
 """Frozen configuration dataclasses with the paper's defaults (Vaswani et al., 2017, Table 3).
 
 A config is plain data: it round-trips through JSON (`to_dict` / `from_dict`) so that a checkpoint
-directory describes the model it holds. The learning-rate schedule (Section 5.3) is here too, a
-formula of the config's numbers that the trainer and the plots share. Presets: `tiny` (tests), `small`, `base` and `big`.
+directory describes the model it holds. Presets: `tiny` (tests), `small`, `base` and `big`.
+The learning-rate schedule (Section 5.3) is here too: a formula of the config's numbers that the
+trainer and the plots share.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 approximate sequence length. Each training batch contained a set of sentence pairs containing
 approximately 25000 source tokens and 25000 target tokens").
 
-- `read_parallel`: two aligned files, plain or .gz, strict UTF-8 (`aiayn.files.read_lines`). Every problem a
-  user can fix is one `AiaynError` line naming the file (and the 1-based line where there is one):
+- `read_parallel`: two aligned files, plain or .gz, strict UTF-8 (`aiayn.files.read_lines`). Every
+  problem a user can fix is one `AiaynError` line naming the file (and the 1-based line where there is one):
   a missing or empty file, invalid UTF-8, different line counts, a blank line.
   Blank lines are an error, not skipped: in aligned files a blank line is usually a missing
   translation or a shifted alignment, and dropping it silently would hide that.

@@ -18,4 +18,5 @@ def require(module: str, purpose: str = "exporting") -> Any:
         return importlib.import_module(module)
     except ImportError:
         top = module.split(".")[0]
-        raise AiaynError(f"{purpose} needs the optional package '{top}', which is not installed: {INSTALL_HINT}") from None
+        raise AiaynError(f"{purpose} needs the optional package '{top}', which is not installed: "
+                         f"{INSTALL_HINT}") from None
