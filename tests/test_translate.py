@@ -463,3 +463,31 @@ def test_a_ctranslate2_export_without_its_engine_says_so(tmp_path, capsys):
     assert cli.main(["translate", "--checkpoint", str(tmp_path), "--input", os.devnull]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is a CTranslate2 export" in err and "--engine ctranslate2" in err
+
+
+def test_translating_a_sample_mid_training_leaves_the_model_training(parts, ckpt):
+    """`Translator(model)` translates in eval mode but gives the caller's model back as it was:
+    training mode and trainable weights, so the next training step still updates every weight."""
+    import copy
+
+    model = copy.deepcopy(parts[0]).train().requires_grad_(True)
+    lines = ["a man runs", "the dog plays with a ball"]
+    t = Translator(model, parts[1])
+    before = t.search(lines, beam=2, **FAST)
+    got = [nb[0][0] for nb in before]
+    assert all(m.training for m in model.modules())
+    assert all(p.requires_grad for p in model.parameters())
+    frozen = copy.deepcopy(model).eval().requires_grad_(False)
+    assert got == Translator(frozen, parts[1]).translate(lines, beam=2, **FAST)  # eval mode: no dropout
+    assert not frozen.training  # a caller's eval mode stays too
+    src = torch.tensor([[5, 6, 7, EOS_ID]])
+    model.loss(src, torch.tensor([[2, 5, 6]]), torch.tensor([[5, 6, EOS_ID]]), reduction="sum").backward()
+    assert all(p.grad is not None for p in model.parameters() if p.dim() == 2)
+    # a fused Adam step changes the weights in place without bumping their version: the next sample
+    # must see the new weights, not a packed copy of the old ones
+    torch.optim.Adam(model.parameters(), lr=0.05, fused=True).step()
+    after = t.search(lines, beam=2, **FAST)
+    assert after != before
+    assert after == Translator(copy.deepcopy(model).requires_grad_(False), parts[1]).search(lines, beam=2, **FAST)
+    # a Translator that loaded its own model freezes it, for speed
+    assert not any(p.requires_grad for p in Translator.from_checkpoint(ckpt).model.parameters())

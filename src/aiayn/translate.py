@@ -191,6 +191,31 @@ def _stderr_note(msg: str) -> None:
     print(f"aiayn translate: {msg}", file=sys.stderr, flush=True)
 
 
+@contextlib.contextmanager
+def evaluating(model: torch.nn.Module) -> Iterator[None]:
+    """Eval mode (no dropout) for the block, then every submodule's own mode back: a model being
+    trained can translate a sample and go on training."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def inference_view(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` itself if its weights are frozen; else a copy whose parameters are frozen aliases of
+    the caller's (same storage, no copy of the weights), so search takes the packed inference GEMMs
+    while the caller's model keeps training. A new view per call: the optimizer may have changed the
+    weights in place since (fused Adam without bumping their version), so no packed copy is reused."""
+    params = list(model.parameters())
+    if not any(p.requires_grad for p in params):
+        return model
+    memo: dict[int, Any] = {id(p): torch.nn.Parameter(p.detach(), requires_grad=False) for p in params}
+    return copy.deepcopy(model, memo)
+
+
 class Translator:
     """A model and its tokenizers, ready to translate lists of raw sentences.
 
@@ -204,8 +229,10 @@ class Translator:
             raise AiaynError(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         self.device = torch.device(device)
         if precision == "bf16" and next(model.parameters()).dtype != torch.bfloat16:
-            model = copy.deepcopy(model).to(torch.bfloat16)  # a copy: the caller's model stays as it was
-        self.model = model.to(self.device).eval().requires_grad_(False)  # frozen: packed inference GEMMs
+            # a copy of our own: frozen, so its linear layers take the packed inference GEMMs
+            model = copy.deepcopy(model).to(torch.bfloat16).requires_grad_(False)
+        # The caller's model stays as it was (mode, requires_grad): `search` runs on `inference_view`.
+        self.model = model.to(self.device)
         self.tokenizers = tokenizers
         self.precision = precision
         self.max_src_tokens = int(max_src_tokens or model.cfg.max_positions)
@@ -218,7 +245,8 @@ class Translator:
         from aiayn.checkpoint import load_checkpoint, resolve_checkpoint
 
         ckpt = load_checkpoint(resolve_checkpoint(path))
-        return cls(ckpt.model, ckpt.tokenizers, precision=precision, device=device, **kwargs)
+        model = ckpt.model.requires_grad_(False)  # ours alone: frozen weights take the packed inference GEMMs
+        return cls(model, ckpt.tokenizers, precision=precision, device=device, **kwargs)
 
     def encode(self, lines: Sequence[str], first_line: int = 1) -> list[list[int]]:
         """Source ids per line ([] for a blank line), truncated to `max_src_tokens` with a note."""
@@ -238,7 +266,8 @@ class Translator:
         s.check()
         encoded = self.encode(lines, first_line)
         results: list[list[tuple[str, float]]] = [[("", 0.0)] * s.nbest for _ in lines]
-        pad = self.model.cfg.pad_id
+        model = inference_view(self.model)
+        pad = model.cfg.pad_id
 
         def run(batch: list[int]) -> list[list[Hypothesis]]:
             S = len(encoded[batch[0]])
@@ -248,14 +277,15 @@ class Translator:
             src = src.to(self.device)
             if s.beam == 1:
                 return [[(ids, float("nan"))] for ids in greedy_search(
-                    self.model, src, BOS_ID, EOS_ID, s.max_len_a, s.max_len_b, s.min_len)]
-            return beam_search(self.model, src, BOS_ID, EOS_ID, beam=s.beam, alpha=s.alpha, max_len_a=s.max_len_a,
+                    model, src, BOS_ID, EOS_ID, s.max_len_a, s.max_len_b, s.min_len)]
+            return beam_search(model, src, BOS_ID, EOS_ID, beam=s.beam, alpha=s.alpha, max_len_a=s.max_len_a,
                                max_len_b=s.max_len_b, min_len=s.min_len, nbest=s.nbest)
 
         batches = list(length_batches(encoded, s.max_tokens, s.batch_size))
-        for batch, hyps in zip(batches, map_batches(run, batches, s.workers, self.device)):
-            for i, nb in zip(batch, hyps):
-                results[i] = [(one_line(self.tokenizers.tgt.decode(ids)), score) for ids, score in nb]
+        with evaluating(model):
+            for batch, hyps in zip(batches, map_batches(run, batches, s.workers, self.device)):
+                for i, nb in zip(batch, hyps):
+                    results[i] = [(one_line(self.tokenizers.tgt.decode(ids)), score) for ids, score in nb]
         return results
 
     def translate(self, lines: Sequence[str], beam: int = 4, alpha: float = 0.6, nbest: int = 1,
