@@ -122,6 +122,33 @@ def test_loss_of_the_model_equals_cross_entropy_of_its_logits():
     torch.testing.assert_close(T.loss_sum(m, b, 0.1), want, rtol=1e-5, atol=1e-4)
 
 
+def test_label_smoothing_spreads_its_mass_over_every_class_pad_included():
+    """The README's promise: the smoothed target puts 1 - eps + eps/V on the true token and eps/V on
+    each of the V classes, pad (and BOS) included, at real target positions only; Transformer.loss
+    computes exactly that (a pad-excluded eps/(V-1) would differ)."""
+    torch.manual_seed(0)
+    V, eps = 40, 0.1
+    m = Transformer(preset("tiny", src_vocab_size=V, tgt_vocab_size=V)).eval()
+    b = collate(_examples(6), list(range(6)))
+    logp = m(b.src, b.tgt_in).float().log_softmax(-1)  # (B, T, V)
+    real = b.tgt_out.ne(0)
+    onehot = F.one_hot(b.tgt_out, V).float()
+    every = (1 - eps) * onehot + eps / V
+    without_pad = (1 - eps) * onehot + eps / (V - 1) * (torch.arange(V) != 0)
+    got = T.loss_sum(m, b, eps)
+    torch.testing.assert_close(got, -(every * logp).sum(-1)[real].sum(), rtol=1e-5, atol=1e-4)
+    assert not torch.allclose(got, -(without_pad * logp).sum(-1)[real].sum(), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("native, want", [(True, "bf16"), (False, "fp32")])
+def test_auto_precision_takes_bf16_only_on_a_cpu_that_computes_it(monkeypatch, native, want):
+    import aiayn.model
+
+    monkeypatch.setattr(aiayn.model, "cpu_has_fast_bf16", lambda: native)
+    assert T.precision_context("auto", torch.device("cpu"))[2] == want
+    assert T.precision_context("bf16", torch.device("cpu"))[2] == "bf16"  # asked for by name: as asked
+
+
 def _examples(n: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
     g = random.Random(seed)
     return [([g.randrange(4, 40) for _ in range(g.randint(1, 9))], [g.randrange(4, 40) for _ in range(g.randint(1, 9))])
