@@ -353,6 +353,32 @@ def test_resume_refuses_options_that_change_the_batches(tmp_path, corpus, capsys
     assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--resume", "--patience", "3")) == 0  # others may change
 
 
+def test_resume_continues_the_run_with_its_saved_settings(tmp_path, corpus, capsys):
+    extra = ("--dropout", "0.1", "--label-smoothing", "0.2", "--log-every", "1", "--save-every", "1")
+    ref, out = tmp_path / "ref", tmp_path / "r"
+    assert cli_main(tiny_args(corpus, ref, "--max-steps", "4", *extra)) == 0
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "2", *extra)) == 0
+    before = (out / "train.json").read_text()
+    capsys.readouterr()
+    # an option that would change the run: one line naming it, nothing written
+    for flag, value in (("--dropout", "0.3"), ("--warmup", "20"), ("--precision", "auto"), ("--lr-factor", "1.0"),
+                        ("--preset", "small"), ("--label-smoothing", "0.1")):
+        assert cli_main(["train", "--out", str(out), "--resume", "--max-steps", "4", flag, value]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{flag} {value} differs from the run's" in err, err
+    assert (out / "train.json").read_text() == before and not (out / "step_3").exists()
+    # no data, recipe or model flags: the run's own settings continue it, as if never stopped
+    assert cli_main(["train", "--out", str(out), "--resume", "--max-steps", "4"]) == 0
+    a, b = weights(ref, 4), weights(out, 4)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # train.json says what the checkpoint holds
+    run = json.loads((out / "train.json").read_text())
+    held = json.loads((out / "step_4" / "config.json").read_text())
+    assert run["train"] == held["train"] and run["preset"] == held["preset"] == "tiny"
+    assert run["model"] == {k: v for k, v in held["model"].items() if k not in T._MODEL_FROM_DATA}
+    assert run["model"]["dropout"] == 0.1 and run["train"]["warmup"] == 10 and run["train"]["max_steps"] == 4
+
+
 def test_resume_skips_a_trainer_state_that_lacks_a_field(tmp_path, corpus, capsys):
     out = tmp_path / "r"
     assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--save-every", "1")) == 0

@@ -32,7 +32,7 @@ import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Collection, Iterator
 
 import torch
 import torch.distributed as dist
@@ -156,13 +156,13 @@ def _read_config_file(path: str) -> dict[str, Any]:
     return data
 
 
-def build_configs(args: argparse.Namespace) -> tuple[str, dict[str, Any], TrainConfig]:
-    """Preset < --config file < flags. Returns (preset name, model overrides, TrainConfig)."""
+def _options_given(args: argparse.Namespace) -> tuple[str | None, dict[str, Any], dict[str, Any]]:
+    """(preset, model options, train options) set by the --config file or flags, flags winning."""
     model_names = {f.name for f in dataclasses.fields(ModelConfig)} - set(_MODEL_FROM_DATA)
     train_names = {f.name for f in dataclasses.fields(TrainConfig)}
     model_over: dict[str, Any] = {}
     train_over: dict[str, Any] = {}
-    name = "small"
+    name = None
     if args.config:
         data = _read_config_file(args.config)
         flat: dict[str, Any] = {}
@@ -187,6 +187,13 @@ def build_configs(args: argparse.Namespace) -> tuple[str, dict[str, Any], TrainC
     for k in train_names:
         if hasattr(args, k):
             train_over[k] = getattr(args, k)
+    return name, model_over, train_over
+
+
+def build_configs(args: argparse.Namespace) -> tuple[str, dict[str, Any], TrainConfig]:
+    """Preset < --config file < flags. Returns (preset name, model overrides, TrainConfig)."""
+    name, model_over, train_over = _options_given(args)
+    name = "small" if name is None else name
     if not isinstance(name, str) or name not in PRESETS:
         raise AiaynError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     try:
@@ -194,6 +201,13 @@ def build_configs(args: argparse.Namespace) -> tuple[str, dict[str, Any], TrainC
     except TypeError as e:
         raise AiaynError(f"bad option type: {e}") from e
     return name, model_over, tc
+
+
+def given_options(args: argparse.Namespace) -> set[str]:
+    """Names of the TrainConfig fields (and "preset") that the --config file or a flag set: on
+    --resume, the others take the run's saved values."""
+    name, _, train_over = _options_given(args)
+    return set(train_over) | ({"preset"} if name is not None else set())
 
 
 # ---------------------------------------------------------------------------------------- runtime
@@ -549,8 +563,11 @@ class Metrics:
         os.replace(tmp, self.path)
 
 
-# options that decide the batches and their order: a resumed run must keep them
-BATCH_ORDER_FIELDS = ("seed", "max_tokens", "update_freq", "max_len", "long")
+# Options that cannot change what a run has computed so far: a resumed run may take new values.
+# The data files may move (their sha256 is checked); `out` and `device` always come from the command.
+FREE_ON_RESUME = frozenset({"max_epochs", "max_steps", "max_minutes", "patience", "keep_last", "save_every",
+                            "valid_bleu", "log_every", "threads", "device", "out",
+                            "data_dir", "train_src", "train_tgt", "valid_src", "valid_tgt"})
 
 # what a trainer_state.pt must hold to resume from it (`Trainer.state` and the loop's position)
 RESUME_KEYS = frozenset({"optimizer", "step", "epoch", "position", "elapsed_s", "best_bleu", "bad_epochs",
@@ -627,19 +644,23 @@ class Run:
 
 
 def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume: bool = False,
-          log: Any = print) -> dict[str, Any]:
-    """Trains per `tc` and returns a summary (step, epoch, best BLEU, stop reason, last checkpoint)."""
+          log: Any = print, given: Collection[str] | None = None) -> dict[str, Any]:
+    """Trains per `tc` and returns a summary (step, epoch, best BLEU, stop reason, last checkpoint).
+
+    With `resume`, continues the newest checkpoint in `tc.out` with the run's saved settings (see
+    `resumed_settings`; `given` names the options set on the command line, None: all of `tc`).
+    """
     d = setup_distributed(tc.device)
     info = (lambda msg: log(msg)) if d.main else (lambda msg: None)
-    if tc.threads:
-        torch.set_num_threads(tc.threads)
     existing = _open_run_dir(Path(tc.out), resume, d)
     loaded = _load_newest(existing, info) if resume and existing else None
     if loaded:
-        _check_resume_options(loaded, tc)
+        preset_name, tc = resumed_settings(loaded, preset_name, model_over, tc, given)
         info(f"resuming from {loaded.path}")
     elif resume:
         info(f"nothing to resume in {tc.out}; starting a new run")
+    if tc.threads:
+        torch.set_num_threads(tc.threads)
     run = _set_up(preset_name, model_over, tc, loaded, d, info)
     with Stopper() as stopper:
         bar = _progress(_total_steps(run), run.trainer.step, d.main)
@@ -693,13 +714,30 @@ def _load_newest(existing: list[tuple[int, Path]], info: Any) -> ckpt.Checkpoint
     raise first_error  # type: ignore[misc]
 
 
-def _check_resume_options(loaded: ckpt.Checkpoint, tc: TrainConfig) -> None:
-    before = loaded.config.get("train") if isinstance(loaded.config.get("train"), dict) else {}
-    for name in BATCH_ORDER_FIELDS:  # the saved position means something only with the same batches
-        if name in before and before[name] != getattr(tc, name):
-            flag = "--" + name.replace("_", "-")
-            raise AiaynError(f"{flag} {getattr(tc, name)} differs from the run's {before[name]}: resuming would "
-                             f"change the batches and the place in them; resume with {flag} {before[name]}")
+def resumed_settings(loaded: ckpt.Checkpoint, preset_name: str, model_over: dict[str, Any], tc: TrainConfig,
+                     given: Collection[str] | None) -> tuple[str, TrainConfig]:
+    """The run's saved settings, with the given values of FREE_ON_RESUME options; any other given
+    option (`given`: names set on the command line; None: every field of `tc`) must equal the saved
+    value, else one error names it."""
+    saved = loaded.config.get("train") if isinstance(loaded.config.get("train"), dict) else {}
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    try:
+        base = TrainConfig.from_dict({k: v for k, v in saved.items() if k in names})
+    except (ConfigError, TypeError) as e:
+        raise AiaynError(f"{loaded.path / ckpt.CONFIG}: invalid train config ({e}); resume from another checkpoint") from e
+    typed = names | {"preset"} if given is None else set(given)
+    before = {"preset": loaded.config.get("preset", preset_name), **base.to_dict()}
+    now = {"preset": preset_name, **tc.to_dict()}
+    changed = [(k, now[k], before[k]) for k in sorted(typed - FREE_ON_RESUME) if now[k] != before[k]]
+    changed += [(k, v, getattr(loaded.model_config, k)) for k, v in sorted(model_over.items())
+                if v != getattr(loaded.model_config, k)]
+    if changed:
+        name, value, was = changed[0]
+        flag = "--" + name.replace("_", "-")
+        raise AiaynError(f"{flag} {value} differs from the run's {was}: --resume continues the run with its own "
+                         f"settings; drop {flag}, or start a new run with another --out")
+    keep = (typed & FREE_ON_RESUME) | {"out", "device"}
+    return before["preset"], base.replace(**{k: getattr(tc, k) for k in keep})
 
 
 def _set_up(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, loaded: ckpt.Checkpoint | None, d: Dist,
@@ -728,7 +766,8 @@ def _set_up(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, loade
     run.steps_per_epoch = max(1, math.ceil(len(rank_batches(corpus.train, tc, 1, d)) / tc.update_freq))
     run.metrics.truncate_after(run.trainer.step)  # a fresh start (step 0) clears lines of a run killed before its first checkpoint
     if d.main:
-        (out / "train.json").write_text(json.dumps({"preset": preset_name, "model": model_over, "train": tc.to_dict()},
+        model_options = {k: v for k, v in mcfg.to_dict().items() if k not in _MODEL_FROM_DATA}  # the model it holds
+        (out / "train.json").write_text(json.dumps({"preset": preset_name, "model": model_options, "train": tc.to_dict()},
                                                    indent=2) + "\n", encoding="utf-8")
     _describe(run, info)
     return run
@@ -857,7 +896,7 @@ def _progress(total: int | None, initial: int, enabled: bool) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     name, model_over, tc = build_configs(args)
-    summary = train(name, model_over, tc, resume=args.resume)
+    summary = train(name, model_over, tc, resume=args.resume, given=given_options(args))
     if summary["signal"] is not None:
         return 128 + int(summary["signal"])
     return 0
