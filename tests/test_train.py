@@ -379,6 +379,24 @@ def test_resume_continues_the_run_with_its_saved_settings(tmp_path, corpus, caps
     assert run["model"]["dropout"] == 0.1 and run["train"]["warmup"] == 10 and run["train"]["max_steps"] == 4
 
 
+@pytest.mark.parametrize("changed", ["train_src", "valid_tgt"])
+def test_resume_refuses_changed_data(tmp_path, corpus, capsys, changed):
+    out = tmp_path / "r"
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--save-every", "1")) == 0
+    state = torch.load(out / "step_2" / "trainer_state.pt", weights_only=True)
+    assert set(state["data_sha256"]) == {"train_src", "train_tgt", "valid_src", "valid_tgt"}
+    f = Path(corpus[changed])
+    lines = f.read_text().splitlines()
+    f.write_text("\n".join(lines[1:] + lines[:1]) + "\n")  # the same lines in another order
+    capsys.readouterr()
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "3", "--resume")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{f} is not the file the run was trained on" in err, err
+    assert not (out / "step_3").exists()
+    f.write_text("\n".join(lines) + "\n")  # back as it was: the run continues
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "3", "--resume")) == 0
+
+
 def test_resume_skips_a_trainer_state_that_lacks_a_field(tmp_path, corpus, capsys):
     out = tmp_path / "r"
     assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--save-every", "1")) == 0

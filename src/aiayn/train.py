@@ -388,6 +388,28 @@ def load_corpus(tc: TrainConfig, tokenizers: Any | None, run_dir: Path, d: Dist)
     return Corpus(tokenizers, train, valid, vs, vt, len(src_lines), skipped)
 
 
+def data_digests(tc: TrainConfig) -> dict[str, str]:
+    """sha256 of each training and validation file, by option name: a resumed run's saved position
+    in its batches means something only on the same data."""
+    from aiayn.data import _sha256_file
+
+    names = ("train_src", "train_tgt", "valid_src", "valid_tgt")
+    return {name: _sha256_file(p) for name, p in zip(names, corpus_paths(tc)) if p is not None}
+
+
+def check_same_data(was: Any, now: dict[str, str], tc: TrainConfig) -> None:
+    """Refuses to resume on files other than the run's (`was`: the digests in its trainer state;
+    a checkpoint written before they were kept has none, and is taken on trust)."""
+    if not isinstance(was, dict):
+        return
+    paths = dict(zip(("train_src", "train_tgt", "valid_src", "valid_tgt"), corpus_paths(tc)))
+    for name in sorted(set(was) | set(now)):
+        if was.get(name) != now.get(name):
+            what = paths.get(name) or f"--{name.replace('_', '-')}"
+            raise AiaynError(f"{what} is not the file the run was trained on (its sha256 differs from the checkpoint's); "
+                             "resume with the run's data, or start a new run with another --out")
+
+
 def rank_batches(examples: list, tc: TrainConfig, epoch: int, d: Dist) -> list[list[int]]:
     """This rank's batches of an epoch: batches[rank::world], cut to a count every rank shares."""
     from aiayn.data import batch_indices
@@ -596,6 +618,7 @@ class Run:
     model: Transformer
     trainer: Trainer
     metrics: Metrics
+    digests: dict[str, str]  # sha256 of the data files (`data_digests`)
     epoch: int = 1
     pos: int = 0  # batches of this rank's epoch already taken
     elapsed: float = 0.0  # seconds trained by earlier processes of the run
@@ -631,7 +654,7 @@ class Run:
         if d.main:
             state = {**self.trainer.state(), "epoch": self.epoch, "position": self.pos, "elapsed_s": self.seconds(),
                      "best_bleu": self.best_bleu, "bad_epochs": self.bad_epochs, "tokens_seen": self.tokens_seen,
-                     "rng": rngs, "world": d.world, "seed": tc.seed}
+                     "rng": rngs, "world": d.world, "seed": tc.seed, "data_sha256": self.digests}
             config = {"model": self.model.cfg.to_dict(), "train": tc.to_dict(), "preset": self.preset,
                       "step": self.trainer.step, "epoch": self.epoch}
             ckpt.save_checkpoint(path, self.model, self.corpus.tokenizers, config, state)
@@ -744,6 +767,9 @@ def _set_up(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, loade
             info: Any) -> Run:
     """Data, model, trainer and metrics, restored from `loaded` when resuming; writes train.json."""
     out = Path(tc.out)
+    digests = data_digests(tc)
+    if loaded:
+        check_same_data((loaded.trainer_state or {}).get("data_sha256"), digests, tc)
     corpus = load_corpus(tc, loaded.tokenizers if loaded else None, out, d)
     mcfg = loaded.model_config if loaded else _new_model_config(preset_name, model_over, tc, corpus.tokenizers)
     torch.manual_seed(tc.seed)
@@ -755,7 +781,7 @@ def _set_up(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, loade
         torch.manual_seed(tc.seed + 1000 * d.rank)
         random.seed(tc.seed + 1000 * d.rank)
     run = Run(tc, preset_name, d, out, corpus, model, Trainer(model, tc, d, tc.precision),
-              Metrics(out / "metrics.jsonl", d.main), last_saved=loaded.path if loaded else None)
+              Metrics(out / "metrics.jsonl", d.main), digests, last_saved=loaded.path if loaded else None)
     if loaded:
         st = loaded.trainer_state
         assert st is not None
