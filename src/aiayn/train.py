@@ -416,6 +416,10 @@ def rank_batches(examples: list, tc: TrainConfig, epoch: int, d: Dist) -> list[l
 
     batches = batch_indices(examples, tc.max_tokens, tc.seed, epoch)
     per_rank = len(batches) // d.world
+    if per_rank == 0:  # every rank finds the same, so all stop together (an empty epoch would repeat for ever)
+        raise AiaynError(f"the training data makes {len(batches)} batch{'es' if len(batches) != 1 else ''} of "
+                         f"--max-tokens {tc.max_tokens}, fewer than the {d.world} processes; lower --max-tokens or "
+                         "start fewer processes")
     return batches[d.rank::d.world][:per_rank]
 
 
