@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -244,6 +245,49 @@ def test_refuses_to_overwrite_a_run_without_resume(tmp_path, corpus, capsys):
     capsys.readouterr()
     assert cli_main(tiny_args(corpus, tmp_path / "r", "--max-steps", "2")) == 2
     assert "already holds checkpoints" in capsys.readouterr().err
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_new_run_never_touches_what_it_did_not_write(tmp_path, corpus, capsys):
+    # a folder holding a best/ and metrics of some earlier work, but no step_<N>/ to resume from
+    out = tmp_path / "r"
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--save-every", "1", "--keep-last", "1")) == 0
+    (out / "step_2").rename(tmp_path / "moved")
+    shutil.copytree(tmp_path / "moved", out / "best")
+    (out / ".tmp-notes").mkdir()
+    (out / ".tmp-notes" / "todo.txt").write_text("mine\n")
+    before = _tree(out)
+    capsys.readouterr()
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "1")) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out} is not empty" in err and "use --resume" in err and err.count("\n") == 1, err
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "1", "--resume")) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out} holds .tmp-notes, best but no step_<N>/ checkpoint" in err and err.count("\n") == 1, err
+    assert _tree(out) == before
+    # a resumable run: its own stale temporaries go, a user's .tmp- folder stays
+    (tmp_path / "moved").rename(out / "step_2")
+    (out / ".tmp-step_3-0123abcd").mkdir()
+    (out / ".tmp-pruned-step_1-89abcdef").mkdir()
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "3", "--resume")) == 0
+    assert (out / ".tmp-notes" / "todo.txt").read_text() == "mine\n"
+    assert not (out / ".tmp-step_3-0123abcd").exists() and not (out / ".tmp-pruned-step_1-89abcdef").exists()
+
+
+def test_resume_starts_again_a_run_killed_before_its_first_checkpoint(tmp_path, corpus, capsys):
+    out = tmp_path / "r"
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--log-every", "1")) == 0
+    for p in out.glob("step_*"):  # as if killed before the first save: train.json, metrics.jsonl, no step
+        shutil.rmtree(p)
+    capsys.readouterr()
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--log-every", "1")) == 2
+    assert "use --resume" in capsys.readouterr().err
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--log-every", "1", "--resume")) == 0
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2] and (out / "step_2").is_dir()
 
 
 # ----------------------------------------------------------------------------- command line

@@ -708,12 +708,26 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
     return summary
 
 
+# What a run leaves in --out before its first checkpoint: --resume starts such a run again.
+_EARLY_FILES = frozenset({"train.json", "metrics.jsonl", "metrics.jsonl.tmp", "tokenizer"})
+
+
 def _open_run_dir(out: Path, resume: bool, d: Dist) -> list[tuple[int, Path]]:
-    """Refuses an --out that holds checkpoints unless resuming; makes it; returns its step checkpoints."""
+    """Makes --out and returns its step checkpoints. A new run needs an empty or new --out, and
+    --resume one with a checkpoint or only what a run leaves before its first: a run never deletes
+    or rewrites what it did not write."""
     existing = ckpt.step_checkpoints(out)
     if existing and not resume:
         raise AiaynError(f"--out {out} already holds checkpoints (newest {existing[-1][1].name}); add --resume to "
                          "continue that run, or choose another --out")
+    held = sorted(p.name for p in out.iterdir()) if not existing and out.is_dir() else []
+    if held and not resume:
+        raise AiaynError(f"--out {out} is not empty (it holds {', '.join(held[:3])}{', ...' if len(held) > 3 else ''}); "
+                         "use --resume to continue the run there, or choose another --out")
+    others = [n for n in held if n not in _EARLY_FILES and not ckpt.is_own_temporary(n)]
+    if others:
+        raise AiaynError(f"--out {out} holds {', '.join(others[:3])} but no step_<N>/ checkpoint to resume from; "
+                         "choose another --out")
     if d.main:
         try:
             out.mkdir(parents=True, exist_ok=True)
