@@ -290,6 +290,29 @@ def test_resume_starts_again_a_run_killed_before_its_first_checkpoint(tmp_path, 
     assert steps == [1, 2] and (out / "step_2").is_dir()
 
 
+def test_new_runs_feed_the_source_ending_with_eos_and_old_runs_go_on_without(tmp_path, corpus, monkeypatch):
+    from aiayn.tokenizer import EOS_ID, TokenizerPair
+
+    out = tmp_path / "r"
+    train_cli(tiny_args(corpus, out, "--max-steps", "1", "--save-every", "1"))
+    assert json.loads((out / "step_1" / "config.json").read_text())["model"]["source_eos"] is True
+    tc = TrainConfig(**{k: v for k, v in corpus.items()}, max_tokens=160, out=str(out))
+    toks = TokenizerPair.load(out / "step_1")
+    new = T.load_corpus(tc, toks, out, T.Dist(), source_eos=True)
+    bare = T.load_corpus(tc, toks, out, T.Dist(), source_eos=False)
+    assert all(s[-1] == EOS_ID and EOS_ID not in s[:-1] for s, _ in new.train + new.valid)
+    assert [(s + [EOS_ID], t) for s, t in bare.train + bare.valid] == new.train + new.valid
+    # a run from before the field (its checkpoint says nothing) resumes on bare sources
+    cfg = json.loads((out / "step_1" / "config.json").read_text())
+    del cfg["model"]["source_eos"]
+    (out / "step_1" / "config.json").write_text(json.dumps(cfg))
+    seen = []
+    real = T.load_corpus
+    monkeypatch.setattr(T, "load_corpus", lambda *a: seen.append(a[-1]) or real(*a))
+    train_cli(tiny_args(corpus, out, "--max-steps", "2", "--save-every", "1", "--resume"))
+    assert seen == [False] and json.loads((out / "step_2" / "config.json").read_text())["model"]["source_eos"] is False
+
+
 # ----------------------------------------------------------------------------- command line
 
 

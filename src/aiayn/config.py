@@ -85,6 +85,9 @@ class ModelConfig:
     max_positions: int = 1024  # positional table size; it grows if a longer input comes
     pad_id: int = 0
     layer_norm_eps: float = 1e-5
+    # The source ends with EOS, as fairseq and Marian (and every Hugging Face pipeline) feed it. A
+    # config without this field is from a model trained on bare sources: `from_dict` gives it False.
+    source_eos: bool = True
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -123,7 +126,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
-        return _from_dict(cls, data)
+        return _from_dict(cls, {"source_eos": False, **data})  # older checkpoints: bare sources
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)

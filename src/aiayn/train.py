@@ -355,8 +355,9 @@ def corpus_paths(tc: TrainConfig) -> tuple[Path, Path, Path | None, Path | None]
             Path(tc.valid_tgt) if tc.valid_tgt else None)
 
 
-def load_corpus(tc: TrainConfig, tokenizers: Any | None, run_dir: Path, d: Dist) -> Corpus:
-    """Reads and encodes the data; trains the tokenizers on rank 0 unless they are given (resume)."""
+def load_corpus(tc: TrainConfig, tokenizers: Any | None, run_dir: Path, d: Dist, source_eos: bool = False) -> Corpus:
+    """Reads and encodes the data (sources ending with EOS if `source_eos`); trains the tokenizers
+    on rank 0 unless they are given (resume)."""
     from aiayn import data
     from aiayn.tokenizer import TokenizerPair, build_tokenizers
 
@@ -371,7 +372,7 @@ def load_corpus(tc: TrainConfig, tokenizers: Any | None, run_dir: Path, d: Dist)
         d.barrier()
         if tokenizers is None:  # other ranks use rank 0's tokenizer, byte for byte
             tokenizers = TokenizerPair.load(shared)
-    train, skipped = data.encode_pairs(src_lines, tgt_lines, tokenizers, tc.max_len, tc.long)
+    train, skipped = data.encode_pairs(src_lines, tgt_lines, tokenizers, tc.max_len, tc.long, source_eos)
     if not train:
         raise AiaynError(f"every training pair is longer than --max-len {tc.max_len}; raise --max-len")
     need = max(max(len(s), len(t) + 1) for s, t in train)
@@ -383,7 +384,7 @@ def load_corpus(tc: TrainConfig, tokenizers: Any | None, run_dir: Path, d: Dist)
     vt: list[str] = []
     if va_src is not None and va_tgt is not None:
         vs, vt = data.read_parallel(va_src, va_tgt)
-        valid, _ = data.encode_pairs(vs, vt, tokenizers, tc.max_len, "truncate")
+        valid, _ = data.encode_pairs(vs, vt, tokenizers, tc.max_len, "truncate", source_eos)
         valid = [(s, t) for s, t in valid if max(len(s), len(t) + 1) <= tc.max_tokens]
     return Corpus(tokenizers, train, valid, vs, vt, len(src_lines), skipped)
 
@@ -539,7 +540,8 @@ def validate(model: Transformer, corpus: Corpus, tc: TrainConfig, autocast: Any,
         out["loss"], out["nll"] = loss / max(tokens, 1), nll / max(tokens, 1)
     n = min(tc.valid_bleu, len(corpus.valid_src))
     if n:
-        src_ids = [ids[: tc.max_len] for ids in corpus.tokenizers.src.encode_batch(corpus.valid_src[:n])]
+        eos = [EOS_ID] if model.cfg.source_eos else []
+        src_ids = [ids[: tc.max_len] + eos for ids in corpus.tokenizers.src.encode_batch(corpus.valid_src[:n])]
         order = sorted(range(n), key=lambda i: len(src_ids[i]))
         hyps = [""] * n
         step = 64
@@ -788,7 +790,8 @@ def _set_up(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, loade
     digests = data_digests(tc)
     if loaded:
         check_same_data((loaded.trainer_state or {}).get("data_sha256"), digests, tc)
-    corpus = load_corpus(tc, loaded.tokenizers if loaded else None, out, d)
+    source_eos = loaded.model_config.source_eos if loaded else model_over.get("source_eos", ModelConfig.source_eos)
+    corpus = load_corpus(tc, loaded.tokenizers if loaded else None, out, d, source_eos)
     mcfg = loaded.model_config if loaded else _new_model_config(preset_name, model_over, tc, corpus.tokenizers)
     torch.manual_seed(tc.seed)
     random.seed(tc.seed)

@@ -97,17 +97,19 @@ def has_text(line: str) -> bool:
 
 
 def encode_sources(tokenizers: TokenizerPair, lines: Sequence[str], max_src_tokens: int,
-                   note: Callable[[str], None], first_line: int = 1) -> list[list[int]]:
-    """Source ids per line ([] for a blank line); a line longer than `max_src_tokens` is cut to it
-    and `note` says which line (the contract of every translation engine: nothing is dropped)."""
+                   note: Callable[[str], None], first_line: int = 1, eos: bool = False) -> list[list[int]]:
+    """Source ids per line ([] for a blank line), ending with EOS if `eos` (a model trained so:
+    `ModelConfig.source_eos`); a line longer than `max_src_tokens` (EOS included) is cut to it and
+    `note` says which line (the contract of every translation engine: nothing is dropped)."""
     out: list[list[int]] = []
+    room = max(1, max_src_tokens - eos)
     for i, line in enumerate(lines):
         ids = tokenizers.src.encode(line) if has_text(line) else []
-        if len(ids) > max_src_tokens:
+        if len(ids) > room:
             note(f"line {first_line + i}: {len(ids)} source tokens, more than the model takes; "
-                 f"translated its first {max_src_tokens} tokens only")
-            ids = ids[:max_src_tokens]
-        out.append(ids)
+                 f"translated its first {room} tokens only")
+            ids = ids[:room]
+        out.append(ids + [EOS_ID] if ids and eos else ids)
     return out
 
 
@@ -250,7 +252,8 @@ class Translator:
 
     def encode(self, lines: Sequence[str], first_line: int = 1) -> list[list[int]]:
         """Source ids per line ([] for a blank line), truncated to `max_src_tokens` with a note."""
-        return encode_sources(self.tokenizers, lines, self.max_src_tokens, self.note, first_line)
+        return encode_sources(self.tokenizers, lines, self.max_src_tokens, self.note, first_line,
+                              getattr(self.model.cfg, "source_eos", False))
 
     @torch.no_grad()
     def search(self, lines: Sequence[str], first_line: int = 1, **settings: Any) -> list[list[tuple[str, float]]]:
