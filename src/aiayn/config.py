@@ -190,7 +190,7 @@ class TrainConfig:
     adam_eps: float = 1e-9
     label_smoothing: float = 0.1
     clip_norm: float = 0.0
-    precision: str = "auto"  # auto: bf16 on a CPU with hardware bf16, else fp32; bf16 (or fp16 + scaler) on CUDA
+    precision: str = "auto"  # auto: bf16 on a CPU with oneDNN bf16 kernels, else fp32; bf16 (fp16 + scaler) on CUDA
     device: str = "auto"
     # the loop
     max_epochs: int = 30

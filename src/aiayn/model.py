@@ -88,8 +88,8 @@ _PACK_BATCH_HINT = 128
 
 
 def cpu_has_fast_bf16() -> bool:
-    """Whether oneDNN computes bf16 in hardware on this CPU (AVX-512 or AMX); elsewhere bf16 is
-    emulated and slower than fp32. The one check behind bf16 packing and `--precision auto`."""
+    """Whether oneDNN has bf16 kernels for this CPU (AVX-512 or AMX); elsewhere bf16 runs on slow
+    fallback code and fp32 is faster. The one check behind bf16 packing and `--precision auto`."""
     return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 

@@ -221,9 +221,11 @@ def attention_maps(model: Transformer, tokenizers: Any, src_text: str, tgt_text:
     """Attention of `model` reading `src_text` and producing `tgt_text`, or its own greedy
     translation (the exact tokens it chose) when `tgt_text` is None. The source ends with EOS if
     the model was trained so (`ModelConfig.source_eos`), as translation feeds it."""
+    from aiayn.tokenizer import EOS_ID
+
     src_ids = tokenizers.src.encode(src_text)
     if src_ids and model.cfg.source_eos:
-        src_ids = src_ids + [3]  # EOS (SPECIAL_LABELS)
+        src_ids = src_ids + [EOS_ID]
     if tgt_text is None:
         src, _, _, _, _ = attention_inputs(tokenizers, src_ids, [])
         tgt_ids = greedy_ids(model, src, max_len_a, max_len_b)

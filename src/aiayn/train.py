@@ -96,8 +96,8 @@ _HELP = {
     "adam_eps": "Adam epsilon",
     "label_smoothing": "label smoothing of the cross entropy",
     "clip_norm": "clip the gradient norm to this value (0: off)",
-    "precision": "auto (bf16 autocast on a CPU that computes bf16 in hardware, else fp32; bf16 or fp16 + gradient "
-                 "scaler on CUDA), fp32, bf16, fp16",
+    "precision": "auto (bf16 autocast on a CPU with oneDNN bf16 kernels (AVX-512, AMX), else fp32; bf16 or fp16 + "
+                 "gradient scaler on CUDA), fp32, bf16, fp16",
     "device": "auto, cpu or cuda[:N]",
     "max_epochs": "stop after this many epochs (0: no limit)",
     "max_steps": "stop after this many optimizer steps (0: no limit)",
@@ -263,8 +263,8 @@ def setup_distributed(device_pref: str) -> Dist:
 
 
 def precision_context(precision: str, device: torch.device) -> tuple[Any, bool, str]:
-    """(autocast context factory, use a GradScaler, resolved name). `auto` takes bf16 only where the
-    hardware computes it (emulated bf16 on an older CPU is slower than fp32)."""
+    """(autocast context factory, use a GradScaler, resolved name). `auto` takes bf16 on the CPU only
+    where oneDNN has bf16 kernels for it (`cpu_has_fast_bf16`; elsewhere bf16 is slower than fp32)."""
     if precision == "auto":
         if device.type == "cuda":
             precision = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
