@@ -194,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     lines = read_lines(src_path)
     n = 48 if args.quick else (args.n or len(lines))
     lines = lines[:n]
-    encoded = [toks.src.encode(line)[: model.cfg.max_positions] or [toks.src.encode(".")[0]] for line in lines]
+    eos = [EOS_ID] if model.cfg.source_eos else []  # the source as the model was trained on it
+    encoded = [(toks.src.encode(line) or toks.src.encode("."))[: model.cfg.max_positions - len(eos)] + eos
+               for line in lines]
     groups = batches(encoded, args.max_tokens, args.batch_size)
     K, a, b = args.beam, 1.0, 50
     workers = worker_count(args.workers, len(groups))  # as map_batches will run aiayn

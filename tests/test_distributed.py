@@ -52,3 +52,24 @@ def test_two_ranks_match_one_process_with_update_freq_2(tmp_path):
     # only rank 0 wrote: one run directory layout, no per-rank files
     names = sorted(p.name for p in two.iterdir())
     assert names == ["metrics.jsonl", f"step_{steps}", "tokenizer", "train.json"], names
+
+
+def _torchrun(tmp_path, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1",
+           "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"), "TMPDIR": str(tmp_path / "tmp")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "aiayn", *argv]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_fewer_batches_than_ranks_stops_every_rank_with_one_message(tmp_path):
+    """Three short pairs make one batch: no rank can have a share. Every rank stops at once with the
+    same message (this once validated and saved step_0 again and again, for ever)."""
+    corpus = make_corpus(tmp_path / "data", n_train=3)
+    run = tmp_path / "run"
+    res = _torchrun(tmp_path, tiny_args(corpus, run, "--max-steps", "2", "--max-epochs", "0"), timeout=300)
+    assert res.returncode != 0
+    err = res.stderr
+    assert err.count("aiayn train: error: the training data makes 1 batch of --max-tokens 160, fewer than the 2 "
+                     "processes; lower --max-tokens or start fewer processes") == 2, err[-3000:]
+    assert not list(run.glob("step_*")) and not (run / "metrics.jsonl").exists()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -122,6 +123,33 @@ def test_loss_of_the_model_equals_cross_entropy_of_its_logits():
     torch.testing.assert_close(T.loss_sum(m, b, 0.1), want, rtol=1e-5, atol=1e-4)
 
 
+def test_label_smoothing_spreads_its_mass_over_every_class_pad_included():
+    """The README's promise: the smoothed target puts 1 - eps + eps/V on the true token and eps/V on
+    each of the V classes, pad (and BOS) included, at real target positions only; Transformer.loss
+    computes exactly that (a pad-excluded eps/(V-1) would differ)."""
+    torch.manual_seed(0)
+    V, eps = 40, 0.1
+    m = Transformer(preset("tiny", src_vocab_size=V, tgt_vocab_size=V)).eval()
+    b = collate(_examples(6), list(range(6)))
+    logp = m(b.src, b.tgt_in).float().log_softmax(-1)  # (B, T, V)
+    real = b.tgt_out.ne(0)
+    onehot = F.one_hot(b.tgt_out, V).float()
+    every = (1 - eps) * onehot + eps / V
+    without_pad = (1 - eps) * onehot + eps / (V - 1) * (torch.arange(V) != 0)
+    got = T.loss_sum(m, b, eps)
+    torch.testing.assert_close(got, -(every * logp).sum(-1)[real].sum(), rtol=1e-5, atol=1e-4)
+    assert not torch.allclose(got, -(without_pad * logp).sum(-1)[real].sum(), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("native, want", [(True, "bf16"), (False, "fp32")])
+def test_auto_precision_takes_bf16_only_on_a_cpu_that_computes_it(monkeypatch, native, want):
+    import aiayn.kernels
+
+    monkeypatch.setattr(aiayn.kernels, "cpu_has_fast_bf16", lambda: native)
+    assert T.precision_context("auto", torch.device("cpu"))[2] == want
+    assert T.precision_context("bf16", torch.device("cpu"))[2] == "bf16"  # asked for by name: as asked
+
+
 def _examples(n: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
     g = random.Random(seed)
     return [([g.randrange(4, 40) for _ in range(g.randint(1, 9))], [g.randrange(4, 40) for _ in range(g.randint(1, 9))])
@@ -217,6 +245,72 @@ def test_refuses_to_overwrite_a_run_without_resume(tmp_path, corpus, capsys):
     capsys.readouterr()
     assert cli_main(tiny_args(corpus, tmp_path / "r", "--max-steps", "2")) == 2
     assert "already holds checkpoints" in capsys.readouterr().err
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_new_run_never_touches_what_it_did_not_write(tmp_path, corpus, capsys):
+    # a folder holding a best/ and metrics of some earlier work, but no step_<N>/ to resume from
+    out = tmp_path / "r"
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--save-every", "1", "--keep-last", "1")) == 0
+    (out / "step_2").rename(tmp_path / "moved")
+    shutil.copytree(tmp_path / "moved", out / "best")
+    (out / ".tmp-notes").mkdir()
+    (out / ".tmp-notes" / "todo.txt").write_text("mine\n")
+    before = _tree(out)
+    capsys.readouterr()
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "1")) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out} is not empty" in err and "use --resume" in err and err.count("\n") == 1, err
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "1", "--resume")) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out} holds .tmp-notes, best but no step_<N>/ checkpoint" in err and err.count("\n") == 1, err
+    assert _tree(out) == before
+    # a resumable run: its own stale temporaries go, a user's .tmp- folder stays
+    (tmp_path / "moved").rename(out / "step_2")
+    (out / ".tmp-step_3-0123abcd").mkdir()
+    (out / ".tmp-pruned-step_1-89abcdef").mkdir()
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "3", "--resume")) == 0
+    assert (out / ".tmp-notes" / "todo.txt").read_text() == "mine\n"
+    assert not (out / ".tmp-step_3-0123abcd").exists() and not (out / ".tmp-pruned-step_1-89abcdef").exists()
+
+
+def test_resume_starts_again_a_run_killed_before_its_first_checkpoint(tmp_path, corpus, capsys):
+    out = tmp_path / "r"
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--log-every", "1")) == 0
+    for p in out.glob("step_*"):  # as if killed before the first save: train.json, metrics.jsonl, no step
+        shutil.rmtree(p)
+    capsys.readouterr()
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--log-every", "1")) == 2
+    assert "use --resume" in capsys.readouterr().err
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--log-every", "1", "--resume")) == 0
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2] and (out / "step_2").is_dir()
+
+
+def test_new_runs_feed_the_source_ending_with_eos_and_old_runs_go_on_without(tmp_path, corpus, monkeypatch):
+    from aiayn.tokenizer import EOS_ID, TokenizerPair
+
+    out = tmp_path / "r"
+    train_cli(tiny_args(corpus, out, "--max-steps", "1", "--save-every", "1"))
+    assert json.loads((out / "step_1" / "config.json").read_text())["model"]["source_eos"] is True
+    tc = TrainConfig(**{k: v for k, v in corpus.items()}, max_tokens=160, out=str(out))
+    toks = TokenizerPair.load(out / "step_1")
+    new = T.load_corpus(tc, toks, out, T.Dist(), source_eos=True)
+    bare = T.load_corpus(tc, toks, out, T.Dist(), source_eos=False)
+    assert all(s[-1] == EOS_ID and EOS_ID not in s[:-1] for s, _ in new.train + new.valid)
+    assert [(s + [EOS_ID], t) for s, t in bare.train + bare.valid] == new.train + new.valid
+    # a run from before the field (its checkpoint says nothing) resumes on bare sources
+    cfg = json.loads((out / "step_1" / "config.json").read_text())
+    del cfg["model"]["source_eos"]
+    (out / "step_1" / "config.json").write_text(json.dumps(cfg))
+    seen = []
+    real = T.load_corpus
+    monkeypatch.setattr(T, "load_corpus", lambda *a: seen.append(a[-1]) or real(*a))
+    train_cli(tiny_args(corpus, out, "--max-steps", "2", "--save-every", "1", "--resume"))
+    assert seen == [False] and json.loads((out / "step_2" / "config.json").read_text())["model"]["source_eos"] is False
 
 
 # ----------------------------------------------------------------------------- command line
@@ -324,6 +418,50 @@ def test_resume_refuses_options_that_change_the_batches(tmp_path, corpus, capsys
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and words in err, err
     assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--resume", "--patience", "3")) == 0  # others may change
+
+
+def test_resume_continues_the_run_with_its_saved_settings(tmp_path, corpus, capsys):
+    extra = ("--dropout", "0.1", "--label-smoothing", "0.2", "--log-every", "1", "--save-every", "1")
+    ref, out = tmp_path / "ref", tmp_path / "r"
+    assert cli_main(tiny_args(corpus, ref, "--max-steps", "4", *extra)) == 0
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "2", *extra)) == 0
+    before = (out / "train.json").read_text()
+    capsys.readouterr()
+    # an option that would change the run: one line naming it, nothing written
+    for flag, value in (("--dropout", "0.3"), ("--warmup", "20"), ("--precision", "auto"), ("--lr-factor", "1.0"),
+                        ("--preset", "small"), ("--label-smoothing", "0.1")):
+        assert cli_main(["train", "--out", str(out), "--resume", "--max-steps", "4", flag, value]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{flag} {value} differs from the run's" in err, err
+    assert (out / "train.json").read_text() == before and not (out / "step_3").exists()
+    # no data, recipe or model flags: the run's own settings continue it, as if never stopped
+    assert cli_main(["train", "--out", str(out), "--resume", "--max-steps", "4"]) == 0
+    a, b = weights(ref, 4), weights(out, 4)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # train.json says what the checkpoint holds
+    run = json.loads((out / "train.json").read_text())
+    held = json.loads((out / "step_4" / "config.json").read_text())
+    assert run["train"] == held["train"] and run["preset"] == held["preset"] == "tiny"
+    assert run["model"] == {k: v for k, v in held["model"].items() if k not in T._MODEL_FROM_DATA}
+    assert run["model"]["dropout"] == 0.1 and run["train"]["warmup"] == 10 and run["train"]["max_steps"] == 4
+
+
+@pytest.mark.parametrize("changed", ["train_src", "valid_tgt"])
+def test_resume_refuses_changed_data(tmp_path, corpus, capsys, changed):
+    out = tmp_path / "r"
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--save-every", "1")) == 0
+    state = torch.load(out / "step_2" / "trainer_state.pt", weights_only=True)
+    assert set(state["data_sha256"]) == {"train_src", "train_tgt", "valid_src", "valid_tgt"}
+    f = Path(corpus[changed])
+    lines = f.read_text().splitlines()
+    f.write_text("\n".join(lines[1:] + lines[:1]) + "\n")  # the same lines in another order
+    capsys.readouterr()
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "3", "--resume")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{f} is not the file the run was trained on" in err, err
+    assert not (out / "step_3").exists()
+    f.write_text("\n".join(lines) + "\n")  # back as it was: the run continues
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "3", "--resume")) == 0
 
 
 def test_resume_skips_a_trainer_state_that_lacks_a_field(tmp_path, corpus, capsys):

@@ -86,6 +86,9 @@ class ModelConfig:
     max_positions: int = 1024  # positional table size; it grows if a longer input comes
     pad_id: int = 0
     layer_norm_eps: float = 1e-5
+    # The source ends with EOS, as fairseq and Marian (and every Hugging Face pipeline) feed it. A
+    # config without this field is from a model trained on bare sources: `from_dict` gives it False.
+    source_eos: bool = True
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -124,7 +127,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
-        return _from_dict(cls, data)
+        return _from_dict(cls, {"source_eos": False, **data})  # older checkpoints: bare sources
 
 
 # Table 3 of the paper: base and big; small and tiny are sizes that train on a laptop CPU.
@@ -188,7 +191,7 @@ class TrainConfig:
     adam_eps: float = 1e-9
     label_smoothing: float = 0.1
     clip_norm: float = 0.0
-    precision: str = "auto"  # auto: bf16 autocast on CPU; bf16 (or fp16 + GradScaler) on CUDA
+    precision: str = "auto"  # auto: bf16 on a CPU with oneDNN bf16 kernels, else fp32; bf16 (fp16 + scaler) on CUDA
     device: str = "auto"
     # the loop
     max_epochs: int = 30

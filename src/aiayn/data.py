@@ -60,7 +60,7 @@ MULTI30K_SHA256: dict[str, str] = {
     "val.fr.gz": "ca3106f1a72390591d25f6c45cb4cd39dec4cd3f123e099748a3ce5256c160e9",
 }
 
-Example = tuple[list[int], list[int]]  # (source ids, target ids), without BOS/EOS
+Example = tuple[list[int], list[int]]  # (source ids, EOS-ended if the model says so; target ids without BOS/EOS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,11 +214,13 @@ def encode_pairs(
     tokenizers: TokenizerPair,
     max_len: int,
     long: str = "skip",
+    source_eos: bool = False,
 ) -> tuple[list[Example], int]:
-    """Subword ids of each pair (without BOS/EOS), and how many pairs were too long.
+    """Subword ids of each pair (the target without BOS/EOS, which `collate` adds; the source
+    ending with EOS if `source_eos`), and how many pairs were too long.
 
-    A pair is too long if either side has more than `max_len` subword tokens; with
-    `long="skip"` it is left out, with `long="truncate"` each side is cut to `max_len`.
+    A pair is too long if either side has more than `max_len` subword tokens (EOS not counted);
+    with `long="skip"` it is left out, with `long="truncate"` each side is cut to `max_len`.
     """
     if len(src_lines) != len(tgt_lines):
         raise AiaynError(f"{len(src_lines)} source lines but {len(tgt_lines)} target lines")
@@ -236,7 +238,7 @@ def encode_pairs(
             if long == "skip":
                 continue
             s, t = s[:max_len], t[:max_len]
-        examples.append((s, t))
+        examples.append((s + [EOS_ID] if source_eos else s, t))
     return examples, n_long
 
 

@@ -15,8 +15,10 @@ conventions, and how:
   CTranslate2 takes the positional table as a weight, so it gets ours unpermuted.
 - Special ids stay ours (pad 0, unk 1, bos 2, eos 3); the decoder starts from BOS (Marian's own
   models start from pad), and PAD and BOS are never generated (as in `aiayn.search`).
-- The source is fed without BOS/EOS, as `aiayn.data.collate` builds it. `MarianTokenizer` always
-  appends EOS unless called with `add_special_tokens=False`, which is what reproduces aiayn exactly.
+- The source ends with EOS and has no BOS (`ModelConfig.source_eos`, the convention of fairseq and
+  Marian): `MarianTokenizer`'s default call, `pipeline("translation")`, and CTranslate2 fed the
+  SentencePiece pieces plus "</s>" (as its documentation shows) give aiayn's source ids. A model
+  trained before that field (bare sources) needs `add_special_tokens=False` and no "</s>".
 - Pre-norm models have no Marian equivalent (Marian layers are post-norm): exporting one to `hf`
   is an error; CTranslate2 supports both.
 
@@ -297,7 +299,8 @@ def ct2_spec(model: Transformer, tokenizers: TokenizerPair) -> Any:
     spec.register_target_vocabulary(vocabulary(tokenizers.tgt))
     spec.config.unk_token, spec.config.bos_token, spec.config.eos_token = PIECES[UNK_ID], PIECES[BOS_ID], PIECES[EOS_ID]
     spec.config.decoder_start_token = PIECES[BOS_ID]
-    spec.config.add_source_bos = spec.config.add_source_eos = False  # the source goes in bare, as in aiayn
+    # CTranslate2 adds nothing: its callers append "</s>" themselves (its documented usage)
+    spec.config.add_source_bos = spec.config.add_source_eos = False
     spec.config.layer_norm_epsilon = cfg.layer_norm_eps
     del ct2
     return spec
@@ -416,8 +419,11 @@ def run(args: argparse.Namespace) -> int:
         if args.quantization:
             raise AiaynError("--quantization applies to --to ctranslate2 only")
         out = export_hf(args.checkpoint, args.out)
+        bare = not json.loads((out / MARKER).read_text(encoding="utf-8"))["model"].get("source_eos", False)
         print(f"wrote a Hugging Face MarianMTModel to {out}; load it with MarianMTModel.from_pretrained and "
-              "MarianTokenizer.from_pretrained, and tokenize with add_special_tokens=False as aiayn does")
+              "MarianTokenizer.from_pretrained (their default call feeds the source as aiayn does)" + (
+                  "; this model was trained on sources without EOS: tokenize with add_special_tokens=False"
+                  if bare else ""))
     else:
         out = export_ctranslate2(args.checkpoint, args.out, args.quantization)
         print(f"wrote a CTranslate2 model ({args.quantization or 'float32'}) to {out}; "

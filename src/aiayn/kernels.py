@@ -35,11 +35,17 @@ _PACKED: dict[int, tuple[weakref.ref, tuple, Tensor, Tensor | None]] = {}  # id(
 _PACK_BATCH_HINT = 128
 
 
+def cpu_has_fast_bf16() -> bool:
+    """Whether oneDNN has bf16 kernels for this CPU (AVX-512 or AMX); elsewhere bf16 runs on slow
+    fallback code and fp32 is faster. The one check behind bf16 packing and `--precision auto`."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def _packing_works(dtype: torch.dtype) -> bool:
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return False
     if dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return cpu_has_fast_bf16()
     return dtype == torch.float32
 
 

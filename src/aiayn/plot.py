@@ -219,8 +219,13 @@ def greedy_ids(model: Transformer, src: torch.Tensor, max_len_a: float = 1.0, ma
 def attention_maps(model: Transformer, tokenizers: Any, src_text: str, tgt_text: str | None = None,
                    max_len_a: float = 1.0, max_len_b: int = 50) -> AttentionMaps:
     """Attention of `model` reading `src_text` and producing `tgt_text`, or its own greedy
-    translation (the exact tokens it chose) when `tgt_text` is None."""
+    translation (the exact tokens it chose) when `tgt_text` is None. The source ends with EOS if
+    the model was trained so (`ModelConfig.source_eos`), as translation feeds it."""
+    from aiayn.tokenizer import EOS_ID
+
     src_ids = tokenizers.src.encode(src_text)
+    if src_ids and model.cfg.source_eos:
+        src_ids = src_ids + [EOS_ID]
     if tgt_text is None:
         src, _, _, _, _ = attention_inputs(tokenizers, src_ids, [])
         tgt_ids = greedy_ids(model, src, max_len_a, max_len_b)

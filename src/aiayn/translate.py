@@ -98,17 +98,19 @@ def has_text(line: str) -> bool:
 
 
 def encode_sources(tokenizers: TokenizerPair, lines: Sequence[str], max_src_tokens: int,
-                   note: Callable[[str], None], first_line: int = 1) -> list[list[int]]:
-    """Source ids per line ([] for a blank line); a line longer than `max_src_tokens` is cut to it
-    and `note` says which line (the contract of every translation engine: nothing is dropped)."""
+                   note: Callable[[str], None], first_line: int = 1, eos: bool = False) -> list[list[int]]:
+    """Source ids per line ([] for a blank line), ending with EOS if `eos` (a model trained so:
+    `ModelConfig.source_eos`); a line longer than `max_src_tokens` (EOS included) is cut to it and
+    `note` says which line (the contract of every translation engine: nothing is dropped)."""
     out: list[list[int]] = []
+    room = max(1, max_src_tokens - eos)
     for i, line in enumerate(lines):
         ids = tokenizers.src.encode(line) if has_text(line) else []
-        if len(ids) > max_src_tokens:
+        if len(ids) > room:
             note(f"line {first_line + i}: {len(ids)} source tokens, more than the model takes; "
-                 f"translated its first {max_src_tokens} tokens only")
-            ids = ids[:max_src_tokens]
-        out.append(ids)
+                 f"translated its first {room} tokens only")
+            ids = ids[:room]
+        out.append(ids + [EOS_ID] if ids and eos else ids)
     return out
 
 
@@ -192,6 +194,31 @@ def _stderr_note(msg: str) -> None:
     print(f"aiayn translate: {msg}", file=sys.stderr, flush=True)
 
 
+@contextlib.contextmanager
+def evaluating(model: torch.nn.Module) -> Iterator[None]:
+    """Eval mode (no dropout) for the block, then every submodule's own mode back: a model being
+    trained can translate a sample and go on training."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def inference_view(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` itself if its weights are frozen; else a copy whose parameters are frozen aliases of
+    the caller's (same storage, no copy of the weights), so search takes the packed inference GEMMs
+    while the caller's model keeps training. A new view per call: the optimizer may have changed the
+    weights in place since (fused Adam without bumping their version), so no packed copy is reused."""
+    params = list(model.parameters())
+    if not any(p.requires_grad for p in params):
+        return model
+    memo: dict[int, Any] = {id(p): torch.nn.Parameter(p.detach(), requires_grad=False) for p in params}
+    return copy.deepcopy(model, memo)
+
+
 class BaseTranslator:
     """The interface of both translators, `Translator` (torch) and `CT2Translator` (CTranslate2):
     `search` gives each input line its n-best (translation, score) list, `translate` the texts."""
@@ -220,8 +247,10 @@ class Translator(BaseTranslator):
             raise AiaynError(f"--precision must be one of {', '.join(INFERENCE_PRECISIONS)}, got {precision!r}")
         self.device = torch.device(device)
         if precision == "bf16" and next(model.parameters()).dtype != torch.bfloat16:
-            model = copy.deepcopy(model).to(torch.bfloat16)  # a copy: the caller's model stays as it was
-        self.model = model.to(self.device).eval().requires_grad_(False)  # frozen: packed inference GEMMs
+            # a copy of our own: frozen, so its linear layers take the packed inference GEMMs
+            model = copy.deepcopy(model).to(torch.bfloat16).requires_grad_(False)
+        # The caller's model stays as it was (mode, requires_grad): `search` runs on `inference_view`.
+        self.model = model.to(self.device)
         self.tokenizers = tokenizers
         self.precision = precision
         self.max_src_tokens = int(max_src_tokens or model.cfg.max_positions)
@@ -234,11 +263,13 @@ class Translator(BaseTranslator):
         from aiayn.checkpoint import load_checkpoint, resolve_checkpoint
 
         ckpt = load_checkpoint(resolve_checkpoint(path))
-        return cls(ckpt.model, ckpt.tokenizers, precision=precision, device=device, **kwargs)
+        model = ckpt.model.requires_grad_(False)  # ours alone: frozen weights take the packed inference GEMMs
+        return cls(model, ckpt.tokenizers, precision=precision, device=device, **kwargs)
 
     def encode(self, lines: Sequence[str], first_line: int = 1) -> list[list[int]]:
         """Source ids per line ([] for a blank line), truncated to `max_src_tokens` with a note."""
-        return encode_sources(self.tokenizers, lines, self.max_src_tokens, self.note, first_line)
+        return encode_sources(self.tokenizers, lines, self.max_src_tokens, self.note, first_line,
+                              getattr(self.model.cfg, "source_eos", False))
 
     @torch.no_grad()
     def search(self, lines: Sequence[str], first_line: int = 1, **settings: Any) -> list[list[tuple[str, float]]]:
@@ -254,7 +285,8 @@ class Translator(BaseTranslator):
         s.check()
         encoded = self.encode(lines, first_line)
         results: list[list[tuple[str, float]]] = [[("", 0.0)] * s.nbest for _ in lines]
-        pad = self.model.cfg.pad_id
+        model = inference_view(self.model)
+        pad = model.cfg.pad_id
 
         def run(batch: list[int]) -> list[list[Hypothesis]]:
             S = len(encoded[batch[0]])
@@ -264,14 +296,15 @@ class Translator(BaseTranslator):
             src = src.to(self.device)
             if s.beam == 1:
                 return [[(ids, float("nan"))] for ids in greedy_search(
-                    self.model, src, BOS_ID, EOS_ID, s.max_len_a, s.max_len_b, s.min_len)]
-            return beam_search(self.model, src, BOS_ID, EOS_ID, beam=s.beam, alpha=s.alpha, max_len_a=s.max_len_a,
+                    model, src, BOS_ID, EOS_ID, s.max_len_a, s.max_len_b, s.min_len)]
+            return beam_search(model, src, BOS_ID, EOS_ID, beam=s.beam, alpha=s.alpha, max_len_a=s.max_len_a,
                                max_len_b=s.max_len_b, min_len=s.min_len, nbest=s.nbest)
 
         batches = list(length_batches(encoded, s.max_tokens, s.batch_size))
-        for batch, hyps in zip(batches, map_batches(run, batches, s.workers, self.device)):
-            for i, nb in zip(batch, hyps):
-                results[i] = [(one_line(self.tokenizers.tgt.decode(ids)), score) for ids, score in nb]
+        with evaluating(model):
+            for batch, hyps in zip(batches, map_batches(run, batches, s.workers, self.device)):
+                for i, nb in zip(batch, hyps):
+                    results[i] = [(one_line(self.tokenizers.tgt.decode(ids)), score) for ids, score in nb]
         return results
 
 
@@ -304,6 +337,7 @@ class CT2Translator(BaseTranslator):
         try:
             meta = json.loads((path / "aiayn.json").read_text(encoding="utf-8"))
             self.max_src_tokens = int(meta["model"]["max_positions"])
+            self.source_eos = bool(meta["model"].get("source_eos", False))  # older exports: bare sources
         except (OSError, ValueError, KeyError, TypeError):
             raise AiaynError(f"{path}/aiayn.json is missing or damaged; export the checkpoint again") from None
         self.note = note or _stderr_note
@@ -346,7 +380,7 @@ class CT2Translator(BaseTranslator):
         """Per input line, up to `nbest` (translation, score) pairs, as `Translator.search`."""
         s = Settings(**settings)
         s.check()
-        ids = encode_sources(self.tokenizers, lines, self.max_src_tokens, self.note, first_line)
+        ids = encode_sources(self.tokenizers, lines, self.max_src_tokens, self.note, first_line, self.source_eos)
         hyps = self.translate_ids(ids, s.beam, s.alpha, s.nbest, s.max_len_a, s.max_len_b, s.min_len, s.max_tokens)
         return [[(one_line(self.tokenizers.tgt.decode(h)), sc) for h, sc in nb] for nb in hyps]
 
