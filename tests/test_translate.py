@@ -469,8 +469,12 @@ def test_translating_a_sample_mid_training_leaves_the_model_training(parts, ckpt
     """`Translator(model)` translates in eval mode but gives the caller's model back as it was:
     training mode and trainable weights, so the next training step still updates every weight."""
     import copy
+    import dataclasses
 
-    model = copy.deepcopy(parts[0]).train().requires_grad_(True)
+    # dropout on, so that a search left in training mode would give other translations
+    model = Transformer(dataclasses.replace(parts[0].cfg, dropout=0.3, attention_dropout=0.3))
+    model.load_state_dict(parts[0].state_dict())
+    model.train().requires_grad_(True)
     lines = ["a man runs", "the dog plays with a ball"]
     t = Translator(model, parts[1])
     before = t.search(lines, beam=2, **FAST)
