@@ -343,6 +343,29 @@ def test_ctranslate2_export_leaves_the_model_untouched(tmp_path):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+def test_ctranslate2_export_of_a_model_on_bare_sources_says_so(tmp_path, capsys):
+    """A checkpoint from before `source_eos` wants its source without "</s>" in plain CTranslate2 (as
+    the README says, `aiayn export` says so), and `CT2Translator` feeds it bare, as aiayn does."""
+    pytest.importorskip("ctranslate2")
+    import json
+
+    from aiayn.translate import CT2Translator
+
+    tok = Tokenizer.train([f"{w} {v}" for w in SRC_WORDS for v in TGT_WORDS], 300)
+    pair = TokenizerPair(tok, tok, joint=True)
+    model = Transformer(preset("tiny", src_vocab_size=tok.vocab_size, tgt_vocab_size=tok.vocab_size)).eval()
+    ckpt = tmp_path / "old"
+    save_checkpoint(ckpt, model, pair, {"train": {}, "step": 1})
+    cfg = json.loads((ckpt / "config.json").read_text())
+    del cfg["model"]["source_eos"]  # as written before the field existed
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    capsys.readouterr()
+    assert main(["export", "--checkpoint", str(ckpt), "--to", "ctranslate2", str(tmp_path / "ct2")]) == 0
+    said = capsys.readouterr().out
+    assert "without EOS" in said and '"</s>"' in said, said
+    assert CT2Translator(tmp_path / "ct2", threads=1).source_eos is False
+
+
 def test_export_never_replaces_the_checkpoint_or_a_folder_that_is_not_an_export(trained, tmp_path, capsys):
     pytest.importorskip("ctranslate2")
     import os

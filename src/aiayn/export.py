@@ -426,6 +426,9 @@ def run(args: argparse.Namespace) -> int:
                   if bare else ""))
     else:
         out = export_ctranslate2(args.checkpoint, args.out, args.quantization)
+        bare = not json.loads((out / MARKER).read_text(encoding="utf-8"))["model"].get("source_eos", False)
         print(f"wrote a CTranslate2 model ({args.quantization or 'float32'}) to {out}; "
-              f"translate with `aiayn translate --engine ctranslate2 --checkpoint {out}`")
+              f"translate with `aiayn translate --engine ctranslate2 --checkpoint {out}`" + (
+                  '; this model was trained on sources without EOS: called directly, it wants the pieces '
+                  'without "</s>"' if bare else ""))
     return 0
