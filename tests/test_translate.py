@@ -497,6 +497,25 @@ def test_translating_a_sample_mid_training_leaves_the_model_training(parts, ckpt
     assert not any(p.requires_grad for p in Translator.from_checkpoint(ckpt).model.parameters())
 
 
+@pytest.mark.parametrize("frozen", [False, True])
+def test_a_translator_on_another_device_leaves_the_callers_model_where_it_is(parts, frozen):
+    """`Translator(model, device=D)` searches on D without moving the caller's model there (a model
+    training on a GPU, translating a sample with the default device "cpu", stays on the GPU). The
+    meta device stands in for the other device: nothing is computed, only where tensors live."""
+    import copy
+
+    model = copy.deepcopy(parts[0]).requires_grad_(not frozen)
+    t = Translator(model, parts[1], device="meta")
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert all(b.device.type == "cpu" for b in model.buffers())
+    from aiayn.translate import inference_view
+
+    view = inference_view(t.model, t.device)
+    assert all(p.device.type == "meta" and not p.requires_grad for p in view.parameters())
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert [p.requires_grad for p in model.parameters()] == [not frozen] * len(list(model.parameters()))
+
+
 def test_a_checkpoint_from_before_source_eos_translates_as_before(parts, tmp_path):
     """New models read the source with EOS at its end (fairseq's and Marian's convention); a
     checkpoint whose config has no `source_eos` was trained on bare sources and is fed as before."""

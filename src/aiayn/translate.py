@@ -207,16 +207,20 @@ def evaluating(model: torch.nn.Module) -> Iterator[None]:
             m.training = training
 
 
-def inference_view(model: torch.nn.Module) -> torch.nn.Module:
-    """`model` itself if its weights are frozen; else a copy whose parameters are frozen aliases of
-    the caller's (same storage, no copy of the weights), so search takes the packed inference GEMMs
-    while the caller's model keeps training. A new view per call: the optimizer may have changed the
-    weights in place since (fused Adam without bumping their version), so no packed copy is reused."""
+def inference_view(model: torch.nn.Module, device: torch.device | str | None = None) -> torch.nn.Module:
+    """`model` itself if its weights are frozen and on `device` (None: where they are); else a copy
+    whose parameters are frozen aliases of the caller's (same storage, no copy of the weights), so
+    search takes the packed inference GEMMs while the caller's model keeps training, moved to
+    `device` if it is elsewhere (the caller's model stays where it is). A new view per call: the
+    optimizer may have changed the weights in place since (fused Adam without bumping their
+    version), so no packed copy is reused."""
     params = list(model.parameters())
-    if not any(p.requires_grad for p in params):
+    elsewhere = device is not None and any(p.device != torch.device(device) for p in params)
+    if not any(p.requires_grad for p in params) and not elsewhere:
         return model
     memo: dict[int, Any] = {id(p): torch.nn.Parameter(p.detach(), requires_grad=False) for p in params}
-    return copy.deepcopy(model, memo)
+    view = copy.deepcopy(model, memo)
+    return view.to(device) if elsewhere else view  # moves the view's own parameter objects only
 
 
 class BaseTranslator:
@@ -246,11 +250,14 @@ class Translator(BaseTranslator):
         if precision not in INFERENCE_PRECISIONS:
             raise AiaynError(f"--precision must be one of {', '.join(INFERENCE_PRECISIONS)}, got {precision!r}")
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current one, as .to() takes it
+            self.device = torch.device("cuda", torch.cuda.current_device())
         if precision == "bf16" and next(model.parameters()).dtype != torch.bfloat16:
             # a copy of our own: frozen, so its linear layers take the packed inference GEMMs
-            model = copy.deepcopy(model).to(torch.bfloat16).requires_grad_(False)
-        # The caller's model stays as it was (mode, requires_grad): `search` runs on `inference_view`.
-        self.model = model.to(self.device)
+            model = copy.deepcopy(model).to(torch.bfloat16).requires_grad_(False).to(self.device)
+        # The caller's model stays as it was (mode, requires_grad, device): `search` runs on
+        # `inference_view`, on `device` (a model on another device is copied there per search).
+        self.model = model
         self.tokenizers = tokenizers
         self.precision = precision
         self.max_src_tokens = int(max_src_tokens or model.cfg.max_positions)
@@ -263,7 +270,7 @@ class Translator(BaseTranslator):
         from aiayn.checkpoint import load_checkpoint, resolve_checkpoint
 
         ckpt = load_checkpoint(resolve_checkpoint(path))
-        model = ckpt.model.requires_grad_(False)  # ours alone: frozen weights take the packed inference GEMMs
+        model = ckpt.model.requires_grad_(False).to(device)  # ours alone: frozen weights take the packed inference GEMMs
         return cls(model, ckpt.tokenizers, precision=precision, device=device, **kwargs)
 
     def encode(self, lines: Sequence[str], first_line: int = 1) -> list[list[int]]:
@@ -285,7 +292,7 @@ class Translator(BaseTranslator):
         s.check()
         encoded = self.encode(lines, first_line)
         results: list[list[tuple[str, float]]] = [[("", 0.0)] * s.nbest for _ in lines]
-        model = inference_view(self.model)
+        model = inference_view(self.model, self.device)
         pad = model.cfg.pad_id
 
         def run(batch: list[int]) -> list[list[Hypothesis]]:
