@@ -446,6 +446,21 @@ def test_resume_continues_the_run_with_its_saved_settings(tmp_path, corpus, caps
     assert run["model"]["dropout"] == 0.1 and run["train"]["warmup"] == 10 and run["train"]["max_steps"] == 4
 
 
+def test_resume_without_device_continues_on_the_runs_device(tmp_path, corpus, monkeypatch):
+    """`--device` may be given anew on resume; left out, the run goes on where it ran (a run started
+    with --device cpu on a machine with a GPU must not move to the GPU, and to another precision)."""
+    out = tmp_path / "r"
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "1", "--save-every", "1", "--device", "cpu")) == 0
+    asked = []
+    real = T.setup_distributed
+    monkeypatch.setattr(T, "setup_distributed", lambda pref: asked.append(pref) or real("cpu"))
+    assert cli_main(["train", "--out", str(out), "--resume", "--max-steps", "2"]) == 0
+    assert asked == ["cpu"]
+    assert json.loads((out / "train.json").read_text())["train"]["device"] == "cpu"
+    assert cli_main(["train", "--out", str(out), "--resume", "--max-steps", "3", "--device", "auto"]) == 0
+    assert asked == ["cpu", "auto"]  # given anew: taken
+
+
 @pytest.mark.parametrize("changed", ["train_src", "valid_tgt"])
 def test_resume_refuses_changed_data(tmp_path, corpus, capsys, changed):
     out = tmp_path / "r"

@@ -672,6 +672,8 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
     With `resume`, continues the newest checkpoint in `tc.out` with the run's saved settings (see
     `resumed_settings`; `given` names the options set on the command line, None: all of `tc`).
     """
+    if resume and given is not None and "device" not in given:  # not given anew: where the run ran
+        tc = tc.replace(device=_saved_device(Path(tc.out)) or tc.device)
     d = setup_distributed(tc.device)
     info = (lambda msg: log(msg)) if d.main else (lambda msg: None)
     existing = _open_run_dir(Path(tc.out), resume, d)
@@ -731,6 +733,17 @@ def _open_run_dir(out: Path, resume: bool, d: Dist) -> list[tuple[int, Path]]:
         ckpt.remove_stale_temporaries(out)
     d.barrier()
     return existing
+
+
+def _saved_device(out: Path) -> str | None:
+    """The --device of the run in `out` (its newest step checkpoint's), None if there is none to read:
+    the processes start on a device before the checkpoint is loaded."""
+    steps = ckpt.step_checkpoints(out)
+    try:
+        device = json.loads((steps[-1][1] / ckpt.CONFIG).read_text(encoding="utf-8"))["train"]["device"]
+    except (IndexError, OSError, ValueError, KeyError, TypeError):
+        return None
+    return device if isinstance(device, str) else None
 
 
 def _load_newest(existing: list[tuple[int, Path]], info: Any) -> ckpt.Checkpoint:
