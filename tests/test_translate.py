@@ -497,6 +497,26 @@ def test_translating_a_sample_mid_training_leaves_the_model_training(parts, ckpt
     assert not any(p.requires_grad for p in Translator.from_checkpoint(ckpt).model.parameters())
 
 
+def test_search_never_switches_the_mode_of_a_model_the_caller_holds(parts, monkeypatch):
+    """A frozen model left in training mode is searched in eval mode without its own flags being
+    switched for the duration: another thread using it meanwhile (a second `search`, whose end
+    would switch it back to training mid-search, or training itself) sees it as the caller left it."""
+    import copy
+
+    import aiayn.translate as tr
+
+    model = copy.deepcopy(parts[0]).train().requires_grad_(False)
+    seen = []
+    real = tr.greedy_search
+    monkeypatch.setattr(tr, "greedy_search", lambda m, *a, **k: seen.append((model.training, m.training)) or real(
+        m, *a, **k))
+    got = Translator(model, parts[1]).translate(["a man runs", "the dog plays"], beam=1, **FAST)
+    assert seen and all(caller and not searched for caller, searched in seen), seen
+    assert all(m.training for m in model.modules())
+    assert got == Translator(copy.deepcopy(model).eval(), parts[1]).translate(["a man runs", "the dog plays"], beam=1,
+                                                                              **FAST)
+
+
 @pytest.mark.parametrize("frozen", [False, True])
 def test_a_translator_on_another_device_leaves_the_callers_model_where_it_is(parts, frozen):
     """`Translator(model, device=D)` searches on D without moving the caller's model there (a model

@@ -208,15 +208,16 @@ def evaluating(model: torch.nn.Module) -> Iterator[None]:
 
 
 def inference_view(model: torch.nn.Module, device: torch.device | str | None = None) -> torch.nn.Module:
-    """`model` itself if its weights are frozen and on `device` (None: where they are); else a copy
-    whose parameters are frozen aliases of the caller's (same storage, no copy of the weights), so
-    search takes the packed inference GEMMs while the caller's model keeps training, moved to
-    `device` if it is elsewhere (the caller's model stays where it is). A new view per call: the
-    optimizer may have changed the weights in place since (fused Adam without bumping their
-    version), so no packed copy is reused."""
+    """`model` itself if its weights are frozen, on `device` (None: where they are) and it is in
+    eval mode; else a copy whose parameters are frozen aliases of the caller's (same storage, no
+    copy of the weights), so search takes the packed inference GEMMs and switches only the view's
+    mode while the caller's model keeps training (or serves another thread), moved to `device` if
+    it is elsewhere (the caller's model stays where it is). A new view per call: the optimizer may
+    have changed the weights in place since (fused Adam without bumping their version), so no
+    packed copy is reused."""
     params = list(model.parameters())
     elsewhere = device is not None and any(p.device != torch.device(device) for p in params)
-    if not any(p.requires_grad for p in params) and not elsewhere:
+    if not any(p.requires_grad for p in params) and not elsewhere and not any(m.training for m in model.modules()):
         return model
     memo: dict[int, Any] = {id(p): torch.nn.Parameter(p.detach(), requires_grad=False) for p in params}
     view = copy.deepcopy(model, memo)
@@ -254,7 +255,7 @@ class Translator(BaseTranslator):
             self.device = torch.device("cuda", torch.cuda.current_device())
         if precision == "bf16" and next(model.parameters()).dtype != torch.bfloat16:
             # a copy of our own: frozen, so its linear layers take the packed inference GEMMs
-            model = copy.deepcopy(model).to(torch.bfloat16).requires_grad_(False).to(self.device)
+            model = copy.deepcopy(model).to(torch.bfloat16).requires_grad_(False).to(self.device).eval()
         # The caller's model stays as it was (mode, requires_grad, device): `search` runs on
         # `inference_view`, on `device` (a model on another device is copied there per search).
         self.model = model
