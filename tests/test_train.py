@@ -446,6 +446,29 @@ def test_resume_continues_the_run_with_its_saved_settings(tmp_path, corpus, caps
     assert run["model"]["dropout"] == 0.1 and run["train"]["warmup"] == 10 and run["train"]["max_steps"] == 4
 
 
+@pytest.mark.parametrize("source_eos", [True, False])
+def test_validation_bleu_feeds_the_source_as_the_model_was_trained(tmp_path, corpus, monkeypatch, source_eos):
+    """Greedy validation BLEU reads each source as training, translate and export do: ending with
+    EOS for a model with `source_eos`, bare for one trained before the field."""
+    import contextlib
+
+    import aiayn.search
+    from aiayn.tokenizer import EOS_ID, PAD_ID
+
+    tc = TrainConfig(**corpus, vocab_size=300, max_tokens=160, valid_bleu=8, out=str(tmp_path / "r"))
+    data = T.load_corpus(tc, None, tmp_path, T.Dist(), source_eos)
+    tok = data.tokenizers
+    model = Transformer(preset("tiny", src_vocab_size=tok.src.vocab_size, tgt_vocab_size=tok.tgt.vocab_size,
+                               source_eos=source_eos))
+    fed = []
+    real = aiayn.search.greedy_search
+    monkeypatch.setattr(aiayn.search, "greedy_search", lambda m, src, *a, **k: fed.append(src) or real(m, src, *a, **k))
+    T.validate(model, data, tc, contextlib.nullcontext, torch.device("cpu"))
+    rows = [[t for t in row if t != PAD_ID] for src in fed for row in src.tolist()]
+    want = sorted(ids + ([EOS_ID] if source_eos else []) for ids in tok.src.encode_batch(data.valid_src[:8]))
+    assert sorted(rows) == want
+
+
 def test_resume_without_device_continues_on_the_runs_device(tmp_path, corpus, monkeypatch):
     """`--device` may be given anew on resume; left out, the run goes on where it ran (a run started
     with --device cpu on a machine with a GPU must not move to the GPU, and to another precision)."""
