@@ -469,6 +469,40 @@ def test_validation_bleu_feeds_the_source_as_the_model_was_trained(tmp_path, cor
     assert sorted(rows) == want
 
 
+def test_resume_keeps_the_precision_that_auto_chose(tmp_path, corpus, monkeypatch):
+    """`--precision auto` is resolved when a process starts; a resumed run goes on in the precision
+    the run trained in (resumed on a CPU without bf16 kernels, or by a version whose `auto` chooses
+    otherwise), not in whatever `auto` would pick now. A checkpoint from before the choice was kept
+    was trained by the rule of its time: bf16 autocast on every CPU."""
+    import aiayn.kernels
+
+    def auto(out: Path, *extra: str) -> list[str]:
+        return ["auto" if a == "fp32" else a for a in tiny_args(corpus, out, *extra)]  # --precision auto
+
+    out = tmp_path / "r"
+    monkeypatch.setattr(aiayn.kernels, "cpu_has_fast_bf16", lambda: True)
+    assert cli_main(auto(out, "--max-steps", "1", "--save-every", "1")) == 0
+    assert torch.load(out / "step_1" / "trainer_state.pt", weights_only=True)["precision"] == "bf16"
+    used = []
+    real = T.Trainer.__init__
+    monkeypatch.setattr(T.Trainer, "__init__", lambda self, *a: real(self, *a) or used.append(self.precision))
+    monkeypatch.setattr(aiayn.kernels, "cpu_has_fast_bf16", lambda: False)  # another machine
+    assert cli_main(["train", "--out", str(out), "--resume", "--max-steps", "2"]) == 0
+    assert used == ["bf16"]
+    state = torch.load(out / "step_2" / "trainer_state.pt", weights_only=True)
+    del state["precision"], state["data_sha256"]  # as an older version wrote it
+    torch.save(state, out / "step_2" / "trainer_state.pt")
+    assert cli_main(["train", "--out", str(out), "--resume", "--max-steps", "3"]) == 0
+    assert used == ["bf16", "bf16"]
+    state = torch.load(out / "step_3" / "trainer_state.pt", weights_only=True)
+    del state["precision"]  # as the release that brought data digests and today's `auto` wrote it
+    torch.save(state, out / "step_3" / "trainer_state.pt")
+    assert cli_main(["train", "--out", str(out), "--resume", "--max-steps", "4"]) == 0
+    assert used == ["bf16", "bf16", "fp32"]
+    assert cli_main(auto(tmp_path / "new", "--max-steps", "1")) == 0
+    assert used[-1] == "fp32"  # a new run: auto decides for this machine
+
+
 def test_resume_without_device_continues_on_the_runs_device(tmp_path, corpus, monkeypatch):
     """`--device` may be given anew on resume; left out, the run goes on where it ran (a run started
     with --device cpu on a machine with a GPU must not move to the GPU, and to another precision)."""

@@ -41,7 +41,7 @@ from torch import Tensor
 
 import aiayn.kernels
 from aiayn import checkpoint as ckpt
-from aiayn.config import PRESETS, ConfigError, ModelConfig, TrainConfig, learning_rate, preset
+from aiayn.config import PRECISIONS, PRESETS, ConfigError, ModelConfig, TrainConfig, learning_rate, preset
 from aiayn.errors import AiaynError
 from aiayn.files import file_sha256
 from aiayn.model import Transformer
@@ -653,7 +653,8 @@ class Run:
         if d.main:
             state = {**self.trainer.state(), "epoch": self.epoch, "position": self.pos, "elapsed_s": self.seconds(),
                      "best_bleu": self.best_bleu, "bad_epochs": self.bad_epochs, "tokens_seen": self.tokens_seen,
-                     "rng": rngs, "world": d.world, "seed": tc.seed, "data_sha256": self.digests}
+                     "rng": rngs, "world": d.world, "seed": tc.seed, "data_sha256": self.digests,
+                     "precision": self.trainer.precision}
             config = {"model": self.model.cfg.to_dict(), "train": tc.to_dict(), "preset": self.preset,
                       "step": self.trainer.step, "epoch": self.epoch}
             ckpt.save_checkpoint(path, self.model, self.corpus.tokenizers, config, state)
@@ -807,7 +808,7 @@ def _set_up(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, loade
     if d.rank:  # other ranks draw their own dropout masks
         torch.manual_seed(tc.seed + 1000 * d.rank)
         random.seed(tc.seed + 1000 * d.rank)
-    run = Run(tc, preset_name, d, out, corpus, model, Trainer(model, tc, d, tc.precision),
+    run = Run(tc, preset_name, d, out, corpus, model, Trainer(model, tc, d, _precision(tc, loaded, d)),
               Metrics(out / "metrics.jsonl", d.main), digests, last_saved=loaded.path if loaded else None)
     if loaded:
         st = loaded.trainer_state
@@ -824,6 +825,19 @@ def _set_up(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, loade
                                                    indent=2) + "\n", encoding="utf-8")
     _describe(run, info)
     return run
+
+
+def _precision(tc: TrainConfig, loaded: ckpt.Checkpoint | None, d: Dist) -> str:
+    """--precision, with `auto` resolved as the run resolved it when it began (kept in its trainer
+    state): the machine or the version resuming it may choose otherwise. A trainer state without it
+    was trained by the `auto` of its time: with data digests (the same release), today's rule;
+    without, the rule before, bf16 autocast on every CPU."""
+    if tc.precision != "auto" or loaded is None:
+        return tc.precision
+    st = loaded.trainer_state or {}
+    if st.get("precision") in PRECISIONS and st["precision"] != "auto":
+        return st["precision"]
+    return "bf16" if d.device.type == "cpu" and "data_sha256" not in st else "auto"
 
 
 def _new_model_config(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, tok: Any) -> ModelConfig:
