@@ -499,6 +499,11 @@ def test_resume_keeps_the_precision_that_auto_chose(tmp_path, corpus, monkeypatc
     torch.save(state, out / "step_3" / "trainer_state.pt")
     assert cli_main(["train", "--out", str(out), "--resume", "--max-steps", "4"]) == 0
     assert used == ["bf16", "bf16", "fp32"]
+    state = torch.load(out / "step_4" / "trainer_state.pt", weights_only=True)
+    state["precision"] = "fp16"  # as a run on CUDA, now resumed with --device cpu
+    torch.save(state, out / "step_4" / "trainer_state.pt")
+    assert cli_main(["train", "--out", str(out), "--resume", "--max-steps", "5"]) == 0
+    assert used == ["bf16", "bf16", "fp32", "fp32"]
     assert cli_main(auto(tmp_path / "new", "--max-steps", "1")) == 0
     assert used[-1] == "fp32"  # a new run: auto decides for this machine
 

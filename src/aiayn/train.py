@@ -836,7 +836,8 @@ def _precision(tc: TrainConfig, loaded: ckpt.Checkpoint | None, d: Dist) -> str:
         return tc.precision
     st = loaded.trainer_state or {}
     if st.get("precision") in PRECISIONS and st["precision"] != "auto":
-        return st["precision"]
+        # a run moved from CUDA to a CPU (--device may change) cannot go on in fp16: auto decides anew
+        return st["precision"] if st["precision"] != "fp16" or d.device.type == "cuda" else "auto"
     return "bf16" if d.device.type == "cpu" and "data_sha256" not in st else "auto"
 
 
