@@ -18,6 +18,7 @@ from aiayn.errors import AiaynError
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "prepare": ("aiayn.prepare", "binarize parallel text for training (SentencePiece + memory-mapped arrays)"),
     "train": ("aiayn.train", "train a translation model on parallel text"),
     "translate": ("aiayn.translate", "translate text with a trained model"),
     "evaluate": ("aiayn.evaluate", "score translations with sacreBLEU (BLEU, chrF)"),

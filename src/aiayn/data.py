@@ -22,6 +22,7 @@ import argparse
 import gzip
 import hashlib
 import http.client
+import io
 import os
 import random
 import sys
@@ -31,7 +32,7 @@ import urllib.request
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -113,19 +114,66 @@ def read_parallel(src_path: str | os.PathLike[str], tgt_path: str | os.PathLike[
     """Aligned source and target lines; AiaynError on different line counts or a blank line."""
     src, tgt = read_lines(src_path), read_lines(tgt_path)
     if len(src) != len(tgt):
-        raise AiaynError(
-            f"{src_path} has {len(src)} lines but {tgt_path} has {len(tgt)}; "
-            "a parallel corpus needs line i of one file to translate line i of the other"
-        )
+        raise line_count_error(src_path, len(src), tgt_path, len(tgt))
     for path, lines in ((src_path, src), (tgt_path, tgt)):
         blank = [i for i, s in enumerate(lines) if not s.strip()]
         if blank:
-            more = f" ({len(blank)} blank lines in all)" if len(blank) > 1 else ""
-            raise AiaynError(
-                f"{path}:{blank[0] + 1}: blank line{more}; remove the pair from both files "
-                "(or fill in the missing sentence)"
-            )
+            raise blank_line_error(path, blank[0] + 1, len(blank))
     return src, tgt
+
+
+def line_count_error(src_path: object, n_src: int, tgt_path: object, n_tgt: int) -> AiaynError:
+    """The one message for aligned files of different lengths (read_parallel and `aiayn prepare`)."""
+    return AiaynError(
+        f"{src_path} has {n_src} lines but {tgt_path} has {n_tgt}; "
+        "a parallel corpus needs line i of one file to translate line i of the other"
+    )
+
+
+def blank_line_error(path: object, first_line: int, count: int) -> AiaynError:
+    """The one message for blank lines in a parallel file; `first_line` is 1-based."""
+    more = f" ({count} blank lines in all)" if count > 1 else ""
+    return AiaynError(
+        f"{path}:{first_line}: blank line{more}; remove the pair from both files (or fill in the missing sentence)"
+    )
+
+
+def iter_lines(path: str | os.PathLike[str]) -> Iterator[str]:
+    """The lines of a plain or gzip UTF-8 file, one at a time: `read_lines` for files larger than memory.
+
+    Same rules and messages as `read_lines` (split on "\\n" only, "\\r\\n" accepted, a leading BOM
+    dropped, invalid UTF-8 named by line and column), except that an empty file is the caller's
+    check: it sees no lines, or only blank ones.
+    """
+    path = Path(path)
+    try:
+        raw_file = open(path, "rb")
+    except FileNotFoundError:
+        raise AiaynError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise AiaynError(f"{path}: is a directory, expected a text file") from None
+    except OSError as e:
+        raise AiaynError(f"{path}: cannot read ({e.strerror or e})") from None
+    with raw_file:
+        is_gzip = raw_file.peek(2)[:2] == b"\x1f\x8b"  # gzip magic, whatever the file is called
+        f = io.BufferedReader(gzip.GzipFile(fileobj=raw_file), 1 << 20) if is_gzip else raw_file
+        number = 0
+        try:
+            for raw in f:
+                number += 1
+                if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                    raw = raw[3:]
+                raw = raw[:-1] if raw.endswith(b"\n") else raw
+                raw = raw[:-1] if raw.endswith(b"\r") else raw
+                try:
+                    yield raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise AiaynError(
+                        f"{path}:{number}: invalid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                        "convert the file to UTF-8"
+                    ) from None
+        except (OSError, EOFError, zlib.error) as e:
+            raise AiaynError(f"{path}: corrupt or truncated gzip file ({e}); download or copy it again") from None
 
 
 # ---------------------------------------------------------------------------------------------
