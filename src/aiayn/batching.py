@@ -197,20 +197,24 @@ def rank_batches(batches: Batches, tokens: np.ndarray, rank: int, world: int, up
     usable = len(batches) - len(batches) % world
     group = world * update_freq
     mine: list[int] = []
+    totals = [0] * world  # tokens given to each rank so far this epoch: the tie-breaker
     for start in range(0, usable, group):
-        ids = batches.ids[start : min(start + group, usable)]
-        mine.extend(_share(ids, tokens, world)[rank])
+        shares = _share(batches.ids[start : min(start + group, usable)], tokens, totals)
+        mine.extend(shares[rank])
     return Batches(batches.order, batches.bounds, np.asarray(mine, np.int64))
 
 
-def _share(ids: np.ndarray, tokens: np.ndarray, world: int) -> list[list[int]]:
-    """Split one step's batch ids into `world` equal-sized lists with balanced token sums
-    (largest first, each to the lightest rank that still has room); each list keeps step order."""
+def _share(ids: np.ndarray, tokens: np.ndarray, totals: list[int]) -> list[list[int]]:
+    """Split one step's batch ids into equal-sized lists, one per rank, with balanced token sums:
+    largest first, each to the rank with the fewest tokens in this step (then this epoch) that still
+    has room. Each list keeps the step's order; `totals` is updated."""
+    world = len(totals)
     per_rank = len(ids) // world
     position = {b: i for i, b in enumerate(ids.tolist())}
     load, chosen = [0] * world, [[] for _ in range(world)]  # type: list[int], list[list[int]]
     for b in sorted(position, key=lambda b: (-int(tokens[b]), position[b])):
-        r = min((r for r in range(world) if len(chosen[r]) < per_rank), key=lambda r: (load[r], r))
+        r = min((r for r in range(world) if len(chosen[r]) < per_rank), key=lambda r: (load[r], totals[r], r))
         chosen[r].append(b)
         load[r] += int(tokens[b])
+        totals[r] += int(tokens[b])
     return [sorted(c, key=position.__getitem__) for c in chosen]
