@@ -65,7 +65,7 @@ def test_keep_leaves_pairs_out_and_too_long_pairs_are_a_clear_error():
     plan = plan_batches(src, tgt, 200, keep=keep)
     got = sorted(i for b in epoch_batches(plan, 1, 1) for i in b.tolist())
     assert got == np.flatnonzero(keep).tolist()
-    with pytest.raises(AiaynError, match=r"--max-tokens 10 is smaller than the longest sentence pair \(45 tokens"):
+    with pytest.raises(AiaynError, match=r"--max-tokens 10 is smaller than the longest training pair \(45 tokens"):
         plan_batches(np.array([3, 45]), np.array([2, 2]), 10)
     assert len(plan_batches(np.zeros(0, np.uint16), np.zeros(0, np.uint16), 10)) == 0
 

@@ -51,4 +51,4 @@ def test_two_ranks_match_one_process_with_update_freq_2(tmp_path):
             torch.testing.assert_close(w1[k], w2[k], rtol=1e-3, atol=1e-4)
     # only rank 0 wrote: one run directory layout, no per-rank files
     names = sorted(p.name for p in two.iterdir())
-    assert names == ["metrics.jsonl", f"step_{steps}", "tokenizer", "train.json"], names
+    assert names == ["data", "metrics.jsonl", f"step_{steps}", "train.json"], names  # data: the prepared text

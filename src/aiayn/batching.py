@@ -80,7 +80,7 @@ def plan_batches(src_len: np.ndarray, tgt_len: np.ndarray, max_tokens: int, keep
     order, counts = _counting_sort(keys, n)
     if longest > max_tokens:
         raise AiaynError(
-            f"--max-tokens {max_tokens} is smaller than the longest sentence pair ({longest} tokens with BOS/EOS); "
+            f"--max-tokens {max_tokens} is smaller than the longest training pair ({longest} tokens with BOS/EOS); "
             f"raise --max-tokens to at least {longest} or lower --max-len"
         )
     present = np.flatnonzero(counts)

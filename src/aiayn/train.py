@@ -12,8 +12,11 @@ epoch and the position in it together with the optimizer, the step and every RNG
 run reproduces an uninterrupted one bitwise (CPU, fp32). SIGINT/SIGTERM finish the current step,
 write a checkpoint and print the command that resumes.
 
-Distributed: under `torchrun`, each rank takes batches[rank::world] (cut to an equal count), DDP
-sums the gradients, and only rank 0 validates and writes.
+Data: one path, memory-mapped arrays written by `aiayn prepare` (--data-bin, or the raw text
+prepared into the run directory); batches are cut from their length arrays (aiayn.corpus).
+
+Distributed: under `torchrun`, each step's batches are shared out so that every rank takes as many
+and about as many tokens (aiayn.batching), DDP sums the gradients, and only rank 0 validates and writes.
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ _HELP = {
     "train_tgt": "training target file, aligned with --train-src",
     "valid_src": "validation source file",
     "valid_tgt": "validation target file",
+    "data_bin": "a directory written by `aiayn prepare` (instead of the data flags above)",
     "vocab_size": "SentencePiece vocabulary size (an upper bound)",
     "joint_vocab": "one vocabulary for both languages (lets all embeddings be tied)",
     "spm_model_type": "SentencePiece model: bpe or unigram",
@@ -303,81 +307,23 @@ class Stopper:
 # ------------------------------------------------------------------------------------------- data
 
 
-@dataclass
-class Corpus:
-    tokenizers: Any
-    train: list[tuple[list[int], list[int]]]
-    valid: list[tuple[list[int], list[int]]]
-    valid_src: list[str]
-    valid_tgt: list[str]
-    n_train_lines: int
-    skipped: int
+def load_corpus(tc: TrainConfig, tokenizers: Any | None, run_dir: Path, d: Dist, log: Any = print) -> Any:
+    """The run's prepared data (--data-bin, or the raw text prepared into the run directory by rank 0)
+    with its batch plans (aiayn.corpus); a resumed run's tokenizer must be the data's."""
+    from aiayn.corpus import open_corpus, prepared_path
+
+    corpus = open_corpus(prepared_path(tc, run_dir, d.main, d.barrier, log), tc)
+    if tokenizers is not None and (tokenizers.src, tokenizers.tgt) != (corpus.tokenizers.src, corpus.tokenizers.tgt):
+        raise AiaynError(f"{corpus.data.path}: its tokenizer is not the one the run was trained with; resume with "
+                         "the data the run started from")
+    return corpus
 
 
-def corpus_paths(tc: TrainConfig) -> tuple[Path, Path, Path | None, Path | None]:
-    from aiayn import data
+def rank_batches(corpus: Any, tc: TrainConfig, epoch: int, d: Dist) -> Any:
+    """This rank's batches of an epoch: a list of int32 arrays of pair ids (aiayn.batching)."""
+    from aiayn.corpus import rank_batches as for_rank
 
-    if tc.data is not None:
-        if tc.data != "multi30k":
-            raise AiaynError(f"--data {tc.data!r} is not a known corpus; use --data multi30k or --train-src/--train-tgt")
-        if tc.src not in data.LANGS or tc.tgt not in data.LANGS or tc.src == tc.tgt:
-            raise AiaynError(f"--src {tc.src} --tgt {tc.tgt} is not a Multi30k language pair; choose two different "
-                             f"of {', '.join(data.LANGS)}")
-        tr = data.multi30k_paths("train", tc.src, tc.tgt, tc.data_dir)
-        va = data.multi30k_paths("val", tc.src, tc.tgt, tc.data_dir)
-        return tr[0], tr[1], va[0], va[1]
-    if not tc.train_src or not tc.train_tgt:
-        raise AiaynError("no training data: pass --data multi30k --src de --tgt en, or --train-src and --train-tgt")
-    if bool(tc.valid_src) != bool(tc.valid_tgt):
-        raise AiaynError("pass both --valid-src and --valid-tgt, or neither")
-    for flag, p in (("--train-src", tc.train_src), ("--train-tgt", tc.train_tgt), ("--valid-src", tc.valid_src),
-                    ("--valid-tgt", tc.valid_tgt)):
-        if p and not Path(p).is_file():
-            raise AiaynError(f"{flag} {p}: no such file")
-    return (Path(tc.train_src), Path(tc.train_tgt), Path(tc.valid_src) if tc.valid_src else None,
-            Path(tc.valid_tgt) if tc.valid_tgt else None)
-
-
-def load_corpus(tc: TrainConfig, tokenizers: Any | None, run_dir: Path, d: Dist) -> Corpus:
-    """Reads and encodes the data; trains the tokenizers on rank 0 unless they are given (resume)."""
-    from aiayn import data
-    from aiayn.tokenizer import TokenizerPair, build_tokenizers
-
-    tr_src, tr_tgt, va_src, va_tgt = corpus_paths(tc)
-    src_lines, tgt_lines = data.read_parallel(tr_src, tr_tgt)
-    if tokenizers is None:
-        shared = run_dir / "tokenizer"
-        if d.main:
-            tokenizers = build_tokenizers(tr_src, tr_tgt, tc.vocab_size, tc.joint_vocab, tc.spm_model_type)
-            if d.world > 1:
-                tokenizers.save(shared)
-        d.barrier()
-        if tokenizers is None:  # other ranks use rank 0's tokenizer, byte for byte
-            tokenizers = TokenizerPair.load(shared)
-    train, skipped = data.encode_pairs(src_lines, tgt_lines, tokenizers, tc.max_len, tc.long)
-    if not train:
-        raise AiaynError(f"every training pair is longer than --max-len {tc.max_len}; raise --max-len")
-    need = max(max(len(s), len(t) + 1) for s, t in train)
-    if tc.max_tokens < need:
-        raise AiaynError(f"--max-tokens {tc.max_tokens} is smaller than the longest training pair ({need} tokens "
-                         f"with EOS); raise --max-tokens or lower --max-len")
-    valid: list[tuple[list[int], list[int]]] = []
-    vs: list[str] = []
-    vt: list[str] = []
-    if va_src is not None and va_tgt is not None:
-        vs, vt = data.read_parallel(va_src, va_tgt)
-        valid, _ = data.encode_pairs(vs, vt, tokenizers, tc.max_len, "truncate")
-        valid = [(s, t) for s, t in valid if max(len(s), len(t) + 1) <= tc.max_tokens]
-    return Corpus(tokenizers, train, valid, vs, vt, len(src_lines), skipped)
-
-
-def rank_batches(examples: list, tc: TrainConfig, epoch: int, d: Dist) -> list[list[int]]:
-    """This rank's batches of an epoch: batches[rank::world], cut to a count every rank shares."""
-    from aiayn.data import batch_indices
-
-    batches = batch_indices(examples, tc.max_tokens, tc.seed, epoch)
-    per_rank = len(batches) // d.world
-    return batches[d.rank::d.world][:per_rank]
+    return for_rank(corpus, tc, epoch, d.rank, d.world)
 
 
 # ---------------------------------------------------------------------------------------- trainer
@@ -471,10 +417,10 @@ class Trainer:
 
 
 @torch.no_grad()
-def validate(model: Transformer, corpus: Corpus, tc: TrainConfig, autocast: Any, device: torch.device) -> dict[str, float]:
+def validate(model: Transformer, corpus: Any, tc: TrainConfig, autocast: Any, device: torch.device) -> dict[str, float]:
     """Validation loss (label-smoothed and plain, per token) and greedy BLEU/chrF on the first
     `valid_bleu` validation sentences."""
-    from aiayn.data import batch_indices, collate
+    from aiayn.corpus import valid_batches
     from aiayn.evaluate import corpus_scores
     from aiayn.search import greedy_search
     from aiayn.tokenizer import BOS_ID, EOS_ID
@@ -484,8 +430,8 @@ def validate(model: Transformer, corpus: Corpus, tc: TrainConfig, autocast: Any,
     if corpus.valid:
         loss = nll = 0.0
         tokens = 0
-        for idx in batch_indices(corpus.valid, tc.max_tokens, tc.seed, 0, shuffle=False):
-            b = collate(corpus.valid, idx).to(device)
+        for idx in valid_batches(corpus):
+            b = corpus.valid.collate(idx, tc.max_len).to(device)
             with autocast():
                 logits = model(b.src, b.tgt_in).float().flatten(0, 1)
             tgt = b.tgt_out.flatten()
@@ -610,7 +556,10 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
     elif resume:
         info(f"nothing to resume in {out}; starting a new run")
 
-    corpus = load_corpus(tc, loaded.tokenizers if loaded else None, out, d)
+    corpus = load_corpus(tc, loaded.tokenizers if loaded else None, out, d, info)
+    if loaded and loaded.trainer_state.get("data_sha256", corpus.digest) != corpus.digest:
+        raise AiaynError(f"{corpus.data.path}: the data changed since {loaded.path} was written (its manifest "
+                         "differs); resume with the data the run started from, or start a new --out")
     tok = corpus.tokenizers
     if loaded:
         mcfg = loaded.model_config
@@ -651,13 +600,11 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
         (out / "train.json").write_text(json.dumps({"preset": preset_name, "model": model_over, "train": tc.to_dict()},
                                                    indent=2) + "\n", encoding="utf-8")
 
-    steps_per_epoch = max(1, math.ceil(len(rank_batches(corpus.train, tc, 1, d)) / tc.update_freq))
+    steps_per_epoch = max(1, math.ceil(len(rank_batches(corpus, tc, 1, d)) / tc.update_freq))
     info(f"model: {mcfg.encoder_layers}+{mcfg.decoder_layers} layers, d_model {mcfg.d_model}, "
          f"{model.num_parameters():,} parameters; vocabulary {tok.src.vocab_size}"
          f"{'' if tok.joint else '/' + str(tok.tgt.vocab_size)} ({'joint' if tok.joint else 'separate'})")
-    info(f"data: {len(corpus.train):,} training pairs ({corpus.skipped:,} of {corpus.n_train_lines:,} "
-         f"{'skipped' if tc.long == 'skip' else 'truncated'} as longer than {tc.max_len} tokens), "
-         f"{len(corpus.valid_src):,} validation pairs; ~{steps_per_epoch} steps/epoch")
+    info(f"data: {corpus.describe(tc)}; ~{steps_per_epoch} steps/epoch")
     info(f"device {d.device} x{d.world}, precision {trainer.precision}, max {tc.max_tokens} tokens x "
          f"{tc.update_freq} batches x {d.world} ranks per step; output {out}")
 
@@ -670,7 +617,7 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
         if d.main:
             state = {**trainer.state(), "epoch": at_epoch, "position": at_pos, "elapsed_s": elapsed + time.time() - t0,
                      "best_bleu": best_bleu, "bad_epochs": bad_epochs, "tokens_seen": tokens_seen, "rng": rngs,
-                     "world": d.world, "seed": tc.seed}
+                     "world": d.world, "seed": tc.seed, "data_sha256": corpus.digest}
             config = {"model": mcfg.to_dict(), "train": tc.to_dict(), "preset": preset_name, "step": trainer.step,
                       "epoch": at_epoch}
             ckpt.save_checkpoint(path, model, tok, config, state)
@@ -693,17 +640,16 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
     elif tc.patience and bad_epochs >= tc.patience:
         stop_reason = f"no better validation BLEU for {tc.patience} epochs (--patience)"
     window_tokens, window_t = 0, time.time()
-    from aiayn.data import collate
 
     with Stopper() as stopper:
         while not stop_reason:
             if tc.max_epochs and epoch > tc.max_epochs:
                 stop_reason = f"reached --max-epochs {tc.max_epochs}"
                 break
-            mine = rank_batches(corpus.train, tc, epoch, d)
+            mine = rank_batches(corpus, tc, epoch, d)
             while pos < len(mine) and not stop_reason:
                 group = mine[pos : pos + tc.update_freq]
-                loss, ntok = trainer.train_step([collate(corpus.train, idx) for idx in group])
+                loss, ntok = trainer.train_step([corpus.train.collate(idx, tc.max_len) for idx in group])
                 pos += len(group)
                 tokens_seen += ntok
                 window_tokens += ntok
