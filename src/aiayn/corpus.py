@@ -68,16 +68,17 @@ class Corpus:
 
 
 def prepared_path(tc: TrainConfig, run_dir: Path, is_main: bool, barrier: Callable[[], None],
-                  log: Callable[[str], None] = print) -> Path:
+                  log: Callable[[str], None] = print, resuming: bool = False) -> Path:
     """The prepared directory of this run: --data-bin, else the raw text prepared into RUN_DIR/data
-    (by rank 0; a resumed run finds it up to date, or re-prepares it byte for byte)."""
+    by rank 0. A resumed run finds it up to date (or missing, and prepares it again byte for byte);
+    if the text changed it is refused, never replaced, since the run was trained on it."""
     if tc.data_bin:
         return Path(tc.data_bin)
     path = run_dir / RUN_DATA
     if is_main:
         settings = prepare.Settings(vocab_size=tc.vocab_size, joint_vocab=tc.joint_vocab,
                                     spm_model_type=tc.spm_model_type, max_len=tc.max_len, long=tc.long)
-        prepare.prepare(_raw_inputs(tc), path, settings, workers=1, log=log)
+        prepare.prepare(_raw_inputs(tc), path, settings, workers=1, log=log, replace=not resuming)
     barrier()
     return path
 

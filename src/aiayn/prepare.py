@@ -226,9 +226,10 @@ def encode_split(split: str, src_path: Path, tgt_path: Path, tok: TokenizerPair,
 
 
 def prepare(inputs: Inputs, out: str | os.PathLike[str], settings: Settings = Settings(), workers: int = 0,
-            log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> Path:
+            log: Callable[[str], None] = lambda m: print(m, file=sys.stderr), replace: bool = True) -> Path:
     """Write the prepared directory `out`; returns it. Does nothing if `out` already holds the output
-    of these inputs and settings (restart after an interruption costs only the hashing)."""
+    of these inputs and settings (restart after an interruption costs only the hashing). An earlier
+    output of other inputs or settings is replaced, or with `replace=False` refused."""
     inputs.check()
     settings.check()
     out = Path(out)
@@ -237,6 +238,9 @@ def prepare(inputs: Inputs, out: str | os.PathLike[str], settings: Settings = Se
     if _up_to_date(out, digests, settings):
         log(f"{out}: already prepared from these files and settings")
         return out
+    if not replace and (out / bindata.MANIFEST).is_file():
+        raise AiaynError(f"{out} was prepared from other files or settings than these (the data changed since the "
+                         "run started); resume with the files it started from, or start a new --out")
     workers = workers or len(os.sched_getaffinity(0))
     _remove_stale_temporaries(out)
     tmp = out.parent / f".{out.name}.prepare-{os.getpid()}"

@@ -307,15 +307,22 @@ class Stopper:
 # ------------------------------------------------------------------------------------------- data
 
 
-def load_corpus(tc: TrainConfig, tokenizers: Any | None, run_dir: Path, d: Dist, log: Any = print) -> Any:
+def load_corpus(tc: TrainConfig, loaded: Any | None, run_dir: Path, d: Dist, log: Any = print) -> Any:
     """The run's prepared data (--data-bin, or the raw text prepared into the run directory by rank 0)
-    with its batch plans (aiayn.corpus); a resumed run's tokenizer must be the data's."""
+    with its batch plans (aiayn.corpus). A run resumed from checkpoint `loaded` needs the same data
+    (manifest sha256) and tokenizer as before."""
     from aiayn.corpus import open_corpus, prepared_path
 
-    corpus = open_corpus(prepared_path(tc, run_dir, d.main, d.barrier, log), tc)
-    if tokenizers is not None and (tokenizers.src, tokenizers.tgt) != (corpus.tokenizers.src, corpus.tokenizers.tgt):
-        raise AiaynError(f"{corpus.data.path}: its tokenizer is not the one the run was trained with; resume with "
-                         "the data the run started from")
+    corpus = open_corpus(prepared_path(tc, run_dir, d.main, d.barrier, log, resuming=loaded is not None), tc)
+    if loaded is None:
+        return corpus
+    if (loaded.trainer_state or {}).get("data_sha256", corpus.digest) != corpus.digest:
+        raise AiaynError(f"{corpus.data.path}: the data changed since {loaded.path} was written (its manifest "
+                         "differs); resume with the data the run started from, or start a new --out")
+    tok = loaded.tokenizers
+    if (tok.src, tok.tgt) != (corpus.tokenizers.src, corpus.tokenizers.tgt):
+        raise AiaynError(f"{corpus.data.path}: its tokenizer is not the one {loaded.path} was trained with; resume "
+                         "with the data the run started from")
     return corpus
 
 
@@ -556,10 +563,7 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
     elif resume:
         info(f"nothing to resume in {out}; starting a new run")
 
-    corpus = load_corpus(tc, loaded.tokenizers if loaded else None, out, d, info)
-    if loaded and loaded.trainer_state.get("data_sha256", corpus.digest) != corpus.digest:
-        raise AiaynError(f"{corpus.data.path}: the data changed since {loaded.path} was written (its manifest "
-                         "differs); resume with the data the run started from, or start a new --out")
+    corpus = load_corpus(tc, loaded, out, d, info)
     tok = corpus.tokenizers
     if loaded:
         mcfg = loaded.model_config
