@@ -245,21 +245,25 @@ def _sha256_file(path: Path) -> str:
 
 
 def download_multi30k(split: str, lang: str, folder: str | Path, timeout: float = 60.0) -> Path:
-    """`folder/<split>.<lang>.gz`, downloaded unless already there with the right sha256.
-
-    The file is written to a temporary name, checked, and only then renamed into place, so an
-    interrupted or corrupt download never looks like a finished one.
-    """
+    """`folder/<split>.<lang>.gz`, downloaded unless already there with the right sha256."""
     _check_split(split)
     if lang not in LANGS:
         raise AiaynError(f"unknown Multi30k language {lang!r}; choose one of {', '.join(LANGS)}")
     name = f"{split}.{lang}.gz"
-    want = MULTI30K_SHA256[name]
-    folder = Path(folder)
-    target = folder / name
+    url = f"{os.environ.get(URL_ENV) or MULTI30K_URL}".rstrip("/") + f"/{name}"
+    return download_file(url, Path(folder) / name, MULTI30K_SHA256[name], URL_ENV, timeout)
+
+
+def download_file(url: str, target: Path, want: str, mirror_env: str, timeout: float = 60.0) -> Path:
+    """`target`, downloaded from `url` unless already there with sha256 `want`.
+
+    The file is written to a temporary name, checked, and only then renamed into place, so an
+    interrupted or corrupt download never looks like a finished one. `mirror_env` is the variable
+    that points the download elsewhere (named in the messages).
+    """
+    folder, name = target.parent, target.name
     if target.is_file() and _sha256_file(target) == want:
         return target
-    url = f"{os.environ.get(URL_ENV) or MULTI30K_URL}".rstrip("/") + f"/{name}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -294,7 +298,7 @@ def download_multi30k(split: str, lang: str, folder: str | Path, timeout: float 
         if got != want:
             raise AiaynError(
                 f"{url}: sha256 {got[:16]}... does not match the expected {want[:16]}...; "
-                f"the download was removed, try again later or set ${URL_ENV} to another mirror"
+                f"the download was removed, try again later or set ${mirror_env} to another mirror"
             )
         os.replace(tmp, target)
     finally:
@@ -439,6 +443,8 @@ def collate(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data", choices=("multi30k", "wmt14"), default="multi30k",
+                        help="multi30k, or wmt14 (English-German, ~1.7 GB of archives, unpacked to ~1.5 GB of text)")
     parser.add_argument("--src", default="de", help=f"source language, one of {', '.join(LANGS)}")
     parser.add_argument("--tgt", default="en", help=f"target language, one of {', '.join(LANGS)}")
     parser.add_argument("--splits", nargs="+", default=list(SPLITS), metavar="SPLIT", help=f"of {', '.join(SPLITS)}")
@@ -451,6 +457,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.data == "wmt14":
+        from aiayn import wmt14
+
+        wmt14.check_pair(args.src, args.tgt)
+        folder = wmt14.wmt14_folder(args.data_dir)
+        wmt14.download_wmt14(folder)
+        print(folder)
+        return 0
     check_pair(args.src, args.tgt)
     for split in args.splits:
         _check_split(split)

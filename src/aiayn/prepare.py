@@ -390,7 +390,9 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
         va = data.multi30k_paths("val", args.src, args.tgt, args.data_dir)
         return Inputs(tr[0], tr[1], va[0], va[1])
     if args.data == "wmt14":
-        tr, va = data.wmt14_paths(args.src, args.tgt, args.data_dir)
+        from aiayn.wmt14 import wmt14_paths
+
+        tr, va = wmt14_paths(args.src, args.tgt, args.data_dir)
         return Inputs(tr[0], tr[1], va[0], va[1])
     if not args.train_src or not args.train_tgt:
         raise AiaynError("no training data: pass --train-src and --train-tgt, or --data multi30k|wmt14")
