@@ -159,6 +159,7 @@ def main() -> int:
     ap.add_argument("--old", type=int, nargs="*", default=[500_000, 1_000_000], help="sizes for the in-memory path")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--workers", type=int, default=0)
+    ap.add_argument("--preset", default="small")
     args = ap.parse_args()
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
@@ -188,7 +189,7 @@ def main() -> int:
         record(f"prepare {n}", res)
         prepared[n] = out
 
-    train_common = ["--preset", "small", "--max-steps", str(args.steps), "--log-every", "1", "--save-every", "0",
+    train_common = ["--preset", args.preset, "--max-steps", str(args.steps), "--log-every", "1", "--save-every", "0",
                     "--valid-bleu", "0", "--max-tokens", "4096", "--precision", "fp32"]
     for n, data in prepared.items():
         run = work / f"run-bin-{n}"
