@@ -57,6 +57,8 @@ def test_shuffled_batches_keep_the_rules_and_depend_only_on_seed_and_epoch():
     # ties are shuffled: some batch of equal-key pairs changes members between epochs
     b = [x.tolist() for x in epoch_batches(plan, seed=5, epoch=2)]
     assert {tuple(sorted(x)) for x in a} != {tuple(sorted(x)) for x in b}
+    # the in-place shuffle forgets the epoch before: epoch 1 after epoch 2 is epoch 1 (resume relies on it)
+    assert [x.tolist() for x in epoch_batches(plan, seed=5, epoch=1)] == a
 
 
 def test_keep_leaves_pairs_out_and_too_long_pairs_are_a_clear_error():

@@ -47,7 +47,7 @@ class Settings:
     vocab_size: int = 8000
     joint_vocab: bool = True
     spm_model_type: str = "bpe"
-    spm_sample: int = 1_000_000  # pairs sampled to train SentencePiece (all of them if fewer)
+    spm_sample: int = 500_000  # pairs (1M sentences) sampled to train SentencePiece; all of them if fewer
     max_len: int = 256  # subword tokens per side; longer training pairs skipped or truncated
     long: str = "skip"
     seed: int = 1
