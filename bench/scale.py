@@ -160,11 +160,12 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--preset", default="small")
+    ap.add_argument("--src", type=Path, default=ROOT / "src", help="the aiayn source tree to measure (a snapshot)")
     args = ap.parse_args()
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
     py = sys.executable
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "XDG_CACHE_HOME": str(work / "cache"), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONPATH": str(args.src), "XDG_CACHE_HOME": str(work / "cache"), "PYTHONUNBUFFERED": "1"}
     results: dict[str, dict] = {}
     out_json = work / "scale.json"
 
