@@ -5,8 +5,9 @@
 1. Makes a synthetic parallel corpus with WMT14 en-de's shape: 4.5M pairs, source lengths drawn from
    a log-normal fitted to WMT14 en-de's English side (median ~21 words, mean ~24, a tail past 100),
    target lengths correlated with them; words drawn by their Multi30k frequencies (en and de).
-2. `aiayn prepare` on it: wall time, pairs/s, peak RSS (the main process, and the whole process
-   tree summed, which counts pages shared by the forked workers more than once).
+2. `aiayn prepare` on it: wall time, pairs/s, peak RSS of the main process, and of the whole
+   process tree: RSS summed (counts the pages the forked workers share with it once per process)
+   and PSS summed (each shared page split among its sharers: the memory the job really takes).
 3. `aiayn train --data-bin` (small preset, 50 steps) at 0.5M and 4.5M pairs: time from launch to the
    first step and peak RssAnon (anonymous memory: what the process owns, not the page cache that
    backs the memory maps).
@@ -88,10 +89,10 @@ def head(src: tuple[Path, Path], folder: Path, n: int) -> tuple[Path, Path]:
 # ------------------------------------------------------------------------------ measuring
 
 
-def _status(pid: int, key: str) -> int:
-    """A /proc/PID/status field in bytes (0 once the process is gone)."""
+def _status(pid: int, key: str, file: str = "status") -> int:
+    """A /proc/PID/status (or smaps_rollup) field in bytes (0 once the process is gone)."""
     try:
-        with open(f"/proc/{pid}/status") as f:
+        with open(f"/proc/{pid}/{file}") as f:
             for line in f:
                 if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
@@ -121,13 +122,16 @@ def run_measured(cmd: list[str], env: dict[str, str], log: Path, first_step: Pat
     t0 = time.time()
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-    peak = {"rss_main": 0, "rss_tree": 0, "rss_anon": 0}
+    peak = {"rss_main": 0, "rss_tree": 0, "pss_tree": 0, "rss_anon": 0}
     first = None
     loads = []
     while proc.poll() is None:
         peak["rss_main"] = max(peak["rss_main"], _status(proc.pid, "VmRSS"))
         peak["rss_anon"] = max(peak["rss_anon"], _status(proc.pid, "RssAnon"))
-        peak["rss_tree"] = max(peak["rss_tree"], sum(_status(p, "VmRSS") for p in _tree(proc.pid)))
+        tree = _tree(proc.pid)
+        peak["rss_tree"] = max(peak["rss_tree"], sum(_status(p, "VmRSS") for p in tree))
+        # PSS shares each page among the processes mapping it: the honest sum for forked workers
+        peak["pss_tree"] = max(peak["pss_tree"], sum(_status(p, "Pss", "smaps_rollup") for p in tree))
         if first_step is not None and first is None and first_step.exists() and '"kind": "train"' in first_step.read_text():
             first = time.time() - t0
         loads.append(os.getloadavg()[0])
@@ -161,13 +165,17 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--preset", default="small")
     ap.add_argument("--src", type=Path, default=ROOT / "src", help="the aiayn source tree to measure (a snapshot)")
+    ap.add_argument("--precision", default="auto", help="of train (auto: bf16 autocast on a CPU, what a user gets)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="keep the prepare results of an earlier run in WORK/scale.json and its prepared data")
     args = ap.parse_args()
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
     py = sys.executable
     env = {**os.environ, "PYTHONPATH": str(args.src), "XDG_CACHE_HOME": str(work / "cache"), "PYTHONUNBUFFERED": "1"}
-    results: dict[str, dict] = {}
     out_json = work / "scale.json"
+    results: dict[str, dict] = json.loads(out_json.read_text()) if args.reuse and out_json.exists() else {}
+    results = {k: v for k, v in results.items() if k.startswith(("make corpus", "prepare"))}
 
     def record(name: str, res: dict) -> None:
         results[name] = res
@@ -176,13 +184,17 @@ def main() -> int:
 
     t = time.time()
     full = make_corpus(work / f"corpus-{args.pairs}", args.pairs)
-    record("make corpus", {"pairs": args.pairs, "wall_s": round(time.time() - t, 1)})
+    if "make corpus" not in results:
+        record("make corpus", {"pairs": args.pairs, "wall_s": round(time.time() - t, 1)})
     sizes = sorted({args.small, *args.old} - {args.pairs})
     corpora = {args.pairs: full, **{n: head(full, work / f"corpus-{n}", n) for n in sizes}}
 
     prepared = {}
     for n in sorted({args.small, args.pairs}):
         out = work / f"bin-{n}"
+        if args.reuse and f"prepare {n}" in results and (out / "manifest.json").is_file():
+            prepared[n] = out
+            continue
         cmd = [py, "-m", "aiayn", "prepare", "--train-src", str(corpora[n][0]), "--train-tgt", str(corpora[n][1]),
                "--out", str(out), "--vocab-size", "8000", "--workers", str(args.workers)]
         res = run_measured(cmd, env, work / f"prepare-{n}.log")
@@ -191,7 +203,7 @@ def main() -> int:
         prepared[n] = out
 
     train_common = ["--preset", args.preset, "--max-steps", str(args.steps), "--log-every", "1", "--save-every", "0",
-                    "--valid-bleu", "0", "--max-tokens", "4096", "--precision", "fp32"]
+                    "--valid-bleu", "0", "--max-tokens", "4096", "--precision", args.precision]
     for n, data in prepared.items():
         run = work / f"run-bin-{n}"
         subprocess.run(["rm", "-rf", str(run)], check=True)
@@ -206,12 +218,13 @@ def main() -> int:
                "--out", str(run), "--vocab-size", "8000", *train_common]
         record(f"train in-memory {n}", run_measured(cmd, old_env, work / f"train-old-{n}.log", run / "metrics.jsonl"))
 
-    print("\n| measurement | pairs | wall s | first step s | peak RSS MB (main / tree) | peak RssAnon MB | load |")
+    print("\n| measurement | pairs | wall s | first step s | peak RSS MB: main / tree RSS / tree PSS | peak RssAnon MB "
+          "| load |")
     print("|---|---|---|---|---|---|---|")
     for name, r in results.items():
         if "rc" in r:
             print(f"| {name.rsplit(' ', 1)[0]} | {name.rsplit(' ', 1)[1]} | {r['wall_s']} | {r.get('first_step_s', '')} "
-                  f"| {r['rss_main']} / {r['rss_tree']} | {r['rss_anon']} | {r['load_avg']} |")
+                  f"| {r['rss_main']} / {r['rss_tree']} / {r['pss_tree']} | {r['rss_anon']} | {r['load_avg']} |")
     return 0
 
 
