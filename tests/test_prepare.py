@@ -212,3 +212,37 @@ def test_workers_get_a_bounded_window_of_chunks():
     assert next(it) == 0
     assert len(read) <= 2 * 2 + 1
     assert list(it) == list(range(1, 100))
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_iter_lines_reads_what_read_lines_reads_and_fails_alike(tmp_path, gz):
+    from aiayn.data import iter_lines, read_lines
+
+    def write(name: str, data: bytes) -> Path:
+        p = tmp_path / name
+        p.write_bytes(gzip.compress(data) if gz else data)
+        return p
+
+    tricky = write("t", "\ufeffEin Hund.\r\nZwei\u2028Katzen\x1c.\n\ufeffdrei\nno newline".encode())
+    assert list(iter_lines(tricky)) == read_lines(tricky) == ["Ein Hund.", "Zwei\u2028Katzen\x1c.", "\ufeffdrei",
+                                                              "no newline"]
+    bad = write("b", "one\ntwo\nthr\u00e9e".encode("latin-1"))
+    with pytest.raises(AiaynError) as a:
+        list(iter_lines(bad))
+    with pytest.raises(AiaynError) as b:
+        read_lines(bad)
+    assert str(a.value) == str(b.value) == f"{bad}:3: invalid UTF-8 (byte 0xe9 at column 4); convert the file to UTF-8"
+
+
+def test_scan_reports_blank_lines_as_read_parallel_does(tmp_path):
+    src, tgt = tmp_path / "s", tmp_path / "t"
+    src.write_text("a\nb\nc\nd\n")
+    tgt.write_text("A\n\nC\n \n")
+    with pytest.raises(AiaynError) as a:
+        P.scan_parallel(src, tgt, 10, 1)
+    with pytest.raises(AiaynError) as b:
+        read_parallel(src, tgt)
+    assert str(a.value) == str(b.value) and "t:2: blank line (2 blank lines in all)" in str(a.value)
+    tgt.write_text("\n \n")
+    with pytest.raises(AiaynError, match=r"t: file is empty"):
+        P.scan_parallel(src, tgt, 10, 1)
