@@ -124,3 +124,11 @@ def _drop_text(args: list[str]) -> list[str]:
         i = out.index(flag)
         del out[i : i + 2]
     return out
+
+
+def test_fewer_batches_than_ranks_is_a_clear_error_not_a_hang(tmp_path):
+    corpus = make_corpus(tmp_path / "data", n_train=3)  # 3 short pairs: one batch for two ranks
+    cmd = _torchrun("--standalone", "--nproc_per_node", "2") + tiny_args(corpus, tmp_path / "r", *EXTRA)
+    res = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0
+    assert "the data makes 1 batches, fewer than the 2 processes; lower --max-tokens or use fewer processes" in res.stderr
