@@ -8,6 +8,7 @@ import random
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,7 @@ from aiayn.cli import main as cli_main
 from aiayn.config import ModelConfig, TrainConfig, preset
 from aiayn.data import Batch, collate
 from aiayn.errors import AiaynError
+from aiayn.bindata import open_prepared
 from aiayn.model import Transformer
 
 EN = "the a cat dog sees runs big small red house tree man woman child ball blue green eats under".split()
@@ -291,24 +293,28 @@ def test_resume_starts_again_a_run_killed_before_its_first_checkpoint(tmp_path, 
 
 
 def test_new_runs_feed_the_source_ending_with_eos_and_old_runs_go_on_without(tmp_path, corpus, monkeypatch):
-    from aiayn.tokenizer import EOS_ID, TokenizerPair
+    from aiayn.tokenizer import EOS_ID
 
     out = tmp_path / "r"
     train_cli(tiny_args(corpus, out, "--max-steps", "1", "--save-every", "1"))
     assert json.loads((out / "step_1" / "config.json").read_text())["model"]["source_eos"] is True
     tc = TrainConfig(**{k: v for k, v in corpus.items()}, max_tokens=160, out=str(out))
-    toks = TokenizerPair.load(out / "step_1")
-    new = T.load_corpus(tc, toks, out, T.Dist(), source_eos=True)
-    bare = T.load_corpus(tc, toks, out, T.Dist(), source_eos=False)
-    assert all(s[-1] == EOS_ID and EOS_ID not in s[:-1] for s, _ in new.train + new.valid)
-    assert [(s + [EOS_ID], t) for s, t in bare.train + bare.valid] == new.train + new.valid
+    new = T.load_corpus(tc, None, tmp_path / "x", T.Dist(), source_eos=True)
+    bare = T.load_corpus(tc, None, tmp_path / "x", T.Dist(), source_eos=False)
+    for split in ("train", "valid"):
+        rows = np.arange(len(getattr(new, split)))
+        s_new = getattr(new, split).collate(rows, tc.max_len, True).src.tolist()
+        s_bare = getattr(bare, split).collate(rows, tc.max_len, False).src.tolist()
+        for a, b in zip(s_new, s_bare):
+            a, b = [t for t in a if t != 0], [t for t in b if t != 0]
+            assert a == b + [EOS_ID] and EOS_ID not in b
     # a run from before the field (its checkpoint says nothing) resumes on bare sources
     cfg = json.loads((out / "step_1" / "config.json").read_text())
     del cfg["model"]["source_eos"]
     (out / "step_1" / "config.json").write_text(json.dumps(cfg))
     seen = []
     real = T.load_corpus
-    monkeypatch.setattr(T, "load_corpus", lambda *a: seen.append(a[-1]) or real(*a))
+    monkeypatch.setattr(T, "load_corpus", lambda *a: seen.append(a[4]) or real(*a))
     train_cli(tiny_args(corpus, out, "--max-steps", "2", "--save-every", "1", "--resume"))
     assert seen == [False] and json.loads((out / "step_2" / "config.json").read_text())["model"]["source_eos"] is False
 
@@ -456,7 +462,7 @@ def test_validation_bleu_feeds_the_source_as_the_model_was_trained(tmp_path, cor
     from aiayn.tokenizer import EOS_ID, PAD_ID
 
     tc = TrainConfig(**corpus, vocab_size=300, max_tokens=160, valid_bleu=8, out=str(tmp_path / "r"))
-    data = T.load_corpus(tc, None, tmp_path, T.Dist(), source_eos)
+    data = T.load_corpus(tc, None, tmp_path / "r", T.Dist(), source_eos)
     tok = data.tokenizers
     model = Transformer(preset("tiny", src_vocab_size=tok.src.vocab_size, tgt_vocab_size=tok.tgt.vocab_size,
                                source_eos=source_eos))
@@ -528,14 +534,14 @@ def test_resume_refuses_changed_data(tmp_path, corpus, capsys, changed):
     out = tmp_path / "r"
     assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--save-every", "1")) == 0
     state = torch.load(out / "step_2" / "trainer_state.pt", weights_only=True)
-    assert set(state["data_sha256"]) == {"train_src", "train_tgt", "valid_src", "valid_tgt"}
+    assert state["data_sha256"] == open_prepared(out / "data").digest  # the manifest's
     f = Path(corpus[changed])
     lines = f.read_text().splitlines()
     f.write_text("\n".join(lines[1:] + lines[:1]) + "\n")  # the same lines in another order
     capsys.readouterr()
     assert cli_main(tiny_args(corpus, out, "--max-steps", "3", "--resume")) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"{f} is not the file the run was trained on" in err, err
+    assert err.count("\n") == 1 and f"{f} is not what {out / 'data'} was prepared from" in err, err
     assert not (out / "step_3").exists()
     f.write_text("\n".join(lines) + "\n")  # back as it was: the run continues
     assert cli_main(tiny_args(corpus, out, "--max-steps", "3", "--resume")) == 0

@@ -17,13 +17,14 @@ from aiayn.files import silence_stdout
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "prepare": ("aiayn.prepare", "binarize parallel text for training (SentencePiece + memory-mapped arrays)"),
     "train": ("aiayn.train", "train a translation model on parallel text"),
     "translate": ("aiayn.translate", "translate text with a trained model"),
     "evaluate": ("aiayn.evaluate", "score translations with sacreBLEU (BLEU, chrF)"),
     "average": ("aiayn.checkpoint", "average the weights of the last N checkpoints"),
     "plot": ("aiayn.plot", "draw positional encodings, attention maps, learning curves, LR schedules"),
     "export": ("aiayn.export", "export a model to Hugging Face (Marian) or CTranslate2"),
-    "download": ("aiayn.data", "download Multi30k into the cache (sha256-checked)"),
+    "download": ("aiayn.download", "download Multi30k or WMT14 into the cache (sha256-checked)"),
     "demo": ("aiayn.copytask", "train a tiny model on the copy task and show its output"),
 }
 

@@ -174,6 +174,7 @@ class TrainConfig:
     train_tgt: str | None = None
     valid_src: str | None = None
     valid_tgt: str | None = None
+    data_bin: str | None = None  # a directory written by `aiayn prepare` (instead of the above)
     # tokenizer
     vocab_size: int = 8000
     joint_vocab: bool = True

@@ -29,7 +29,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -71,19 +71,28 @@ def read_parallel(src_path: str | os.PathLike[str], tgt_path: str | os.PathLike[
     """Aligned source and target lines; AiaynError on different line counts or a blank line."""
     src, tgt = read_lines(src_path), read_lines(tgt_path)
     if len(src) != len(tgt):
-        raise AiaynError(
-            f"{src_path} has {len(src)} lines but {tgt_path} has {len(tgt)}; "
-            "a parallel corpus needs line i of one file to translate line i of the other"
-        )
+        raise line_count_error(src_path, len(src), tgt_path, len(tgt))
     for path, lines in ((src_path, src), (tgt_path, tgt)):
         blank = [i for i, s in enumerate(lines) if not s.strip()]
         if blank:
-            more = f" ({len(blank)} blank lines in all)" if len(blank) > 1 else ""
-            raise AiaynError(
-                f"{path}:{blank[0] + 1}: blank line{more}; remove the pair from both files "
-                "(or fill in the missing sentence)"
-            )
+            raise blank_line_error(path, blank[0] + 1, len(blank))
     return src, tgt
+
+
+def line_count_error(src_path: object, n_src: int, tgt_path: object, n_tgt: int) -> AiaynError:
+    """The one message for aligned files of different lengths (read_parallel and `aiayn prepare`)."""
+    return AiaynError(
+        f"{src_path} has {n_src} lines but {tgt_path} has {n_tgt}; "
+        "a parallel corpus needs line i of one file to translate line i of the other"
+    )
+
+
+def blank_line_error(path: object, first_line: int, count: int) -> AiaynError:
+    """The one message for blank lines in a parallel file; `first_line` is 1-based."""
+    more = f" ({count} blank lines in all)" if count > 1 else ""
+    return AiaynError(
+        f"{path}:{first_line}: blank line{more}; remove the pair from both files (or fill in the missing sentence)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,7 +108,7 @@ def check_pair(src: str, tgt: str) -> None:
         raise AiaynError(f"--src and --tgt are both {src!r}; choose two different languages of {', '.join(LANGS)}")
 
 
-def _check_split(split: str) -> None:
+def check_split(split: str) -> None:
     if split not in SPLITS:
         raise AiaynError(f"unknown Multi30k split {split!r}; choose one of {', '.join(SPLITS)}")
 
@@ -122,7 +131,7 @@ def multi30k_paths(split: str, src: str, tgt: str, data_dir: str | Path | None =
     Looked for in `data_dir` (the --data-dir flag), else `$AIAYN_DATA`, else the user cache,
     where missing files are downloaded once (sha256-checked). Files may be `.gz` or plain.
     """
-    _check_split(split)
+    check_split(split)
     check_pair(src, tgt)
     if data_dir is not None or os.environ.get(DATA_ENV):
         origin = "--data-dir" if data_dir is not None else f"${DATA_ENV}"
@@ -147,21 +156,25 @@ def multi30k_cache_dir() -> Path:
 
 
 def download_multi30k(split: str, lang: str, folder: str | Path, timeout: float = 60.0) -> Path:
-    """`folder/<split>.<lang>.gz`, downloaded unless already there with the right sha256.
-
-    The file is written to a temporary name, checked, and only then renamed into place, so an
-    interrupted or corrupt download never looks like a finished one.
-    """
-    _check_split(split)
+    """`folder/<split>.<lang>.gz`, downloaded unless already there with the right sha256."""
+    check_split(split)
     if lang not in LANGS:
         raise AiaynError(f"unknown Multi30k language {lang!r}; choose one of {', '.join(LANGS)}")
     name = f"{split}.{lang}.gz"
-    want = MULTI30K_SHA256[name]
-    folder = Path(folder)
-    target = folder / name
+    url = f"{os.environ.get(URL_ENV) or MULTI30K_URL}".rstrip("/") + f"/{name}"
+    return download_file(url, Path(folder) / name, MULTI30K_SHA256[name], URL_ENV, timeout)
+
+
+def download_file(url: str, target: Path, want: str, mirror_env: str, timeout: float = 60.0) -> Path:
+    """`target`, downloaded from `url` unless already there with sha256 `want`.
+
+    The file is written to a temporary name, checked, and only then renamed into place, so an
+    interrupted or corrupt download never looks like a finished one. `mirror_env` is the variable
+    that points the download elsewhere (named in the messages).
+    """
+    folder, name = target.parent, target.name
     if target.is_file() and file_sha256(target) == want:
         return target
-    url = f"{os.environ.get(URL_ENV) or MULTI30K_URL}".rstrip("/") + f"/{name}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -196,7 +209,7 @@ def download_multi30k(split: str, lang: str, folder: str | Path, timeout: float 
         if got != want:
             raise AiaynError(
                 f"{url}: sha256 {got[:16]}... does not match the expected {want[:16]}...; "
-                f"the download was removed, try again later or set ${URL_ENV} to another mirror"
+                f"the download was removed, try again later or set ${mirror_env} to another mirror"
             )
         os.replace(tmp, target)
     finally:
@@ -340,28 +353,3 @@ def collate(
 
 # ---------------------------------------------------------------------------------------------
 # `aiayn download`
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--src", default="de", help=f"source language, one of {', '.join(LANGS)}")
-    parser.add_argument("--tgt", default="en", help=f"target language, one of {', '.join(LANGS)}")
-    parser.add_argument("--splits", nargs="+", default=list(SPLITS), metavar="SPLIT", help=f"of {', '.join(SPLITS)}")
-    parser.add_argument(
-        "--data-dir",
-        default=None,
-        help="download into DIR/multi30k/ instead of the user cache "
-        f"({multi30k_cache_dir()}); then pass --data-dir DIR or set ${DATA_ENV}=DIR",
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    check_pair(args.src, args.tgt)
-    for split in args.splits:
-        _check_split(split)
-    folder = Path(args.data_dir).expanduser() / "multi30k" if args.data_dir else multi30k_cache_dir()
-    for split in args.splits:
-        for lang in (args.src, args.tgt):
-            path = download_multi30k(split, lang, folder)
-            print(f"{path}  ok (sha256 checked)", file=sys.stderr)
-    print(folder)
-    return 0

@@ -10,11 +10,13 @@ from __future__ import annotations
 import contextlib
 import gzip
 import hashlib
+import io
 import os
 import sys
 import tempfile
 import zlib
 from pathlib import Path
+from typing import Iterator
 
 from aiayn.errors import AiaynError
 
@@ -58,6 +60,44 @@ def read_lines(path: str | os.PathLike[str], blank_ok: bool = False) -> list[str
     if lines[-1] == "":
         lines.pop()  # the newline that ends the last line
     return [s[:-1] if s.endswith("\r") else s for s in lines]
+
+
+def iter_lines(path: str | os.PathLike[str]) -> Iterator[str]:
+    """The lines of a plain or gzip UTF-8 file, one at a time: `read_lines` for files larger than memory.
+
+    Same rules and messages as `read_lines` (split on "\\n" only, "\\r\\n" accepted, a leading BOM
+    dropped, invalid UTF-8 named by line and column), except that an empty file is the caller's
+    check: it sees no lines, or only blank ones.
+    """
+    path = Path(path)
+    try:
+        raw_file = open(path, "rb")
+    except FileNotFoundError:
+        raise AiaynError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise AiaynError(f"{path}: is a directory, expected a text file") from None
+    except OSError as e:
+        raise AiaynError(f"{path}: cannot read ({e.strerror or e})") from None
+    with raw_file:
+        is_gzip = raw_file.peek(2)[:2] == b"\x1f\x8b"  # gzip magic, whatever the file is called
+        f = io.BufferedReader(gzip.GzipFile(fileobj=raw_file), 1 << 20) if is_gzip else raw_file
+        number = 0
+        try:
+            for raw in f:
+                number += 1
+                if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                    raw = raw[3:]
+                raw = raw[:-1] if raw.endswith(b"\n") else raw
+                raw = raw[:-1] if raw.endswith(b"\r") else raw
+                try:
+                    yield raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise AiaynError(
+                        f"{path}:{number}: invalid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                        "convert the file to UTF-8"
+                    ) from None
+        except (OSError, EOFError, zlib.error) as e:
+            raise AiaynError(f"{path}: corrupt or truncated gzip file ({e}); download or copy it again") from None
 
 
 def file_sha256(path: str | os.PathLike[str]) -> str:

@@ -163,6 +163,10 @@ class Tokenizer:
     def sha256(self) -> str:
         return hashlib.sha256(self._bytes).hexdigest()
 
+    def to_bytes(self) -> bytes:
+        """The serialized SentencePiece model: what `prepare` hands its worker processes."""
+        return self._bytes
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Tokenizer) and other._bytes == self._bytes
 

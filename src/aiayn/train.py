@@ -12,8 +12,11 @@ epoch and the position in it together with the optimizer, the step and every RNG
 run reproduces an uninterrupted one bitwise (CPU, fp32). SIGINT/SIGTERM finish the current step,
 write a checkpoint and print the command that resumes.
 
-Distributed: under `torchrun`, each rank takes batches[rank::world] (cut to an equal count), DDP
-sums the gradients, and only rank 0 validates and writes.
+Data: one path, memory-mapped arrays written by `aiayn prepare` (--data-bin, or the raw text
+prepared into the run directory); batches are cut from their length arrays (aiayn.corpus).
+
+Distributed: under `torchrun`, each step's batches are shared out so that every rank takes as many
+and about as many tokens (aiayn.batching), DDP sums the gradients, and only rank 0 validates and writes.
 """
 
 from __future__ import annotations
@@ -43,7 +46,6 @@ import aiayn.kernels
 from aiayn import checkpoint as ckpt
 from aiayn.config import PRECISIONS, PRESETS, ConfigError, ModelConfig, TrainConfig, learning_rate, preset
 from aiayn.errors import AiaynError
-from aiayn.files import file_sha256
 from aiayn.model import Transformer
 
 # ------------------------------------------------------------------------------------ the recipe
@@ -77,6 +79,7 @@ _HELP = {
     "train_tgt": "training target file, aligned with --train-src",
     "valid_src": "validation source file",
     "valid_tgt": "validation target file",
+    "data_bin": "a directory written by `aiayn prepare` (instead of the data flags above)",
     "vocab_size": "SentencePiece vocabulary size (an upper bound)",
     "joint_vocab": "one vocabulary for both languages (lets all embeddings be tied)",
     "spm_model_type": "SentencePiece model: bpe or unigram",
@@ -315,106 +318,32 @@ class Stopper:
 # ------------------------------------------------------------------------------------------- data
 
 
-@dataclass
-class Corpus:
-    tokenizers: Any
-    train: list[tuple[list[int], list[int]]]
-    valid: list[tuple[list[int], list[int]]]
-    valid_src: list[str]
-    valid_tgt: list[str]
-    n_train_lines: int
-    skipped: int
+def load_corpus(tc: TrainConfig, loaded: Any | None, run_dir: Path, d: Dist, source_eos: bool,
+                log: Any = print) -> Any:
+    """The run's prepared data (--data-bin, or the raw text prepared into the run directory by rank 0)
+    with its batch plans (aiayn.corpus; sources ending with EOS if `source_eos`). A run resumed from
+    checkpoint `loaded` needs the same data (manifest sha256) and tokenizer as before."""
+    from aiayn.corpus import open_corpus, prepared_path
+
+    path = prepared_path(tc, run_dir, d.main, d.barrier, log, resuming=loaded is not None)
+    corpus = open_corpus(path, tc, source_eos)
+    if loaded is None:
+        return corpus
+    if (loaded.trainer_state or {}).get("data_sha256", corpus.digest) != corpus.digest:
+        raise AiaynError(f"{corpus.data.path}: the data changed since {loaded.path} was written (its manifest "
+                         "differs); resume with the data the run started from, or start a new --out")
+    tok = loaded.tokenizers
+    if (tok.src, tok.tgt) != (corpus.tokenizers.src, corpus.tokenizers.tgt):
+        raise AiaynError(f"{corpus.data.path}: its tokenizer is not the one {loaded.path} was trained with; resume "
+                         "with the data the run started from")
+    return corpus
 
 
-def corpus_paths(tc: TrainConfig) -> tuple[Path, Path, Path | None, Path | None]:
-    from aiayn import data
+def rank_batches(corpus: Any, tc: TrainConfig, epoch: int, d: Dist) -> Any:
+    """This rank's batches of an epoch: a list of int32 arrays of pair ids (aiayn.batching)."""
+    from aiayn.corpus import rank_batches as for_rank
 
-    if tc.data is not None:
-        if tc.data != "multi30k":
-            raise AiaynError(f"--data {tc.data!r} is not a known corpus; use --data multi30k or --train-src/--train-tgt")
-        if tc.src not in data.LANGS or tc.tgt not in data.LANGS or tc.src == tc.tgt:
-            raise AiaynError(f"--src {tc.src} --tgt {tc.tgt} is not a Multi30k language pair; choose two different "
-                             f"of {', '.join(data.LANGS)}")
-        tr = data.multi30k_paths("train", tc.src, tc.tgt, tc.data_dir)
-        va = data.multi30k_paths("val", tc.src, tc.tgt, tc.data_dir)
-        return tr[0], tr[1], va[0], va[1]
-    if not tc.train_src or not tc.train_tgt:
-        raise AiaynError("no training data: pass --data multi30k --src de --tgt en, or --train-src and --train-tgt")
-    if bool(tc.valid_src) != bool(tc.valid_tgt):
-        raise AiaynError("pass both --valid-src and --valid-tgt, or neither")
-    for flag, p in (("--train-src", tc.train_src), ("--train-tgt", tc.train_tgt), ("--valid-src", tc.valid_src),
-                    ("--valid-tgt", tc.valid_tgt)):
-        if p and not Path(p).is_file():
-            raise AiaynError(f"{flag} {p}: no such file")
-    return (Path(tc.train_src), Path(tc.train_tgt), Path(tc.valid_src) if tc.valid_src else None,
-            Path(tc.valid_tgt) if tc.valid_tgt else None)
-
-
-def load_corpus(tc: TrainConfig, tokenizers: Any | None, run_dir: Path, d: Dist, source_eos: bool = False) -> Corpus:
-    """Reads and encodes the data (sources ending with EOS if `source_eos`); trains the tokenizers
-    on rank 0 unless they are given (resume)."""
-    from aiayn import data
-    from aiayn.tokenizer import TokenizerPair, build_tokenizers
-
-    tr_src, tr_tgt, va_src, va_tgt = corpus_paths(tc)
-    src_lines, tgt_lines = data.read_parallel(tr_src, tr_tgt)
-    if tokenizers is None:
-        shared = run_dir / "tokenizer"
-        if d.main:
-            tokenizers = build_tokenizers(tr_src, tr_tgt, tc.vocab_size, tc.joint_vocab, tc.spm_model_type)
-            if d.world > 1:
-                tokenizers.save(shared)
-        d.barrier()
-        if tokenizers is None:  # other ranks use rank 0's tokenizer, byte for byte
-            tokenizers = TokenizerPair.load(shared)
-    train, skipped = data.encode_pairs(src_lines, tgt_lines, tokenizers, tc.max_len, tc.long, source_eos)
-    if not train:
-        raise AiaynError(f"every training pair is longer than --max-len {tc.max_len}; raise --max-len")
-    need = max(max(len(s), len(t) + 1) for s, t in train)
-    if tc.max_tokens < need:
-        raise AiaynError(f"--max-tokens {tc.max_tokens} is smaller than the longest training pair ({need} tokens "
-                         f"with EOS); raise --max-tokens or lower --max-len")
-    valid: list[tuple[list[int], list[int]]] = []
-    vs: list[str] = []
-    vt: list[str] = []
-    if va_src is not None and va_tgt is not None:
-        vs, vt = data.read_parallel(va_src, va_tgt)
-        valid, _ = data.encode_pairs(vs, vt, tokenizers, tc.max_len, "truncate", source_eos)
-        valid = [(s, t) for s, t in valid if max(len(s), len(t) + 1) <= tc.max_tokens]
-    return Corpus(tokenizers, train, valid, vs, vt, len(src_lines), skipped)
-
-
-def data_digests(tc: TrainConfig) -> dict[str, str]:
-    """sha256 of each training and validation file, by option name: a resumed run's saved position
-    in its batches means something only on the same data."""
-    names = ("train_src", "train_tgt", "valid_src", "valid_tgt")
-    return {name: file_sha256(p) for name, p in zip(names, corpus_paths(tc)) if p is not None}
-
-
-def check_same_data(was: Any, now: dict[str, str], tc: TrainConfig) -> None:
-    """Refuses to resume on files other than the run's (`was`: the digests in its trainer state;
-    a checkpoint written before they were kept has none, and is taken on trust)."""
-    if not isinstance(was, dict):
-        return
-    paths = dict(zip(("train_src", "train_tgt", "valid_src", "valid_tgt"), corpus_paths(tc)))
-    for name in sorted(set(was) | set(now)):
-        if was.get(name) != now.get(name):
-            what = paths.get(name) or f"--{name.replace('_', '-')}"
-            raise AiaynError(f"{what} is not the file the run was trained on (its sha256 differs from the checkpoint's); "
-                             "resume with the run's data, or start a new run with another --out")
-
-
-def rank_batches(examples: list, tc: TrainConfig, epoch: int, d: Dist) -> list[list[int]]:
-    """This rank's batches of an epoch: batches[rank::world], cut to a count every rank shares."""
-    from aiayn.data import batch_indices
-
-    batches = batch_indices(examples, tc.max_tokens, tc.seed, epoch)
-    per_rank = len(batches) // d.world
-    if per_rank == 0:  # every rank finds the same, so all stop together (an empty epoch would repeat for ever)
-        raise AiaynError(f"the training data makes {len(batches)} batch{'es' if len(batches) != 1 else ''} of "
-                         f"--max-tokens {tc.max_tokens}, fewer than the {d.world} processes; lower --max-tokens or "
-                         "start fewer processes")
-    return batches[d.rank::d.world][:per_rank]
+    return for_rank(corpus, tc, epoch, d.rank, d.world)
 
 
 # ---------------------------------------------------------------------------------------- trainer
@@ -508,10 +437,10 @@ class Trainer:
 
 
 @torch.no_grad()
-def validate(model: Transformer, corpus: Corpus, tc: TrainConfig, autocast: Any, device: torch.device) -> dict[str, float]:
+def validate(model: Transformer, corpus: Any, tc: TrainConfig, autocast: Any, device: torch.device) -> dict[str, float]:
     """Validation loss (label-smoothed and plain, per token) and greedy BLEU/chrF on the first
     `valid_bleu` validation sentences."""
-    from aiayn.data import batch_indices, collate
+    from aiayn.corpus import valid_batches
     from aiayn.evaluate import corpus_scores
     from aiayn.search import greedy_search
     from aiayn.tokenizer import BOS_ID, EOS_ID
@@ -521,8 +450,8 @@ def validate(model: Transformer, corpus: Corpus, tc: TrainConfig, autocast: Any,
     if corpus.valid:
         loss = nll = 0.0
         tokens = 0
-        for idx in batch_indices(corpus.valid, tc.max_tokens, tc.seed, 0, shuffle=False):
-            b = collate(corpus.valid, idx).to(device)
+        for idx in valid_batches(corpus):
+            b = corpus.valid.collate(idx, tc.max_len, model.cfg.source_eos).to(device)
             with autocast():
                 logits = model(b.src, b.tgt_in).float().flatten(0, 1)
             tgt = b.tgt_out.flatten()
@@ -613,11 +542,10 @@ class Run:
     preset: str
     d: Dist
     out: Path
-    corpus: Corpus
+    corpus: Any  # aiayn.corpus.Corpus
     model: Transformer
     trainer: Trainer
     metrics: Metrics
-    digests: dict[str, str]  # sha256 of the data files (`data_digests`)
     epoch: int = 1
     pos: int = 0  # batches of this rank's epoch already taken
     elapsed: float = 0.0  # seconds trained by earlier processes of the run
@@ -653,7 +581,7 @@ class Run:
         if d.main:
             state = {**self.trainer.state(), "epoch": self.epoch, "position": self.pos, "elapsed_s": self.seconds(),
                      "best_bleu": self.best_bleu, "bad_epochs": self.bad_epochs, "tokens_seen": self.tokens_seen,
-                     "rng": rngs, "world": d.world, "seed": tc.seed, "data_sha256": self.digests,
+                     "rng": rngs, "world": d.world, "seed": tc.seed, "data_sha256": self.corpus.digest,
                      "precision": self.trainer.precision}
             config = {"model": self.model.cfg.to_dict(), "train": tc.to_dict(), "preset": self.preset,
                       "step": self.trainer.step, "epoch": self.epoch}
@@ -707,7 +635,7 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
 
 
 # What a run leaves in --out before its first checkpoint: --resume starts such a run again.
-_EARLY_FILES = frozenset({"train.json", "metrics.jsonl", "metrics.jsonl.tmp", "tokenizer"})
+_EARLY_FILES = frozenset({"train.json", "metrics.jsonl", "metrics.jsonl.tmp", "tokenizer", "data"})  # data: corpus.RUN_DATA
 
 
 def _open_run_dir(out: Path, resume: bool, d: Dist) -> list[tuple[int, Path]]:
@@ -794,11 +722,8 @@ def _set_up(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, loade
             info: Any) -> Run:
     """Data, model, trainer and metrics, restored from `loaded` when resuming; writes train.json."""
     out = Path(tc.out)
-    digests = data_digests(tc)
-    if loaded:
-        check_same_data((loaded.trainer_state or {}).get("data_sha256"), digests, tc)
     source_eos = loaded.model_config.source_eos if loaded else model_over.get("source_eos", ModelConfig.source_eos)
-    corpus = load_corpus(tc, loaded.tokenizers if loaded else None, out, d, source_eos)
+    corpus = load_corpus(tc, loaded, out, d, source_eos, info)
     mcfg = loaded.model_config if loaded else _new_model_config(preset_name, model_over, tc, corpus.tokenizers)
     torch.manual_seed(tc.seed)
     random.seed(tc.seed)
@@ -809,7 +734,7 @@ def _set_up(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, loade
         torch.manual_seed(tc.seed + 1000 * d.rank)
         random.seed(tc.seed + 1000 * d.rank)
     run = Run(tc, preset_name, d, out, corpus, model, Trainer(model, tc, d, _precision(tc, loaded, d)),
-              Metrics(out / "metrics.jsonl", d.main), digests, last_saved=loaded.path if loaded else None)
+              Metrics(out / "metrics.jsonl", d.main), last_saved=loaded.path if loaded else None)
     if loaded:
         st = loaded.trainer_state
         assert st is not None
@@ -817,7 +742,7 @@ def _set_up(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, loade
             raise AiaynError(f"{loaded.path} was written by {st.get('world')} processes; resume with the same number "
                              f"(torchrun --nproc_per_node {st.get('world')})")
         run.restore(st)
-    run.steps_per_epoch = max(1, math.ceil(len(rank_batches(corpus.train, tc, 1, d)) / tc.update_freq))
+    run.steps_per_epoch = max(1, math.ceil(len(rank_batches(corpus, tc, 1, d)) / tc.update_freq))
     run.metrics.truncate_after(run.trainer.step)  # a fresh start (step 0) clears lines of a run killed before its first checkpoint
     if d.main:
         model_options = {k: v for k, v in mcfg.to_dict().items() if k not in _MODEL_FROM_DATA}  # the model it holds
@@ -863,9 +788,7 @@ def _describe(run: Run, info: Any) -> None:
     info(f"model: {mcfg.encoder_layers}+{mcfg.decoder_layers} layers, d_model {mcfg.d_model}, "
          f"{run.model.num_parameters():,} parameters; vocabulary {tok.src.vocab_size}"
          f"{'' if tok.joint else '/' + str(tok.tgt.vocab_size)} ({'joint' if tok.joint else 'separate'})")
-    info(f"data: {len(corpus.train):,} training pairs ({corpus.skipped:,} of {corpus.n_train_lines:,} "
-         f"{'skipped' if tc.long == 'skip' else 'truncated'} as longer than {tc.max_len} tokens), "
-         f"{len(corpus.valid_src):,} validation pairs; ~{run.steps_per_epoch} steps/epoch")
+    info(f"data: {corpus.describe(tc)}; ~{run.steps_per_epoch} steps/epoch")
     info(f"device {run.d.device} x{run.d.world}, precision {run.trainer.precision}, max {tc.max_tokens} tokens x "
          f"{tc.update_freq} batches x {run.d.world} ranks per step; output {run.out}")
 
@@ -887,13 +810,12 @@ def _stop_if_done(run: Run) -> None:
 def _train_epoch(run: Run, stopper: Stopper, bar: Any) -> None:
     """This rank's batches of the current epoch from `run.pos` on, until the epoch ends or a limit
     is met; a complete epoch is closed by `_end_epoch`."""
-    from aiayn.data import collate
-
     tc, trainer, d = run.tc, run.trainer, run.d
-    mine = rank_batches(run.corpus.train, tc, run.epoch, d)
+    mine = rank_batches(run.corpus, tc, run.epoch, d)
+    source_eos = run.model.cfg.source_eos
     while run.pos < len(mine) and not run.stop_reason:
         group = mine[run.pos : run.pos + tc.update_freq]
-        loss, ntok = trainer.train_step([collate(run.corpus.train, idx) for idx in group])
+        loss, ntok = trainer.train_step([run.corpus.train.collate(idx, tc.max_len, source_eos) for idx in group])
         run.pos += len(group)
         run.tokens_seen += ntok
         now, (window_tokens, window_t) = time.time(), run.window
