@@ -28,13 +28,16 @@ install-test: $(VENV)/.installed-test
 
 # The main job: train a small de->en model on Multi30k for a few minutes, then translate with it.
 DEMO_MINUTES ?= 5
+# Shown on stderr with `>&2`, which shares the descriptor: `tee /dev/stderr` reopened the file that
+# `make demo > demo.log 2>&1` writes to and truncated the training log.
+DEMO_SENTENCES := "Ein Mann fährt mit dem Fahrrad eine Straße entlang." "Zwei Hunde spielen im Schnee." \
+  "Eine Frau in einem roten Kleid singt auf einer Bühne." "Kinder spielen Fußball auf einer Wiese."
 demo: install
 	rm -rf runs/demo
 	$(AIAYN) train --config configs/multi30k.toml --src de --tgt en --max-minutes $(DEMO_MINUTES) \
 	  --valid-bleu 200 --out runs/demo
-	printf '%s\n' "Ein Mann fährt mit dem Fahrrad eine Straße entlang." "Zwei Hunde spielen im Schnee." \
-	  "Eine Frau in einem roten Kleid singt auf einer Bühne." "Kinder spielen Fußball auf einer Wiese." \
-	  | tee /dev/stderr | $(AIAYN) translate --checkpoint runs/demo --beam 4
+	printf '%s\n' $(DEMO_SENTENCES) >&2
+	printf '%s\n' $(DEMO_SENTENCES) | $(AIAYN) translate --checkpoint runs/demo --beam 4
 
 # Train de->en, then en->de, 60 minutes each on both cores; tune beam/alpha on val; score test_2016_flickr.
 multi30k: install

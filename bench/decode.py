@@ -18,7 +18,7 @@ CTranslate2 run one batch at a time on all threads. The copy into Marian is chec
 logits of one batch, and the greedy translations of every sentence (printed as an agreement count).
 
 aiayn runs as `Translator` runs it: weights frozen (so linear layers use oneDNN-packed weights, see
-`aiayn.model.inference_linear`), bf16 as a bfloat16 copy of the model. Comparisons are like for
+`aiayn.kernels.inference_linear`), bf16 as a bfloat16 copy of the model. Comparisons are like for
 like: aiayn bf16 is compared with a bfloat16 copy of the Marian model and with its own bf16 search
 without the cache (the fp32 peers are printed beside them). The last lines give the speed-ups of
 aiayn over HF, over its own uncached search and over CTranslate2 float32, mode by mode, and then
@@ -51,8 +51,9 @@ from pathlib import Path
 import torch
 
 from aiayn.config import preset
-from aiayn.data import multi30k_paths, read_lines
+from aiayn.data import multi30k_paths
 from aiayn.export import to_marian  # the weight mapping of `aiayn export --to hf`
+from aiayn.files import read_lines
 from aiayn.model import Transformer
 from aiayn.search import beam_search, greedy_search
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizers
@@ -115,10 +116,10 @@ def run_system(name: str, fn, encoded, groups, workers: int = 1) -> tuple[dict, 
 @contextlib.contextmanager
 def counting_linear_macs():
     """Counts the multiply-adds of every linear layer run inside the block, aiayn's
-    (`aiayn.model.inference_linear`) and torch's (`F.linear`, which HF Marian's layers call); a call
+    (`aiayn.kernels.inference_linear`) and torch's (`F.linear`, which HF Marian's layers call); a call
     that one of them makes to the other counts once. Yields a one-element list holding the count.
     Not thread-safe: run the counted systems one batch at a time."""
-    import aiayn.model as aiayn_model
+    from aiayn import kernels
 
     total, depth = [0], [0]
 
@@ -133,12 +134,12 @@ def counting_linear_macs():
                 depth[0] -= 1
         return linear
 
-    saved = aiayn_model.inference_linear, torch.nn.functional.linear
-    aiayn_model.inference_linear, torch.nn.functional.linear = counted(saved[0]), counted(saved[1])
+    saved = kernels.inference_linear, torch.nn.functional.linear
+    kernels.inference_linear, torch.nn.functional.linear = counted(saved[0]), counted(saved[1])
     try:
         yield total
     finally:
-        aiayn_model.inference_linear, torch.nn.functional.linear = saved
+        kernels.inference_linear, torch.nn.functional.linear = saved
 
 
 def linear_work(systems: dict, names: list[str], encoded, groups) -> dict[str, int]:
@@ -193,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     lines = read_lines(src_path)
     n = 48 if args.quick else (args.n or len(lines))
     lines = lines[:n]
-    encoded = [toks.src.encode(line)[: model.cfg.max_positions] or [toks.src.encode(".")[0]] for line in lines]
+    eos = [EOS_ID] if model.cfg.source_eos else []  # the source as the model was trained on it
+    encoded = [(toks.src.encode(line) or toks.src.encode("."))[: model.cfg.max_positions - len(eos)] + eos
+               for line in lines]
     groups = batches(encoded, args.max_tokens, args.batch_size)
     K, a, b = args.beam, 1.0, 50
     workers = worker_count(args.workers, len(groups))  # as map_batches will run aiayn
@@ -254,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     if "ct2" not in skip:  # CTranslate2 on `aiayn export --to ctranslate2` of the same weights, fp32 and int8
         import tempfile
 
-        from aiayn.export import CT2Translator, to_ctranslate2
+        from aiayn.export import to_ctranslate2
+        from aiayn.translate import CT2Translator
 
         exports = tempfile.TemporaryDirectory(prefix="aiayn-decode-")  # removed when the run ends
         for q in ("float32", "int8"):

@@ -38,12 +38,14 @@ import torch
 
 from aiayn.checkpoint import load_checkpoint, save_checkpoint
 from aiayn.config import preset
-from aiayn.data import multi30k_paths, read_lines
+from aiayn.data import multi30k_paths
 from aiayn.evaluate import corpus_scores
-from aiayn.export import CT2Translator, export_ctranslate2, export_hf
+from aiayn.export import export_ctranslate2, export_hf
+from aiayn.files import read_lines
 from aiayn.model import Transformer
 from aiayn.search import beam_search, greedy_search
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizers
+from aiayn.translate import CT2Translator
 from decode import batches, padded  # bench/decode.py: the same batches for every engine
 
 A, B = 1.0, 50  # aiayn's length limit: floor(A * source length + B)
@@ -92,7 +94,8 @@ def main() -> int:
     lines, refs = read_lines(src_path), read_lines(ref_path)
     n = args.n or len(lines)
     lines, refs = lines[:n], refs[:n]
-    encoded = [toks.src.encode(line)[: model.cfg.max_positions] for line in lines]
+    eos = [EOS_ID] if model.cfg.source_eos else []  # the source as the model was trained on it
+    encoded = [toks.src.encode(line)[: model.cfg.max_positions - len(eos)] + eos for line in lines]
     limits = [max(1, math.floor(len(e) * A + B)) for e in encoded]
     groups = batches(encoded, args.max_tokens, args.batch_size)
     K, alpha = args.beam, args.alpha
@@ -146,7 +149,8 @@ def main() -> int:
                                       max_new_tokens=max(limits[i] for i in idx) + 1)
                 return [hf_strip(r)[: limits[i]] for i, r in zip(idx, out.tolist())]
 
-            systems[("HF generate, source + EOS", "greedy")] = hf_eos
+            if not model.cfg.source_eos:  # a model trained on bare sources, fed as MarianTokenizer would
+                systems[("HF generate, source + EOS", "greedy")] = hf_eos
     if "ct2" not in skip:
         import ctranslate2
 

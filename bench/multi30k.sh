@@ -10,7 +10,7 @@ aiayn=${AIAYN:-aiayn}
 run=${RUN:-runs/multi30k-$src-$tgt}  # RUN=DIR scores (or trains) another run directory
 if [ ! -e "$run/averaged" ]; then
   $aiayn train --config configs/multi30k.toml --src "$src" --tgt "$tgt" --max-minutes "$minutes" \
-    --threads "$threads" --out "$run"
+    --threads "$threads" --out "$run" --resume  # a re-run after an interruption continues the run
   $aiayn average --checkpoint "$run" -n 5 -o "$run/averaged"
 fi
 score() {  # score SPLIT CHECKPOINT BEAM ALPHA PRECISION -> one JSON line

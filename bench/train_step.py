@@ -32,9 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # refere
 
 from aiayn.config import ModelConfig, preset  # noqa: E402
 from aiayn.model import Transformer  # noqa: E402
+from aiayn.tokenizer import BOS_ID as BOS, EOS_ID as EOS, PAD_ID as PAD  # noqa: E402
 from reference import TorchReference  # noqa: E402
-
-PAD, BOS, EOS = 0, 2, 3
 
 
 @dataclass

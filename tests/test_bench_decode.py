@@ -49,7 +49,7 @@ def test_tiny_run_prints_every_system_and_the_ratios(capsys):
 
 
 def test_linear_work_counts_each_linear_once():
-    from aiayn.model import Linear, inference_linear
+    from aiayn.kernels import Linear, inference_linear
 
     bench = _bench()
     layer = Linear(16, 32)  # trainable: inference_linear falls back to F.linear, which must not count again
@@ -58,7 +58,7 @@ def test_linear_work_counts_each_linear_once():
         layer(x)
         torch.nn.functional.linear(x[0], layer.weight)  # torch's own linear counts too
     assert total[0] == 3 * 5 * 16 * 32 + 5 * 16 * 32
-    import aiayn.model
+    import aiayn.kernels
 
-    assert aiayn.model.inference_linear is inference_linear  # put back afterwards
+    assert aiayn.kernels.inference_linear is inference_linear  # put back afterwards
     assert torch.nn.functional.linear is torch._C._nn.linear

@@ -20,10 +20,10 @@ from aiayn.data import (
     collate,
     encode_pairs,
     multi30k_paths,
-    read_lines,
     read_parallel,
 )
 from aiayn.errors import AiaynError
+from aiayn.files import read_lines
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, TokenizerPair
 
 DATA = os.environ.get("AIAYN_DATA")

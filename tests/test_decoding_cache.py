@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from aiayn.config import preset
-from aiayn.model import Transformer, inference_linear
+from aiayn.kernels import inference_linear
+from aiayn.model import Transformer
 from aiayn.search import beam_search
 
 V = 30
@@ -42,8 +43,8 @@ def test_beam_rows_share_cross_attention_and_match_uncached_decoding():
         keep = src.ne(0)
         memory = model.encode(src, keep)
         cache = model.new_cache(memory, keep)
-        cache.expand(K)
-        assert cache.rows == 3 * K and cache.layers[0].cross_k.size(0) == 3  # one copy per sentence
+        cache.reorder(torch.arange(3).repeat_interleave(K), beam=K)  # K rows per sentence, as beam search
+        assert cache.beam == K and cache.layers[0].cross_k.size(0) == 3  # one copy per sentence
         cross = cache.layers[0].cross_k
         perm = torch.tensor([1, 0, 3, 2])  # beams swap inside every sentence: no source-side copy
         order = (torch.arange(3).repeat_interleave(K) * K).view(3, K) + perm

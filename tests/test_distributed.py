@@ -1,54 +1,134 @@
-"""torchrun with 2 CPU processes (gloo) gives the same losses and weights as one process that
-accumulates the same 2 batches per step (--update-freq 2); only rank 0 writes."""
+"""Data parallelism is gradient accumulation by other means: torchrun with 2 CPU processes (gloo)
+gives the same losses and weights as one process that accumulates the same batches per step, with
+--update-freq above 1 too (DDP's no_sync path), and across two "machines" (two torchrun agents
+meeting at a c10d rendezvous on 127.0.0.1, each reading its own prepared copy of the data). Only
+rank 0 writes."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 from test_train import make_corpus, tiny_args, train_cli
 
+from aiayn import prepare as P
 
-def _losses(run) -> dict[int, float]:  # type: ignore[no-untyped-def]
+STEPS = 6
+EXTRA = ["--max-steps", str(STEPS), "--log-every", "1", "--save-every", "0"]
+
+
+def _losses(run: Path) -> dict[int, float]:
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in recs if r["kind"] == "train"]
     assert len(steps) == len(set(steps)), "each step logged once (rank 0 only)"
     return {r["step"]: r["loss"] for r in recs if r["kind"] == "train"}
 
 
-def test_two_ranks_match_one_process_with_update_freq_2(tmp_path):
-    corpus = make_corpus(tmp_path / "data", n_train=120)
-    steps = 6
-    extra = ["--max-steps", str(steps), "--log-every", "1", "--save-every", "0"]
-    one = tmp_path / "one"
-    train_cli(tiny_args(corpus, one, *extra, "--update-freq", "2"))
+def _env(tmp_path: Path) -> dict[str, str]:
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    return {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1",
+            "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+            "TMPDIR": str(tmp_path / "tmp")}  # torchrun leaves a torchelastic_* log folder in the temp dir
 
-    two = tmp_path / "two"
-    (tmp_path / "tmp").mkdir()
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1",
-           "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
-           "TMPDIR": str(tmp_path / "tmp")}  # torchrun leaves a torchelastic_* log folder in the temp dir
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "aiayn",
-           *tiny_args(corpus, two, *extra)]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)  # generous: slow shared CI
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert res.stdout.count("parameters;") == 1  # only rank 0 reports
-    assert "device cpu x2" in res.stdout
 
+def _assert_same_training(one: Path, two: Path) -> None:
     l1, l2 = _losses(one), _losses(two)
-    assert sorted(l1) == sorted(l2) == list(range(1, steps + 1))
+    assert sorted(l1) == sorted(l2) == list(range(1, STEPS + 1))
     for s in l1:
         assert abs(l1[s] - l2[s]) < 1e-4 * max(1.0, abs(l1[s])), (s, l1[s], l2[s])
-    assert l1[steps] < l1[1]  # the runs did train
-    w1 = load_file(str(one / f"step_{steps}" / "model.safetensors"))
-    w2 = load_file(str(two / f"step_{steps}" / "model.safetensors"))
+    assert l1[STEPS] < l1[1]  # the runs did train
+    w1 = load_file(str(one / f"step_{STEPS}" / "model.safetensors"))
+    w2 = load_file(str(two / f"step_{STEPS}" / "model.safetensors"))
     for k in w1:  # matrices only: key biases get no gradient (softmax ignores them), so Adam amplifies noise there
         if w1[k].dim() == 2:
             torch.testing.assert_close(w1[k], w2[k], rtol=1e-3, atol=1e-4)
+
+
+def _torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *args, "-m", "aiayn"]
+
+
+def test_two_ranks_match_one_process_with_update_freq_2(tmp_path):
+    corpus = make_corpus(tmp_path / "data", n_train=120)
+    one = tmp_path / "one"
+    train_cli(tiny_args(corpus, one, *EXTRA, "--update-freq", "2"))
+
+    two = tmp_path / "two"
+    cmd = _torchrun("--standalone", "--nproc_per_node", "2") + tiny_args(corpus, two, *EXTRA)
+    res = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=600)  # generous: slow shared CI
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert res.stdout.count("parameters;") == 1  # only rank 0 reports
+    assert "device cpu x2" in res.stdout
+    _assert_same_training(one, two)
     # only rank 0 wrote: one run directory layout, no per-rank files
     names = sorted(p.name for p in two.iterdir())
-    assert names == ["metrics.jsonl", f"step_{steps}", "tokenizer", "train.json"], names
+    assert names == ["data", "metrics.jsonl", f"step_{STEPS}", "train.json"], names  # data: the prepared text
+
+
+def test_update_freq_under_ddp_matches_one_process_accumulating_all(tmp_path):
+    """2 ranks x --update-freq 2: two batches accumulated under no_sync, then one synchronised."""
+    corpus = make_corpus(tmp_path / "data", n_train=120)
+    one = tmp_path / "one"
+    train_cli(tiny_args(corpus, one, *EXTRA, "--update-freq", "4"))
+    two = tmp_path / "two"
+    cmd = _torchrun("--standalone", "--nproc_per_node", "2") + tiny_args(corpus, two, *EXTRA, "--update-freq", "2")
+    res = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "max 160 tokens x 2 batches x 2 ranks per step" in res.stdout
+    _assert_same_training(one, two)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_two_machines_match_one_process(tmp_path):
+    corpus = make_corpus(tmp_path / "data", n_train=120)
+    inputs = P.Inputs(*(Path(corpus[k]) for k in ("train_src", "train_tgt", "valid_src", "valid_tgt")))
+    bins = [P.prepare(inputs, tmp_path / f"machine{i}" / "bin", P.Settings(vocab_size=300), 1, log=lambda m: None)
+            for i in range(2)]  # each machine prepares its own copy
+    one = tmp_path / "one"
+    data_bin = ["--data-bin", str(bins[0])]
+    train_cli(_drop_text(tiny_args(corpus, one, *EXTRA, "--update-freq", "2")) + data_bin)
+
+    two = tmp_path / "two"
+    rdzv = ["--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint",
+            f"127.0.0.1:{_free_port()}", "--rdzv_id", "aiayn-test"]
+    env = _env(tmp_path)
+    procs = []
+    for i in range(2):
+        cmd = _torchrun(*rdzv) + _drop_text(tiny_args(corpus, two, *EXTRA)) + ["--data-bin", str(bins[i])]
+        log = open(tmp_path / f"machine{i}.log", "w")
+        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    for proc, log in procs:
+        rc = proc.wait(timeout=600)
+        log.close()
+        assert rc == 0, "".join(p.read_text()[-3000:] for p in tmp_path.glob("machine*.log"))
+    printed = "".join((tmp_path / f"machine{i}.log").read_text() for i in range(2))
+    assert printed.count("parameters;") == 1 and "device cpu x2" in printed
+    _assert_same_training(one, two)
+
+
+def _drop_text(args: list[str]) -> list[str]:
+    """tiny_args without the four text-file flags (the runs read --data-bin)."""
+    out = list(args)
+    for flag in ("--train-src", "--train-tgt", "--valid-src", "--valid-tgt"):
+        i = out.index(flag)
+        del out[i : i + 2]
+    return out
+
+
+def test_fewer_batches_than_ranks_is_a_clear_error_not_a_hang(tmp_path):
+    corpus = make_corpus(tmp_path / "data", n_train=3)  # 3 short pairs: one batch for two ranks
+    cmd = _torchrun("--standalone", "--nproc_per_node", "2") + tiny_args(corpus, tmp_path / "r", *EXTRA)
+    res = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0
+    assert "the data makes 1 batches, fewer than the 2 processes; lower --max-tokens or use fewer processes" in res.stderr

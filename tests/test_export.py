@@ -2,7 +2,9 @@
 
 A tiny model is trained for a few seconds on a synthetic task (translate words through a fixed
 dictionary and reverse their order), so that it stops by itself with EOS and its outputs vary;
-exports of it must give the same token ids as aiayn's own greedy search, and (HF) beam search.
+exports of it must give the same token ids as aiayn's own greedy search, and (HF) beam search,
+when used the way their users use them: the exported tokenizer's default call, `pipeline`, and
+CTranslate2 fed SentencePiece pieces plus "</s>" (the source ends with EOS, as aiayn feeds it).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from aiayn.errors import AiaynError
 from aiayn.model import Transformer, sinusoidal_table
 from aiayn.search import beam_search, greedy_search
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, TokenizerPair
+from aiayn.translate import Translator
 
 SRC_WORDS = "a dog cat man woman runs jumps red blue big small the in on park street ball plays with girl boy sits".split()
 TGT_WORDS = ("ein hund katze mann frau rennt springt rot blau gross klein der im auf park strasse ball spielt mit "
@@ -50,7 +53,7 @@ def trained(tmp_path_factory):
         tok = Tokenizer.train([s for s, _ in data] + [t for _, t in data], 400)
         pair = TokenizerPair(tok, tok, joint=True)
         V = tok.vocab_size
-        examples = [(tok.encode(s), tok.encode(t)) for s, t in data]
+        examples = [(tok.encode(s) + [EOS_ID], tok.encode(t)) for s, t in data]  # the source ends with EOS
         cfg = preset("tiny", src_vocab_size=V, tgt_vocab_size=V, d_model=32, d_ff=64, max_positions=128)
         model = Transformer(cfg)
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -70,7 +73,8 @@ def trained(tmp_path_factory):
 
 
 def _src(tok: Tokenizer, lines: list[str]) -> torch.Tensor:
-    ids = tok.encode_batch(lines)
+    """The padded source aiayn feeds a model with `source_eos`: subwords, then EOS."""
+    ids = [row + [EOS_ID] for row in tok.encode_batch(lines)]
     src = torch.full((len(ids), max(map(len, ids))), PAD_ID)
     for i, row in enumerate(ids):
         src[i, : len(row)] = torch.tensor(row)
@@ -145,9 +149,9 @@ def test_hf_export_translates_like_aiayn_greedy_and_beam(trained, tmp_path, monk
     hf = transformers.AutoModelForSeq2SeqLM.from_pretrained(out).eval()
     assert (hf.config.pad_token_id, hf.config.eos_token_id, hf.config.decoder_start_token_id) == (0, 3, 2)
 
-    enc = tok(lines, add_special_tokens=False, padding=True, return_tensors="pt")
+    enc = tok(lines, padding=True, return_tensors="pt")  # the default call, as every user makes it
     src = _src(pair.src, lines)
-    assert torch.equal(enc["input_ids"], src)  # the same source ids aiayn feeds: no EOS appended
+    assert torch.equal(enc["input_ids"], src)  # the same source ids aiayn feeds, EOS included
     limits = (src.ne(PAD_ID).sum(1) + 50).tolist()  # aiayn's default max length: source length + 50
     with torch.no_grad():
         ours = greedy_search(model, src, BOS_ID, EOS_ID)
@@ -157,6 +161,7 @@ def test_hf_export_translates_like_aiayn_greedy_and_beam(trained, tmp_path, monk
     assert len({len(h) for h in ours}) > 3  # varied outputs, not a degenerate model
     texts = tok.batch_decode(theirs, skip_special_tokens=True)
     assert texts == [pair.tgt.decode(h) for h in ours]
+    assert texts == Translator(model, pair).translate(lines, beam=1)  # aiayn's own text-in, text-out path
 
     # Beam 4: transformers divides by len**alpha, aiayn by ((5 + len) / 6)**alpha; with alpha = 0 both
     # rank by the summed log-probability, and early_stopping=True stops, as aiayn does, at 4 finished.
@@ -171,6 +176,24 @@ def test_hf_export_translates_like_aiayn_greedy_and_beam(trained, tmp_path, monk
         assert _strip(theirs_b[i].tolist()) == ours_b[i][0][0], lines[i]
 
 
+def test_hf_translation_pipeline_translates_like_aiayn(trained, tmp_path, monkeypatch):
+    """`pipeline("translation")` on the exported folder alone (transformers 4; version 5 removed the
+    task, and its users call the tokenizer and `generate`, as the test above does)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers import pipelines
+
+    if "translation" in getattr(pipelines, "REMOVED_TASKS", {}):
+        pytest.skip(f"transformers {transformers.__version__} has no translation pipeline")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    ckpt, model, pair, lines = trained
+    out = tmp_path / "hf"
+    assert main(["export", "--checkpoint", str(ckpt), "--to", "hf", str(out)]) == 0
+    pipe = transformers.pipeline("translation", model=str(out), device="cpu")
+    got = pipe(lines, num_beams=1, do_sample=False, max_new_tokens=64)
+    assert [r["translation_text"] for r in got] == Translator(model, pair).translate(lines, beam=1, max_len_a=0.0,
+                                                                                      max_len_b=64)
+
+
 def test_hf_tokenizer_reproduces_aiayn_ids_and_text(trained, tmp_path, monkeypatch):
     transformers = pytest.importorskip("transformers")
     from aiayn.export import save_hf_tokenizer
@@ -182,8 +205,8 @@ def test_hf_tokenizer_reproduces_aiayn_ids_and_text(trained, tmp_path, monkeypat
     texts = ["a dog runs in the park", "Zürich café — 東京 ✓", "the  big   ball"]  # unseen characters: byte pieces
     for text in texts:
         ids = pair.src.encode(text)
-        assert tok(text, add_special_tokens=False)["input_ids"] == ids
-        assert tok(text)["input_ids"] == ids + [EOS_ID]  # MarianTokenizer's default appends EOS
+        assert tok(text)["input_ids"] == ids + [EOS_ID]  # the default call: aiayn's source, EOS ended
+        assert tok(text, add_special_tokens=False)["input_ids"] == ids  # a model trained on bare sources
         assert tok.decode([BOS_ID, *ids, EOS_ID, PAD_ID], skip_special_tokens=True) == pair.tgt.decode(ids)
 
 
@@ -210,7 +233,7 @@ def test_hf_tokenizer_with_separate_vocabularies(tmp_path, monkeypatch):
 
 def test_ctranslate2_export_greedy_is_identical(trained, tmp_path):
     pytest.importorskip("ctranslate2")
-    from aiayn.export import CT2Translator
+    from aiayn.translate import CT2Translator
 
     ckpt, model, pair, lines = trained
     out = tmp_path / "ct2"
@@ -225,11 +248,19 @@ def test_ctranslate2_export_greedy_is_identical(trained, tmp_path):
     with torch.no_grad():
         ours = greedy_search(model, src, BOS_ID, EOS_ID)
         ours_short = greedy_search(model, src, BOS_ID, EOS_ID, max_len_a=0.5, max_len_b=1)
-    ids = pair.src.encode_batch(lines)
+    ids = [row + [EOS_ID] for row in pair.src.encode_batch(lines)]
     assert best(ct2.translate_ids(ids, beam=1)) == ours
     assert best(ct2.translate_ids(ids, beam=1, max_len_a=0.5, max_len_b=1)) == ours_short  # aiayn's length limit
     texts = ct2.translate(lines + ["", "   "], beam=1)
     assert texts == [pair.tgt.decode(h) for h in ours] + ["", ""]
+    # CTranslate2 alone, as its documentation shows: SentencePiece pieces, then "</s>"
+    import ctranslate2
+    import sentencepiece
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(out / "spm.model"))
+    plain = ctranslate2.Translator(str(out), device="cpu", intra_threads=1)
+    res = plain.translate_batch([sp.encode(line, out_type=str) + ["</s>"] for line in lines], beam_size=1)
+    assert [sp.decode(r.hypotheses[0]) for r in res] == texts[: len(lines)]
     # The Translator contract: nbest lines per input, scores best first; beam 4 mostly agrees with aiayn's.
     res = ct2.search(lines[:4] + [""], beam=4, alpha=0.6, nbest=2)
     assert [len(nb) for nb in res] == [2, 2, 2, 2, 2] and res[-1] == [("", 0.0)] * 2  # nbest for a blank line too
@@ -260,7 +291,8 @@ def test_translate_cli_with_ctranslate2_engine_matches_torch(trained, tmp_path, 
 
 def test_ctranslate2_translator_truncates_long_lines_with_a_note(trained, tmp_path):
     pytest.importorskip("ctranslate2")
-    from aiayn.export import CT2Translator, export_ctranslate2
+    from aiayn.export import export_ctranslate2
+    from aiayn.translate import CT2Translator
 
     ckpt, _, pair, _ = trained
     export_ctranslate2(ckpt, tmp_path / "ct2")
@@ -275,7 +307,8 @@ def test_ctranslate2_translator_truncates_long_lines_with_a_note(trained, tmp_pa
 
 def test_ctranslate2_int8_and_pre_norm(tmp_path):
     pytest.importorskip("ctranslate2")
-    from aiayn.export import CT2Translator, export_ctranslate2
+    from aiayn.export import export_ctranslate2
+    from aiayn.translate import CT2Translator
 
     tok = Tokenizer.train([f"{w} {v}" for w in SRC_WORDS for v in TGT_WORDS], 300)
     pair = TokenizerPair(tok, tok, joint=True)
@@ -287,12 +320,13 @@ def test_ctranslate2_int8_and_pre_norm(tmp_path):
     src = _src(tok, lines)
     with torch.no_grad():
         ours = greedy_search(model, src, BOS_ID, EOS_ID, max_len_b=8)  # random weights: runs to the limit
+    ids = [row + [EOS_ID] for row in tok.encode_batch(lines)]
     export_ctranslate2(tmp_path / "ckpt", tmp_path / "fp32")
-    got = CT2Translator(tmp_path / "fp32", threads=1).translate_ids(tok.encode_batch(lines), 1, max_len_b=8)
+    got = CT2Translator(tmp_path / "fp32", threads=1).translate_ids(ids, 1, max_len_b=8)
     assert [nb[0][0] for nb in got] == ours
     export_ctranslate2(tmp_path / "ckpt", tmp_path / "int8", quantization="int8")
     assert (tmp_path / "int8" / "model.bin").stat().st_size < (tmp_path / "fp32" / "model.bin").stat().st_size
-    got = CT2Translator(tmp_path / "int8", threads=1).translate_ids(tok.encode_batch(lines), 1, max_len_b=8)
+    got = CT2Translator(tmp_path / "int8", threads=1).translate_ids(ids, 1, max_len_b=8)
     assert [len(nb[0][0]) for nb in got] == [len(h) for h in ours]
 
 
@@ -307,6 +341,29 @@ def test_ctranslate2_export_leaves_the_model_untouched(tmp_path):
     if importlib.util.find_spec("transformers"):
         to_marian(model)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_ctranslate2_export_of_a_model_on_bare_sources_says_so(tmp_path, capsys):
+    """A checkpoint from before `source_eos` wants its source without "</s>" in plain CTranslate2 (as
+    the README says, `aiayn export` says so), and `CT2Translator` feeds it bare, as aiayn does."""
+    pytest.importorskip("ctranslate2")
+    import json
+
+    from aiayn.translate import CT2Translator
+
+    tok = Tokenizer.train([f"{w} {v}" for w in SRC_WORDS for v in TGT_WORDS], 300)
+    pair = TokenizerPair(tok, tok, joint=True)
+    model = Transformer(preset("tiny", src_vocab_size=tok.vocab_size, tgt_vocab_size=tok.vocab_size)).eval()
+    ckpt = tmp_path / "old"
+    save_checkpoint(ckpt, model, pair, {"train": {}, "step": 1})
+    cfg = json.loads((ckpt / "config.json").read_text())
+    del cfg["model"]["source_eos"]  # as written before the field existed
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    capsys.readouterr()
+    assert main(["export", "--checkpoint", str(ckpt), "--to", "ctranslate2", str(tmp_path / "ct2")]) == 0
+    said = capsys.readouterr().out
+    assert "without EOS" in said and '"</s>"' in said, said
+    assert CT2Translator(tmp_path / "ct2", threads=1).source_eos is False
 
 
 def test_export_never_replaces_the_checkpoint_or_a_folder_that_is_not_an_export(trained, tmp_path, capsys):

@@ -7,10 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import aiayn.model
+import aiayn.kernels
+from aiayn.cache import LayerCache
 from aiayn.config import PRESETS, ConfigError, ModelConfig, preset
 from aiayn.errors import AiaynError
-from aiayn.model import LayerCache, Packed, PositionalEncoding, Transformer, sinusoidal_table
+from aiayn.kernels import Packed
+from aiayn.model import PositionalEncoding, Transformer, sinusoidal_table
 from reference import TorchReference
 
 V = 50
@@ -65,7 +67,7 @@ def test_matches_torch_transformer_with_padding(overrides):
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_fused_attention_path_matches_torch_transformer(norm_first, monkeypatch):
     """With the explicit CPU attention switched off, `F.scaled_dot_product_attention` runs everywhere."""
-    monkeypatch.setattr(aiayn.model, "EXPLICIT_ATTENTION_MAX_KEYS", 0)
+    monkeypatch.setattr(aiayn.kernels, "EXPLICIT_ATTENTION_MAX_KEYS", 0)
     called = []
     sdpa = F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: called.append(1) or sdpa(*a, **k))
@@ -82,6 +84,38 @@ def test_fused_attention_path_matches_torch_transformer(norm_first, monkeypatch)
     real = tgt.ne(0)
     assert torch.allclose(ours[real], theirs[real], atol=1e-5, rtol=0)
     assert torch.allclose(steps[real], ours[real], atol=1e-5)
+
+
+def _both_attention_paths(model: Transformer, src, tgt, monkeypatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's logits with every attention on the explicit path, then with every one fused;
+    counts the fused kernel's calls to prove which path ran."""
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or sdpa(*a, **k))
+    every = model.cfg.encoder_layers + 2 * model.cfg.decoder_layers
+    out = []
+    for max_keys, want_calls in ((10**9, 0), (0, every)):  # explicit for any key length, then never
+        monkeypatch.setattr(aiayn.kernels, "EXPLICIT_ATTENTION_MAX_KEYS", max_keys)
+        calls.clear()
+        with torch.no_grad():
+            out.append(model(src, tgt))
+        assert len(calls) == want_calls
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_explicit_attention_path_equals_the_fused_one(norm_first, monkeypatch):
+    model = tiny(norm_first=norm_first)
+    src, tgt = padded_batch()
+    real = tgt.ne(0)
+    explicit, fused = _both_attention_paths(model, src, tgt, monkeypatch)
+    assert torch.allclose(explicit[real], fused[real], atol=1e-5, rtol=0)
+    # the comparison can fail: an explicit path without the 1/sqrt(d_head) scale is caught
+    good = aiayn.kernels._explicit_attention
+    monkeypatch.setattr(aiayn.kernels, "_explicit_attention",
+                        lambda q, *rest: good(q * math.sqrt(q.size(-1)), *rest))
+    explicit, fused = _both_attention_paths(model, src, tgt, monkeypatch)
+    assert not torch.allclose(explicit[real], fused[real], atol=1e-5, rtol=0)
 
 
 def test_loss_equals_full_cross_entropy():
@@ -359,9 +393,6 @@ def test_attention_weights_are_distributions():
         assert torch.allclose(rows[~tgt_pad[:, None].expand_as(rows)], torch.tensor(1.0), atol=1e-5)
         assert (layer.triu(1) == 0).all()  # no attention to later positions
         assert (layer.masked_select(tgt_pad[:, None, None, :]) == 0).all()
-    # the explicit path matches the fused one
-    with torch.no_grad():
-        assert torch.allclose(model(src, tgt)[tgt.ne(0)], model(src, tgt)[tgt.ne(0)])
 
 
 # --- configuration --------------------------------------------------------------------------------
@@ -369,9 +400,10 @@ def test_attention_weights_are_distributions():
 
 def test_config_json_round_trip():
     cfg = preset("small", src_vocab_size=123, tgt_vocab_size=456, share_embeddings=False, activation="gelu")
-    again = ModelConfig.from_json(cfg.to_json())
+    text = json.dumps(cfg.to_dict())  # as a checkpoint's config.json holds it
+    again = ModelConfig.from_dict(json.loads(text))
     assert again == cfg and isinstance(again, ModelConfig)
-    assert json.loads(cfg.to_json())["d_model"] == 256
+    assert json.loads(text)["d_model"] == 256
     with pytest.raises(Exception):
         cfg.d_model = 3  # frozen
 

@@ -16,12 +16,11 @@ import torch
 
 from aiayn import checkpoint, plot
 from aiayn.cli import main
-from aiayn.config import TrainConfig, preset
+from aiayn.config import TrainConfig, learning_rate, preset
 from aiayn.errors import AiaynError
 from aiayn.model import Transformer, sinusoidal_table
 from aiayn.search import greedy_search
 from aiayn.tokenizer import BOS_ID, EOS_ID, Tokenizer, TokenizerPair
-from aiayn.train import learning_rate
 
 SENTENCES = [
     "Ein Mann fährt Fahrrad.", "A man rides a bike.", "Zwei Hunde spielen im Schnee.", "Two dogs play in the snow.",
@@ -125,7 +124,7 @@ def test_positional_encoding_rejects_bad_settings():
 
 def test_attention_rows_sum_to_one_and_decoder_sees_no_future(model, tokenizers):
     maps = plot.attention_maps(model, tokenizers, SRC, TGT)
-    S, T = len(tokenizers.src.encode(SRC)), len(tokenizers.tgt.encode(TGT)) + 1  # decoder reads BOS + target
+    S, T = len(tokenizers.src.encode(SRC)) + 1, len(tokenizers.tgt.encode(TGT)) + 1  # source + EOS; BOS + target
     assert maps.encoder.shape == (2, 4, S, S)
     assert maps.decoder_self.shape == (2, 4, T, T)
     assert maps.cross.shape == (2, 4, T, S)
@@ -140,8 +139,9 @@ def test_attention_rows_sum_to_one_and_decoder_sees_no_future(model, tokenizers)
 
 def test_attention_figure_draws_those_weights_with_subword_labels(model, tokenizers):
     maps = plot.attention_maps(model, tokenizers, SRC, TGT)
-    pieces_src, pieces_tgt = tokenizers.src.pieces(SRC), tokenizers.tgt.pieces(TGT)
-    assert maps.src_labels == pieces_src
+    pieces_src = [tokenizers.src.id_to_piece(i) for i in tokenizers.src.encode(SRC)]
+    pieces_tgt = [tokenizers.tgt.id_to_piece(i) for i in tokenizers.tgt.encode(TGT)]
+    assert maps.src_labels == pieces_src + ["</s>"]  # the source as the model reads it
     assert maps.tgt_in_labels == ["<s>"] + pieces_tgt  # what each decoder position reads
     assert maps.tgt_out_labels == pieces_tgt + ["</s>"]  # what it predicts
     fig, drawn = plot.attention_figure(maps)
@@ -164,7 +164,7 @@ def test_attention_figure_draws_those_weights_with_subword_labels(model, tokeniz
 
 def test_attention_default_is_the_models_greedy_translation(model, tokenizers):
     maps = plot.attention_maps(model, tokenizers, SRC)
-    src = torch.tensor([tokenizers.src.encode(SRC)])
+    src = torch.tensor([tokenizers.src.encode(SRC) + [EOS_ID]])
     ids = greedy_search(model, src, BOS_ID, EOS_ID)[0]
     assert maps.tgt_text == tokenizers.tgt.decode(ids)
     assert maps.tgt_out_labels == [tokenizers.tgt.id_to_piece(i) for i in ids] + ["</s>"]
@@ -323,3 +323,12 @@ def test_a_picture_too_large_to_draw_is_refused(model, tokenizers, tmp_path, mon
     with pytest.raises(AiaynError, match="would be 1300 x 500 pixels, more than 1000 a side; lower --dpi"):
         plot.save_figure(fig, tmp_path / "pe.png", dpi=100)
     assert not (tmp_path / "pe.png").exists()
+
+
+def test_attention_of_a_model_trained_on_bare_sources_reads_no_eos(model, tokenizers):
+    """A checkpoint from before `source_eos` is drawn as it translates: the source without EOS."""
+    old = Transformer(model.cfg.replace(source_eos=False)).eval()
+    old.load_state_dict(model.state_dict())
+    maps = plot.attention_maps(old, tokenizers, SRC, TGT)
+    assert maps.src_labels == [tokenizers.src.id_to_piece(i) for i in tokenizers.src.encode(SRC)]
+    assert maps.encoder.shape[-1] == len(tokenizers.src.encode(SRC))

@@ -87,7 +87,10 @@ def test_v1_translate_equals_translator(client, reference):
     assert got == reference.translate(LINES, beam=4)
     assert got[0].startswith("a man runs on")  # the toy model has learnt something
     first = body["translations"][0]
-    assert first["source_tokens"] == reference.tokenizers.src.pieces(LINES[0])
+    src_ids = reference.encode(LINES[:1])[0]  # as the model reads it (ending with EOS for a new model)
+    assert first["source_tokens"] == [reference.tokenizers.src.id_to_piece(i) for i in src_ids]
+    chosen = reference.search_ids(LINES[:1], beam=4)[0][0][0]  # the subwords the search chose, exactly
+    assert first["hypotheses"][0]["tokens"] == [reference.tokenizers.tgt.id_to_piece(i) for i in chosen]
     assert "".join(first["hypotheses"][0]["tokens"]).replace("\u2581", " ").strip() == got[0]
     assert body["translations"][1] == {"source_tokens": [], "hypotheses": [{"text": "", "score": 0.0, "tokens": []}]}
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,6 +20,7 @@ from aiayn.cli import main as cli_main
 from aiayn.config import ModelConfig, TrainConfig, preset
 from aiayn.data import Batch, collate
 from aiayn.errors import AiaynError
+from aiayn.bindata import open_prepared
 from aiayn.model import Transformer
 
 EN = "the a cat dog sees runs big small red house tree man woman child ball blue green eats under".split()
@@ -122,6 +125,33 @@ def test_loss_of_the_model_equals_cross_entropy_of_its_logits():
     torch.testing.assert_close(T.loss_sum(m, b, 0.1), want, rtol=1e-5, atol=1e-4)
 
 
+def test_label_smoothing_spreads_its_mass_over_every_class_pad_included():
+    """The README's promise: the smoothed target puts 1 - eps + eps/V on the true token and eps/V on
+    each of the V classes, pad (and BOS) included, at real target positions only; Transformer.loss
+    computes exactly that (a pad-excluded eps/(V-1) would differ)."""
+    torch.manual_seed(0)
+    V, eps = 40, 0.1
+    m = Transformer(preset("tiny", src_vocab_size=V, tgt_vocab_size=V)).eval()
+    b = collate(_examples(6), list(range(6)))
+    logp = m(b.src, b.tgt_in).float().log_softmax(-1)  # (B, T, V)
+    real = b.tgt_out.ne(0)
+    onehot = F.one_hot(b.tgt_out, V).float()
+    every = (1 - eps) * onehot + eps / V
+    without_pad = (1 - eps) * onehot + eps / (V - 1) * (torch.arange(V) != 0)
+    got = T.loss_sum(m, b, eps)
+    torch.testing.assert_close(got, -(every * logp).sum(-1)[real].sum(), rtol=1e-5, atol=1e-4)
+    assert not torch.allclose(got, -(without_pad * logp).sum(-1)[real].sum(), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("native, want", [(True, "bf16"), (False, "fp32")])
+def test_auto_precision_takes_bf16_only_on_a_cpu_that_computes_it(monkeypatch, native, want):
+    import aiayn.kernels
+
+    monkeypatch.setattr(aiayn.kernels, "cpu_has_fast_bf16", lambda: native)
+    assert T.precision_context("auto", torch.device("cpu"))[2] == want
+    assert T.precision_context("bf16", torch.device("cpu"))[2] == "bf16"  # asked for by name: as asked
+
+
 def _examples(n: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
     g = random.Random(seed)
     return [([g.randrange(4, 40) for _ in range(g.randint(1, 9))], [g.randrange(4, 40) for _ in range(g.randint(1, 9))])
@@ -217,6 +247,76 @@ def test_refuses_to_overwrite_a_run_without_resume(tmp_path, corpus, capsys):
     capsys.readouterr()
     assert cli_main(tiny_args(corpus, tmp_path / "r", "--max-steps", "2")) == 2
     assert "already holds checkpoints" in capsys.readouterr().err
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_new_run_never_touches_what_it_did_not_write(tmp_path, corpus, capsys):
+    # a folder holding a best/ and metrics of some earlier work, but no step_<N>/ to resume from
+    out = tmp_path / "r"
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--save-every", "1", "--keep-last", "1")) == 0
+    (out / "step_2").rename(tmp_path / "moved")
+    shutil.copytree(tmp_path / "moved", out / "best")
+    (out / ".tmp-notes").mkdir()
+    (out / ".tmp-notes" / "todo.txt").write_text("mine\n")
+    before = _tree(out)
+    capsys.readouterr()
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "1")) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out} is not empty" in err and "use --resume" in err and err.count("\n") == 1, err
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "1", "--resume")) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out} holds .tmp-notes, best but no step_<N>/ checkpoint" in err and err.count("\n") == 1, err
+    assert _tree(out) == before
+    # a resumable run: its own stale temporaries go, a user's .tmp- folder stays
+    (tmp_path / "moved").rename(out / "step_2")
+    (out / ".tmp-step_3-0123abcd").mkdir()
+    (out / ".tmp-pruned-step_1-89abcdef").mkdir()
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "3", "--resume")) == 0
+    assert (out / ".tmp-notes" / "todo.txt").read_text() == "mine\n"
+    assert not (out / ".tmp-step_3-0123abcd").exists() and not (out / ".tmp-pruned-step_1-89abcdef").exists()
+
+
+def test_resume_starts_again_a_run_killed_before_its_first_checkpoint(tmp_path, corpus, capsys):
+    out = tmp_path / "r"
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--log-every", "1")) == 0
+    for p in out.glob("step_*"):  # as if killed before the first save: train.json, metrics.jsonl, no step
+        shutil.rmtree(p)
+    capsys.readouterr()
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--log-every", "1")) == 2
+    assert "use --resume" in capsys.readouterr().err
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--log-every", "1", "--resume")) == 0
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2] and (out / "step_2").is_dir()
+
+
+def test_new_runs_feed_the_source_ending_with_eos_and_old_runs_go_on_without(tmp_path, corpus, monkeypatch):
+    from aiayn.tokenizer import EOS_ID
+
+    out = tmp_path / "r"
+    train_cli(tiny_args(corpus, out, "--max-steps", "1", "--save-every", "1"))
+    assert json.loads((out / "step_1" / "config.json").read_text())["model"]["source_eos"] is True
+    tc = TrainConfig(**{k: v for k, v in corpus.items()}, max_tokens=160, out=str(out))
+    new = T.load_corpus(tc, None, tmp_path / "x", T.Dist(), source_eos=True)
+    bare = T.load_corpus(tc, None, tmp_path / "x", T.Dist(), source_eos=False)
+    for split in ("train", "valid"):
+        rows = np.arange(len(getattr(new, split)))
+        s_new = getattr(new, split).collate(rows, tc.max_len, True).src.tolist()
+        s_bare = getattr(bare, split).collate(rows, tc.max_len, False).src.tolist()
+        for a, b in zip(s_new, s_bare):
+            a, b = [t for t in a if t != 0], [t for t in b if t != 0]
+            assert a == b + [EOS_ID] and EOS_ID not in b
+    # a run from before the field (its checkpoint says nothing) resumes on bare sources
+    cfg = json.loads((out / "step_1" / "config.json").read_text())
+    del cfg["model"]["source_eos"]
+    (out / "step_1" / "config.json").write_text(json.dumps(cfg))
+    seen = []
+    real = T.load_corpus
+    monkeypatch.setattr(T, "load_corpus", lambda *a: seen.append(a[4]) or real(*a))
+    train_cli(tiny_args(corpus, out, "--max-steps", "2", "--save-every", "1", "--resume"))
+    assert seen == [False] and json.loads((out / "step_2" / "config.json").read_text())["model"]["source_eos"] is False
 
 
 # ----------------------------------------------------------------------------- command line
@@ -324,6 +424,127 @@ def test_resume_refuses_options_that_change_the_batches(tmp_path, corpus, capsys
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and words in err, err
     assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--resume", "--patience", "3")) == 0  # others may change
+
+
+def test_resume_continues_the_run_with_its_saved_settings(tmp_path, corpus, capsys):
+    extra = ("--dropout", "0.1", "--label-smoothing", "0.2", "--log-every", "1", "--save-every", "1")
+    ref, out = tmp_path / "ref", tmp_path / "r"
+    assert cli_main(tiny_args(corpus, ref, "--max-steps", "4", *extra)) == 0
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "2", *extra)) == 0
+    before = (out / "train.json").read_text()
+    capsys.readouterr()
+    # an option that would change the run: one line naming it, nothing written
+    for flag, value in (("--dropout", "0.3"), ("--warmup", "20"), ("--precision", "auto"), ("--lr-factor", "1.0"),
+                        ("--preset", "small"), ("--label-smoothing", "0.1")):
+        assert cli_main(["train", "--out", str(out), "--resume", "--max-steps", "4", flag, value]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{flag} {value} differs from the run's" in err, err
+    assert (out / "train.json").read_text() == before and not (out / "step_3").exists()
+    # no data, recipe or model flags: the run's own settings continue it, as if never stopped
+    assert cli_main(["train", "--out", str(out), "--resume", "--max-steps", "4"]) == 0
+    a, b = weights(ref, 4), weights(out, 4)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # train.json says what the checkpoint holds
+    run = json.loads((out / "train.json").read_text())
+    held = json.loads((out / "step_4" / "config.json").read_text())
+    assert run["train"] == held["train"] and run["preset"] == held["preset"] == "tiny"
+    assert run["model"] == {k: v for k, v in held["model"].items() if k not in T._MODEL_FROM_DATA}
+    assert run["model"]["dropout"] == 0.1 and run["train"]["warmup"] == 10 and run["train"]["max_steps"] == 4
+
+
+@pytest.mark.parametrize("source_eos", [True, False])
+def test_validation_bleu_feeds_the_source_as_the_model_was_trained(tmp_path, corpus, monkeypatch, source_eos):
+    """Greedy validation BLEU reads each source as training, translate and export do: ending with
+    EOS for a model with `source_eos`, bare for one trained before the field."""
+    import contextlib
+
+    import aiayn.search
+    from aiayn.tokenizer import EOS_ID, PAD_ID
+
+    tc = TrainConfig(**corpus, vocab_size=300, max_tokens=160, valid_bleu=8, out=str(tmp_path / "r"))
+    data = T.load_corpus(tc, None, tmp_path / "r", T.Dist(), source_eos)
+    tok = data.tokenizers
+    model = Transformer(preset("tiny", src_vocab_size=tok.src.vocab_size, tgt_vocab_size=tok.tgt.vocab_size,
+                               source_eos=source_eos))
+    fed = []
+    real = aiayn.search.greedy_search
+    monkeypatch.setattr(aiayn.search, "greedy_search", lambda m, src, *a, **k: fed.append(src) or real(m, src, *a, **k))
+    T.validate(model, data, tc, contextlib.nullcontext, torch.device("cpu"))
+    rows = [[t for t in row if t != PAD_ID] for src in fed for row in src.tolist()]
+    want = sorted(ids + ([EOS_ID] if source_eos else []) for ids in tok.src.encode_batch(data.valid_src[:8]))
+    assert sorted(rows) == want
+
+
+def test_resume_keeps_the_precision_that_auto_chose(tmp_path, corpus, monkeypatch):
+    """`--precision auto` is resolved when a process starts; a resumed run goes on in the precision
+    the run trained in (resumed on a CPU without bf16 kernels, or by a version whose `auto` chooses
+    otherwise), not in whatever `auto` would pick now. A checkpoint from before the choice was kept
+    was trained by the rule of its time: bf16 autocast on every CPU."""
+    import aiayn.kernels
+
+    def auto(out: Path, *extra: str) -> list[str]:
+        return ["auto" if a == "fp32" else a for a in tiny_args(corpus, out, *extra)]  # --precision auto
+
+    out = tmp_path / "r"
+    monkeypatch.setattr(aiayn.kernels, "cpu_has_fast_bf16", lambda: True)
+    assert cli_main(auto(out, "--max-steps", "1", "--save-every", "1")) == 0
+    assert torch.load(out / "step_1" / "trainer_state.pt", weights_only=True)["precision"] == "bf16"
+    used = []
+    real = T.Trainer.__init__
+    monkeypatch.setattr(T.Trainer, "__init__", lambda self, *a: real(self, *a) or used.append(self.precision))
+    monkeypatch.setattr(aiayn.kernels, "cpu_has_fast_bf16", lambda: False)  # another machine
+    assert cli_main(["train", "--out", str(out), "--resume", "--max-steps", "2"]) == 0
+    assert used == ["bf16"]
+    state = torch.load(out / "step_2" / "trainer_state.pt", weights_only=True)
+    del state["precision"], state["data_sha256"]  # as an older version wrote it
+    torch.save(state, out / "step_2" / "trainer_state.pt")
+    assert cli_main(["train", "--out", str(out), "--resume", "--max-steps", "3"]) == 0
+    assert used == ["bf16", "bf16"]
+    state = torch.load(out / "step_3" / "trainer_state.pt", weights_only=True)
+    del state["precision"]  # as the release that brought data digests and today's `auto` wrote it
+    torch.save(state, out / "step_3" / "trainer_state.pt")
+    assert cli_main(["train", "--out", str(out), "--resume", "--max-steps", "4"]) == 0
+    assert used == ["bf16", "bf16", "fp32"]
+    state = torch.load(out / "step_4" / "trainer_state.pt", weights_only=True)
+    state["precision"] = "fp16"  # as a run on CUDA, now resumed with --device cpu
+    torch.save(state, out / "step_4" / "trainer_state.pt")
+    assert cli_main(["train", "--out", str(out), "--resume", "--max-steps", "5"]) == 0
+    assert used == ["bf16", "bf16", "fp32", "fp32"]
+    assert cli_main(auto(tmp_path / "new", "--max-steps", "1")) == 0
+    assert used[-1] == "fp32"  # a new run: auto decides for this machine
+
+
+def test_resume_without_device_continues_on_the_runs_device(tmp_path, corpus, monkeypatch):
+    """`--device` may be given anew on resume; left out, the run goes on where it ran (a run started
+    with --device cpu on a machine with a GPU must not move to the GPU, and to another precision)."""
+    out = tmp_path / "r"
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "1", "--save-every", "1", "--device", "cpu")) == 0
+    asked = []
+    real = T.setup_distributed
+    monkeypatch.setattr(T, "setup_distributed", lambda pref: asked.append(pref) or real("cpu"))
+    assert cli_main(["train", "--out", str(out), "--resume", "--max-steps", "2"]) == 0
+    assert asked == ["cpu"]
+    assert json.loads((out / "train.json").read_text())["train"]["device"] == "cpu"
+    assert cli_main(["train", "--out", str(out), "--resume", "--max-steps", "3", "--device", "auto"]) == 0
+    assert asked == ["cpu", "auto"]  # given anew: taken
+
+
+@pytest.mark.parametrize("changed", ["train_src", "valid_tgt"])
+def test_resume_refuses_changed_data(tmp_path, corpus, capsys, changed):
+    out = tmp_path / "r"
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--save-every", "1")) == 0
+    state = torch.load(out / "step_2" / "trainer_state.pt", weights_only=True)
+    assert state["data_sha256"] == open_prepared(out / "data").digest  # the manifest's
+    f = Path(corpus[changed])
+    lines = f.read_text().splitlines()
+    f.write_text("\n".join(lines[1:] + lines[:1]) + "\n")  # the same lines in another order
+    capsys.readouterr()
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "3", "--resume")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{f} is not what {out / 'data'} was prepared from" in err, err
+    assert not (out / "step_3").exists()
+    f.write_text("\n".join(lines) + "\n")  # back as it was: the run continues
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "3", "--resume")) == 0
 
 
 def test_resume_skips_a_trainer_state_that_lacks_a_field(tmp_path, corpus, capsys):

@@ -86,7 +86,7 @@ def test_awkward_input_keeps_every_line_in_order(ckpt, translator, tmp_path):
     assert got == translator.translate(AWKWARD, beam=2, **FAST)
     assert all("\r" not in g for g in got)
     stderr = r.stderr.decode()
-    assert "line 4:" in stderr and "first 64 tokens" in stderr  # the long line is truncated, said so
+    assert "line 4:" in stderr and "first 63 tokens" in stderr  # the long line is truncated, said so (63 + EOS = 64)
     assert stderr.count("\n") == 1
 
 
@@ -463,3 +463,98 @@ def test_a_ctranslate2_export_without_its_engine_says_so(tmp_path, capsys):
     assert cli.main(["translate", "--checkpoint", str(tmp_path), "--input", os.devnull]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is a CTranslate2 export" in err and "--engine ctranslate2" in err
+
+
+def test_translating_a_sample_mid_training_leaves_the_model_training(parts, ckpt):
+    """`Translator(model)` translates in eval mode but gives the caller's model back as it was:
+    training mode and trainable weights, so the next training step still updates every weight."""
+    import copy
+    import dataclasses
+
+    # dropout on, so that a search left in training mode would give other translations
+    model = Transformer(dataclasses.replace(parts[0].cfg, dropout=0.3, attention_dropout=0.3))
+    model.load_state_dict(parts[0].state_dict())
+    model.train().requires_grad_(True)
+    lines = ["a man runs", "the dog plays with a ball"]
+    t = Translator(model, parts[1])
+    before = t.search(lines, beam=2, **FAST)
+    got = [nb[0][0] for nb in before]
+    assert all(m.training for m in model.modules())
+    assert all(p.requires_grad for p in model.parameters())
+    frozen = copy.deepcopy(model).eval().requires_grad_(False)
+    assert got == Translator(frozen, parts[1]).translate(lines, beam=2, **FAST)  # eval mode: no dropout
+    assert not frozen.training  # a caller's eval mode stays too
+    src = torch.tensor([[5, 6, 7, EOS_ID]])
+    model.loss(src, torch.tensor([[2, 5, 6]]), torch.tensor([[5, 6, EOS_ID]]), reduction="sum").backward()
+    assert all(p.grad is not None for p in model.parameters() if p.dim() == 2)
+    # a fused Adam step changes the weights in place without bumping their version: the next sample
+    # must see the new weights, not a packed copy of the old ones
+    torch.optim.Adam(model.parameters(), lr=0.05, fused=True).step()
+    after = t.search(lines, beam=2, **FAST)
+    assert after != before
+    assert after == Translator(copy.deepcopy(model).requires_grad_(False), parts[1]).search(lines, beam=2, **FAST)
+    # a Translator that loaded its own model freezes it, for speed
+    assert not any(p.requires_grad for p in Translator.from_checkpoint(ckpt).model.parameters())
+
+
+def test_search_never_switches_the_mode_of_a_model_the_caller_holds(parts, monkeypatch):
+    """A frozen model left in training mode is searched in eval mode without its own flags being
+    switched for the duration: another thread using it meanwhile (a second `search`, whose end
+    would switch it back to training mid-search, or training itself) sees it as the caller left it."""
+    import copy
+
+    import aiayn.translate as tr
+
+    model = copy.deepcopy(parts[0]).train().requires_grad_(False)
+    seen = []
+    real = tr.greedy_search
+    monkeypatch.setattr(tr, "greedy_search", lambda m, *a, **k: seen.append((model.training, m.training)) or real(
+        m, *a, **k))
+    got = Translator(model, parts[1]).translate(["a man runs", "the dog plays"], beam=1, **FAST)
+    assert seen and all(caller and not searched for caller, searched in seen), seen
+    assert all(m.training for m in model.modules())
+    assert got == Translator(copy.deepcopy(model).eval(), parts[1]).translate(["a man runs", "the dog plays"], beam=1,
+                                                                              **FAST)
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_a_translator_on_another_device_leaves_the_callers_model_where_it_is(parts, frozen):
+    """`Translator(model, device=D)` searches on D without moving the caller's model there (a model
+    training on a GPU, translating a sample with the default device "cpu", stays on the GPU). The
+    meta device stands in for the other device: nothing is computed, only where tensors live."""
+    import copy
+
+    model = copy.deepcopy(parts[0]).requires_grad_(not frozen)
+    t = Translator(model, parts[1], device="meta")
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert all(b.device.type == "cpu" for b in model.buffers())
+    from aiayn.translate import inference_view
+
+    view = inference_view(t.model, t.device)
+    assert all(p.device.type == "meta" and not p.requires_grad for p in view.parameters())
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert [p.requires_grad for p in model.parameters()] == [not frozen] * len(list(model.parameters()))
+
+
+def test_a_checkpoint_from_before_source_eos_translates_as_before(parts, tmp_path):
+    """New models read the source with EOS at its end (fairseq's and Marian's convention); a
+    checkpoint whose config has no `source_eos` was trained on bare sources and is fed as before."""
+    import json
+
+    from aiayn.search import greedy_search
+    from aiayn.translate import BOS_ID
+
+    model, toks = parts
+    line = "the dog plays with a ball"
+    assert Translator(model, toks).encode([line, ""]) == [toks.src.encode(line) + [EOS_ID], []]
+    path = tmp_path / "old"
+    save_checkpoint(path, model, toks, {"train": {}, "step": 1})
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["model"].pop("source_eos") is True
+    (path / "config.json").write_text(json.dumps(cfg))
+    old = Translator.from_checkpoint(path)
+    assert old.model.cfg.source_eos is False
+    assert old.encode([line]) == [toks.src.encode(line)]
+    with torch.no_grad():
+        bare = greedy_search(old.model, torch.tensor([toks.src.encode(line)]), BOS_ID, EOS_ID, 0.0, 4)
+    assert old.translate([line], beam=1, **FAST) == [toks.tgt.decode(bare[0])]

@@ -36,8 +36,8 @@ from safetensors.torch import load_file, save_file
 
 from aiayn.config import ConfigError, ModelConfig
 from aiayn.errors import AiaynError
+from aiayn.files import umask
 from aiayn.model import Transformer
-from aiayn.tokenizer import umask
 
 CONFIG, WEIGHTS, TRAINER_STATE = "config.json", "model.safetensors", "trainer_state.pt"
 TMP_PREFIX = ".tmp-"
@@ -295,19 +295,27 @@ def prune_checkpoints(run_dir: str | Path, keep_last: int) -> None:
         shutil.rmtree(gone, ignore_errors=True)
 
 
-_OLD = re.compile(re.escape(TMP_PREFIX) + r"old-(.+)-[0-9a-f]{8}")
+# The temporaries `write_dir_atomic` and `prune_checkpoints` make in a run directory: the prefix,
+# what they were (old: a replaced checkpoint; pruned), the checkpoint's name and 8 hex digits.
+_OURS = re.compile(re.escape(TMP_PREFIX) + r"(old-|pruned-)?(step_\d+|best)-[0-9a-f]{8}")
+
+
+def is_own_temporary(name: str) -> bool:
+    """Whether a run directory entry's name proves it is a temporary of this program."""
+    return _OURS.fullmatch(name) is not None
 
 
 def remove_stale_temporaries(run_dir: str | Path) -> None:
-    """Removes `.tmp-*` directories that a killed save left behind, except a replaced checkpoint whose
-    successor never arrived (killed between `write_dir_atomic`'s two renames): that one goes back."""
+    """Removes the temporary directories a killed save or prune left behind (only names that prove
+    they are ours: a user's `.tmp-notes` stays), except a replaced checkpoint whose successor never
+    arrived (killed between `write_dir_atomic`'s two renames): that one goes back."""
     run_dir = Path(run_dir)
     if run_dir.is_dir():
         for d in run_dir.iterdir():
-            if d.name.startswith(TMP_PREFIX) and d.is_dir():
-                m = _OLD.fullmatch(d.name)
-                if m and not (run_dir / m.group(1)).exists() and (d / CONFIG).is_file():
-                    os.rename(d, run_dir / m.group(1))
+            m = _OURS.fullmatch(d.name)
+            if m and d.is_dir():
+                if m.group(1) == "old-" and not (run_dir / m.group(2)).exists() and (d / CONFIG).is_file():
+                    os.rename(d, run_dir / m.group(2))
                 else:
                     shutil.rmtree(d, ignore_errors=True)
 

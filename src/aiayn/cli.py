@@ -8,16 +8,16 @@ as one line on stderr, exit status 2, no traceback.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
-import os
 import sys
 
 from aiayn import __version__
 from aiayn.errors import AiaynError
+from aiayn.files import silence_stdout
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "prepare": ("aiayn.prepare", "binarize parallel text for training (SentencePiece + memory-mapped arrays)"),
     "train": ("aiayn.train", "train a translation model on parallel text"),
     "translate": ("aiayn.translate", "translate text with a trained model"),
     "evaluate": ("aiayn.evaluate", "score translations with sacreBLEU (BLEU, chrF)"),
@@ -25,7 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plot": ("aiayn.plot", "draw positional encodings, attention maps, learning curves, LR schedules"),
     "serve": ("aiayn.serve", "serve a model over HTTP (LibreTranslate-compatible API, batching, attention page)"),
     "export": ("aiayn.export", "export a model to Hugging Face (Marian) or CTranslate2"),
-    "download": ("aiayn.data", "download Multi30k into the cache (sha256-checked)"),
+    "download": ("aiayn.download", "download Multi30k or WMT14 into the cache (sha256-checked)"),
     "demo": ("aiayn.copytask", "train a tiny model on the copy task and show its output"),
 }
 
@@ -44,13 +44,6 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         if name == command:  # only the chosen subcommand's module is imported
             importlib.import_module(module).add_arguments(p)
     return parser
-
-
-def silence_stdout() -> None:
-    """Point standard output at /dev/null, so that the interpreter's last flush of what is still
-    buffered (after a closed pipe or a full disk) cannot fail again at exit."""
-    with contextlib.suppress(OSError, AttributeError, ValueError):
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def main(argv: list[str] | None = None) -> int:

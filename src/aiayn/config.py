@@ -1,13 +1,14 @@
 """Frozen configuration dataclasses with the paper's defaults (Vaswani et al., 2017, Table 3).
 
-A config is plain data: it round-trips through JSON (`to_json` / `from_json`) so that a checkpoint
+A config is plain data: it round-trips through JSON (`to_dict` / `from_dict`) so that a checkpoint
 directory describes the model it holds. Presets: `tiny` (tests), `small`, `base` and `big`.
+The learning-rate schedule (Section 5.3) is here too: a formula of the config's numbers that the
+trainer and the plots share.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import typing
 from dataclasses import dataclass
@@ -85,6 +86,9 @@ class ModelConfig:
     max_positions: int = 1024  # positional table size; it grows if a longer input comes
     pad_id: int = 0
     layer_norm_eps: float = 1e-5
+    # The source ends with EOS, as fairseq and Marian (and every Hugging Face pipeline) feed it. A
+    # config without this field is from a model trained on bare sources: `from_dict` gives it False.
+    source_eos: bool = True
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -123,14 +127,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
-        return _from_dict(cls, data)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> "ModelConfig":
-        return cls.from_dict(json.loads(text))
+        return _from_dict(cls, {"source_eos": False, **data})  # older checkpoints: bare sources
 
 
 # Table 3 of the paper: base and big; small and tiny are sizes that train on a laptop CPU.
@@ -149,7 +146,14 @@ def preset(name: str, **overrides: Any) -> ModelConfig:
     return ModelConfig(**{**PRESETS[name], **overrides})
 
 
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+def learning_rate(step: int, d_model: int, warmup: int, factor: float = 1.0) -> float:
+    """Section 5.3: linear warm-up for `warmup` steps, then decay with the inverse square root."""
+    step = max(step, 1)
+    return factor * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
+
+
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # training: autocast dtypes (`TrainConfig.precision`)
+INFERENCE_PRECISIONS = ("fp32", "bf16")  # search: the weights' dtype (`Translator`, `CT2Translator`)
 
 
 @dataclass(frozen=True)
@@ -170,6 +174,7 @@ class TrainConfig:
     train_tgt: str | None = None
     valid_src: str | None = None
     valid_tgt: str | None = None
+    data_bin: str | None = None  # a directory written by `aiayn prepare` (instead of the above)
     # tokenizer
     vocab_size: int = 8000
     joint_vocab: bool = True
@@ -187,7 +192,7 @@ class TrainConfig:
     adam_eps: float = 1e-9
     label_smoothing: float = 0.1
     clip_norm: float = 0.0
-    precision: str = "auto"  # auto: bf16 autocast on CPU; bf16 (or fp16 + GradScaler) on CUDA
+    precision: str = "auto"  # auto: bf16 on a CPU with oneDNN bf16 kernels, else fp32; bf16 (fp16 + scaler) on CUDA
     device: str = "auto"
     # the loop
     max_epochs: int = 30

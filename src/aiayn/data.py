@@ -2,8 +2,8 @@
 approximate sequence length. Each training batch contained a set of sentence pairs containing
 approximately 25000 source tokens and 25000 target tokens").
 
-- `read_lines` / `read_parallel`: two aligned files, plain or .gz, strict UTF-8. Every problem a
-  user can fix is one `AiaynError` line naming the file (and the 1-based line where there is one):
+- `read_parallel`: two aligned files, plain or .gz, strict UTF-8 (`aiayn.files.read_lines`). Every
+  problem a user can fix is one `AiaynError` line naming the file (and the 1-based line where there is one):
   a missing or empty file, invalid UTF-8, different line counts, a blank line.
   Blank lines are an error, not skipped: in aligned files a blank line is usually a missing
   translation or a shifted alignment, and dropping it silently would hide that.
@@ -19,7 +19,6 @@ approximately 25000 source tokens and 25000 target tokens").
 from __future__ import annotations
 
 import argparse
-import gzip
 import hashlib
 import http.client
 import os
@@ -28,16 +27,16 @@ import sys
 import tempfile
 import urllib.error
 import urllib.request
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 from torch import Tensor
 
 from aiayn.errors import AiaynError
-from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, TokenizerPair, default_cache_dir
+from aiayn.files import default_cache_dir, file_sha256, read_lines
+from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, TokenizerPair
 
 LANGS = ("en", "de", "fr", "cs")
 SPLITS = ("train", "val", "test_2016_flickr")
@@ -61,71 +60,39 @@ MULTI30K_SHA256: dict[str, str] = {
     "val.fr.gz": "ca3106f1a72390591d25f6c45cb4cd39dec4cd3f123e099748a3ce5256c160e9",
 }
 
-Example = tuple[list[int], list[int]]  # (source ids, target ids), without BOS/EOS
+Example = tuple[list[int], list[int]]  # (source ids, EOS-ended if the model says so; target ids without BOS/EOS)
 
 
 # ---------------------------------------------------------------------------------------------
 # Reading text
 
 
-def read_lines(path: str | os.PathLike[str], blank_ok: bool = False) -> list[str]:
-    """The lines of a plain or gzip UTF-8 text file, without line endings ("\\n" or "\\r\\n").
-
-    A file with no text is an error, unless `blank_ok` (hypotheses: an empty translation is one),
-    where only a file with no lines at all is.
-
-    Lines are split on "\\n" only: `str.splitlines` would also split on characters such as
-    U+2028 or U+001C that can occur inside a sentence, and shift the alignment.
-    """
-    path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise AiaynError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise AiaynError(f"{path}: is a directory, expected a text file") from None
-    except OSError as e:
-        raise AiaynError(f"{path}: cannot read ({e.strerror or e})") from None
-    if raw[:2] == b"\x1f\x8b":  # gzip magic, whatever the file is called
-        try:
-            raw = gzip.decompress(raw)
-        except (OSError, EOFError, zlib.error) as e:
-            raise AiaynError(f"{path}: corrupt or truncated gzip file ({e}); download or copy it again") from None
-    if raw.startswith(b"\xef\xbb\xbf"):
-        raw = raw[3:]  # a UTF-8 byte-order mark is not part of the first sentence
-    if not (raw if blank_ok else raw.strip()):
-        raise AiaynError(f"{path}: file is empty")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
-        col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
-        raise AiaynError(
-            f"{path}:{line}: invalid UTF-8 (byte 0x{raw[e.start]:02x} at column {col}); convert the file to UTF-8"
-        ) from None
-    lines = text.split("\n")
-    if lines[-1] == "":
-        lines.pop()  # the newline that ends the last line
-    return [s[:-1] if s.endswith("\r") else s for s in lines]
-
-
 def read_parallel(src_path: str | os.PathLike[str], tgt_path: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
     """Aligned source and target lines; AiaynError on different line counts or a blank line."""
     src, tgt = read_lines(src_path), read_lines(tgt_path)
     if len(src) != len(tgt):
-        raise AiaynError(
-            f"{src_path} has {len(src)} lines but {tgt_path} has {len(tgt)}; "
-            "a parallel corpus needs line i of one file to translate line i of the other"
-        )
+        raise line_count_error(src_path, len(src), tgt_path, len(tgt))
     for path, lines in ((src_path, src), (tgt_path, tgt)):
         blank = [i for i, s in enumerate(lines) if not s.strip()]
         if blank:
-            more = f" ({len(blank)} blank lines in all)" if len(blank) > 1 else ""
-            raise AiaynError(
-                f"{path}:{blank[0] + 1}: blank line{more}; remove the pair from both files "
-                "(or fill in the missing sentence)"
-            )
+            raise blank_line_error(path, blank[0] + 1, len(blank))
     return src, tgt
+
+
+def line_count_error(src_path: object, n_src: int, tgt_path: object, n_tgt: int) -> AiaynError:
+    """The one message for aligned files of different lengths (read_parallel and `aiayn prepare`)."""
+    return AiaynError(
+        f"{src_path} has {n_src} lines but {tgt_path} has {n_tgt}; "
+        "a parallel corpus needs line i of one file to translate line i of the other"
+    )
+
+
+def blank_line_error(path: object, first_line: int, count: int) -> AiaynError:
+    """The one message for blank lines in a parallel file; `first_line` is 1-based."""
+    more = f" ({count} blank lines in all)" if count > 1 else ""
+    return AiaynError(
+        f"{path}:{first_line}: blank line{more}; remove the pair from both files (or fill in the missing sentence)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,7 +108,7 @@ def check_pair(src: str, tgt: str) -> None:
         raise AiaynError(f"--src and --tgt are both {src!r}; choose two different languages of {', '.join(LANGS)}")
 
 
-def _check_split(split: str) -> None:
+def check_split(split: str) -> None:
     if split not in SPLITS:
         raise AiaynError(f"unknown Multi30k split {split!r}; choose one of {', '.join(SPLITS)}")
 
@@ -164,7 +131,7 @@ def multi30k_paths(split: str, src: str, tgt: str, data_dir: str | Path | None =
     Looked for in `data_dir` (the --data-dir flag), else `$AIAYN_DATA`, else the user cache,
     where missing files are downloaded once (sha256-checked). Files may be `.gz` or plain.
     """
-    _check_split(split)
+    check_split(split)
     check_pair(src, tgt)
     if data_dir is not None or os.environ.get(DATA_ENV):
         origin = "--data-dir" if data_dir is not None else f"${DATA_ENV}"
@@ -188,30 +155,26 @@ def multi30k_cache_dir() -> Path:
     return default_cache_dir() / "multi30k"
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def download_multi30k(split: str, lang: str, folder: str | Path, timeout: float = 60.0) -> Path:
-    """`folder/<split>.<lang>.gz`, downloaded unless already there with the right sha256.
-
-    The file is written to a temporary name, checked, and only then renamed into place, so an
-    interrupted or corrupt download never looks like a finished one.
-    """
-    _check_split(split)
+    """`folder/<split>.<lang>.gz`, downloaded unless already there with the right sha256."""
+    check_split(split)
     if lang not in LANGS:
         raise AiaynError(f"unknown Multi30k language {lang!r}; choose one of {', '.join(LANGS)}")
     name = f"{split}.{lang}.gz"
-    want = MULTI30K_SHA256[name]
-    folder = Path(folder)
-    target = folder / name
-    if target.is_file() and _sha256_file(target) == want:
-        return target
     url = f"{os.environ.get(URL_ENV) or MULTI30K_URL}".rstrip("/") + f"/{name}"
+    return download_file(url, Path(folder) / name, MULTI30K_SHA256[name], URL_ENV, timeout)
+
+
+def download_file(url: str, target: Path, want: str, mirror_env: str, timeout: float = 60.0) -> Path:
+    """`target`, downloaded from `url` unless already there with sha256 `want`.
+
+    The file is written to a temporary name, checked, and only then renamed into place, so an
+    interrupted or corrupt download never looks like a finished one. `mirror_env` is the variable
+    that points the download elsewhere (named in the messages).
+    """
+    folder, name = target.parent, target.name
+    if target.is_file() and file_sha256(target) == want:
+        return target
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -246,7 +209,7 @@ def download_multi30k(split: str, lang: str, folder: str | Path, timeout: float 
         if got != want:
             raise AiaynError(
                 f"{url}: sha256 {got[:16]}... does not match the expected {want[:16]}...; "
-                f"the download was removed, try again later or set ${URL_ENV} to another mirror"
+                f"the download was removed, try again later or set ${mirror_env} to another mirror"
             )
         os.replace(tmp, target)
     finally:
@@ -264,11 +227,13 @@ def encode_pairs(
     tokenizers: TokenizerPair,
     max_len: int,
     long: str = "skip",
+    source_eos: bool = False,
 ) -> tuple[list[Example], int]:
-    """Subword ids of each pair (without BOS/EOS), and how many pairs were too long.
+    """Subword ids of each pair (the target without BOS/EOS, which `collate` adds; the source
+    ending with EOS if `source_eos`), and how many pairs were too long.
 
-    A pair is too long if either side has more than `max_len` subword tokens; with
-    `long="skip"` it is left out, with `long="truncate"` each side is cut to `max_len`.
+    A pair is too long if either side has more than `max_len` subword tokens (EOS not counted);
+    with `long="skip"` it is left out, with `long="truncate"` each side is cut to `max_len`.
     """
     if len(src_lines) != len(tgt_lines):
         raise AiaynError(f"{len(src_lines)} source lines but {len(tgt_lines)} target lines")
@@ -286,7 +251,7 @@ def encode_pairs(
             if long == "skip":
                 continue
             s, t = s[:max_len], t[:max_len]
-        examples.append((s, t))
+        examples.append((s + [EOS_ID] if source_eos else s, t))
     return examples, n_long
 
 
@@ -388,28 +353,3 @@ def collate(
 
 # ---------------------------------------------------------------------------------------------
 # `aiayn download`
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--src", default="de", help=f"source language, one of {', '.join(LANGS)}")
-    parser.add_argument("--tgt", default="en", help=f"target language, one of {', '.join(LANGS)}")
-    parser.add_argument("--splits", nargs="+", default=list(SPLITS), metavar="SPLIT", help=f"of {', '.join(SPLITS)}")
-    parser.add_argument(
-        "--data-dir",
-        default=None,
-        help="download into DIR/multi30k/ instead of the user cache "
-        f"({multi30k_cache_dir()}); then pass --data-dir DIR or set ${DATA_ENV}=DIR",
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    check_pair(args.src, args.tgt)
-    for split in args.splits:
-        _check_split(split)
-    folder = Path(args.data_dir).expanduser() / "multi30k" if args.data_dir else multi30k_cache_dir()
-    for split in args.splits:
-        for lang in (args.src, args.tgt):
-            path = download_multi30k(split, lang, folder)
-            print(f"{path}  ok (sha256 checked)", file=sys.stderr)
-    print(folder)
-    return 0

@@ -119,7 +119,7 @@ def _check_save_path(path: str, inputs: Sequence[str]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from aiayn.data import read_lines
+    from aiayn.files import read_lines
 
     mode, first, ref_path = _inputs(args)
     if args.save_hyps and mode == "translate":
@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
         info.update(source=first, checkpoint=args.checkpoint, beam=args.beam, alpha=args.alpha,
                     precision=args.precision)
         if args.save_hyps:
-            from aiayn.tokenizer import atomic_write_bytes
+            from aiayn.files import atomic_write_bytes
 
             try:
                 atomic_write_bytes(args.save_hyps, "".join(h + "\n" for h in hyps).encode("utf-8"))

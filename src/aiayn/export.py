@@ -15,56 +15,34 @@ conventions, and how:
   CTranslate2 takes the positional table as a weight, so it gets ours unpermuted.
 - Special ids stay ours (pad 0, unk 1, bos 2, eos 3); the decoder starts from BOS (Marian's own
   models start from pad), and PAD and BOS are never generated (as in `aiayn.search`).
-- The source is fed without BOS/EOS, as `aiayn.data.collate` builds it. `MarianTokenizer` always
-  appends EOS unless called with `add_special_tokens=False`, which is what reproduces aiayn exactly.
+- The source ends with EOS and has no BOS (`ModelConfig.source_eos`, the convention of fairseq and
+  Marian): `MarianTokenizer`'s default call, `pipeline("translation")`, and CTranslate2 fed the
+  SentencePiece pieces plus "</s>" (as its documentation shows) give aiayn's source ids. A model
+  trained before that field (bare sources) needs `add_special_tokens=False` and no "</s>".
 - Pre-norm models have no Marian equivalent (Marian layers are post-norm): exporting one to `hf`
   is an error; CTranslate2 supports both.
 
-`transformers` and `ctranslate2` are optional (`pip install 'aiayn[export]'`), imported only here.
+`transformers` and `ctranslate2` are optional (`pip install 'aiayn[export]'`), imported only when used
+(`aiayn.errors.require`); `aiayn.translate.CT2Translator` runs a CTranslate2 export.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from aiayn.errors import AiaynError
+from aiayn.errors import AiaynError, require
+from aiayn.files import umask
 from aiayn.model import Transformer, sinusoidal_table
-from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, TokenizerPair, umask
-
-INSTALL_HINT = "pip install 'aiayn[export]'"
-PIECES = {PAD_ID: "<pad>", UNK_ID: "<unk>", BOS_ID: "<s>", EOS_ID: "</s>"}
-
-
-def _require(module: str) -> Any:
-    """Imports an optional package, or says in one line what to install."""
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        top = module.split(".")[0]
-        raise AiaynError(f"exporting needs the optional package '{top}', which is not installed: {INSTALL_HINT}") from None
-
-
-def vocabulary(tok: Tokenizer) -> list[str]:
-    """The pieces of a tokenizer in id order (id i -> piece i); special pieces have fixed names."""
-    pieces = [tok.id_to_piece(i) for i in range(tok.vocab_size)]
-    for i, name in PIECES.items():
-        if pieces[i] != name:
-            raise AiaynError(f"tokenizer piece {i} is {pieces[i]!r}, expected {name!r}; train the tokenizer with aiayn")
-    if len(set(pieces)) != len(pieces):
-        raise AiaynError("the tokenizer has duplicate pieces; it cannot be mapped to a vocabulary file")
-    return pieces
+from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, PIECES, UNK_ID, TokenizerPair, vocabulary
 
 
 def feature_permutation(d_model: int) -> Tensor:
@@ -77,7 +55,7 @@ def feature_permutation(d_model: int) -> Tensor:
 
 def marian_config(model: Transformer) -> Any:
     """A `transformers.MarianConfig` describing `model` (raises AiaynError for what Marian cannot hold)."""
-    transformers = _require("transformers")
+    transformers = require("transformers")
     cfg = model.cfg
     if cfg.norm_first:
         raise AiaynError("this model is pre-norm (norm_first=True); Marian layers are post-norm only, so it cannot "
@@ -168,7 +146,7 @@ def to_marian(model: Transformer, tokenizers: TokenizerPair | None = None) -> An
 
     `tokenizers` is only checked against the model's vocabulary sizes (the weights need nothing else).
     """
-    transformers = _require("transformers")
+    transformers = require("transformers")
     if tokenizers is not None:
         for side, size in (("src", model.cfg.src_vocab_size), ("tgt", model.cfg.tgt_vocab_size)):
             if getattr(tokenizers, side).vocab_size != size:
@@ -200,7 +178,7 @@ def generation_config(model: Transformer) -> Any:
     `length_penalty` in transformers divides by len**alpha, not aiayn's ((5 + len) / 6)**alpha; 0.6 is
     kept as the nearest setting, and `early_stopping=True` stops, like aiayn, once `beam` hypotheses end.
     """
-    transformers = _require("transformers")
+    transformers = require("transformers")
     return transformers.GenerationConfig(
         decoder_start_token_id=BOS_ID,
         bos_token_id=BOS_ID,
@@ -217,7 +195,7 @@ def generation_config(model: Transformer) -> Any:
 def save_hf_tokenizer(tokenizers: TokenizerPair, out: Path) -> None:
     """source.spm, target.spm, vocab.json (and target_vocab.json when the vocabularies are separate)
     and the tokenizer config, so that MarianTokenizer / AutoTokenizer load them offline."""
-    transformers = _require("transformers")
+    transformers = require("transformers")
     with tempfile.TemporaryDirectory() as tmp:
         t = Path(tmp)
         tokenizers.src.save(t / "source.spm")
@@ -270,7 +248,7 @@ def _np(t: Tensor) -> Any:
 
 def ct2_spec(model: Transformer, tokenizers: TokenizerPair) -> Any:
     """A CTranslate2 TransformerSpec holding our weights, vocabularies and start token (BOS)."""
-    ct2 = _require("ctranslate2")
+    ct2 = require("ctranslate2")
     from ctranslate2.specs import common_spec, transformer_spec
 
     cfg = model.cfg
@@ -321,7 +299,8 @@ def ct2_spec(model: Transformer, tokenizers: TokenizerPair) -> Any:
     spec.register_target_vocabulary(vocabulary(tokenizers.tgt))
     spec.config.unk_token, spec.config.bos_token, spec.config.eos_token = PIECES[UNK_ID], PIECES[BOS_ID], PIECES[EOS_ID]
     spec.config.decoder_start_token = PIECES[BOS_ID]
-    spec.config.add_source_bos = spec.config.add_source_eos = False  # the source goes in bare, as in aiayn
+    # CTranslate2 adds nothing: its callers append "</s>" themselves (its documented usage)
+    spec.config.add_source_bos = spec.config.add_source_eos = False
     spec.config.layer_norm_epsilon = cfg.layer_norm_eps
     del ct2
     return spec
@@ -333,8 +312,8 @@ QUANTIZATIONS = ("int8", "int8_float32", "int16", "float16", "bfloat16", "float3
 def to_ctranslate2(model: Transformer, tokenizers: TokenizerPair, out: str | Path, quantization: str | None = None,
                    meta: dict[str, Any] | None = None) -> Path:
     """Writes a CTranslate2 model directory for an in-memory model: model.bin, the vocabularies,
-    CTranslate2's config.json, our SentencePiece model(s) and aiayn.json (for `CT2Translator`)."""
-    ct2 = _require("ctranslate2")
+    CTranslate2's config.json, our SentencePiece model(s) and aiayn.json (for `aiayn.translate.CT2Translator`)."""
+    ct2 = require("ctranslate2")
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise AiaynError(f"--quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
     spec = ct2_spec(model, tokenizers)
@@ -362,96 +341,12 @@ def export_ctranslate2(checkpoint: str | Path, out: str | Path, quantization: st
     """`aiayn export --to ctranslate2`: a checkpoint (or run directory) to a CTranslate2 directory."""
     from aiayn.checkpoint import load_checkpoint, resolve_checkpoint
 
-    _require("ctranslate2")
+    require("ctranslate2")
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise AiaynError(f"--quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
     check_out(out, resolve_checkpoint(checkpoint))  # a run directory holds the checkpoint it resolves to
     ck = load_checkpoint(checkpoint)
     return to_ctranslate2(ck.model, ck.tokenizers, out, quantization, {"aiayn_checkpoint": str(ck.path)})
-
-
-class CT2Translator:
-    """Translates text with a CTranslate2 export (`aiayn export --to ctranslate2`).
-
-    The same contract as `aiayn.translate.Translator` (`search` and `translate` take the same
-    settings): one output per input line, in order; a blank line gives an empty translation; a line
-    longer than the model's `max_positions` is truncated with a note. The maximum length per
-    sentence is aiayn's floor(max_len_a * source length + max_len_b) tokens; PAD and BOS are never
-    generated. Greedy search gives aiayn's translations; CTranslate2's beam search divides scores by
-    len**alpha where aiayn divides by ((5 + len) / 6)**alpha, and it stops a hypothesis at the
-    batch's longest length limit (cut to the sentence's own limit afterwards) instead of forcing EOS.
-    `precision` "fp32" computes in the export's own weight type (float32 or int8); "bf16" in bfloat16.
-    """
-
-    def __init__(self, path: str | Path, precision: str = "fp32", threads: int = 0,
-                 note: Any = None) -> None:
-        ct2 = _require("ctranslate2")
-        path = Path(path)
-        if not (path / "model.bin").is_file():
-            raise AiaynError(f"{path} is not a CTranslate2 export (no model.bin); create one with "
-                             "`aiayn export --checkpoint DIR --to ctranslate2 OUT`")
-        if precision not in ("fp32", "bf16"):
-            raise AiaynError(f"--precision must be fp32 or bf16, got {precision!r}")
-        self.path = path
-        self.tokenizers = TokenizerPair.load(path)
-        self._src_vocab = vocabulary(self.tokenizers.src)
-        self._tgt_index = {p: i for i, p in enumerate(vocabulary(self.tokenizers.tgt))}
-        try:
-            meta = json.loads((path / "aiayn.json").read_text(encoding="utf-8"))
-            self.max_src_tokens = int(meta["model"]["max_positions"])
-        except (OSError, ValueError, KeyError, TypeError):
-            raise AiaynError(f"{path}/aiayn.json is missing or damaged; export the checkpoint again") from None
-        self.note = note or (lambda msg: print(f"aiayn translate: {msg}", file=__import__("sys").stderr, flush=True))
-        compute = "default" if precision == "fp32" else "bfloat16"
-        try:
-            self.engine = ct2.Translator(str(path), device="cpu", compute_type=compute, intra_threads=threads)
-        except (RuntimeError, ValueError) as e:
-            raise AiaynError(f"{path}: CTranslate2 cannot load it with precision {precision} "
-                             f"({str(e).splitlines()[0]})") from e
-
-    @classmethod
-    def from_path(cls, path: str | Path, precision: str = "fp32", **kwargs: Any) -> "CT2Translator":
-        return cls(path, precision, **kwargs)
-
-    def translate_ids(self, src_ids: Sequence[Sequence[int]], beam: int = 4, alpha: float = 0.6, nbest: int = 1,
-                      max_len_a: float = 1.0, max_len_b: int = 50, min_len: int = 0,
-                      max_tokens: int = 4096) -> list[list[tuple[list[int], float]]]:
-        """Per sentence, up to `nbest` (ids, score) pairs, best first; ids without BOS/EOS.
-
-        An empty source gives `nbest` times ([], 0.0). Greedy scores are nan (as in aiayn).
-        """
-        out: list[list[tuple[list[int], float]]] = [[([], 0.0)] * int(nbest) for _ in src_ids]
-        todo = [i for i, s in enumerate(src_ids) if len(s)]
-        if not todo:
-            return out
-        limits = [min(max(1, math.floor(len(src_ids[i]) * max_len_a + max_len_b)), 2 ** 31 - 1) for i in todo]
-        results = self.engine.translate_batch(
-            [[self._src_vocab[t] for t in src_ids[i]] for i in todo],
-            beam_size=int(beam), num_hypotheses=int(nbest), length_penalty=float(alpha) if beam > 1 else 0.0,
-            max_decoding_length=max(limits), min_decoding_length=int(min_len), max_input_length=0,
-            suppress_sequences=[[PIECES[PAD_ID]], [PIECES[BOS_ID]]], return_scores=beam > 1,
-            max_batch_size=int(max_tokens), batch_type="tokens",
-        )
-        for i, limit, r in zip(todo, limits, results):
-            scores = r.scores if beam > 1 else [float("nan")] * len(r.hypotheses)
-            out[i] = [([self._tgt_index[p] for p in h][:limit], float(sc)) for h, sc in zip(r.hypotheses, scores)]
-        return out
-
-    def search(self, lines: Sequence[str], first_line: int = 1, **settings: Any) -> list[list[tuple[str, float]]]:
-        """Per input line, up to `nbest` (translation, score) pairs, as `Translator.search`."""
-        from aiayn.translate import Settings, encode_sources, one_line
-
-        s = Settings(**settings)
-        s.check()
-        ids = encode_sources(self.tokenizers, lines, self.max_src_tokens, self.note, first_line)
-        hyps = self.translate_ids(ids, s.beam, s.alpha, s.nbest, s.max_len_a, s.max_len_b, s.min_len, s.max_tokens)
-        return [[(one_line(self.tokenizers.tgt.decode(h)), sc) for h, sc in nb] for nb in hyps]
-
-    def translate(self, lines: Sequence[str], beam: int = 4, alpha: float = 0.6, nbest: int = 1,
-                  max_tokens: int = 4096, **settings: Any) -> list[str]:
-        """Translations of `lines`, one per line in order (nbest=N: N consecutive ones per line)."""
-        res = self.search(lines, beam=beam, alpha=alpha, nbest=nbest, max_tokens=max_tokens, **settings)
-        return [text for nb in res for text, _ in nb[:nbest]]
 
 
 # ------------------------------------------------------------------------------------- helpers
@@ -524,10 +419,16 @@ def run(args: argparse.Namespace) -> int:
         if args.quantization:
             raise AiaynError("--quantization applies to --to ctranslate2 only")
         out = export_hf(args.checkpoint, args.out)
+        bare = not json.loads((out / MARKER).read_text(encoding="utf-8"))["model"].get("source_eos", False)
         print(f"wrote a Hugging Face MarianMTModel to {out}; load it with MarianMTModel.from_pretrained and "
-              "MarianTokenizer.from_pretrained, and tokenize with add_special_tokens=False as aiayn does")
+              "MarianTokenizer.from_pretrained (their default call feeds the source as aiayn does)" + (
+                  "; this model was trained on sources without EOS: tokenize with add_special_tokens=False"
+                  if bare else ""))
     else:
         out = export_ctranslate2(args.checkpoint, args.out, args.quantization)
+        bare = not json.loads((out / MARKER).read_text(encoding="utf-8"))["model"].get("source_eos", False)
         print(f"wrote a CTranslate2 model ({args.quantization or 'float32'}) to {out}; "
-              f"translate with `aiayn translate --engine ctranslate2 --checkpoint {out}`")
+              f"translate with `aiayn translate --engine ctranslate2 --checkpoint {out}`" + (
+                  '; this model was trained on sources without EOS: called directly, it wants the pieces '
+                  'without "</s>"' if bare else ""))
     return 0

@@ -13,14 +13,15 @@ explicit target padding mask only when one is given.
 from __future__ import annotations
 
 import math
-import weakref
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from aiayn import kernels
+from aiayn.cache import DecoderCache, LayerCache, ungroup
 from aiayn.config import ModelConfig
+from aiayn.kernels import Linear, Packed
 
 
 def sinusoidal_table(max_len: int, d_model: int) -> Tensor:
@@ -74,214 +75,17 @@ class Embedding(nn.Module):
         return F.embedding(tokens, self.weight, self.pad_id) * self.scale
 
 
-# ------------------------------------------------------------------ inference GEMMs on the CPU
-# Decoding runs every linear layer on a few hundred rows at a time, where a weight pre-packed in
-# oneDNN's blocked layout makes the CPU GEMM 15-40% faster than `F.linear` (the most on the wide
-# vocabulary projection), and under bf16 autocast saves casting every weight at every step. The
-# packed copies live beside the model (keyed by the weight, rebuilt when its data pointer, version
-# counter or the dtype changes), never in it, so state_dict, deepcopy and `.to()` are unaffected.
-# Only frozen weights (requires_grad False, as `Translator` sets) are packed: an optimizer may update
-# trainable weights without bumping their version counter (fused Adam does not), so a packed copy of
-# them could go stale; they, and training, take `F.linear`.
-_PACKED: dict[int, tuple[weakref.ref, tuple, Tensor, Tensor | None]] = {}  # id(weight) -> (ref, key, packed, bias)
-_PACK_BATCH_HINT = 128
-
-
-def _packing_works(dtype: torch.dtype) -> bool:
-    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
-        return False
-    if dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return dtype == torch.float32
-
-
-_PACKING = {dt: _packing_works(dt) for dt in (torch.float32, torch.bfloat16)}
-
-
-def inference_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, relu: bool = False) -> Tensor:
-    """`F.linear(x, weight, bias)` (then ReLU if `relu`); for a frozen weight on the CPU, on a packed
-    copy of it (faster), with the ReLU fused into the GEMM.
-
-    Under autocast, computes in the autocast dtype like `F.linear` would. Shape: (..., in) -> (..., out).
-    """
-    dev = x.device.type
-    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
-    if dev != "cpu" or weight.requires_grad or (x.requires_grad and torch.is_grad_enabled()) \
-            or not _PACKING.get(dtype, False):
-        return F.relu(F.linear(x, weight, bias)) if relu else F.linear(x, weight, bias)
-    key = (weight.data_ptr(), weight._version, dtype, None if bias is None else (bias.data_ptr(), bias._version))
-    entry = _PACKED.get(id(weight))
-    if entry is None or entry[0]() is not weight or entry[1] != key:
-        w = weight.detach().to(dtype)
-        b = None if bias is None else bias.detach().to(dtype)
-        ref = weakref.ref(weight, lambda _, i=id(weight): _PACKED.pop(i, None))  # dropped with the weight
-        entry = (ref, key, torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH_HINT), b)
-        _PACKED[id(weight)] = entry
-    return torch.ops.mkldnn._linear_pointwise(x.to(dtype).contiguous(), entry[2], entry[3], "relu" if relu else "none",
-                                              [], "")
-
-
-class Linear(nn.Linear):
-    """`nn.Linear` that takes `inference_linear` (packed weights once frozen for inference)."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return inference_linear(x, self.weight, self.bias)
-
-
-@dataclass
-class LayerCache:
-    """One decoder layer's keys/values for incremental decoding.
-
-    Cross-attention keys/values are computed once per sentence and shared by that sentence's beam
-    rows (`DecoderCache.beam`), so beam search never copies them. Self-attention keys/values grow by
-    the new positions at every step and stay contiguous (CPU batched matmuls copy strided operands
-    first, which cost more than a preallocated buffer saves). A reorder is lazy: the rows are
-    selected by the next `append`, in the same single copy that adds the new positions. That copy
-    goes into the storage the step before last used (two buffers per tensor, taking turns), so a
-    step allocates nothing large: fresh memory of that size would cost page faults at every step.
-    The keys/values that `append` returns are therefore only valid until the next `append`.
-    """
-
-    cross_k: Tensor  # (N, H, S, d_head), one row per sentence
-    cross_v: Tensor  # (N, H, S, d_head)
-    self_k: Tensor | None = None  # (R, H, t, d_head), R = N * beam rows, before `pending` is applied
-    self_v: Tensor | None = None
-    pending: Tensor | None = None  # (R',) rows of self_k/self_v that the next append keeps
-    spare: list[Tensor | None] = field(default_factory=lambda: [None, None])  # flat storage for the next k, v
-
-    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store the new positions; return every key/value so far (valid until the next append).
-
-        Shape: k, v (R, H, T, d_head) -> (R, H, t + T, d_head) each.
-        """
-        if self.self_k is None:
-            self.self_k, self.self_v = k, v
-        else:
-            self.self_k, self.spare[0] = _select_cat(self.self_k, self.pending, k, self.spare[0])
-            self.self_v, self.spare[1] = _select_cat(self.self_v, self.pending, v, self.spare[1])  # type: ignore[arg-type]
-        self.pending = None
-        return self.self_k, self.self_v  # type: ignore[return-value]
-
-    def reorder_rows(self, indices: Tensor) -> None:
-        """Self-attention rows: new row i continues old row indices[i] (applied at the next append)."""
-        if self.self_k is not None:
-            self.pending = indices if self.pending is None else self.pending.index_select(0, indices)
-
-
-def _select_cat(old: Tensor, rows: Tensor | None, new: Tensor, spare: Tensor | None) -> tuple[Tensor, Tensor | None]:
-    """cat([old[rows], new], dim=2) in one copy, written into `spare` (flat storage) when it is large
-    enough. Returns the result and the storage to use next time (old's, if it was one of ours).
-
-    Shape: old (R, H, t, d), new (R', H, T, d) -> (R', H, t+T, d)."""
-    if torch.is_grad_enabled() and (old.requires_grad or new.requires_grad):  # autograd cannot record out=
-        return torch.cat([old if rows is None else old.index_select(0, rows), new], dim=2), None
-    t = old.size(2)
-    shape = (new.size(0), new.size(1), t + new.size(2), new.size(3))
-    need = shape[0] * shape[1] * shape[2] * shape[3]
-    if spare is None or spare.numel() < need or spare.dtype != new.dtype or spare.device != new.device:
-        # room for 8 more positions, so that the next steps can reuse it as the rows shrink
-        spare = new.new_empty(need + shape[0] * shape[1] * 8 * shape[3])
-    out = spare[:need].view(shape)
-    if rows is None:
-        out[:, :, :t] = old
-    else:
-        torch.index_select(old, 0, rows, out=out[:, :, :t])
-    out[:, :, t:] = new
-    base = old._base if old._base is not None else old
-    # old's storage is ours to reuse only if it is a flat buffer made here (not a projection's output)
-    return out, (base if base.dim() == 1 and base.is_contiguous() else None)
-
-
-@dataclass
-class DecoderCache:
-    """The decoding cache: per-layer keys/values, the source padding mask and the decoded length.
-
-    The cache holds N sentences and R = N * `beam` decoder rows; row r belongs to sentence
-    r // beam. `expand(beam)` gives every sentence `beam` rows (beam search), and `reorder(indices)`
-    selects rows (beam search reorders hypotheses and drops finished sentences). Source-side state
-    (cross-attention keys/values, `src_keep`) is kept once per sentence and only copied when the
-    set of sentences changes.
-    """
-
-    layers: list[LayerCache]
-    src_keep: Tensor  # (N, S) bool, True = real source token
-    length: int = 0
-    attn: list[dict[str, Tensor]] = field(default_factory=list)
-    beam: int = 1  # decoder rows per sentence
-
-    @property
-    def rows(self) -> int:
-        return self.src_keep.size(0) * self.beam
-
-    def expand(self, beam: int) -> None:
-        """Every row becomes `beam` consecutive rows (copies of it); the source side is not copied."""
-        if beam == 1:
-            return
-        rows = torch.arange(self.rows, device=self.src_keep.device).repeat_interleave(beam)
-        for layer in self.layers:
-            layer.reorder_rows(rows)
-        self.beam *= beam
-
-    def reorder(self, indices: Tensor, beam: int | None = None) -> None:
-        """Keep rows `indices` (R',): new row i continues old row indices[i].
-
-        `beam` (default: unchanged) is the number of rows per sentence afterwards. With more than one
-        row per sentence, before or after, the new rows must come in groups of `beam` that each
-        come from one sentence's rows (beam search's reordering does); a group's sentence is that of
-        its first row.
-        """
-        beam = self.beam if beam is None else int(beam)
-        sentences = indices[::beam]
-        if self.beam > 1:
-            sentences = sentences.div(self.beam, rounding_mode="floor")
-        N = self.src_keep.size(0)
-        unchanged = sentences.numel() == N and bool(
-            sentences.eq(torch.arange(N, device=sentences.device)).all())
-        if not unchanged:  # sentences left the batch (or were permuted): select the source side
-            for layer in self.layers:
-                layer.cross_k = layer.cross_k.index_select(0, sentences)
-                layer.cross_v = layer.cross_v.index_select(0, sentences)
-            self.src_keep = self.src_keep.index_select(0, sentences)
-        for layer in self.layers:
-            layer.reorder_rows(indices)
-        self.beam = beam
-
-
-@dataclass
-class Packed:
-    """Where the real tokens of a right-padded (B, T) batch sit, for running the position-wise work
-    (projections, feed-forward, LayerNorm) on real tokens only, (N, d) instead of (B, T, d); only
-    attention needs the padded layout. Used by `Transformer.loss`: a batch of sentences is often a
-    third padding, and nn.Transformer spends full price on it."""
-
-    idx: Tensor  # (N,) flat positions of the real tokens in (B*T)
-    B: int
-    T: int
-
-    @classmethod
-    def from_keep(cls, keep: Tensor) -> "Packed":
-        return cls(keep.flatten().nonzero().squeeze(1), keep.size(0), keep.size(1))
-
-    def pack(self, x: Tensor) -> Tensor:
-        """(B, T, C) -> (N, C)"""
-        return x.reshape(self.B * self.T, -1).index_select(0, self.idx)
-
-    def unpack(self, x: Tensor) -> Tensor:
-        """(N, C) -> (B, T, C), zeros at the padding"""
-        return x.new_zeros(self.B * self.T, x.size(-1)).index_copy(0, self.idx, x).view(self.B, self.T, -1)
-
-
 def _key_mask(keep: Tensor | None) -> Tensor | None:
     """(B, S) True = real -> (B, 1, 1, S), broadcast over heads and queries."""
     return None if keep is None else keep[:, None, None, :]
 
 
 class MultiHeadAttention(nn.Module):
-    """Multi-head scaled dot-product attention (Section 3.2.2) on `F.scaled_dot_product_attention`.
+    """Multi-head scaled dot-product attention (Section 3.2.2); the dot-product itself (3.2.1) runs in
+    `kernels.attention`, on `F.scaled_dot_product_attention` or, where that is slower, spelled out.
 
     Self-attention uses one fused QKV projection; cross-attention a Q projection and a fused KV one.
-    `need_weights` returns the attention probabilities too (for plots); it takes the explicit
-    softmax path, which CPU also takes for short keys because it is faster there.
+    `need_weights` returns the attention probabilities too (for plots).
     """
 
     def __init__(self, d_model: int, n_heads: int, dropout: float, cross: bool) -> None:
@@ -325,15 +129,10 @@ class MultiHeadAttention(nn.Module):
         def padded(y: Tensor) -> Tensor:
             return y if packed is None else packed.unpack(y)
 
-        G = 1  # decoder rows per sentence sharing cached cross-attention keys (the beam)
         if self.cross:
             q = self._heads(padded(self.q_proj(x)), 1)[0]  # (B, H, T, d_head)
-            if cache is not None:
-                k, v = cache.cross_k, cache.cross_v  # (N, H, S, d_head)
-                G = B // k.size(0)
-                if G > 1:  # the G rows of a sentence attend as G*T queries of that sentence
-                    q = q.reshape(k.size(0), G, self.n_heads, T, self.d_head).transpose(1, 2)
-                    q = q.reshape(k.size(0), self.n_heads, G * T, self.d_head)  # (N, H, G*T, d_head)
+            if cache is not None:  # a sentence's beam rows share its keys: q (N, H, G*T, d_head)
+                q, k, v = cache.cross(q)
             else:
                 k, v = self.project_kv(memory, mem_packed)  # type: ignore[arg-type]
         else:
@@ -342,55 +141,14 @@ class MultiHeadAttention(nn.Module):
                 k, v = cache.append(k, v)  # (B, H, t+T, d_head)
         mask = None if key_keep is None else (key_keep[:, None] if key_keep.dim() == 3 else _key_mask(key_keep))
         p = self.dropout if self.training else 0.0
-        if need_weights or _explicit_is_faster(q, k):
-            ctx, weights = _explicit_attention(q, k, v, mask, is_causal, p, self.training)
-            if need_weights and mask is not None:  # plots: a query with no key to see attends to nothing
-                weights = weights.masked_fill(~mask.any(-1, keepdim=True), 0.0)
-            weights = weights if need_weights else None
-        else:
-            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal)  # (B, H, T, d_head)
-            weights = None
-        if G > 1:  # (N, H, G*T, .) back to (B, H, T, .)
-            ctx = ctx.reshape(-1, self.n_heads, G, T, self.d_head).transpose(1, 2)
-            if weights is not None:
-                weights = weights.reshape(-1, self.n_heads, G, T, weights.size(-1)).transpose(1, 2).reshape(
-                    B, self.n_heads, T, -1)
-            ctx = ctx.reshape(B, self.n_heads, T, self.d_head)
+        ctx, weights = kernels.attention(q, k, v, mask, is_causal, p, self.training, need_weights)  # (B, H, T, d_head)
+        if weights is not None and mask is not None:  # plots: a query with no key to see attends to nothing
+            weights = weights.masked_fill(~mask.any(-1, keepdim=True), 0.0)
+        if self.cross and cache is not None:  # back to one row per hypothesis, (B, H, T, .)
+            ctx = ungroup(ctx, B, T)
+            weights = None if weights is None else ungroup(weights, B, T)
         ctx = ctx.transpose(1, 2).reshape(B, T, D)
         return self.out_proj(ctx if packed is None else packed.pack(ctx)), weights
-
-
-# On CPU, for sentence-length keys, PyTorch's fused attention kernel is slower than the plain
-# matmul-softmax-matmul (measured in torch 2.13 at (64, 4, 30, 64), bf16: forward + backward 3x
-# slower; forward alone 1.1-4x); longer keys and other devices take
-# `F.scaled_dot_product_attention`. Set to 0 to always use it.
-EXPLICIT_ATTENTION_MAX_KEYS = 256
-
-
-def _explicit_is_faster(q: Tensor, k: Tensor) -> bool:
-    return q.device.type == "cpu" and k.size(-2) <= EXPLICIT_ATTENTION_MAX_KEYS
-
-
-def _explicit_attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, dropout_p: float, training: bool
-) -> tuple[Tensor, Tensor]:
-    """softmax(q k^T / sqrt(d_head)) v, spelled out (Section 3.2.1); also returns the weights.
-
-    Shape: q (B, H, T, d_head), k/v (B, H, S, d_head), mask broadcastable to (B, H, T, S), True = may
-    attend -> (B, H, T, d_head), weights (B, H, T, S).
-    """
-    scores = (q * (1.0 / math.sqrt(q.size(-1)))) @ k.transpose(-2, -1)  # (B, H, T, S)
-    if is_causal:
-        T, S = scores.shape[-2:]
-        causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)  # (T, S)
-        mask = causal if mask is None else mask & causal
-    if mask is not None:
-        # the lowest finite value, not -inf: a row with every key masked then gets uniform weights
-        # rather than NaN, with no data-dependent branch (see `attention_weights` for plots)
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    weights = torch.softmax(scores, dim=-1)
-    attn = F.dropout(weights, dropout_p, training) if dropout_p > 0 else weights
-    return attn @ v, weights
 
 
 class FeedForward(nn.Module):
@@ -404,7 +162,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.act is F.relu and not self.training:  # inference: ReLU fused into the first GEMM
-            return self.w2(inference_linear(x, self.w1.weight, self.w1.bias, relu=True))
+            return self.w2(kernels.inference_linear(x, self.w1.weight, self.w1.bias, relu=True))
         return self.w2(F.dropout(self.act(self.w1(x)), self.dropout, self.training))
 
 
@@ -626,7 +384,7 @@ class Transformer(nn.Module):
 
     def project(self, h: Tensor) -> Tensor:
         """Pre-softmax linear transformation (tied to the target embedding by default)."""
-        return inference_linear(h, self.output_weight)
+        return kernels.inference_linear(h, self.output_weight)
 
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         """Shape: src (B, S), tgt_in (B, T) -> logits (B, T, tgt_vocab)."""

@@ -30,14 +30,15 @@ import torch
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from aiayn.config import learning_rate
 from aiayn.errors import AiaynError
+from aiayn.files import atomic_write_bytes
 from aiayn.model import PositionalEncoding, Transformer
-from aiayn.tokenizer import atomic_write_bytes
+from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, PIECES
 
 FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
 DEFAULT_DPI = 150
-# The special ids of aiayn.tokenizer (PAD, UNK, BOS, EOS = 0, 1, 2, 3), named for axis labels.
-SPECIAL_LABELS = {0: "<pad>", 2: "<s>", 3: "</s>"}
+SPECIAL_LABELS = {i: PIECES[i] for i in (PAD_ID, BOS_ID, EOS_ID)}  # axis labels of the special ids
 
 
 # ----------------------------------------------------------------------------------------- output
@@ -206,7 +207,6 @@ def attention_arrays(model: Transformer, src: torch.Tensor, tgt_in: torch.Tensor
 def greedy_ids(model: Transformer, src: torch.Tensor, max_len_a: float = 1.0, max_len_b: int = 50) -> list[int]:
     """The model's greedy translation of one source (1, S) (aiayn.search.greedy_search), in eval mode."""
     from aiayn.search import greedy_search
-    from aiayn.tokenizer import BOS_ID, EOS_ID
 
     was_training = model.training
     model.eval()
@@ -219,8 +219,13 @@ def greedy_ids(model: Transformer, src: torch.Tensor, max_len_a: float = 1.0, ma
 def attention_maps(model: Transformer, tokenizers: Any, src_text: str, tgt_text: str | None = None,
                    max_len_a: float = 1.0, max_len_b: int = 50) -> AttentionMaps:
     """Attention of `model` reading `src_text` and producing `tgt_text`, or its own greedy
-    translation (the exact tokens it chose) when `tgt_text` is None."""
+    translation (the exact tokens it chose) when `tgt_text` is None. The source ends with EOS if
+    the model was trained so (`ModelConfig.source_eos`), as translation feeds it."""
+    from aiayn.tokenizer import EOS_ID
+
     src_ids = tokenizers.src.encode(src_text)
+    if src_ids and model.cfg.source_eos:
+        src_ids = src_ids + [EOS_ID]
     if tgt_text is None:
         src, _, _, _, _ = attention_inputs(tokenizers, src_ids, [])
         tgt_ids = greedy_ids(model, src, max_len_a, max_len_b)
@@ -443,9 +448,7 @@ def curves_figure(records: list[dict[str, Any]], title: str | None = None) -> tu
 
 
 def schedule(steps: np.ndarray, d_model: int, warmup: int, factor: float = 1.0) -> np.ndarray:
-    """The trainer's learning rate (`aiayn.train.learning_rate`, Section 5.3) at each step."""
-    from aiayn.train import learning_rate
-
+    """The trainer's learning rate (`aiayn.config.learning_rate`, Section 5.3) at each step."""
     return np.array([learning_rate(int(s), d_model, warmup, factor) for s in steps], dtype=np.float64)
 
 

@@ -7,7 +7,7 @@ step), and drop finished sentences from the batch so that they stop costing comp
 
 Where the time goes, and what keeps it down (CPU, measured with bench/decode.py): the linear layers
 are about two thirds of an fp32 step, the vocabulary projection the largest of them, so they run on
-packed weights (`aiayn.model.inference_linear`, for frozen weights as `Translator` sets them; bf16
+packed weights (`aiayn.kernels.inference_linear`, for frozen weights as `Translator` sets them; bf16
 halves them again). The K beams of a sentence share one copy of its cross-attention keys/values,
 the first beam step runs one row per sentence (its beams are still identical), candidates are
 ranked within each row before the merge per sentence, and the self-attention cache is reordered in
@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from aiayn.errors import AiaynError
-from aiayn.model import DecoderCache
+from aiayn.cache import DecoderCache
 
 Hypothesis = tuple[list[int], float]  # (token ids without BOS/EOS, score)
 

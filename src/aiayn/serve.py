@@ -22,7 +22,7 @@ from aiayn.scheduler import Limits
 # ----------------------------------------------------------------------------------- the CLI
 
 
-# The packed GEMMs of `aiayn.model.inference_linear` run on oneDNN, which keeps a compiled kernel per
+# The packed GEMMs of `aiayn.kernels.inference_linear` run on oneDNN, which keeps a compiled kernel per
 # input shape in two caches of 1024 entries (ideep's and oneDNN's own). Decoding meets new shapes at
 # nearly every step (rows = live sentences x beams), so a long-running process kept growing: about
 # 100 MiB per 1,000 sentences, measured. 64 entries each keep the resident size flat at the same speed

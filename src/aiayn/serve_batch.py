@@ -15,6 +15,7 @@ import torch
 
 from aiayn.errors import AiaynError
 from aiayn.tokenizer import BOS_ID, PAD_ID
+from aiayn.translate import one_line
 
 DEFAULT_ALPHA = 0.6
 
@@ -74,29 +75,28 @@ def _split_tokens(translator: Any, lines: list[str]) -> int:
 def run_batch(translator: Any, key: Key, lines: list[str]) -> list[list[dict[str, Any]]]:
     """Per line, its n-best hypotheses: text, score, target subwords (and attention on request).
 
-    Target subwords are the target tokenizer's segmentation of the translation; the attention is
-    that of a teacher-forced pass over the source and those subwords."""
-    found = translator.search(lines, beam=key.beam, alpha=key.alpha, nbest=key.nbest,
-                              max_tokens=_split_tokens(translator, lines))
+    The subwords are the ones the search chose (`Translator.search_ids`), the text their
+    detokenization as `Translator.search` gives it; the attention is that of a teacher-forced pass
+    over the source and those subwords."""
+    found = translator.search_ids(lines, beam=key.beam, alpha=key.alpha, nbest=key.nbest,
+                                  max_tokens=_split_tokens(translator, lines))
     tgt = translator.tokenizers.tgt
     out = []
     for line, nbest in zip(lines, found):
-        hyps = [{"text": text, "score": _score(score), "tokens": tgt.pieces(text) if text else []}
-                for text, score in nbest]
+        hyps = [{"text": one_line(tgt.decode(ids)), "score": _score(score),
+                 "tokens": [tgt.id_to_piece(i) for i in ids]} for ids, score in nbest]
         if key.attention:
-            for h, m in zip(hyps, _attention(translator, line, [h["text"] for h in hyps])):
+            for h, m in zip(hyps, _attention(translator, line, [ids for ids, _ in nbest])):
                 h["attention"] = m
         out.append(hyps)
     return out
 
 
-def _attention(translator: Any, line: str, texts: list[str]) -> list[list[list[list[float]]]]:
-    """Per translation of `line`, its cross-attention ([] for an empty translation or source)."""
-    tgt = translator.tokenizers.tgt
+def _attention(translator: Any, line: str, ids: list[list[int]]) -> list[list[list[list[float]]]]:
+    """Per hypothesis of `line` (its target ids), its cross-attention ([] for an empty one or source)."""
     src_ids = translator.encode([line])[0]
-    ids = [tgt.encode(text) for text in texts]
+    maps: list[list[list[list[float]]]] = [[] for _ in ids]
     fits = [i for i, h in enumerate(ids) if h]
-    maps: list[list[list[list[float]]]] = [[] for _ in texts]
     if src_ids and fits:
         for i, m in zip(fits, cross_attention(translator.model, src_ids, [ids[i] for i in fits])):
             maps[i] = m

@@ -28,7 +28,6 @@ import io
 import json
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -36,43 +35,13 @@ from typing import Any, Iterable, Sequence
 import sentencepiece as spm
 
 from aiayn.errors import AiaynError
+from aiayn.files import atomic_write_bytes, default_cache_dir, file_sha256, read_lines
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+PIECES = {PAD_ID: "<pad>", UNK_ID: "<unk>", BOS_ID: "<s>", EOS_ID: "</s>"}  # their fixed piece names
 MODEL_TYPES = ("bpe", "unigram")
 JOINT_FILE, SRC_FILE, TGT_FILE = "spm.model", "src.spm.model", "tgt.spm.model"
 _CACHE_VERSION = 1  # bump when the training options below change, so stale cache entries are not reused
-
-
-def umask() -> int:
-    """The process's umask, read without changing it where Linux tells it (os.umask can only be read
-    by setting it, which races with threads creating files)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write `data` to `path` through a temporary file in the same folder, fsync, then rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o666 & ~umask())  # mkstemp makes 0600 files; give the mode a plain open() would
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _trainer_options(vocab_size: int, model_type: str) -> dict[str, Any]:
@@ -83,10 +52,10 @@ def _trainer_options(vocab_size: int, model_type: str) -> dict[str, Any]:
         unk_id=UNK_ID,
         bos_id=BOS_ID,
         eos_id=EOS_ID,
-        pad_piece="<pad>",
-        unk_piece="<unk>",
-        bos_piece="<s>",
-        eos_piece="</s>",
+        pad_piece=PIECES[PAD_ID],
+        unk_piece=PIECES[UNK_ID],
+        bos_piece=PIECES[BOS_ID],
+        eos_piece=PIECES[EOS_ID],
         byte_fallback=True,
         character_coverage=1.0,
         normalization_rule_name="identity",
@@ -188,10 +157,6 @@ class Tokenizer:
             raise AiaynError(f"token id {bad[0]} is outside the tokenizer's vocabulary of {n}; model and tokenizer do not match")
         return str(self._sp.decode(keep))
 
-    def pieces(self, text: str) -> list[str]:
-        """Subword pieces of `text` as strings (for plot labels); "▁" marks a preceding space."""
-        return list(self._sp.encode(text, out_type=str))
-
     def id_to_piece(self, i: int) -> str:
         return str(self._sp.id_to_piece(int(i)))
 
@@ -199,6 +164,7 @@ class Tokenizer:
         return hashlib.sha256(self._bytes).hexdigest()
 
     def to_bytes(self) -> bytes:
+        """The serialized SentencePiece model: what `prepare` hands its worker processes."""
         return self._bytes
 
     def __eq__(self, other: object) -> bool:
@@ -209,6 +175,17 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, sha256={self.sha256()[:12]})"
+
+
+def vocabulary(tok: Tokenizer) -> list[str]:
+    """The pieces of a tokenizer in id order (id i -> piece i); special pieces have fixed names."""
+    pieces = [tok.id_to_piece(i) for i in range(tok.vocab_size)]
+    for i, name in PIECES.items():
+        if pieces[i] != name:
+            raise AiaynError(f"tokenizer piece {i} is {pieces[i]!r}, expected {name!r}; train the tokenizer with aiayn")
+    if len(set(pieces)) != len(pieces):
+        raise AiaynError("the tokenizer has duplicate pieces; it cannot be mapped to a vocabulary file")
+    return pieces
 
 
 @dataclass
@@ -258,23 +235,6 @@ class TokenizerPair:
         }
 
 
-def default_cache_dir() -> Path:
-    """The user cache for aiayn: $XDG_CACHE_HOME/aiayn, else ~/.cache/aiayn."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "aiayn"
-
-
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    try:
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-    except FileNotFoundError:
-        raise AiaynError(f"{path}: no such file") from None
-    return h.hexdigest()
-
-
 def build_tokenizers(
     train_src: Path,
     train_tgt: Path,
@@ -288,8 +248,6 @@ def build_tokenizers(
     The cache key is the sha256 of both files' bytes and of the settings, so changed data or
     settings retrain. `cache_dir` defaults to `default_cache_dir() / "spm"`.
     """
-    from aiayn.data import read_lines  # data.py imports this module's ids; import here to avoid a cycle
-
     if model_type not in MODEL_TYPES:
         raise AiaynError(f"unknown tokenizer model type {model_type!r}; choose one of {', '.join(MODEL_TYPES)}")
     train_src, train_tgt = Path(train_src), Path(train_tgt)
@@ -299,8 +257,8 @@ def build_tokenizers(
         "vocab_size": int(vocab_size),
         "joint": bool(joint),
         "model_type": model_type,
-        "src": _file_digest(train_src),
-        "tgt": _file_digest(train_tgt),
+        "src": file_sha256(train_src),
+        "tgt": file_sha256(train_tgt),
     }
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:24]
     folder = Path(cache_dir if cache_dir is not None else default_cache_dir() / "spm") / key

@@ -12,8 +12,11 @@ epoch and the position in it together with the optimizer, the step and every RNG
 run reproduces an uninterrupted one bitwise (CPU, fp32). SIGINT/SIGTERM finish the current step,
 write a checkpoint and print the command that resumes.
 
-Distributed: under `torchrun`, each rank takes batches[rank::world] (cut to an equal count), DDP
-sums the gradients, and only rank 0 validates and writes.
+Data: one path, memory-mapped arrays written by `aiayn prepare` (--data-bin, or the raw text
+prepared into the run directory); batches are cut from their length arrays (aiayn.corpus).
+
+Distributed: under `torchrun`, each step's batches are shared out so that every rank takes as many
+and about as many tokens (aiayn.batching), DDP sums the gradients, and only rank 0 validates and writes.
 """
 
 from __future__ import annotations
@@ -32,25 +35,20 @@ import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Collection, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+import aiayn.kernels
 from aiayn import checkpoint as ckpt
-from aiayn.config import PRESETS, ConfigError, ModelConfig, TrainConfig, preset
+from aiayn.config import PRECISIONS, PRESETS, ConfigError, ModelConfig, TrainConfig, learning_rate, preset
 from aiayn.errors import AiaynError
 from aiayn.model import Transformer
 
 # ------------------------------------------------------------------------------------ the recipe
-
-
-def learning_rate(step: int, d_model: int, warmup: int, factor: float = 1.0) -> float:
-    """Section 5.3: linear warm-up for `warmup` steps, then decay with the inverse square root."""
-    step = max(step, 1)
-    return factor * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
 
 
 def loss_sum(model: torch.nn.Module, batch: Any, label_smoothing: float, pad_id: int = 0) -> Tensor:
@@ -81,6 +79,7 @@ _HELP = {
     "train_tgt": "training target file, aligned with --train-src",
     "valid_src": "validation source file",
     "valid_tgt": "validation target file",
+    "data_bin": "a directory written by `aiayn prepare` (instead of the data flags above)",
     "vocab_size": "SentencePiece vocabulary size (an upper bound)",
     "joint_vocab": "one vocabulary for both languages (lets all embeddings be tied)",
     "spm_model_type": "SentencePiece model: bpe or unigram",
@@ -95,7 +94,8 @@ _HELP = {
     "adam_eps": "Adam epsilon",
     "label_smoothing": "label smoothing of the cross entropy",
     "clip_norm": "clip the gradient norm to this value (0: off)",
-    "precision": "auto (bf16 autocast on CPU; bf16 or fp16 + gradient scaler on CUDA), fp32, bf16, fp16",
+    "precision": "auto (bf16 autocast on a CPU with oneDNN bf16 kernels (AVX-512, AMX), else fp32; bf16 or fp16 + "
+                 "gradient scaler on CUDA), fp32, bf16, fp16",
     "device": "auto, cpu or cuda[:N]",
     "max_epochs": "stop after this many epochs (0: no limit)",
     "max_steps": "stop after this many optimizer steps (0: no limit)",
@@ -154,13 +154,13 @@ def _read_config_file(path: str) -> dict[str, Any]:
     return data
 
 
-def build_configs(args: argparse.Namespace) -> tuple[str, dict[str, Any], TrainConfig]:
-    """Preset < --config file < flags. Returns (preset name, model overrides, TrainConfig)."""
+def _options_given(args: argparse.Namespace) -> tuple[str | None, dict[str, Any], dict[str, Any]]:
+    """(preset, model options, train options) set by the --config file or flags, flags winning."""
     model_names = {f.name for f in dataclasses.fields(ModelConfig)} - set(_MODEL_FROM_DATA)
     train_names = {f.name for f in dataclasses.fields(TrainConfig)}
     model_over: dict[str, Any] = {}
     train_over: dict[str, Any] = {}
-    name = "small"
+    name = None
     if args.config:
         data = _read_config_file(args.config)
         flat: dict[str, Any] = {}
@@ -185,6 +185,13 @@ def build_configs(args: argparse.Namespace) -> tuple[str, dict[str, Any], TrainC
     for k in train_names:
         if hasattr(args, k):
             train_over[k] = getattr(args, k)
+    return name, model_over, train_over
+
+
+def build_configs(args: argparse.Namespace) -> tuple[str, dict[str, Any], TrainConfig]:
+    """Preset < --config file < flags. Returns (preset name, model overrides, TrainConfig)."""
+    name, model_over, train_over = _options_given(args)
+    name = "small" if name is None else name
     if not isinstance(name, str) or name not in PRESETS:
         raise AiaynError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     try:
@@ -192,6 +199,13 @@ def build_configs(args: argparse.Namespace) -> tuple[str, dict[str, Any], TrainC
     except TypeError as e:
         raise AiaynError(f"bad option type: {e}") from e
     return name, model_over, tc
+
+
+def given_options(args: argparse.Namespace) -> set[str]:
+    """Names of the TrainConfig fields (and "preset") that the --config file or a flag set: on
+    --resume, the others take the run's saved values."""
+    name, _, train_over = _options_given(args)
+    return set(train_over) | ({"preset"} if name is not None else set())
 
 
 # ---------------------------------------------------------------------------------------- runtime
@@ -247,12 +261,13 @@ def setup_distributed(device_pref: str) -> Dist:
 
 
 def precision_context(precision: str, device: torch.device) -> tuple[Any, bool, str]:
-    """(autocast context factory, use a GradScaler, resolved name)."""
+    """(autocast context factory, use a GradScaler, resolved name). `auto` takes bf16 on the CPU only
+    where oneDNN has bf16 kernels for it (`cpu_has_fast_bf16`; elsewhere bf16 is slower than fp32)."""
     if precision == "auto":
         if device.type == "cuda":
             precision = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
         else:
-            precision = "bf16"
+            precision = "bf16" if aiayn.kernels.cpu_has_fast_bf16() else "fp32"
     if precision == "fp32":
         return contextlib.nullcontext, False, "fp32"
     if precision == "fp16" and device.type != "cuda":
@@ -303,81 +318,32 @@ class Stopper:
 # ------------------------------------------------------------------------------------------- data
 
 
-@dataclass
-class Corpus:
-    tokenizers: Any
-    train: list[tuple[list[int], list[int]]]
-    valid: list[tuple[list[int], list[int]]]
-    valid_src: list[str]
-    valid_tgt: list[str]
-    n_train_lines: int
-    skipped: int
+def load_corpus(tc: TrainConfig, loaded: Any | None, run_dir: Path, d: Dist, source_eos: bool,
+                log: Any = print) -> Any:
+    """The run's prepared data (--data-bin, or the raw text prepared into the run directory by rank 0)
+    with its batch plans (aiayn.corpus; sources ending with EOS if `source_eos`). A run resumed from
+    checkpoint `loaded` needs the same data (manifest sha256) and tokenizer as before."""
+    from aiayn.corpus import open_corpus, prepared_path
+
+    path = prepared_path(tc, run_dir, d.main, d.barrier, log, resuming=loaded is not None)
+    corpus = open_corpus(path, tc, source_eos)
+    if loaded is None:
+        return corpus
+    if (loaded.trainer_state or {}).get("data_sha256", corpus.digest) != corpus.digest:
+        raise AiaynError(f"{corpus.data.path}: the data changed since {loaded.path} was written (its manifest "
+                         "differs); resume with the data the run started from, or start a new --out")
+    tok = loaded.tokenizers
+    if (tok.src, tok.tgt) != (corpus.tokenizers.src, corpus.tokenizers.tgt):
+        raise AiaynError(f"{corpus.data.path}: its tokenizer is not the one {loaded.path} was trained with; resume "
+                         "with the data the run started from")
+    return corpus
 
 
-def corpus_paths(tc: TrainConfig) -> tuple[Path, Path, Path | None, Path | None]:
-    from aiayn import data
+def rank_batches(corpus: Any, tc: TrainConfig, epoch: int, d: Dist) -> Any:
+    """This rank's batches of an epoch: a list of int32 arrays of pair ids (aiayn.batching)."""
+    from aiayn.corpus import rank_batches as for_rank
 
-    if tc.data is not None:
-        if tc.data != "multi30k":
-            raise AiaynError(f"--data {tc.data!r} is not a known corpus; use --data multi30k or --train-src/--train-tgt")
-        if tc.src not in data.LANGS or tc.tgt not in data.LANGS or tc.src == tc.tgt:
-            raise AiaynError(f"--src {tc.src} --tgt {tc.tgt} is not a Multi30k language pair; choose two different "
-                             f"of {', '.join(data.LANGS)}")
-        tr = data.multi30k_paths("train", tc.src, tc.tgt, tc.data_dir)
-        va = data.multi30k_paths("val", tc.src, tc.tgt, tc.data_dir)
-        return tr[0], tr[1], va[0], va[1]
-    if not tc.train_src or not tc.train_tgt:
-        raise AiaynError("no training data: pass --data multi30k --src de --tgt en, or --train-src and --train-tgt")
-    if bool(tc.valid_src) != bool(tc.valid_tgt):
-        raise AiaynError("pass both --valid-src and --valid-tgt, or neither")
-    for flag, p in (("--train-src", tc.train_src), ("--train-tgt", tc.train_tgt), ("--valid-src", tc.valid_src),
-                    ("--valid-tgt", tc.valid_tgt)):
-        if p and not Path(p).is_file():
-            raise AiaynError(f"{flag} {p}: no such file")
-    return (Path(tc.train_src), Path(tc.train_tgt), Path(tc.valid_src) if tc.valid_src else None,
-            Path(tc.valid_tgt) if tc.valid_tgt else None)
-
-
-def load_corpus(tc: TrainConfig, tokenizers: Any | None, run_dir: Path, d: Dist) -> Corpus:
-    """Reads and encodes the data; trains the tokenizers on rank 0 unless they are given (resume)."""
-    from aiayn import data
-    from aiayn.tokenizer import TokenizerPair, build_tokenizers
-
-    tr_src, tr_tgt, va_src, va_tgt = corpus_paths(tc)
-    src_lines, tgt_lines = data.read_parallel(tr_src, tr_tgt)
-    if tokenizers is None:
-        shared = run_dir / "tokenizer"
-        if d.main:
-            tokenizers = build_tokenizers(tr_src, tr_tgt, tc.vocab_size, tc.joint_vocab, tc.spm_model_type)
-            if d.world > 1:
-                tokenizers.save(shared)
-        d.barrier()
-        if tokenizers is None:  # other ranks use rank 0's tokenizer, byte for byte
-            tokenizers = TokenizerPair.load(shared)
-    train, skipped = data.encode_pairs(src_lines, tgt_lines, tokenizers, tc.max_len, tc.long)
-    if not train:
-        raise AiaynError(f"every training pair is longer than --max-len {tc.max_len}; raise --max-len")
-    need = max(max(len(s), len(t) + 1) for s, t in train)
-    if tc.max_tokens < need:
-        raise AiaynError(f"--max-tokens {tc.max_tokens} is smaller than the longest training pair ({need} tokens "
-                         f"with EOS); raise --max-tokens or lower --max-len")
-    valid: list[tuple[list[int], list[int]]] = []
-    vs: list[str] = []
-    vt: list[str] = []
-    if va_src is not None and va_tgt is not None:
-        vs, vt = data.read_parallel(va_src, va_tgt)
-        valid, _ = data.encode_pairs(vs, vt, tokenizers, tc.max_len, "truncate")
-        valid = [(s, t) for s, t in valid if max(len(s), len(t) + 1) <= tc.max_tokens]
-    return Corpus(tokenizers, train, valid, vs, vt, len(src_lines), skipped)
-
-
-def rank_batches(examples: list, tc: TrainConfig, epoch: int, d: Dist) -> list[list[int]]:
-    """This rank's batches of an epoch: batches[rank::world], cut to a count every rank shares."""
-    from aiayn.data import batch_indices
-
-    batches = batch_indices(examples, tc.max_tokens, tc.seed, epoch)
-    per_rank = len(batches) // d.world
-    return batches[d.rank::d.world][:per_rank]
+    return for_rank(corpus, tc, epoch, d.rank, d.world)
 
 
 # ---------------------------------------------------------------------------------------- trainer
@@ -471,10 +437,10 @@ class Trainer:
 
 
 @torch.no_grad()
-def validate(model: Transformer, corpus: Corpus, tc: TrainConfig, autocast: Any, device: torch.device) -> dict[str, float]:
+def validate(model: Transformer, corpus: Any, tc: TrainConfig, autocast: Any, device: torch.device) -> dict[str, float]:
     """Validation loss (label-smoothed and plain, per token) and greedy BLEU/chrF on the first
     `valid_bleu` validation sentences."""
-    from aiayn.data import batch_indices, collate
+    from aiayn.corpus import valid_batches
     from aiayn.evaluate import corpus_scores
     from aiayn.search import greedy_search
     from aiayn.tokenizer import BOS_ID, EOS_ID
@@ -484,8 +450,8 @@ def validate(model: Transformer, corpus: Corpus, tc: TrainConfig, autocast: Any,
     if corpus.valid:
         loss = nll = 0.0
         tokens = 0
-        for idx in batch_indices(corpus.valid, tc.max_tokens, tc.seed, 0, shuffle=False):
-            b = collate(corpus.valid, idx).to(device)
+        for idx in valid_batches(corpus):
+            b = corpus.valid.collate(idx, tc.max_len, model.cfg.source_eos).to(device)
             with autocast():
                 logits = model(b.src, b.tgt_in).float().flatten(0, 1)
             tgt = b.tgt_out.flatten()
@@ -496,7 +462,8 @@ def validate(model: Transformer, corpus: Corpus, tc: TrainConfig, autocast: Any,
         out["loss"], out["nll"] = loss / max(tokens, 1), nll / max(tokens, 1)
     n = min(tc.valid_bleu, len(corpus.valid_src))
     if n:
-        src_ids = [ids[: tc.max_len] for ids in corpus.tokenizers.src.encode_batch(corpus.valid_src[:n])]
+        eos = [EOS_ID] if model.cfg.source_eos else []
+        src_ids = [ids[: tc.max_len] + eos for ids in corpus.tokenizers.src.encode_batch(corpus.valid_src[:n])]
         order = sorted(range(n), key=lambda i: len(src_ids[i]))
         hyps = [""] * n
         step = 64
@@ -546,8 +513,11 @@ class Metrics:
         os.replace(tmp, self.path)
 
 
-# options that decide the batches and their order: a resumed run must keep them
-BATCH_ORDER_FIELDS = ("seed", "max_tokens", "update_freq", "max_len", "long")
+# Options that cannot change what a run has computed so far: a resumed run may take new values.
+# The data files may move (their sha256 is checked); `out` and `device` always come from the command.
+FREE_ON_RESUME = frozenset({"max_epochs", "max_steps", "max_minutes", "patience", "keep_last", "save_every",
+                            "valid_bleu", "log_every", "threads", "device", "out",
+                            "data_dir", "train_src", "train_tgt", "valid_src", "valid_tgt"})
 
 # what a trainer_state.pt must hold to resume from it (`Trainer.state` and the loop's position)
 RESUME_KEYS = frozenset({"optimizer", "step", "epoch", "position", "elapsed_s", "best_bleu", "bad_epochs",
@@ -564,18 +534,126 @@ def resume_command(out: Path, world: int) -> str:
     return f"{prefix} {shlex.join(args)}"
 
 
+@dataclass
+class Run:
+    """One run's state: what `train`'s steps share and the loop advances (saved in trainer_state.pt)."""
+
+    tc: TrainConfig
+    preset: str
+    d: Dist
+    out: Path
+    corpus: Any  # aiayn.corpus.Corpus
+    model: Transformer
+    trainer: Trainer
+    metrics: Metrics
+    epoch: int = 1
+    pos: int = 0  # batches of this rank's epoch already taken
+    elapsed: float = 0.0  # seconds trained by earlier processes of the run
+    best_bleu: float = -1.0
+    bad_epochs: int = 0
+    tokens_seen: int = 0
+    stop_reason: str = ""
+    last_saved: Path | None = None
+    steps_per_epoch: int = 1
+    t0: float = field(default_factory=time.time)  # when this process began training
+    window: tuple[int, float] = (0, 0.0)  # (tokens, since when) behind the tokens/s shown
+
+    def seconds(self) -> float:
+        """Training time of the whole run so far."""
+        return self.elapsed + time.time() - self.t0
+
+    def restore(self, st: dict[str, Any]) -> None:
+        """The loop's position and counters from a trainer state (`save` writes them)."""
+        self.trainer.load_state(st)
+        self.epoch, self.pos, self.elapsed = int(st["epoch"]), int(st["position"]), float(st["elapsed_s"])
+        self.best_bleu, self.bad_epochs, self.tokens_seen = (float(st["best_bleu"]), int(st["bad_epochs"]),
+                                                             int(st["tokens_seen"]))
+        set_rng_state(st["rng"][self.d.rank])
+
+    def save(self, best: bool = False) -> Path:
+        """step_<N>/ with the trainer state at (epoch, pos), best/ too if `best`; prunes old ones."""
+        d, tc = self.d, self.tc
+        rngs = [rng_state()]
+        if d.world > 1:
+            rngs = [None] * d.world  # type: ignore[list-item]
+            dist.all_gather_object(rngs, rng_state())
+        path = self.out / f"step_{self.trainer.step}"
+        if d.main:
+            state = {**self.trainer.state(), "epoch": self.epoch, "position": self.pos, "elapsed_s": self.seconds(),
+                     "best_bleu": self.best_bleu, "bad_epochs": self.bad_epochs, "tokens_seen": self.tokens_seen,
+                     "rng": rngs, "world": d.world, "seed": tc.seed, "data_sha256": self.corpus.digest,
+                     "precision": self.trainer.precision}
+            config = {"model": self.model.cfg.to_dict(), "train": tc.to_dict(), "preset": self.preset,
+                      "step": self.trainer.step, "epoch": self.epoch}
+            ckpt.save_checkpoint(path, self.model, self.corpus.tokenizers, config, state)
+            if best:
+                ckpt.save_checkpoint(self.out / "best", self.model, self.corpus.tokenizers, config)
+            ckpt.prune_checkpoints(self.out, tc.keep_last)
+        d.barrier()
+        self.last_saved = path
+        return path
+
+
 def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume: bool = False,
-          log: Any = print) -> dict[str, Any]:
-    """Trains per `tc` and returns a summary (step, epoch, best BLEU, stop reason, last checkpoint)."""
+          log: Any = print, given: Collection[str] | None = None) -> dict[str, Any]:
+    """Trains per `tc` and returns a summary (step, epoch, best BLEU, stop reason, last checkpoint).
+
+    With `resume`, continues the newest checkpoint in `tc.out` with the run's saved settings (see
+    `resumed_settings`; `given` names the options set on the command line, None: all of `tc`).
+    """
+    if resume and given is not None and "device" not in given:  # not given anew: where the run ran
+        tc = tc.replace(device=_saved_device(Path(tc.out)) or tc.device)
     d = setup_distributed(tc.device)
     info = (lambda msg: log(msg)) if d.main else (lambda msg: None)
+    existing = _open_run_dir(Path(tc.out), resume, d)
+    loaded = _load_newest(existing, info) if resume and existing else None
+    if loaded:
+        preset_name, tc = resumed_settings(loaded, preset_name, model_over, tc, given)
+        info(f"resuming from {loaded.path}")
+    elif resume:
+        info(f"nothing to resume in {tc.out}; starting a new run")
     if tc.threads:
         torch.set_num_threads(tc.threads)
-    out = Path(tc.out)
+    run = _set_up(preset_name, model_over, tc, loaded, d, info)
+    with Stopper() as stopper:
+        bar = _progress(_total_steps(run), run.trainer.step, d.main)
+        run.t0 = time.time()
+        run.window = (0, run.t0)
+        _stop_if_done(run)  # a resumed run that already met a limit takes no step
+        while not run.stop_reason:
+            _train_epoch(run, stopper, bar)
+        bar.close()
+    summary = {"step": run.trainer.step, "epoch": run.epoch, "best_bleu": run.best_bleu if run.best_bleu >= 0 else None,
+               "stop": run.stop_reason, "checkpoint": str(run.last_saved) if run.last_saved else None,
+               "elapsed_s": run.seconds(), "signal": stopper.signum}
+    info(f"stopped: {run.stop_reason}; step {run.trainer.step}; last checkpoint {run.last_saved}")
+    if stopper.signum is not None:
+        info(f"to resume, run: {resume_command(run.out, d.world)}")
+    if d.world > 1:
+        dist.destroy_process_group()
+    return summary
+
+
+# What a run leaves in --out before its first checkpoint: --resume starts such a run again.
+_EARLY_FILES = frozenset({"train.json", "metrics.jsonl", "metrics.jsonl.tmp", "tokenizer", "data"})  # data: corpus.RUN_DATA
+
+
+def _open_run_dir(out: Path, resume: bool, d: Dist) -> list[tuple[int, Path]]:
+    """Makes --out and returns its step checkpoints. A new run needs an empty or new --out, and
+    --resume one with a checkpoint or only what a run leaves before its first: a run never deletes
+    or rewrites what it did not write."""
     existing = ckpt.step_checkpoints(out)
     if existing and not resume:
         raise AiaynError(f"--out {out} already holds checkpoints (newest {existing[-1][1].name}); add --resume to "
                          "continue that run, or choose another --out")
+    held = sorted(p.name for p in out.iterdir()) if not existing and out.is_dir() else []
+    if held and not resume:
+        raise AiaynError(f"--out {out} is not empty (it holds {', '.join(held[:3])}{', ...' if len(held) > 3 else ''}); "
+                         "use --resume to continue the run there, or choose another --out")
+    others = [n for n in held if n not in _EARLY_FILES and not ckpt.is_own_temporary(n)]
+    if others:
+        raise AiaynError(f"--out {out} holds {', '.join(others[:3])} but no step_<N>/ checkpoint to resume from; "
+                         "choose another --out")
     if d.main:
         try:
             out.mkdir(parents=True, exist_ok=True)
@@ -583,47 +661,70 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
             raise AiaynError(f"--out {out}: cannot make the run directory ({e.strerror or e}); choose another --out") from None
         ckpt.remove_stale_temporaries(out)
     d.barrier()
+    return existing
 
-    loaded = None
-    if resume and existing:
-        first_error = None
-        for _, path in reversed(existing):  # an unreadable newest checkpoint falls back to the one before
-            try:
-                loaded = ckpt.load_checkpoint(path, with_trainer_state=True)
-                missing = sorted(RESUME_KEYS - set(loaded.trainer_state or {}))
-                if missing:
-                    loaded = None
-                    raise AiaynError(f"{path / ckpt.TRAINER_STATE} lacks {', '.join(missing)}")
-                break
-            except AiaynError as e:
-                first_error = first_error or e
-                info(f"warning: cannot resume from {path}: {e}")
-        if loaded is None:
-            raise first_error  # type: ignore[misc]
-        before = loaded.config.get("train") if isinstance(loaded.config.get("train"), dict) else {}
-        for name in BATCH_ORDER_FIELDS:  # the saved position means something only with the same batches
-            if name in before and before[name] != getattr(tc, name):
-                flag = "--" + name.replace("_", "-")
-                raise AiaynError(f"{flag} {getattr(tc, name)} differs from the run's {before[name]}: resuming would "
-                                 f"change the batches and the place in them; resume with {flag} {before[name]}")
-        info(f"resuming from {loaded.path}")
-    elif resume:
-        info(f"nothing to resume in {out}; starting a new run")
 
-    corpus = load_corpus(tc, loaded.tokenizers if loaded else None, out, d)
-    tok = corpus.tokenizers
-    if loaded:
-        mcfg = loaded.model_config
-    else:
-        over = dict(model_over)
-        if not tc.joint_vocab:
-            if over.get("share_embeddings"):
-                raise AiaynError("--share-embeddings needs a joint vocabulary; drop --no-joint-vocab")
-            over["share_embeddings"] = False
+def _saved_device(out: Path) -> str | None:
+    """The --device of the run in `out` (its newest step checkpoint's), None if there is none to read:
+    the processes start on a device before the checkpoint is loaded."""
+    steps = ckpt.step_checkpoints(out)
+    try:
+        device = json.loads((steps[-1][1] / ckpt.CONFIG).read_text(encoding="utf-8"))["train"]["device"]
+    except (IndexError, OSError, ValueError, KeyError, TypeError):
+        return None
+    return device if isinstance(device, str) else None
+
+
+def _load_newest(existing: list[tuple[int, Path]], info: Any) -> ckpt.Checkpoint:
+    """The newest readable step checkpoint with a complete trainer state (an unreadable newest one
+    falls back to the one before); the first error if none is."""
+    first_error = None
+    for _, path in reversed(existing):
         try:
-            mcfg = preset(preset_name, src_vocab_size=tok.src.vocab_size, tgt_vocab_size=tok.tgt.vocab_size, **over)
-        except ConfigError as e:
-            raise AiaynError(str(e)) from e
+            loaded = ckpt.load_checkpoint(path, with_trainer_state=True)
+            missing = sorted(RESUME_KEYS - set(loaded.trainer_state or {}))
+            if missing:
+                raise AiaynError(f"{path / ckpt.TRAINER_STATE} lacks {', '.join(missing)}")
+            return loaded
+        except AiaynError as e:
+            first_error = first_error or e
+            info(f"warning: cannot resume from {path}: {e}")
+    raise first_error  # type: ignore[misc]
+
+
+def resumed_settings(loaded: ckpt.Checkpoint, preset_name: str, model_over: dict[str, Any], tc: TrainConfig,
+                     given: Collection[str] | None) -> tuple[str, TrainConfig]:
+    """The run's saved settings, with the given values of FREE_ON_RESUME options; any other given
+    option (`given`: names set on the command line; None: every field of `tc`) must equal the saved
+    value, else one error names it."""
+    saved = loaded.config.get("train") if isinstance(loaded.config.get("train"), dict) else {}
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    try:
+        base = TrainConfig.from_dict({k: v for k, v in saved.items() if k in names})
+    except (ConfigError, TypeError) as e:
+        raise AiaynError(f"{loaded.path / ckpt.CONFIG}: invalid train config ({e}); resume from another checkpoint") from e
+    typed = names | {"preset"} if given is None else set(given)
+    before = {"preset": loaded.config.get("preset", preset_name), **base.to_dict()}
+    now = {"preset": preset_name, **tc.to_dict()}
+    changed = [(k, now[k], before[k]) for k in sorted(typed - FREE_ON_RESUME) if now[k] != before[k]]
+    changed += [(k, v, getattr(loaded.model_config, k)) for k, v in sorted(model_over.items())
+                if v != getattr(loaded.model_config, k)]
+    if changed:
+        name, value, was = changed[0]
+        flag = "--" + name.replace("_", "-")
+        raise AiaynError(f"{flag} {value} differs from the run's {was}: --resume continues the run with its own "
+                         f"settings; drop {flag}, or start a new run with another --out")
+    keep = (typed & FREE_ON_RESUME) | {"out", "device"}
+    return before["preset"], base.replace(**{k: getattr(tc, k) for k in keep})
+
+
+def _set_up(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, loaded: ckpt.Checkpoint | None, d: Dist,
+            info: Any) -> Run:
+    """Data, model, trainer and metrics, restored from `loaded` when resuming; writes train.json."""
+    out = Path(tc.out)
+    source_eos = loaded.model_config.source_eos if loaded else model_over.get("source_eos", ModelConfig.source_eos)
+    corpus = load_corpus(tc, loaded, out, d, source_eos, info)
+    mcfg = loaded.model_config if loaded else _new_model_config(preset_name, model_over, tc, corpus.tokenizers)
     torch.manual_seed(tc.seed)
     random.seed(tc.seed)
     model = Transformer(mcfg)
@@ -632,139 +733,148 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
     if d.rank:  # other ranks draw their own dropout masks
         torch.manual_seed(tc.seed + 1000 * d.rank)
         random.seed(tc.seed + 1000 * d.rank)
-    trainer = Trainer(model, tc, d, tc.precision)
-
-    epoch, pos, elapsed, best_bleu, bad_epochs, tokens_seen = 1, 0, 0.0, -1.0, 0, 0
+    run = Run(tc, preset_name, d, out, corpus, model, Trainer(model, tc, d, _precision(tc, loaded, d)),
+              Metrics(out / "metrics.jsonl", d.main), last_saved=loaded.path if loaded else None)
     if loaded:
         st = loaded.trainer_state
         assert st is not None
         if int(st.get("world", 1)) != d.world:
             raise AiaynError(f"{loaded.path} was written by {st.get('world')} processes; resume with the same number "
                              f"(torchrun --nproc_per_node {st.get('world')})")
-        trainer.load_state(st)
-        epoch, pos, elapsed = int(st["epoch"]), int(st["position"]), float(st["elapsed_s"])
-        best_bleu, bad_epochs, tokens_seen = float(st["best_bleu"]), int(st["bad_epochs"]), int(st["tokens_seen"])
-        set_rng_state(st["rng"][d.rank])
-    metrics = Metrics(out / "metrics.jsonl", d.main)
-    metrics.truncate_after(trainer.step)  # a fresh start (step 0) clears lines of a run killed before its first checkpoint
+        run.restore(st)
+    run.steps_per_epoch = max(1, math.ceil(len(rank_batches(corpus, tc, 1, d)) / tc.update_freq))
+    run.metrics.truncate_after(run.trainer.step)  # a fresh start (step 0) clears lines of a run killed before its first checkpoint
     if d.main:
-        (out / "train.json").write_text(json.dumps({"preset": preset_name, "model": model_over, "train": tc.to_dict()},
+        model_options = {k: v for k, v in mcfg.to_dict().items() if k not in _MODEL_FROM_DATA}  # the model it holds
+        (out / "train.json").write_text(json.dumps({"preset": preset_name, "model": model_options, "train": tc.to_dict()},
                                                    indent=2) + "\n", encoding="utf-8")
+    _describe(run, info)
+    return run
 
-    steps_per_epoch = max(1, math.ceil(len(rank_batches(corpus.train, tc, 1, d)) / tc.update_freq))
+
+def _precision(tc: TrainConfig, loaded: ckpt.Checkpoint | None, d: Dist) -> str:
+    """--precision, with `auto` resolved as the run resolved it when it began (kept in its trainer
+    state): the machine or the version resuming it may choose otherwise. A trainer state without it
+    was trained by the `auto` of its time: with data digests (the same release), today's rule;
+    without, the rule before, bf16 autocast on every CPU."""
+    if tc.precision != "auto" or loaded is None:
+        return tc.precision
+    st = loaded.trainer_state or {}
+    if st.get("precision") in PRECISIONS and st["precision"] != "auto":
+        # a run moved from CUDA to a CPU (--device may change) cannot go on in fp16: auto decides anew
+        return st["precision"] if st["precision"] != "fp16" or d.device.type == "cuda" else "auto"
+    return "bf16" if d.device.type == "cpu" and "data_sha256" not in st else "auto"
+
+
+def _new_model_config(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, tok: Any) -> ModelConfig:
+    over = dict(model_over)
+    if not tc.joint_vocab:
+        if over.get("share_embeddings"):
+            raise AiaynError("--share-embeddings needs a joint vocabulary; drop --no-joint-vocab")
+        over["share_embeddings"] = False
+    try:
+        return preset(preset_name, src_vocab_size=tok.src.vocab_size, tgt_vocab_size=tok.tgt.vocab_size, **over)
+    except ConfigError as e:
+        raise AiaynError(str(e)) from e
+
+
+def _total_steps(run: Run) -> int | None:
+    tc = run.tc
+    return tc.max_steps or (tc.max_epochs * run.steps_per_epoch if tc.max_epochs else None)
+
+
+def _describe(run: Run, info: Any) -> None:
+    tc, mcfg, corpus, tok = run.tc, run.model.cfg, run.corpus, run.corpus.tokenizers
     info(f"model: {mcfg.encoder_layers}+{mcfg.decoder_layers} layers, d_model {mcfg.d_model}, "
-         f"{model.num_parameters():,} parameters; vocabulary {tok.src.vocab_size}"
+         f"{run.model.num_parameters():,} parameters; vocabulary {tok.src.vocab_size}"
          f"{'' if tok.joint else '/' + str(tok.tgt.vocab_size)} ({'joint' if tok.joint else 'separate'})")
-    info(f"data: {len(corpus.train):,} training pairs ({corpus.skipped:,} of {corpus.n_train_lines:,} "
-         f"{'skipped' if tc.long == 'skip' else 'truncated'} as longer than {tc.max_len} tokens), "
-         f"{len(corpus.valid_src):,} validation pairs; ~{steps_per_epoch} steps/epoch")
-    info(f"device {d.device} x{d.world}, precision {trainer.precision}, max {tc.max_tokens} tokens x "
-         f"{tc.update_freq} batches x {d.world} ranks per step; output {out}")
+    info(f"data: {corpus.describe(tc)}; ~{run.steps_per_epoch} steps/epoch")
+    info(f"device {run.d.device} x{run.d.world}, precision {run.trainer.precision}, max {tc.max_tokens} tokens x "
+         f"{tc.update_freq} batches x {run.d.world} ranks per step; output {run.out}")
 
-    def save(at_epoch: int, at_pos: int, best: bool = False) -> Path:
-        rngs = [rng_state()]
-        if d.world > 1:
-            rngs = [None] * d.world  # type: ignore[list-item]
-            dist.all_gather_object(rngs, rng_state())
-        path = out / f"step_{trainer.step}"
-        if d.main:
-            state = {**trainer.state(), "epoch": at_epoch, "position": at_pos, "elapsed_s": elapsed + time.time() - t0,
-                     "best_bleu": best_bleu, "bad_epochs": bad_epochs, "tokens_seen": tokens_seen, "rng": rngs,
-                     "world": d.world, "seed": tc.seed}
-            config = {"model": mcfg.to_dict(), "train": tc.to_dict(), "preset": preset_name, "step": trainer.step,
-                      "epoch": at_epoch}
-            ckpt.save_checkpoint(path, model, tok, config, state)
-            if best:
-                ckpt.save_checkpoint(out / "best", model, tok, config)
-            ckpt.prune_checkpoints(out, tc.keep_last)
-        d.barrier()
-        return path
 
-    total = tc.max_steps or (tc.max_epochs * steps_per_epoch if tc.max_epochs else None)
-    bar = _progress(total, trainer.step, d.main)
-    t0 = time.time()
-    stop_reason, last_saved = "", (loaded.path if loaded else None)
-    # The loop checks its limits after a step; a resumed run that already met one must take none
-    # (else resuming a finished run trains, saves and logs one step past --max-steps).
-    if tc.max_steps and trainer.step >= tc.max_steps:
-        stop_reason = f"reached --max-steps {tc.max_steps}"
-    elif tc.max_minutes and elapsed >= 60 * tc.max_minutes:
-        stop_reason = f"reached --max-minutes {tc.max_minutes}"
-    elif tc.patience and bad_epochs >= tc.patience:
-        stop_reason = f"no better validation BLEU for {tc.patience} epochs (--patience)"
-    window_tokens, window_t = 0, time.time()
-    from aiayn.data import collate
+def _stop_if_done(run: Run) -> None:
+    """The loop checks its limits after a step; a resumed run that already met one must take none
+    (else resuming a finished run trains, saves and logs one step past --max-steps)."""
+    tc = run.tc
+    if tc.max_steps and run.trainer.step >= tc.max_steps:
+        run.stop_reason = f"reached --max-steps {tc.max_steps}"
+    elif tc.max_minutes and run.elapsed >= 60 * tc.max_minutes:
+        run.stop_reason = f"reached --max-minutes {tc.max_minutes}"
+    elif tc.patience and run.bad_epochs >= tc.patience:
+        run.stop_reason = f"no better validation BLEU for {tc.patience} epochs (--patience)"
+    elif tc.max_epochs and run.epoch > tc.max_epochs:
+        run.stop_reason = f"reached --max-epochs {tc.max_epochs}"
 
-    with Stopper() as stopper:
-        while not stop_reason:
-            if tc.max_epochs and epoch > tc.max_epochs:
-                stop_reason = f"reached --max-epochs {tc.max_epochs}"
-                break
-            mine = rank_batches(corpus.train, tc, epoch, d)
-            while pos < len(mine) and not stop_reason:
-                group = mine[pos : pos + tc.update_freq]
-                loss, ntok = trainer.train_step([collate(corpus.train, idx) for idx in group])
-                pos += len(group)
-                tokens_seen += ntok
-                window_tokens += ntok
-                now = time.time()
-                tps = window_tokens / max(now - window_t, 1e-9)
-                if now - window_t > 10:
-                    window_tokens, window_t = 0, now
-                bar.update(1)
-                bar.set_postfix(epoch=epoch, loss=f"{loss:.3f}", lr=f"{trainer.lr(trainer.step):.2e}",
-                                tok_s=f"{tps:,.0f}", refresh=False)
-                if tc.log_every and trainer.step % tc.log_every == 0:
-                    metrics.write({"kind": "train", "step": trainer.step, "epoch": epoch, "loss": round(loss, 5),
-                                   "lr": trainer.lr(trainer.step), "tokens_per_s": round(tps, 1),
-                                   "elapsed_s": round(elapsed + now - t0, 2)})
-                if not math.isfinite(loss):
-                    raise AiaynError(f"the loss became {loss} at step {trainer.step}; lower --lr-factor or use "
-                                     "--precision fp32, and resume from an earlier checkpoint")
-                signum = stopper.signum
-                if d.any(signum is not None):
-                    stop_reason = f"interrupted by {signal.Signals(signum).name if signum else 'a signal'}"
-                elif tc.max_steps and trainer.step >= tc.max_steps:
-                    stop_reason = f"reached --max-steps {tc.max_steps}"
-                elif tc.max_minutes and d.any(elapsed + time.time() - t0 >= 60 * tc.max_minutes):
-                    stop_reason = f"reached --max-minutes {tc.max_minutes}"
-                if pos < len(mine) and (stop_reason or (tc.save_every and trainer.step % tc.save_every == 0)):
-                    last_saved = save(epoch, pos)
-            if pos >= len(mine):  # the epoch is complete: validate, keep the best, save
-                improved = False
-                if d.main:
-                    v = validate(model, corpus, tc, trainer.autocast, d.device)
-                    if "bleu" in v:
-                        improved = v["bleu"] > best_bleu
-                        bad_epochs = 0 if improved else bad_epochs + 1
-                        best_bleu = max(best_bleu, v["bleu"])
-                    rec = {"kind": "valid", "step": trainer.step, "epoch": epoch, **{k: round(x, 4) for k, x in v.items()},
-                           "elapsed_s": round(elapsed + time.time() - t0, 2)}
-                    metrics.write(rec)
-                    bar.write(f"epoch {epoch} step {trainer.step}: " + ", ".join(
-                        f"valid {k} {x:.2f}" if k in ("bleu", "bleu_lc", "chrf") else f"valid {k} {x:.3f}"
-                        for k, x in v.items()))
-                if d.world > 1:
-                    flags = torch.tensor([float(improved), float(bad_epochs), best_bleu], dtype=torch.float64,
-                                         device=d.device)
-                    dist.broadcast(flags, 0)
-                    improved, bad_epochs, best_bleu = bool(flags[0]), int(flags[1]), float(flags[2])
-                if tc.patience and bad_epochs >= tc.patience and not stop_reason:
-                    stop_reason = f"no better validation BLEU for {tc.patience} epochs (--patience)"
-                epoch, pos = epoch + 1, 0
-                last_saved = save(epoch, pos, best=improved)
-                if tc.max_epochs and epoch > tc.max_epochs and not stop_reason:
-                    stop_reason = f"reached --max-epochs {tc.max_epochs}"
-    bar.close()
-    summary = {"step": trainer.step, "epoch": epoch, "best_bleu": best_bleu if best_bleu >= 0 else None,
-               "stop": stop_reason, "checkpoint": str(last_saved) if last_saved else None,
-               "elapsed_s": elapsed + time.time() - t0, "signal": stopper.signum}
-    info(f"stopped: {stop_reason}; step {trainer.step}; last checkpoint {last_saved}")
-    if stopper.signum is not None:
-        info(f"to resume, run: {resume_command(out, d.world)}")
+
+def _train_epoch(run: Run, stopper: Stopper, bar: Any) -> None:
+    """This rank's batches of the current epoch from `run.pos` on, until the epoch ends or a limit
+    is met; a complete epoch is closed by `_end_epoch`."""
+    tc, trainer, d = run.tc, run.trainer, run.d
+    mine = rank_batches(run.corpus, tc, run.epoch, d)
+    source_eos = run.model.cfg.source_eos
+    while run.pos < len(mine) and not run.stop_reason:
+        group = mine[run.pos : run.pos + tc.update_freq]
+        loss, ntok = trainer.train_step([run.corpus.train.collate(idx, tc.max_len, source_eos) for idx in group])
+        run.pos += len(group)
+        run.tokens_seen += ntok
+        now, (window_tokens, window_t) = time.time(), run.window
+        window_tokens += ntok
+        tps = window_tokens / max(now - window_t, 1e-9)
+        run.window = (0, now) if now - window_t > 10 else (window_tokens, window_t)
+        bar.update(1)
+        bar.set_postfix(epoch=run.epoch, loss=f"{loss:.3f}", lr=f"{trainer.lr(trainer.step):.2e}",
+                        tok_s=f"{tps:,.0f}", refresh=False)
+        if tc.log_every and trainer.step % tc.log_every == 0:
+            run.metrics.write({"kind": "train", "step": trainer.step, "epoch": run.epoch, "loss": round(loss, 5),
+                               "lr": trainer.lr(trainer.step), "tokens_per_s": round(tps, 1),
+                               "elapsed_s": round(run.seconds(), 2)})
+        if not math.isfinite(loss):
+            raise AiaynError(f"the loss became {loss} at step {trainer.step}; lower --lr-factor or use "
+                             "--precision fp32, and resume from an earlier checkpoint")
+        run.stop_reason = _stop_reason_after_step(run, stopper)
+        if run.pos < len(mine) and (run.stop_reason or (tc.save_every and trainer.step % tc.save_every == 0)):
+            run.save()
+    if run.pos >= len(mine):
+        _end_epoch(run, bar)
+
+
+def _stop_reason_after_step(run: Run, stopper: Stopper) -> str:
+    """Why to stop after this step ("" to go on); every rank takes the same decision."""
+    tc, d, signum = run.tc, run.d, stopper.signum
+    if d.any(signum is not None):
+        return f"interrupted by {signal.Signals(signum).name if signum else 'a signal'}"
+    if tc.max_steps and run.trainer.step >= tc.max_steps:
+        return f"reached --max-steps {tc.max_steps}"
+    if tc.max_minutes and d.any(run.seconds() >= 60 * tc.max_minutes):
+        return f"reached --max-minutes {tc.max_minutes}"
+    return ""
+
+
+def _end_epoch(run: Run, bar: Any) -> None:
+    """The epoch is complete: validate (rank 0), keep the best, count patience, save, move on."""
+    tc, d, improved = run.tc, run.d, False
+    if d.main:
+        v = validate(run.model, run.corpus, tc, run.trainer.autocast, d.device)
+        if "bleu" in v:
+            improved = v["bleu"] > run.best_bleu
+            run.bad_epochs = 0 if improved else run.bad_epochs + 1
+            run.best_bleu = max(run.best_bleu, v["bleu"])
+        run.metrics.write({"kind": "valid", "step": run.trainer.step, "epoch": run.epoch,
+                           **{k: round(x, 4) for k, x in v.items()}, "elapsed_s": round(run.seconds(), 2)})
+        bar.write(f"epoch {run.epoch} step {run.trainer.step}: " + ", ".join(
+            f"valid {k} {x:.2f}" if k in ("bleu", "bleu_lc", "chrf") else f"valid {k} {x:.3f}" for k, x in v.items()))
     if d.world > 1:
-        dist.destroy_process_group()
-    return summary
+        flags = torch.tensor([float(improved), float(run.bad_epochs), run.best_bleu], dtype=torch.float64,
+                             device=d.device)
+        dist.broadcast(flags, 0)
+        improved, run.bad_epochs, run.best_bleu = bool(flags[0]), int(flags[1]), float(flags[2])
+    if tc.patience and run.bad_epochs >= tc.patience and not run.stop_reason:
+        run.stop_reason = f"no better validation BLEU for {tc.patience} epochs (--patience)"
+    run.epoch, run.pos = run.epoch + 1, 0
+    run.save(best=improved)
+    if tc.max_epochs and run.epoch > tc.max_epochs and not run.stop_reason:
+        run.stop_reason = f"reached --max-epochs {tc.max_epochs}"
 
 
 def _progress(total: int | None, initial: int, enabled: bool) -> Any:
@@ -776,7 +886,7 @@ def _progress(total: int | None, initial: int, enabled: bool) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     name, model_over, tc = build_configs(args)
-    summary = train(name, model_over, tc, resume=args.resume)
+    summary = train(name, model_over, tc, resume=args.resume, given=given_options(args))
     if summary["signal"] is not None:
         return 128 + int(summary["signal"])
     return 0

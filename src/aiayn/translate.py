@@ -1,4 +1,5 @@
-"""Translation with a trained model: the Python API (`Translator`) and `aiayn translate`.
+"""Translation with a trained model: the Python API (`Translator` on torch, `CT2Translator` on a
+CTranslate2 export, one interface) and `aiayn translate`.
 
 Raw text in, detokenized text out (Section 6.1's beam search, see `aiayn.search`). The promises,
 pinned by tests/test_translate.py:
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import json
 import math
 import os
 import select
@@ -32,17 +34,16 @@ import unicodedata
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO, Any, BinaryIO
 
 import torch
 
-from aiayn.cli import silence_stdout
-from aiayn.errors import AiaynError
+from aiayn.config import INFERENCE_PRECISIONS
+from aiayn.errors import AiaynError, require
+from aiayn.files import silence_stdout
 from aiayn.search import Hypothesis, beam_search, greedy_search
-from aiayn.tokenizer import TokenizerPair
-
-PRECISIONS = ("fp32", "bf16")
-BOS_ID, EOS_ID = 2, 3  # aiayn.tokenizer's fixed special ids (kept here so the stub tests need no tokenizer)
+from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, PIECES, TokenizerPair, vocabulary
 
 # Characters that `str.splitlines` treats as line ends: an output line must never contain one.
 _LINE_BREAKS = str.maketrans({c: " " for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"})
@@ -97,17 +98,19 @@ def has_text(line: str) -> bool:
 
 
 def encode_sources(tokenizers: TokenizerPair, lines: Sequence[str], max_src_tokens: int,
-                   note: Callable[[str], None], first_line: int = 1) -> list[list[int]]:
-    """Source ids per line ([] for a blank line); a line longer than `max_src_tokens` is cut to it
-    and `note` says which line (the contract of every translation engine: nothing is dropped)."""
+                   note: Callable[[str], None], first_line: int = 1, eos: bool = False) -> list[list[int]]:
+    """Source ids per line ([] for a blank line), ending with EOS if `eos` (a model trained so:
+    `ModelConfig.source_eos`); a line longer than `max_src_tokens` (EOS included) is cut to it and
+    `note` says which line (the contract of every translation engine: nothing is dropped)."""
     out: list[list[int]] = []
+    room = max(1, max_src_tokens - eos)
     for i, line in enumerate(lines):
         ids = tokenizers.src.encode(line) if has_text(line) else []
-        if len(ids) > max_src_tokens:
+        if len(ids) > room:
             note(f"line {first_line + i}: {len(ids)} source tokens, more than the model takes; "
-                 f"translated its first {max_src_tokens} tokens only")
-            ids = ids[:max_src_tokens]
-        out.append(ids)
+                 f"translated its first {room} tokens only")
+            ids = ids[:room]
+        out.append(ids + [EOS_ID] if ids and eos else ids)
     return out
 
 
@@ -191,7 +194,52 @@ def _stderr_note(msg: str) -> None:
     print(f"aiayn translate: {msg}", file=sys.stderr, flush=True)
 
 
-class Translator:
+@contextlib.contextmanager
+def evaluating(model: torch.nn.Module) -> Iterator[None]:
+    """Eval mode (no dropout) for the block, then every submodule's own mode back: a model being
+    trained can translate a sample and go on training."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def inference_view(model: torch.nn.Module, device: torch.device | str | None = None) -> torch.nn.Module:
+    """`model` itself if its weights are frozen, on `device` (None: where they are) and it is in
+    eval mode; else a copy whose parameters are frozen aliases of the caller's (same storage, no
+    copy of the weights), so search takes the packed inference GEMMs and switches only the view's
+    mode while the caller's model keeps training (or serves another thread), moved to `device` if
+    it is elsewhere (the caller's model stays where it is). A new view per call: the optimizer may
+    have changed the weights in place since (fused Adam without bumping their version), so no
+    packed copy is reused."""
+    params = list(model.parameters())
+    elsewhere = device is not None and any(p.device != torch.device(device) for p in params)
+    if not any(p.requires_grad for p in params) and not elsewhere and not any(m.training for m in model.modules()):
+        return model
+    memo: dict[int, Any] = {id(p): torch.nn.Parameter(p.detach(), requires_grad=False) for p in params}
+    view = copy.deepcopy(model, memo)
+    return view.to(device) if elsewhere else view  # moves the view's own parameter objects only
+
+
+class BaseTranslator:
+    """The interface of both translators, `Translator` (torch) and `CT2Translator` (CTranslate2):
+    `search` gives each input line its n-best (translation, score) list, `translate` the texts."""
+
+    def search(self, lines: Sequence[str], first_line: int = 1, **settings: Any) -> list[list[tuple[str, float]]]:
+        raise NotImplementedError
+
+    def translate(self, lines: Sequence[str], beam: int = 4, alpha: float = 0.6, nbest: int = 1,
+                  max_tokens: int = 4096, **settings: Any) -> list[str]:
+        """Translations of `lines`, one per line in order (with nbest=N: N consecutive ones per line,
+        the best first; fewer only if the search found fewer)."""
+        res = self.search(lines, beam=beam, alpha=alpha, nbest=nbest, max_tokens=max_tokens, **settings)
+        return [text for nb in res for text, _ in nb[:nbest]]
+
+
+class Translator(BaseTranslator):
     """A model and its tokenizers, ready to translate lists of raw sentences.
 
     `max_src_tokens` (default: the model's `max_positions`) caps the source length; longer lines
@@ -200,12 +248,17 @@ class Translator:
 
     def __init__(self, model: Any, tokenizers: Any, precision: str = "fp32", device: str | torch.device = "cpu",
                  max_src_tokens: int | None = None, note: Callable[[str], None] | None = None) -> None:
-        if precision not in PRECISIONS:
-            raise AiaynError(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        if precision not in INFERENCE_PRECISIONS:
+            raise AiaynError(f"--precision must be one of {', '.join(INFERENCE_PRECISIONS)}, got {precision!r}")
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current one, as .to() takes it
+            self.device = torch.device("cuda", torch.cuda.current_device())
         if precision == "bf16" and next(model.parameters()).dtype != torch.bfloat16:
-            model = copy.deepcopy(model).to(torch.bfloat16)  # a copy: the caller's model stays as it was
-        self.model = model.to(self.device).eval().requires_grad_(False)  # frozen: packed inference GEMMs
+            # a copy of our own: frozen, so its linear layers take the packed inference GEMMs
+            model = copy.deepcopy(model).to(torch.bfloat16).requires_grad_(False).to(self.device).eval()
+        # The caller's model stays as it was (mode, requires_grad, device): `search` runs on
+        # `inference_view`, on `device` (a model on another device is copied there per search).
+        self.model = model
         self.tokenizers = tokenizers
         self.precision = precision
         self.max_src_tokens = int(max_src_tokens or model.cfg.max_positions)
@@ -218,11 +271,13 @@ class Translator:
         from aiayn.checkpoint import load_checkpoint, resolve_checkpoint
 
         ckpt = load_checkpoint(resolve_checkpoint(path))
-        return cls(ckpt.model, ckpt.tokenizers, precision=precision, device=device, **kwargs)
+        model = ckpt.model.requires_grad_(False).to(device)  # ours alone: frozen weights take the packed inference GEMMs
+        return cls(model, ckpt.tokenizers, precision=precision, device=device, **kwargs)
 
     def encode(self, lines: Sequence[str], first_line: int = 1) -> list[list[int]]:
         """Source ids per line ([] for a blank line), truncated to `max_src_tokens` with a note."""
-        return encode_sources(self.tokenizers, lines, self.max_src_tokens, self.note, first_line)
+        return encode_sources(self.tokenizers, lines, self.max_src_tokens, self.note, first_line,
+                              getattr(self.model.cfg, "source_eos", False))
 
     @torch.no_grad()
     def search(self, lines: Sequence[str], first_line: int = 1, **settings: Any) -> list[list[tuple[str, float]]]:
@@ -234,11 +289,19 @@ class Translator:
         `settings` are the fields of `Settings` (beam, alpha, nbest, max_tokens, batch_size,
         max_len_a, max_len_b, min_len, workers). `first_line` numbers the lines in notes.
         """
+        return [[(one_line(self.tokenizers.tgt.decode(ids)), score) for ids, score in nb]
+                for nb in self.search_ids(lines, first_line, **settings)]
+
+    def search_ids(self, lines: Sequence[str], first_line: int = 1,
+                   **settings: Any) -> list[list[tuple[list[int], float]]]:
+        """`search` before detokenizing: per line, its n-best (target ids without BOS/EOS, score);
+        the exact tokens the search chose, for callers that show them (the server's attention)."""
         s = Settings(**settings)
         s.check()
         encoded = self.encode(lines, first_line)
-        results: list[list[tuple[str, float]]] = [[("", 0.0)] * s.nbest for _ in lines]
-        pad = self.model.cfg.pad_id
+        results: list[list[tuple[list[int], float]]] = [[([], 0.0)] * s.nbest for _ in lines]
+        model = inference_view(self.model, self.device)
+        pad = model.cfg.pad_id
 
         def run(batch: list[int]) -> list[list[Hypothesis]]:
             S = len(encoded[batch[0]])
@@ -248,22 +311,93 @@ class Translator:
             src = src.to(self.device)
             if s.beam == 1:
                 return [[(ids, float("nan"))] for ids in greedy_search(
-                    self.model, src, BOS_ID, EOS_ID, s.max_len_a, s.max_len_b, s.min_len)]
-            return beam_search(self.model, src, BOS_ID, EOS_ID, beam=s.beam, alpha=s.alpha, max_len_a=s.max_len_a,
+                    model, src, BOS_ID, EOS_ID, s.max_len_a, s.max_len_b, s.min_len)]
+            return beam_search(model, src, BOS_ID, EOS_ID, beam=s.beam, alpha=s.alpha, max_len_a=s.max_len_a,
                                max_len_b=s.max_len_b, min_len=s.min_len, nbest=s.nbest)
 
         batches = list(length_batches(encoded, s.max_tokens, s.batch_size))
-        for batch, hyps in zip(batches, map_batches(run, batches, s.workers, self.device)):
-            for i, nb in zip(batch, hyps):
-                results[i] = [(one_line(self.tokenizers.tgt.decode(ids)), score) for ids, score in nb]
+        with evaluating(model):
+            for batch, hyps in zip(batches, map_batches(run, batches, s.workers, self.device)):
+                for i, nb in zip(batch, hyps):
+                    results[i] = [([int(t) for t in ids], score) for ids, score in nb]
         return results
 
-    def translate(self, lines: Sequence[str], beam: int = 4, alpha: float = 0.6, nbest: int = 1,
-                  max_tokens: int = 4096, **settings: Any) -> list[str]:
-        """Translations of `lines`, one per line in order (with nbest=N: N consecutive ones per line,
-        the best first; fewer only if the search found fewer)."""
-        res = self.search(lines, beam=beam, alpha=alpha, nbest=nbest, max_tokens=max_tokens, **settings)
-        return [text for nb in res for text, _ in nb[:nbest]]
+
+class CT2Translator(BaseTranslator):
+    """Translates text with a CTranslate2 export (`aiayn export --to ctranslate2`).
+
+    The same contract as `Translator` (`search` and `translate` take the same settings): one output
+    per input line, in order; a blank line gives an empty translation; a line longer than the
+    model's `max_positions` is truncated with a note. The maximum length per
+    sentence is aiayn's floor(max_len_a * source length + max_len_b) tokens; PAD and BOS are never
+    generated. Greedy search gives aiayn's translations; CTranslate2's beam search divides scores by
+    len**alpha where aiayn divides by ((5 + len) / 6)**alpha, and it stops a hypothesis at the
+    batch's longest length limit (cut to the sentence's own limit afterwards) instead of forcing EOS.
+    `precision` "fp32" computes in the export's own weight type (float32 or int8); "bf16" in bfloat16.
+    """
+
+    def __init__(self, path: str | Path, precision: str = "fp32", threads: int = 0,
+                 note: Any = None) -> None:
+        ct2 = require("ctranslate2", "--engine ctranslate2")
+        path = Path(path)
+        if not (path / "model.bin").is_file():
+            raise AiaynError(f"{path} is not a CTranslate2 export (no model.bin); create one with "
+                             "`aiayn export --checkpoint DIR --to ctranslate2 OUT`")
+        if precision not in INFERENCE_PRECISIONS:
+            raise AiaynError(f"--precision must be one of {', '.join(INFERENCE_PRECISIONS)}, got {precision!r}")
+        self.path = path
+        self.tokenizers = TokenizerPair.load(path)
+        self._src_vocab = vocabulary(self.tokenizers.src)
+        self._tgt_index = {p: i for i, p in enumerate(vocabulary(self.tokenizers.tgt))}
+        try:
+            meta = json.loads((path / "aiayn.json").read_text(encoding="utf-8"))
+            self.max_src_tokens = int(meta["model"]["max_positions"])
+            self.source_eos = bool(meta["model"].get("source_eos", False))  # older exports: bare sources
+        except (OSError, ValueError, KeyError, TypeError):
+            raise AiaynError(f"{path}/aiayn.json is missing or damaged; export the checkpoint again") from None
+        self.note = note or _stderr_note
+        compute = "default" if precision == "fp32" else "bfloat16"
+        try:
+            self.engine = ct2.Translator(str(path), device="cpu", compute_type=compute, intra_threads=threads)
+        except (RuntimeError, ValueError) as e:
+            raise AiaynError(f"{path}: CTranslate2 cannot load it with precision {precision} "
+                             f"({str(e).splitlines()[0]})") from e
+
+    @classmethod
+    def from_path(cls, path: str | Path, precision: str = "fp32", **kwargs: Any) -> "CT2Translator":
+        return cls(path, precision, **kwargs)
+
+    def translate_ids(self, src_ids: Sequence[Sequence[int]], beam: int = 4, alpha: float = 0.6, nbest: int = 1,
+                      max_len_a: float = 1.0, max_len_b: int = 50, min_len: int = 0,
+                      max_tokens: int = 4096) -> list[list[tuple[list[int], float]]]:
+        """Per sentence, up to `nbest` (ids, score) pairs, best first; ids without BOS/EOS.
+
+        An empty source gives `nbest` times ([], 0.0). Greedy scores are nan (as in aiayn).
+        """
+        out: list[list[tuple[list[int], float]]] = [[([], 0.0)] * int(nbest) for _ in src_ids]
+        todo = [i for i, s in enumerate(src_ids) if len(s)]
+        if not todo:
+            return out
+        limits = [min(max(1, math.floor(len(src_ids[i]) * max_len_a + max_len_b)), 2 ** 31 - 1) for i in todo]
+        results = self.engine.translate_batch(
+            [[self._src_vocab[t] for t in src_ids[i]] for i in todo],
+            beam_size=int(beam), num_hypotheses=int(nbest), length_penalty=float(alpha) if beam > 1 else 0.0,
+            max_decoding_length=max(limits), min_decoding_length=int(min_len), max_input_length=0,
+            suppress_sequences=[[PIECES[PAD_ID]], [PIECES[BOS_ID]]], return_scores=beam > 1,
+            max_batch_size=int(max_tokens), batch_type="tokens",
+        )
+        for i, limit, r in zip(todo, limits, results):
+            scores = r.scores if beam > 1 else [float("nan")] * len(r.hypotheses)
+            out[i] = [([self._tgt_index[p] for p in h][:limit], float(sc)) for h, sc in zip(r.hypotheses, scores)]
+        return out
+
+    def search(self, lines: Sequence[str], first_line: int = 1, **settings: Any) -> list[list[tuple[str, float]]]:
+        """Per input line, up to `nbest` (translation, score) pairs, as `Translator.search`."""
+        s = Settings(**settings)
+        s.check()
+        ids = encode_sources(self.tokenizers, lines, self.max_src_tokens, self.note, first_line, self.source_eos)
+        hyps = self.translate_ids(ids, s.beam, s.alpha, s.nbest, s.max_len_a, s.max_len_b, s.min_len, s.max_tokens)
+        return [[(one_line(self.tokenizers.tgt.decode(h)), sc) for h, sc in nb] for nb in hyps]
 
 
 # ------------------------------------------------------------------------------------- the CLI
@@ -353,7 +487,7 @@ def add_search_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=0,
                    help="batches searched at once on the CPU, each on its share of the threads (0: one per thread); "
                         "translate takes them from one --chunk-lines chunk at a time; the torch engine only")
-    p.add_argument("--precision", choices=PRECISIONS, default="fp32",
+    p.add_argument("--precision", choices=INFERENCE_PRECISIONS, default="fp32",
                    help="bf16: a bfloat16 copy of the model, ~1.5x faster beam search on CPUs with AVX512-BF16")
 
 
@@ -450,8 +584,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         _check_output(args.output, src)
         if getattr(args, "engine", "torch") == "ctranslate2":
-            from aiayn.export import CT2Translator  # the same search/translate contract, on CTranslate2
-
             translator: Any = CT2Translator.from_path(args.checkpoint, precision=args.precision)
         else:
             if all(os.path.isfile(os.path.join(args.checkpoint, f)) for f in ("model.bin", "aiayn.json")):

@@ -1,0 +1,224 @@
+"""Binarized parallel text: the directory `aiayn prepare` writes and `aiayn train --data-bin` reads.
+
+For each split (train, valid) and side (src, tgt), three flat little-endian arrays, read as memory
+maps, so a process touches only the pages of the pairs it batches and the ranks of a machine share
+one copy in the page cache:
+
+    {split}.{side}.tokens   (T,) token ids of every sentence, one after another (no BOS/EOS),
+                                 in the smallest unsigned type that holds the vocabulary
+    {split}.{side}.offsets  (N,) int64, where sentence i starts in .tokens
+    {split}.{side}.lengths  (N,) unsigned, its length in tokens
+
+plus the tokenizer (`spm.model`, or `src.spm.model` and `tgt.spm.model`), the validation text for
+BLEU (`valid.src.txt`, `valid.tgt.txt`) and `manifest.json`: format version, settings, input and
+output sha256s, counts. The manifest's own sha256 names the data (`Prepared.digest`), so a resumed
+run can refuse data that changed under it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+import torch
+
+from aiayn.data import Batch
+from aiayn.files import read_lines
+from aiayn.errors import AiaynError
+from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, TokenizerPair
+
+FORMAT, VERSION = "aiayn-prepared", 1
+MANIFEST = "manifest.json"
+SIDES = ("src", "tgt")
+VALID_TEXT = {"src": "valid.src.txt", "tgt": "valid.tgt.txt"}
+OFFSET_DTYPE = np.dtype("<i8")
+
+
+def smallest_uint(max_value: int) -> np.dtype:
+    """The smallest little-endian unsigned integer type that holds 0..max_value."""
+    for t in ("<u1", "<u2", "<u4"):
+        if max_value <= np.iinfo(np.dtype(t)).max:
+            return np.dtype(t)
+    return np.dtype("<u8")
+
+
+# ------------------------------------------------------------------------------------------ writing
+
+
+class ArrayWriter:
+    """Appends chunks to one raw array file and hashes them on the way (nothing kept in memory)."""
+
+    def __init__(self, path: Path, dtype: np.dtype) -> None:
+        self.path, self.dtype, self.count = path, np.dtype(dtype), 0
+        self._f: BinaryIO = open(path, "wb")
+        self._sha = hashlib.sha256()
+
+    def write(self, values: np.ndarray) -> None:
+        data = np.ascontiguousarray(values, dtype=self.dtype).tobytes()
+        self._f.write(data)
+        self._sha.update(data)
+        self.count += len(values)
+
+    def close(self) -> dict[str, Any]:
+        """Flush to disk; returns the manifest entry of the file."""
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        return {"dtype": self.dtype.str, "count": self.count, "sha256": self._sha.hexdigest()}
+
+
+class SplitWriter:
+    """The six arrays of one split, written a chunk of pairs at a time."""
+
+    def __init__(self, folder: Path, split: str, token_dtype: np.dtype, length_dtype: np.dtype) -> None:
+        self.split = split
+        self._arrays = {f"{split}.{side}.{kind}": ArrayWriter(folder / f"{split}.{side}.{kind}", dtype)
+                        for side in SIDES
+                        for kind, dtype in (("tokens", token_dtype), ("offsets", OFFSET_DTYPE), ("lengths", length_dtype))}
+        self._next = {side: 0 for side in SIDES}  # offset of the next sentence in each side's tokens
+
+    def add(self, side: str, lengths: np.ndarray, tokens: np.ndarray) -> None:
+        """Append sentences: `lengths` (n,), `tokens` (sum(lengths),) ids, one sentence after another."""
+        starts = self._next[side] + np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)[:-1]))
+        self._arrays[f"{self.split}.{side}.offsets"].write(starts[: len(lengths)])
+        self._arrays[f"{self.split}.{side}.lengths"].write(lengths)
+        self._arrays[f"{self.split}.{side}.tokens"].write(tokens)
+        self._next[side] += int(np.sum(lengths, dtype=np.int64))
+
+    def close(self) -> dict[str, dict[str, Any]]:
+        return {name: w.close() for name, w in self._arrays.items()}
+
+
+# ------------------------------------------------------------------------------------------ reading
+
+
+@dataclass
+class Side:
+    """One side of a split: (T,) tokens, (N,) int64 offsets, (N,) lengths, all memory maps."""
+
+    tokens: np.ndarray
+    offsets: np.ndarray
+    lengths: np.ndarray
+
+    def padded(self, rows: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray]:
+        """Sentences `rows` cut to `max_len`, right-padded: ((B, W) int64 ids, (B,) int64 lengths)."""
+        lens = np.minimum(self.lengths[rows].astype(np.int64), max_len)  # (B,)
+        width = int(lens.max(initial=0))
+        cols = np.arange(width)  # (W,)
+        inside = cols[None, :] < lens[:, None]  # (B, W)
+        where = np.where(inside, self.offsets[rows][:, None] + cols[None, :], 0)  # (B, W)
+        ids = np.where(inside, self.tokens[where] if len(self.tokens) else 0, PAD_ID)  # reads only these pages
+        return ids.astype(np.int64), lens
+
+
+@dataclass
+class Split:
+    """The pairs of one split; `collate` pads a batch of them as `data.collate` does."""
+
+    src: Side
+    tgt: Side
+
+    def __len__(self) -> int:
+        return len(self.src.lengths)
+
+    def pair(self, i: int) -> tuple[list[int], list[int]]:
+        return tuple(s.tokens[s.offsets[i] : s.offsets[i] + s.lengths[i]].tolist() for s in (self.src, self.tgt))  # type: ignore[return-value]
+
+    def collate(self, rows: np.ndarray | list[int], max_len: int, source_eos: bool = False) -> Batch:
+        """Batch of pairs `rows`, each side cut to `max_len` tokens (a no-op for data prepared with it);
+        with `source_eos` each source ends with EOS, after the cut (as `data.encode_pairs` does)."""
+        rows = np.asarray(rows, np.int64)
+        if not len(rows):
+            raise AiaynError("cannot collate an empty batch")
+        src, slen = self.src.padded(rows, max_len)  # (B, S)
+        if source_eos:
+            src = np.concatenate([src, np.full((len(rows), 1), PAD_ID, np.int64)], 1)  # (B, S + 1)
+            src[np.arange(len(rows)), slen] = EOS_ID
+        tgt, tlen = self.tgt.padded(rows, max_len)  # (B, T - 1)
+        B, T = len(rows), tgt.shape[1] + 1
+        src = src if src.shape[1] else np.full((B, 1), PAD_ID, np.int64)
+        tgt_in = np.full((B, T), PAD_ID, np.int64)
+        tgt_in[:, 0], tgt_in[:, 1:] = BOS_ID, tgt  # BOS + target
+        tgt_out = np.full((B, T), PAD_ID, np.int64)
+        tgt_out[:, :-1] = tgt
+        tgt_out[np.arange(B), tlen] = EOS_ID  # target + EOS
+        return Batch(torch.from_numpy(src), torch.from_numpy(tgt_in), torch.from_numpy(tgt_out), rows.tolist(),
+                     int(tlen.sum() + B))
+
+    def lengths(self, max_len: int) -> tuple[np.ndarray, np.ndarray]:
+        """(N,) source and target lengths as batches see them (cut to `max_len`); memory maps if uncut."""
+        s, t = self.src.lengths, self.tgt.lengths
+        if len(s) and max(int(s.max()), int(t.max())) > max_len:
+            return np.minimum(s, max_len), np.minimum(t, max_len)
+        return s, t
+
+
+@dataclass
+class Prepared:
+    """An opened prepared directory."""
+
+    path: Path
+    manifest: dict[str, Any]
+    digest: str  # sha256 of manifest.json
+    tokenizers: TokenizerPair
+    train: Split
+    valid: Split | None
+
+    def valid_text(self) -> tuple[list[str], list[str]]:
+        """The validation sentences as text (for BLEU); empty lists when there is no validation set."""
+        if self.valid is None:
+            return [], []
+        return read_lines(self.path / VALID_TEXT["src"]), read_lines(self.path / VALID_TEXT["tgt"])
+
+
+def open_prepared(path: str | os.PathLike[str], flag: str = "--data-bin") -> Prepared:
+    """Open a directory written by `aiayn prepare`; a clear one-line error for anything else, including
+    a directory a killed `prepare` left (it has no manifest, and is never at the final name)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise AiaynError(f"{flag} {path}: no such directory; make it with `aiayn prepare --out {path} ...`")
+    try:
+        raw = (path / MANIFEST).read_bytes()
+        manifest = json.loads(raw)
+    except FileNotFoundError:
+        raise AiaynError(f"{flag} {path}: not a prepared data directory (no {MANIFEST}); make it with "
+                         f"`aiayn prepare --out {path} ...`") from None
+    except (OSError, ValueError) as e:
+        raise AiaynError(f"{flag} {path}: unreadable {MANIFEST} ({e}); prepare the data again") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise AiaynError(f"{flag} {path}: {MANIFEST} is not an aiayn prepare manifest; prepare the data again")
+    if manifest.get("version") != VERSION:
+        raise AiaynError(f"{flag} {path}: format version {manifest.get('version')}, this aiayn reads {VERSION}; "
+                         "prepare the data again")
+    files = manifest["files"]
+    splits = {name: _open_split(path, name, files, flag) for name in ("train", "valid") if f"{name}.src.tokens" in files}
+    return Prepared(path, manifest, hashlib.sha256(raw).hexdigest(), TokenizerPair.load(path), splits["train"],
+                    splits.get("valid"))
+
+
+def _open_split(folder: Path, split: str, files: dict[str, Any], flag: str) -> Split:
+    sides = []
+    for side in SIDES:
+        arrays = [_open_array(folder, f"{split}.{side}.{kind}", files, flag) for kind in ("tokens", "offsets", "lengths")]
+        sides.append(Side(*arrays))
+    return Split(*sides)
+
+
+def _open_array(folder: Path, name: str, files: dict[str, Any], flag: str) -> np.ndarray:
+    entry = files.get(name) or {}
+    dtype, count = np.dtype(entry.get("dtype", "<u1")), int(entry.get("count", -1))
+    try:
+        size = (folder / name).stat().st_size
+    except OSError:
+        size = -1
+    if size != count * dtype.itemsize:
+        raise AiaynError(f"{flag} {folder}: {name} is {'missing' if size < 0 else f'{size} bytes'}, the manifest "
+                         f"says {count * dtype.itemsize}; prepare the data again")
+    if count == 0:  # numpy cannot map an empty file
+        return np.zeros(0, dtype)
+    return np.memmap(folder / name, dtype=dtype, mode="r", shape=(count,))

@@ -1,0 +1,139 @@
+"""The decoding cache: per-layer keys/values kept between decoding steps (Section 3.2.3's decoder
+self-attention run one position at a time), and reordered for beam search (Section 6.1).
+
+Search (`aiayn.search`) decodes token by token; without a cache every step would recompute the keys
+and values of the whole prefix and of the source. `Transformer.new_cache` fills the cross-attention
+keys/values once from the encoder output; `MultiHeadAttention` appends the self-attention ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class LayerCache:
+    """One decoder layer's keys/values for incremental decoding.
+
+    Cross-attention keys/values are computed once per sentence and shared by that sentence's beam
+    rows (`DecoderCache.beam`), so beam search never copies them. Self-attention keys/values grow by
+    the new positions at every step and stay contiguous (CPU batched matmuls copy strided operands
+    first, which cost more than a preallocated buffer saves). A reorder is lazy: the rows are
+    selected by the next `append`, in the same single copy that adds the new positions. That copy
+    goes into the storage the step before last used (two buffers per tensor, taking turns), so a
+    step allocates nothing large: fresh memory of that size would cost page faults at every step.
+    The keys/values that `append` returns are therefore only valid until the next `append`.
+    """
+
+    cross_k: Tensor  # (N, H, S, d_head), one row per sentence
+    cross_v: Tensor  # (N, H, S, d_head)
+    self_k: Tensor | None = None  # (R, H, t, d_head), R = N * beam rows, before `pending` is applied
+    self_v: Tensor | None = None
+    pending: Tensor | None = None  # (R',) rows of self_k/self_v that the next append keeps
+    spare: list[Tensor | None] = field(default_factory=lambda: [None, None])  # flat storage for the next k, v
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store the new positions; return every key/value so far (valid until the next append).
+
+        Shape: k, v (R, H, T, d_head) -> (R, H, t + T, d_head) each.
+        """
+        if self.self_k is None:
+            self.self_k, self.self_v = k, v
+        else:
+            self.self_k, self.spare[0] = _select_cat(self.self_k, self.pending, k, self.spare[0])
+            self.self_v, self.spare[1] = _select_cat(self.self_v, self.pending, v, self.spare[1])  # type: ignore[arg-type]
+        self.pending = None
+        return self.self_k, self.self_v  # type: ignore[return-value]
+
+    def cross(self, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The cached cross-attention keys/values, and `q` regrouped to read them: the G rows of a
+        sentence (its beam) attend as G*T queries of that sentence, so its keys are never copied.
+
+        Shape: q (R, H, T, d_head), R = N * G -> q (N, H, G*T, d_head), k and v (N, H, S, d_head).
+        """
+        N, (R, H, T, d) = self.cross_k.size(0), q.shape
+        if R > N:
+            q = q.reshape(N, R // N, H, T, d).transpose(1, 2).reshape(N, H, R // N * T, d)
+        return q, self.cross_k, self.cross_v
+
+    def reorder_rows(self, indices: Tensor) -> None:
+        """Self-attention rows: new row i continues old row indices[i] (applied at the next append)."""
+        if self.self_k is not None:
+            self.pending = indices if self.pending is None else self.pending.index_select(0, indices)
+
+
+def ungroup(x: Tensor, rows: int, T: int) -> Tensor:
+    """Undoes `LayerCache.cross`'s regrouping of a result. Shape: (N, H, G*T, C) -> (rows, H, T, C),
+    rows = N * G."""
+    N, H = x.size(0), x.size(1)
+    if rows == N:
+        return x
+    return x.reshape(N, H, rows // N, T, x.size(-1)).transpose(1, 2).reshape(rows, H, T, x.size(-1))
+
+
+def _select_cat(old: Tensor, rows: Tensor | None, new: Tensor, spare: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """cat([old[rows], new], dim=2) in one copy, written into `spare` (flat storage) when it is large
+    enough. Returns the result and the storage to use next time (old's, if it was one of ours).
+
+    Shape: old (R, H, t, d), new (R', H, T, d) -> (R', H, t+T, d)."""
+    if torch.is_grad_enabled() and (old.requires_grad or new.requires_grad):  # autograd cannot record out=
+        return torch.cat([old if rows is None else old.index_select(0, rows), new], dim=2), None
+    t = old.size(2)
+    shape = (new.size(0), new.size(1), t + new.size(2), new.size(3))
+    need = shape[0] * shape[1] * shape[2] * shape[3]
+    if spare is None or spare.numel() < need or spare.dtype != new.dtype or spare.device != new.device:
+        # room for 8 more positions, so that the next steps can reuse it as the rows shrink
+        spare = new.new_empty(need + shape[0] * shape[1] * 8 * shape[3])
+    out = spare[:need].view(shape)
+    if rows is None:
+        out[:, :, :t] = old
+    else:
+        torch.index_select(old, 0, rows, out=out[:, :, :t])
+    out[:, :, t:] = new
+    base = old._base if old._base is not None else old
+    # old's storage is ours to reuse only if it is a flat buffer made here (not a projection's output)
+    return out, (base if base.dim() == 1 and base.is_contiguous() else None)
+
+
+@dataclass
+class DecoderCache:
+    """The decoding cache: per-layer keys/values, the source padding mask and the decoded length.
+
+    The cache holds N sentences and R = N * `beam` decoder rows; row r belongs to sentence
+    r // beam. `reorder(indices, beam)` selects rows: beam search gives every sentence `beam` rows,
+    reorders hypotheses and drops finished sentences. Source-side state
+    (cross-attention keys/values, `src_keep`) is kept once per sentence and only copied when the
+    set of sentences changes.
+    """
+
+    layers: list[LayerCache]
+    src_keep: Tensor  # (N, S) bool, True = real source token
+    length: int = 0
+    beam: int = 1  # decoder rows per sentence
+
+    def reorder(self, indices: Tensor, beam: int | None = None) -> None:
+        """Keep rows `indices` (R',): new row i continues old row indices[i].
+
+        `beam` (default: unchanged) is the number of rows per sentence afterwards. With more than one
+        row per sentence, before or after, the new rows must come in groups of `beam` that each
+        come from one sentence's rows (beam search's reordering does); a group's sentence is that of
+        its first row.
+        """
+        beam = self.beam if beam is None else int(beam)
+        sentences = indices[::beam]
+        if self.beam > 1:
+            sentences = sentences.div(self.beam, rounding_mode="floor")
+        N = self.src_keep.size(0)
+        unchanged = sentences.numel() == N and bool(
+            sentences.eq(torch.arange(N, device=sentences.device)).all())
+        if not unchanged:  # sentences left the batch (or were permuted): select the source side
+            for layer in self.layers:
+                layer.cross_k = layer.cross_k.index_select(0, sentences)
+                layer.cross_v = layer.cross_v.index_select(0, sentences)
+            self.src_keep = self.src_keep.index_select(0, sentences)
+        for layer in self.layers:
+            layer.reorder_rows(indices)
+        self.beam = beam

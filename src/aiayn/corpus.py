@@ -1,0 +1,147 @@
+"""The training corpus as `aiayn train` sees it: one data path, whatever the flags.
+
+`--data-bin DIR` names a directory written by `aiayn prepare`; the raw-text flags (--train-src ...,
+--data multi30k) are prepared into `RUN_DIR/data` first, by rank 0, with the same code, so both
+routes train from memory-mapped arrays and batches cut from their length arrays.
+
+What a run keeps in memory is independent of the corpus text: the memory maps (page cache, shared
+by the ranks of a machine), the sorted order of the pair ids (4 bytes a pair) and one epoch's
+shuffled copy of it. Each rank reads the token pages of its own batches only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from aiayn import batching, prepare
+from aiayn.batching import BatchPlan, Batches
+from aiayn.bindata import Prepared, Split, open_prepared
+from aiayn.config import TrainConfig
+from aiayn.errors import AiaynError
+
+RUN_DATA = "data"  # the prepared raw text, inside the run directory
+
+
+@dataclass
+class Corpus:
+    data: Prepared
+    plan: BatchPlan  # the training pairs kept for this run (--max-len), sorted and cut (--max-tokens)
+    valid_plan: BatchPlan | None
+    valid_src: list[str]  # validation text, for BLEU
+    valid_tgt: list[str]
+
+    @property
+    def tokenizers(self):  # type: ignore[no-untyped-def]
+        return self.data.tokenizers
+
+    @property
+    def train(self) -> Split:
+        return self.data.train
+
+    @property
+    def valid(self) -> Split | None:
+        return self.data.valid
+
+    @property
+    def digest(self) -> str:
+        """sha256 of the manifest: a resumed run must see the same data."""
+        return self.data.digest
+
+    @property
+    def n_train_pairs(self) -> int:
+        return len(self.plan.order)
+
+    def describe(self, tc: TrainConfig) -> str:
+        """One line for the log: pairs kept of lines read, validation pairs."""
+        split = self.data.manifest["splits"]["train"]
+        left_out = split["lines"] - self.n_train_pairs
+        how = "skipped" if tc.long == "skip" else "truncated"
+        if tc.long == "truncate":
+            left_out = split.get("truncated", 0)
+        return (f"{self.n_train_pairs:,} training pairs ({left_out:,} of {split['lines']:,} {how} as longer than "
+                f"{min(tc.max_len, self.data.manifest['settings']['max_len'])} tokens), {len(self.valid_src):,} "
+                f"validation pairs, from {self.data.path}")
+
+
+def prepared_path(tc: TrainConfig, run_dir: Path, is_main: bool, barrier: Callable[[], None],
+                  log: Callable[[str], None] = print, resuming: bool = False) -> Path:
+    """The prepared directory of this run: --data-bin, else the raw text prepared into RUN_DIR/data
+    by rank 0. A resumed run finds it up to date (or missing, and prepares it again byte for byte);
+    if the text changed it is refused, never replaced, since the run was trained on it."""
+    if tc.data_bin:
+        return Path(tc.data_bin)
+    path = run_dir / RUN_DATA
+    if is_main:
+        settings = prepare.Settings(vocab_size=tc.vocab_size, joint_vocab=tc.joint_vocab,
+                                    spm_model_type=tc.spm_model_type, max_len=tc.max_len, long=tc.long)
+        prepare.prepare(_raw_inputs(tc), path, settings, workers=1, log=log, replace=not resuming)
+    barrier()
+    return path
+
+
+def _raw_inputs(tc: TrainConfig) -> prepare.Inputs:
+    from aiayn import data
+
+    if tc.data is not None:
+        if tc.data != "multi30k":
+            raise AiaynError(f"--data {tc.data!r} is not a known corpus; use --data multi30k or --train-src/--train-tgt, "
+                             "or prepare it with `aiayn prepare --data` and pass --data-bin")
+        if tc.src not in data.LANGS or tc.tgt not in data.LANGS or tc.src == tc.tgt:
+            raise AiaynError(f"--src {tc.src} --tgt {tc.tgt} is not a Multi30k language pair; choose two different "
+                             f"of {', '.join(data.LANGS)}")
+        tr = data.multi30k_paths("train", tc.src, tc.tgt, tc.data_dir)
+        va = data.multi30k_paths("val", tc.src, tc.tgt, tc.data_dir)
+        return prepare.Inputs(tr[0], tr[1], va[0], va[1])
+    if not tc.train_src or not tc.train_tgt:
+        raise AiaynError("no training data: pass --data multi30k --src de --tgt en, --train-src and --train-tgt, "
+                         "or --data-bin DIR")
+    opt = lambda v: Path(v) if v else None  # noqa: E731
+    return prepare.Inputs(Path(tc.train_src), Path(tc.train_tgt), opt(tc.valid_src), opt(tc.valid_tgt))
+
+
+def open_corpus(path: Path, tc: TrainConfig, source_eos: bool = False) -> Corpus:
+    """Open a prepared directory and plan its batches for `tc` (--max-len, --long, --max-tokens); the
+    arrays hold bare sentences, and with `source_eos` every source is one token longer (its EOS)."""
+    data = open_prepared(path)
+    src, tgt = data.train.src.lengths, data.train.tgt.lengths
+    keep = None
+    if tc.long == "skip" and tc.max_len < data.manifest["settings"]["max_len"]:
+        keep = _within(src, tgt, tc.max_len)
+    else:
+        src, tgt = data.train.lengths(tc.max_len)
+    plan = batching.plan_batches(src + source_eos if source_eos else src, tgt, tc.max_tokens, keep)
+    if len(plan.order) == 0:
+        raise AiaynError(f"every training pair is longer than --max-len {tc.max_len}; raise --max-len")
+    valid_plan, vs, vt = None, [], []
+    if data.valid is not None:
+        vsrc, vtgt = data.valid.lengths(tc.max_len)
+        vsrc = vsrc + source_eos if source_eos else vsrc
+        fits = batching.pair_costs(vsrc, vtgt) <= tc.max_tokens  # validation pairs too wide are left out
+        valid_plan = batching.plan_batches(vsrc, vtgt, tc.max_tokens, fits)
+        vs, vt = data.valid_text()
+    return Corpus(data, plan, valid_plan, vs, vt)
+
+
+def _within(src: np.ndarray, tgt: np.ndarray, max_len: int) -> np.ndarray:
+    """(N,) bool: both sides at most `max_len` tokens (read in chunks from the memory maps)."""
+    keep = np.empty(len(src), bool)
+    for s in range(0, len(src), 1 << 20):
+        keep[s : s + (1 << 20)] = (src[s : s + (1 << 20)] <= max_len) & (tgt[s : s + (1 << 20)] <= max_len)
+    return keep
+
+
+def rank_batches(corpus: Corpus, tc: TrainConfig, epoch: int, rank: int, world: int) -> Batches:
+    """This rank's batches of an epoch (same count on every rank, balanced tokens; see batching)."""
+    batches = batching.epoch_batches(corpus.plan, tc.seed, epoch)
+    return batching.rank_batches(batches, corpus.plan.tokens, rank, world, tc.update_freq)
+
+
+def valid_batches(corpus: Corpus) -> Batches:
+    """The validation batches in length order (empty without a validation set)."""
+    if corpus.valid_plan is None:
+        return Batches(np.zeros(0, np.int32), np.zeros(1, np.int64), np.zeros(0, np.int64))
+    return batching.epoch_batches(corpus.valid_plan, 0, 0, shuffle=False)

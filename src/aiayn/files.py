@@ -1,0 +1,157 @@
+"""Files: reading text, writing atomically, fingerprints, and where aiayn keeps its cache.
+
+Every module that reads a corpus or writes a file goes through here, so that the rules hold
+everywhere: text is UTF-8 (strict), plain or gzip, split on "\\n" only; a written file appears
+whole or not at all, with the mode a plain `open()` would give it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import hashlib
+import io
+import os
+import sys
+import tempfile
+import zlib
+from pathlib import Path
+from typing import Iterator
+
+from aiayn.errors import AiaynError
+
+
+def read_lines(path: str | os.PathLike[str], blank_ok: bool = False) -> list[str]:
+    """The lines of a plain or gzip UTF-8 text file, without line endings ("\\n" or "\\r\\n").
+
+    A file with no text is an error, unless `blank_ok` (hypotheses: an empty translation is one),
+    where only a file with no lines at all is.
+
+    Lines are split on "\\n" only: `str.splitlines` would also split on characters such as
+    U+2028 or U+001C that can occur inside a sentence, and shift the alignment.
+    """
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise AiaynError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise AiaynError(f"{path}: is a directory, expected a text file") from None
+    except OSError as e:
+        raise AiaynError(f"{path}: cannot read ({e.strerror or e})") from None
+    if raw[:2] == b"\x1f\x8b":  # gzip magic, whatever the file is called
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as e:
+            raise AiaynError(f"{path}: corrupt or truncated gzip file ({e}); download or copy it again") from None
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]  # a UTF-8 byte-order mark is not part of the first sentence
+    if not (raw if blank_ok else raw.strip()):
+        raise AiaynError(f"{path}: file is empty")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        raise AiaynError(
+            f"{path}:{line}: invalid UTF-8 (byte 0x{raw[e.start]:02x} at column {col}); convert the file to UTF-8"
+        ) from None
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()  # the newline that ends the last line
+    return [s[:-1] if s.endswith("\r") else s for s in lines]
+
+
+def iter_lines(path: str | os.PathLike[str]) -> Iterator[str]:
+    """The lines of a plain or gzip UTF-8 file, one at a time: `read_lines` for files larger than memory.
+
+    Same rules and messages as `read_lines` (split on "\\n" only, "\\r\\n" accepted, a leading BOM
+    dropped, invalid UTF-8 named by line and column), except that an empty file is the caller's
+    check: it sees no lines, or only blank ones.
+    """
+    path = Path(path)
+    try:
+        raw_file = open(path, "rb")
+    except FileNotFoundError:
+        raise AiaynError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise AiaynError(f"{path}: is a directory, expected a text file") from None
+    except OSError as e:
+        raise AiaynError(f"{path}: cannot read ({e.strerror or e})") from None
+    with raw_file:
+        is_gzip = raw_file.peek(2)[:2] == b"\x1f\x8b"  # gzip magic, whatever the file is called
+        f = io.BufferedReader(gzip.GzipFile(fileobj=raw_file), 1 << 20) if is_gzip else raw_file
+        number = 0
+        try:
+            for raw in f:
+                number += 1
+                if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                    raw = raw[3:]
+                raw = raw[:-1] if raw.endswith(b"\n") else raw
+                raw = raw[:-1] if raw.endswith(b"\r") else raw
+                try:
+                    yield raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise AiaynError(
+                        f"{path}:{number}: invalid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                        "convert the file to UTF-8"
+                    ) from None
+        except (OSError, EOFError, zlib.error) as e:
+            raise AiaynError(f"{path}: corrupt or truncated gzip file ({e}); download or copy it again") from None
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """The sha256 of a file's bytes, read in chunks; AiaynError if it is missing."""
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    except FileNotFoundError:
+        raise AiaynError(f"{path}: no such file") from None
+    return h.hexdigest()
+
+
+def default_cache_dir() -> Path:
+    """The user cache for aiayn: $XDG_CACHE_HOME/aiayn, else ~/.cache/aiayn."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "aiayn"
+
+
+def umask() -> int:
+    """The process's umask, read without changing it where Linux tells it (os.umask can only be read
+    by setting it, which races with threads creating files)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write `data` to `path` through a temporary file in the same folder, fsync, then rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o666 & ~umask())  # mkstemp makes 0600 files; give the mode a plain open() would
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def silence_stdout() -> None:
+    """Point standard output at /dev/null, so that the interpreter's last flush of what is still
+    buffered (after a closed pipe or a full disk) cannot fail again at exit."""
+    with contextlib.suppress(OSError, AttributeError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

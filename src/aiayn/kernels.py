@@ -1,0 +1,155 @@
+"""Speed paths of the model, kept out of the paper's code in `aiayn.model`: none changes what the
+model computes (Sections 3.2-3.4), only how fast it is computed.
+
+- `inference_linear` (and `Linear`, which calls it): a linear layer on a weight pre-packed by oneDNN
+  through private, CPU-only torch ops (`torch.ops.mkldnn`), for frozen weights at inference. It is
+  the one function that touches those ops; anywhere they do not apply (training, other devices, a
+  CPU or torch without them) it is `F.linear`, so a torch release that drops them costs speed only.
+  `aiayn.model` calls it as `kernels.inference_linear`, which is also where bench/decode.py counts.
+- `attention`: scaled dot-product attention on the faster path for the device, the spelled-out
+  matmul-softmax-matmul for short keys on the CPU (and whenever the weights are wanted, for plots),
+  else `F.scaled_dot_product_attention`.
+- `Packed`: the position-wise layers run on the real tokens of a padded batch only (training).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# ------------------------------------------------------------------ inference GEMMs on the CPU
+# Decoding runs every linear layer on a few hundred rows at a time, where a weight pre-packed in
+# oneDNN's blocked layout makes the CPU GEMM 15-40% faster than `F.linear` (the most on the wide
+# vocabulary projection), and under bf16 autocast saves casting every weight at every step. The
+# packed copies live beside the model (keyed by the weight, rebuilt when its data pointer, version
+# counter or the dtype changes), never in it, so state_dict, deepcopy and `.to()` are unaffected.
+# Only frozen weights (requires_grad False, as `Translator` sets) are packed: an optimizer may update
+# trainable weights without bumping their version counter (fused Adam does not), so a packed copy of
+# them could go stale; they, and training, take `F.linear`.
+_PACKED: dict[int, tuple[weakref.ref, tuple, Tensor, Tensor | None]] = {}  # id(weight) -> (ref, key, packed, bias)
+_PACK_BATCH_HINT = 128
+
+
+def cpu_has_fast_bf16() -> bool:
+    """Whether oneDNN has bf16 kernels for this CPU (AVX-512 or AMX); elsewhere bf16 runs on slow
+    fallback code and fp32 is faster. The one check behind bf16 packing and `--precision auto`."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _packing_works(dtype: torch.dtype) -> bool:
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return False
+    if dtype == torch.bfloat16:
+        return cpu_has_fast_bf16()
+    return dtype == torch.float32
+
+
+_PACKING = {dt: _packing_works(dt) for dt in (torch.float32, torch.bfloat16)}
+
+
+def inference_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, relu: bool = False) -> Tensor:
+    """`F.linear(x, weight, bias)` (then ReLU if `relu`); for a frozen weight on the CPU, on a packed
+    copy of it (faster), with the ReLU fused into the GEMM.
+
+    Under autocast, computes in the autocast dtype like `F.linear` would. Shape: (..., in) -> (..., out).
+    """
+    dev = x.device.type
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
+    if dev != "cpu" or weight.requires_grad or (x.requires_grad and torch.is_grad_enabled()) \
+            or not _PACKING.get(dtype, False):
+        return F.relu(F.linear(x, weight, bias)) if relu else F.linear(x, weight, bias)
+    key = (weight.data_ptr(), weight._version, dtype, None if bias is None else (bias.data_ptr(), bias._version))
+    entry = _PACKED.get(id(weight))
+    if entry is None or entry[0]() is not weight or entry[1] != key:
+        w = weight.detach().to(dtype)
+        b = None if bias is None else bias.detach().to(dtype)
+        ref = weakref.ref(weight, lambda _, i=id(weight): _PACKED.pop(i, None))  # dropped with the weight
+        entry = (ref, key, torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH_HINT), b)
+        _PACKED[id(weight)] = entry
+    return torch.ops.mkldnn._linear_pointwise(x.to(dtype).contiguous(), entry[2], entry[3], "relu" if relu else "none",
+                                              [], "")
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` that takes `inference_linear` (packed weights once frozen for inference)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return inference_linear(x, self.weight, self.bias)
+
+
+# On CPU, for sentence-length keys, PyTorch's fused attention kernel is slower than the plain
+# matmul-softmax-matmul (measured in torch 2.13 at (64, 4, 30, 64), bf16: forward + backward 3x
+# slower; forward alone 1.1-4x); longer keys and other devices take
+# `F.scaled_dot_product_attention`. Set to 0 to always use it.
+EXPLICIT_ATTENTION_MAX_KEYS = 256
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, dropout_p: float,
+              training: bool, need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Scaled dot-product attention (Section 3.2.1) on the faster path for the device: explicit for
+    short keys on the CPU, else `F.scaled_dot_product_attention`; the weights too if `need_weights`
+    (only the explicit path has them), else None.
+
+    Shape: q (B, H, T, d_head), k/v (B, H, S, d_head), mask broadcastable to (B, H, T, S), True = may
+    attend -> (B, H, T, d_head), weights (B, H, T, S).
+    """
+    if need_weights or _explicit_is_faster(q, k):
+        ctx, weights = _explicit_attention(q, k, v, mask, is_causal, dropout_p, training)
+        return ctx, (weights if need_weights else None)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal), None
+
+
+def _explicit_is_faster(q: Tensor, k: Tensor) -> bool:
+    return q.device.type == "cpu" and k.size(-2) <= EXPLICIT_ATTENTION_MAX_KEYS
+
+
+def _explicit_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, dropout_p: float, training: bool
+) -> tuple[Tensor, Tensor]:
+    """softmax(q k^T / sqrt(d_head)) v, spelled out (Section 3.2.1); also returns the weights.
+
+    Shape: q (B, H, T, d_head), k/v (B, H, S, d_head), mask broadcastable to (B, H, T, S), True = may
+    attend -> (B, H, T, d_head), weights (B, H, T, S).
+    """
+    scores = (q * (1.0 / math.sqrt(q.size(-1)))) @ k.transpose(-2, -1)  # (B, H, T, S)
+    if is_causal:
+        T, S = scores.shape[-2:]
+        causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)  # (T, S)
+        mask = causal if mask is None else mask & causal
+    if mask is not None:
+        # the lowest finite value, not -inf: a row with every key masked then gets uniform weights
+        # rather than NaN, with no data-dependent branch (see `Transformer.attention_weights` for plots)
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    weights = torch.softmax(scores, dim=-1)
+    attn = F.dropout(weights, dropout_p, training) if dropout_p > 0 else weights
+    return attn @ v, weights
+
+
+# ------------------------------------------------------------ position-wise work without padding
+@dataclass
+class Packed:
+    """Where the real tokens of a right-padded (B, T) batch sit, for running the position-wise work
+    (projections, feed-forward, LayerNorm) on real tokens only, (N, d) instead of (B, T, d); only
+    attention needs the padded layout. Used by `Transformer.loss`: a batch of sentences is often a
+    third padding, and nn.Transformer spends full price on it."""
+
+    idx: Tensor  # (N,) flat positions of the real tokens in (B*T)
+    B: int
+    T: int
+
+    @classmethod
+    def from_keep(cls, keep: Tensor) -> "Packed":
+        return cls(keep.flatten().nonzero().squeeze(1), keep.size(0), keep.size(1))
+
+    def pack(self, x: Tensor) -> Tensor:
+        """(B, T, C) -> (N, C)"""
+        return x.reshape(self.B * self.T, -1).index_select(0, self.idx)
+
+    def unpack(self, x: Tensor) -> Tensor:
+        """(N, C) -> (B, T, C), zeros at the padding"""
+        return x.new_zeros(self.B * self.T, x.size(-1)).index_copy(0, self.idx, x).view(self.B, self.T, -1)

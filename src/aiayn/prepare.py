@@ -1,0 +1,416 @@
+"""`aiayn prepare`: raw parallel text -> SentencePiece -> memory-mapped token arrays (`bindata`).
+
+The paper's WMT14 corpora (4.5M and 36M pairs) do not fit in memory as Python lists, so this
+command streams: one pass checks the files (the same rules and messages as `train`: missing file,
+invalid UTF-8 with file and line, line counts, blank lines) and draws a seeded reservoir sample for
+SentencePiece; a second pass encodes chunks of pairs in worker processes and appends them, in
+order, to the arrays. Memory is bounded by the sample and a few chunks, never by the corpus.
+
+Atomic and repeatable: everything is written into a temporary sibling of --out, which is renamed
+into place only when complete (a killed run leaves no directory `train` accepts), and the output
+is a function of the input bytes and the settings only (no times, paths or worker counts in it),
+so two runs give byte-identical directories.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import hashlib
+import itertools
+import json
+import multiprocessing
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+
+from aiayn import bindata
+from aiayn.data import blank_line_error, line_count_error, read_parallel
+from aiayn.files import iter_lines
+from aiayn.errors import AiaynError
+from aiayn.files import atomic_write_bytes, file_sha256
+from aiayn.tokenizer import MODEL_TYPES, Tokenizer, TokenizerPair
+
+CHUNK_PAIRS = 20_000  # pairs per worker task: large enough to amortise pickling, small in memory
+TMP_MARK = ".aiayn-prepare"  # a file in each temporary directory: only those are ever cleaned up
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything besides the input bytes that decides the output."""
+
+    vocab_size: int = 8000
+    joint_vocab: bool = True
+    spm_model_type: str = "bpe"
+    spm_sample: int = 500_000  # pairs (1M sentences) sampled to train SentencePiece; all of them if fewer
+    max_len: int = 256  # subword tokens per side; longer training pairs skipped or truncated
+    long: str = "skip"
+    seed: int = 1
+
+    def check(self) -> None:
+        if not 16 <= self.vocab_size <= 1_000_000:
+            raise AiaynError(f"--vocab-size must be between 16 and 1,000,000, got {self.vocab_size}")
+        if self.spm_model_type not in MODEL_TYPES:
+            raise AiaynError(f"--spm-model-type must be one of {', '.join(MODEL_TYPES)}, got {self.spm_model_type!r}")
+        if self.spm_sample < 1:
+            raise AiaynError(f"--spm-sample must be at least 1, got {self.spm_sample}")
+        if not 1 <= self.max_len <= 4096:
+            raise AiaynError(f"--max-len must be between 1 and 4096, got {self.max_len}")
+        if self.long not in ("skip", "truncate"):
+            raise AiaynError(f"--long must be 'skip' or 'truncate', got {self.long!r}")
+
+
+@dataclass(frozen=True)
+class Inputs:
+    train_src: Path
+    train_tgt: Path
+    valid_src: Path | None = None
+    valid_tgt: Path | None = None
+
+    def check(self) -> None:
+        """The same messages as `aiayn train` for missing files."""
+        if (self.valid_src is None) != (self.valid_tgt is None):
+            raise AiaynError("pass both --valid-src and --valid-tgt, or neither")
+        for name, p in asdict(self).items():
+            if p is not None and not Path(p).is_file():
+                raise AiaynError(f"--{name.replace('_', '-')} {p}: no such file")
+
+    def digests(self) -> dict[str, dict[str, str]]:
+        """File name and sha256 of each input (names, not paths: the output must not depend on where)."""
+        return {name: {"name": Path(p).name, "sha256": file_sha256(p)} for name, p in asdict(self).items() if p}
+
+
+# ------------------------------------------------------------------------------- pass 1: scanning
+
+
+@dataclass
+class Scan:
+    lines: int
+    sample: list[tuple[str, str]]  # up to Settings.spm_sample pairs, a uniform seeded sample
+
+
+def scan_parallel(src_path: Path, tgt_path: Path, sample_size: int, seed: int) -> Scan:
+    """Check two aligned files as `data.read_parallel` does, streaming, and draw a reservoir sample
+    of pairs (Vitter's algorithm R: each pair kept with equal probability, the same ones for a seed)."""
+    rng = random.Random(f"spm-sample:{seed}")  # a str seed hashes the same in every process
+    count = {src_path: 0, tgt_path: 0}
+    blank: dict[Path, list[int]] = {src_path: [0, 0], tgt_path: [0, 0]}  # first blank line (1-based), how many
+    sample: list[tuple[str, str]] = []
+    for i, (s, t) in enumerate(itertools.zip_longest(iter_lines(src_path), iter_lines(tgt_path))):
+        for path, line in ((src_path, s), (tgt_path, t)):
+            if line is not None:
+                count[path] += 1
+                if not line.strip():
+                    blank[path][0] = blank[path][0] or count[path]
+                    blank[path][1] += 1
+        if s is None or t is None:
+            continue
+        if i < sample_size:
+            sample.append((s, t))
+        else:
+            j = rng.randrange(i + 1)
+            if j < sample_size:
+                sample[j] = (s, t)
+    for path in (src_path, tgt_path):
+        if count[path] == blank[path][1]:
+            raise AiaynError(f"{path}: file is empty")
+    if count[src_path] != count[tgt_path]:
+        raise line_count_error(src_path, count[src_path], tgt_path, count[tgt_path])
+    for path in (src_path, tgt_path):
+        if blank[path][1]:
+            raise blank_line_error(path, *blank[path])
+    return Scan(count[src_path], sample)
+
+
+def train_tokenizers(sample: list[tuple[str, str]], settings: Settings) -> TokenizerPair:
+    """SentencePiece on the sample: one joint model on both sides, or one per side."""
+    src = [s for s, _ in sample]
+    tgt = [t for _, t in sample]
+    if settings.joint_vocab:
+        tok = Tokenizer.train(src + tgt, settings.vocab_size, settings.spm_model_type)
+        return TokenizerPair(tok, tok, joint=True)
+    return TokenizerPair(Tokenizer.train(src, settings.vocab_size, settings.spm_model_type),
+                         Tokenizer.train(tgt, settings.vocab_size, settings.spm_model_type), joint=False)
+
+
+# ------------------------------------------------------------------------------- pass 2: encoding
+
+_worker: dict[str, Any] = {}  # each worker process's tokenizers and settings
+
+
+def _init_worker(src_model: bytes, tgt_model: bytes, token_dtype: str, max_len: int, long: str) -> None:
+    _worker.update(src=Tokenizer(src_model), tgt=Tokenizer(tgt_model), dtype=np.dtype(token_dtype), max_len=max_len,
+                   long=long)
+
+
+def _encode_chunk(chunk: tuple[list[str], list[str]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """(source lengths (n,), source ids (sum,), target lengths, target ids, pairs too long) of a chunk,
+    with the too-long pairs skipped or truncated."""
+    w = _worker
+    sides = [_flatten(w[side].encode_batch(lines), w["dtype"]) for side, lines in zip(("src", "tgt"), chunk)]
+    (s_len, s_ids), (t_len, t_ids) = sides
+    too_long = (s_len > w["max_len"]) | (t_len > w["max_len"])  # (n,)
+    keep = ~too_long if w["long"] == "skip" else np.ones(len(s_len), bool)
+    s_len, s_ids = _select(s_len, s_ids, keep, w["max_len"])
+    t_len, t_ids = _select(t_len, t_ids, keep, w["max_len"])
+    return s_len, s_ids, t_len, t_ids, int(too_long.sum())
+
+
+def _flatten(ids: list[list[int]], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    lengths = np.fromiter(map(len, ids), np.int64, count=len(ids))  # (n,)
+    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype, count=int(lengths.sum()))  # (sum,)
+    return lengths, flat
+
+
+def _select(lengths: np.ndarray, flat: np.ndarray, keep: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Keep the sentences `keep`, each cut to `max_len` tokens: (lengths (m,), ids (sum,))."""
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)  # (sum,) where each token's sentence starts
+    inside = (np.arange(len(flat)) - starts) < max_len
+    flat = flat[inside & np.repeat(keep, lengths)]
+    return np.minimum(lengths[keep], max_len), flat
+
+
+def _chunks(src_path: Path, tgt_path: Path, size: int) -> Iterator[tuple[list[str], list[str]]]:
+    pairs = zip(iter_lines(src_path), iter_lines(tgt_path))
+    while chunk := list(itertools.islice(pairs, size)):
+        yield [s for s, _ in chunk], [t for _, t in chunk]
+
+
+def _ordered_map(fn: Callable, tasks: Iterable, workers: int, init: Callable, initargs: tuple) -> Iterator:  # type: ignore[type-arg]
+    """`map(fn, tasks)` in order over `workers` processes, with at most 2 tasks per worker in flight
+    (Pool.imap would read the whole input ahead and hold it in memory)."""
+    if workers <= 1:
+        init(*initargs)
+        yield from map(fn, tasks)
+        return
+    with multiprocessing.get_context("fork").Pool(workers, init, initargs) as pool:
+        pending: collections.deque = collections.deque()
+        for task in tasks:
+            pending.append(pool.apply_async(fn, (task,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+def encode_split(split: str, src_path: Path, tgt_path: Path, tok: TokenizerPair, settings: Settings, folder: Path,
+                 workers: int, long: str, log: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Encode one split into its arrays in `folder`: (counts for the manifest, file entries)."""
+    token_dtype = bindata.smallest_uint(max(tok.src.vocab_size, tok.tgt.vocab_size) - 1)
+    writer = bindata.SplitWriter(folder, split, token_dtype, bindata.smallest_uint(settings.max_len))
+    lines = pairs = too_long = 0
+    t0, last = time.time(), time.time()
+    init_args = (tok.src.to_bytes(), tok.tgt.to_bytes(), token_dtype.str, settings.max_len, long)
+    for s_len, s_ids, t_len, t_ids, n_long in _ordered_map(_encode_chunk, _chunks(src_path, tgt_path, CHUNK_PAIRS),
+                                                           workers, _init_worker, init_args):
+        writer.add("src", s_len, s_ids)
+        writer.add("tgt", t_len, t_ids)
+        lines += len(s_len) + (n_long if long == "skip" else 0)
+        pairs += len(s_len)
+        too_long += n_long
+        if time.time() - last > 30:
+            last = time.time()
+            log(f"  {split}: {lines:,} pairs encoded ({lines / (last - t0):,.0f}/s)")
+    files = writer.close()
+    counts = {"lines": lines, "pairs": pairs, "skipped" if long == "skip" else "truncated": too_long,
+              "src_tokens": files[f"{split}.src.tokens"]["count"], "tgt_tokens": files[f"{split}.tgt.tokens"]["count"]}
+    return counts, files
+
+
+# ------------------------------------------------------------------------------------- the command
+
+
+def prepare(inputs: Inputs, out: str | os.PathLike[str], settings: Settings = Settings(), workers: int = 0,
+            log: Callable[[str], None] = lambda m: print(m, file=sys.stderr), replace: bool = True) -> Path:
+    """Write the prepared directory `out`; returns it. Does nothing if `out` already holds the output
+    of these inputs and settings (restart after an interruption costs only the hashing). An earlier
+    output of other inputs or settings is replaced, or with `replace=False` refused."""
+    inputs.check()
+    settings.check()
+    out = Path(out)
+    _check_out(out)
+    digests = inputs.digests()
+    if _up_to_date(out, digests, settings):
+        log(f"{out}: already prepared from these files and settings")
+        return out
+    if not replace and (out / bindata.MANIFEST).is_file():
+        raise AiaynError(f"{_changed(out, inputs, digests)} is not what {out} was prepared from (the data changed "
+                         "since the run started); resume with the run's data, or start a new run with another --out")
+    workers = workers or len(os.sched_getaffinity(0))
+    _remove_stale_temporaries(out)
+    tmp = out.parent / f".{out.name}.prepare-{os.getpid()}"
+    tmp.mkdir(parents=True)
+    (tmp / TMP_MARK).touch()
+    try:
+        manifest = _write(inputs, tmp, settings, digests, workers, log)
+        (tmp / TMP_MARK).unlink()
+        atomic_write_bytes(tmp / bindata.MANIFEST, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
+        _fsync_dir(tmp)
+        _replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return out
+
+
+def _write(inputs: Inputs, tmp: Path, settings: Settings, digests: dict[str, Any], workers: int,
+           log: Callable[[str], None]) -> dict[str, Any]:
+    t0 = time.time()
+    scan = scan_parallel(inputs.train_src, inputs.train_tgt, settings.spm_sample, settings.seed)
+    log(f"checked {scan.lines:,} training pairs in {time.time() - t0:.0f}s; training SentencePiece on "
+        f"{len(scan.sample):,} of them")
+    tok = train_tokenizers(scan.sample, settings)
+    del scan.sample[:]  # the workers are forked next: do not copy the sample into each
+    tok.save(tmp)
+    log(f"tokenizer: vocabulary {tok.src.vocab_size:,} ({time.time() - t0:.0f}s); encoding with {workers} processes")
+    splits, files = {}, {}
+    splits["train"], f = encode_split("train", inputs.train_src, inputs.train_tgt, tok, settings, tmp, workers,
+                                      settings.long, log)
+    files.update(f)
+    if splits["train"]["pairs"] == 0:
+        raise AiaynError(f"every training pair is longer than --max-len {settings.max_len}; raise --max-len")
+    if inputs.valid_src and inputs.valid_tgt:
+        vs, vt = read_parallel(inputs.valid_src, inputs.valid_tgt)  # validation sets are small
+        for side, lines in (("src", vs), ("tgt", vt)):
+            data = "".join(s + "\n" for s in lines).encode()
+            atomic_write_bytes(tmp / bindata.VALID_TEXT[side], data)
+            files[bindata.VALID_TEXT[side]] = {"sha256": hashlib.sha256(data).hexdigest()}
+        # validation pairs are truncated, never skipped: the arrays stay aligned with the text
+        splits["valid"], f = encode_split("valid", tmp / bindata.VALID_TEXT["src"], tmp / bindata.VALID_TEXT["tgt"], tok,
+                                          settings, tmp, 1, "truncate", log)
+        files.update(f)
+    log(f"encoded {splits['train']['pairs']:,} training pairs in {time.time() - t0:.0f}s")
+    tokenizer = {**tok.describe(), "files": {p.name: file_sha256(p) for p in sorted(tmp.glob("*.model"))}}
+    return {"format": bindata.FORMAT, "version": bindata.VERSION, "settings": asdict(settings), "inputs": digests,
+            "tokenizer": tokenizer, "splits": splits, "files": files}
+
+
+def _check_out(out: Path) -> None:
+    """--out may be new, an empty directory, or an earlier `prepare` output (replaced when done)."""
+    if out.exists() and not out.is_dir():
+        raise AiaynError(f"--out {out} is a file; choose a new directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / bindata.MANIFEST).is_file():
+        raise AiaynError(f"--out {out} holds files that `aiayn prepare` did not write; choose a new or empty directory")
+
+
+def _changed(out: Path, inputs: Inputs, digests: dict[str, Any]) -> str:
+    """What differs from the manifest in `out`: the first changed input file, else the settings."""
+    try:
+        was = json.loads((out / bindata.MANIFEST).read_text(encoding="utf-8")).get("inputs", {})
+    except (OSError, ValueError):
+        was = {}
+    for name in ("train_src", "train_tgt", "valid_src", "valid_tgt"):
+        if was.get(name) != digests.get(name):
+            return str(getattr(inputs, name) or f"--{name.replace('_', '-')}")
+    return "--vocab-size/--joint-vocab/--spm-model-type/--max-len/--long"
+
+
+def _up_to_date(out: Path, digests: dict[str, Any], settings: Settings) -> bool:
+    try:
+        m = json.loads((out / bindata.MANIFEST).read_text(encoding="utf-8"))
+        bindata.open_prepared(out)
+    except (OSError, ValueError, AiaynError):
+        return False
+    return m.get("inputs") == digests and m.get("settings") == asdict(settings)
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Rename `tmp` to `out`; an existing `out` (empty, or an earlier output) is moved aside first
+    and removed only after the new one is in place."""
+    _check_out(out)  # again: something may have appeared meanwhile
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+    if not out.exists():
+        os.rename(tmp, out)
+        return
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    os.rename(out, old)
+    os.rename(tmp, out)
+    shutil.rmtree(old)
+
+
+def _remove_stale_temporaries(out: Path) -> None:
+    """Temporary directories of earlier, killed runs for the same --out (only those we marked, and
+    only if the process that made them is gone)."""
+    for p in out.parent.glob(f".{out.name}.prepare-*"):
+        pid = p.name.rsplit("-", 1)[-1]
+        if (p / TMP_MARK).is_file() and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------------------------------- CLI
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = Settings()
+    p.add_argument("--out", required=True, help="the directory to write (replaced only if an earlier prepare wrote it)")
+    p.add_argument("--data", choices=("multi30k", "wmt14"), default=None,
+                   help="a named corpus (with --src/--tgt), instead of --train-src/--train-tgt")
+    p.add_argument("--src", default="de", help="source language of --data")
+    p.add_argument("--tgt", default="en", help="target language of --data")
+    p.add_argument("--data-dir", default=None, help="folder holding the --data files (else $AIAYN_DATA or the cache)")
+    for name in ("train-src", "train-tgt", "valid-src", "valid-tgt"):
+        p.add_argument(f"--{name}", default=None, metavar="FILE", help="plain or .gz UTF-8 text, one sentence a line")
+    p.add_argument("--vocab-size", type=int, default=d.vocab_size, help="SentencePiece vocabulary size (an upper bound)")
+    p.add_argument("--joint-vocab", action=argparse.BooleanOptionalAction, default=d.joint_vocab,
+                   help="one vocabulary for both languages")
+    p.add_argument("--spm-model-type", default=d.spm_model_type, choices=MODEL_TYPES)
+    p.add_argument("--spm-sample", type=int, default=d.spm_sample, metavar="N",
+                   help="pairs sampled (seeded) to train SentencePiece")
+    p.add_argument("--max-len", type=int, default=d.max_len, help="longest training pair in subword tokens per side")
+    p.add_argument("--long", default=d.long, choices=("skip", "truncate"), help="what to do with longer pairs")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the SentencePiece sample")
+    p.add_argument("--workers", type=int, default=0, help="encoding processes (0: one per CPU)")
+
+
+def inputs_from_args(args: argparse.Namespace) -> Inputs:
+    from aiayn import data
+
+    if args.data == "multi30k":
+        tr = data.multi30k_paths("train", args.src, args.tgt, args.data_dir)
+        va = data.multi30k_paths("val", args.src, args.tgt, args.data_dir)
+        return Inputs(tr[0], tr[1], va[0], va[1])
+    if args.data == "wmt14":
+        from aiayn.wmt14 import wmt14_paths
+
+        tr, va = wmt14_paths(args.src, args.tgt, args.data_dir)
+        return Inputs(tr[0], tr[1], va[0], va[1])
+    if not args.train_src or not args.train_tgt:
+        raise AiaynError("no training data: pass --train-src and --train-tgt, or --data multi30k|wmt14")
+    opt = lambda v: Path(v) if v else None  # noqa: E731
+    return Inputs(Path(args.train_src), Path(args.train_tgt), opt(args.valid_src), opt(args.valid_tgt))
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.workers < 0:
+        raise AiaynError(f"--workers must be 0 (one per CPU) or positive, got {args.workers}")
+    settings = Settings(args.vocab_size, args.joint_vocab, args.spm_model_type, args.spm_sample, args.max_len,
+                        args.long, args.seed)
+    out = prepare(inputs_from_args(args), args.out, settings, args.workers)
+    print(out)
+    return 0

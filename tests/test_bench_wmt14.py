@@ -1,0 +1,66 @@
+"""The WMT14 recipe's pieces that run here: the paper's tokenized BLEU (compound splitting), the two
+configs hold Table 3's settings and load as `train --config`, bench/wmt14.sh is valid shell, and
+bench/scale.py runs end to end on a tiny corpus."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from aiayn import train as T
+from aiayn.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = os.environ.get("AIAYN_DATA")
+
+
+def _load(name: str):  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location(f"aiayn_bench_{name}", ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+def test_compound_splitting_and_tokenized_bleu():
+    pb = _load("paper_bleu")
+    # what perl -ple 's{(\S)-(\S)}{$1 ##AT##-##AT## $2}g' prints, the quirk with one-letter parts included
+    assert pb.split_compounds("Ost-West-Konflikt , 5-10 A-B-C") == \
+        "Ost ##AT##-##AT## West ##AT##-##AT## Konflikt , 5 ##AT##-##AT## 10 A ##AT##-##AT## B-C"
+    refs = ["Der Ost-West-Konflikt ist vorbei.", "Ein Hund läuft."]
+    assert pb.tokenized_bleu(refs, refs) == pytest.approx(100.0)
+    # a hypothesis that gets the compound's parts right but not the hyphenation scores higher once split
+    hyps = ["Der Ost-West Konflikt ist vorbei.", "Ein Hund läuft."]
+    assert pb.tokenized_bleu(hyps, refs) > pb.sacre_bleu(hyps, refs).score
+
+
+@pytest.mark.parametrize("size, dropout, steps, keep", [("base", 0.1, 100_000, 5), ("big", 0.3, 300_000, 20)])
+def test_wmt14_configs_hold_the_papers_settings(size, dropout, steps, keep):
+    args = build_parser("train").parse_args(["train", "--config", str(ROOT / "configs" / f"wmt14-en-de-{size}.toml")])
+    name, over, tc = T.build_configs(args)
+    assert name == size and over["dropout"] == dropout and over["share_embeddings"]
+    assert (tc.warmup, tc.max_steps, tc.label_smoothing, tc.vocab_size, tc.keep_last) == (4000, steps, 0.1, 37000, keep)
+    assert (tc.adam_beta1, tc.adam_beta2, tc.adam_eps, tc.lr_factor) == (0.9, 0.98, 1e-9, 1.0)
+    assert 24_000 <= tc.max_tokens * tc.update_freq * 8 <= 30_000  # ~25k tokens a side per step on 8 GPUs
+
+
+def test_wmt14_script_is_valid_shell():
+    subprocess.run(["bash", "-n", str(ROOT / "bench" / "wmt14.sh")], check=True)
+
+
+@pytest.mark.skipif(not DATA or not Path(DATA, "multi30k").is_dir(), reason="AIAYN_DATA (Multi30k) not set")
+def test_scale_bench_runs_end_to_end_on_a_tiny_corpus(tmp_path):
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "scale.py"), "--work", str(tmp_path), "--pairs", "3000",
+                          "--small", "1000", "--old", "1000", "--steps", "2", "--workers", "1", "--preset", "tiny"],
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    results = json.loads((tmp_path / "scale.json").read_text())
+    assert {"prepare 3000", "train --data-bin 1000", "train --data-bin 3000", "train in-memory 1000"} <= set(results)
+    assert all(r.get("rc", 0) == 0 for r in results.values()), results
+    assert results["train --data-bin 3000"]["first_step_s"] > 0
+    assert "| prepare | 3000 |" in res.stdout

@@ -1,0 +1,106 @@
+"""`aiayn train --data-bin`: one data path (the raw-text flags train through the same arrays), exact
+resume mid-epoch from a prepared directory, and a resume that refuses data that changed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_train import make_corpus, tiny_args, train_cli, weights
+
+from aiayn import prepare as P
+from aiayn.cli import main as cli_main
+from aiayn.config import TrainConfig
+from aiayn.corpus import open_corpus
+
+
+@pytest.fixture()
+def corpus(tmp_path) -> dict[str, str]:
+    return make_corpus(tmp_path / "data", n_train=120)
+
+
+def _prepare(corpus: dict[str, str], out: Path, **settings) -> Path:  # type: ignore[no-untyped-def]
+    inputs = P.Inputs(*(Path(corpus[k]) for k in ("train_src", "train_tgt", "valid_src", "valid_tgt")))
+    return P.prepare(inputs, out, P.Settings(**{"vocab_size": 300, **settings}), workers=1, log=lambda m: None)
+
+
+def _bin_args(data: Path, out: Path, *extra: str) -> list[str]:
+    """tiny_args with --data-bin instead of the four text files."""
+    args = tiny_args({k: "x" for k in ("train_src", "train_tgt", "valid_src", "valid_tgt")}, out, *extra)
+    for flag in ("--train-src", "--train-tgt", "--valid-src", "--valid-tgt"):
+        i = args.index(flag)
+        del args[i : i + 2]
+    return args + ["--data-bin", str(data)]
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_raw_text_and_data_bin_are_one_path(tmp_path, corpus):
+    data = _prepare(corpus, tmp_path / "bin")
+    train_cli(_bin_args(data, tmp_path / "a", "--max-steps", "5"))
+    train_cli(tiny_args(corpus, tmp_path / "b", "--max-steps", "5"))
+    assert _same(weights(tmp_path / "a", 5), weights(tmp_path / "b", 5))
+    # the raw text was prepared in the run directory, byte for byte what `aiayn prepare` writes
+    assert {p.name: p.read_bytes() for p in (tmp_path / "b" / "data").iterdir()} == \
+           {p.name: p.read_bytes() for p in data.iterdir()}
+
+
+def test_resume_mid_epoch_from_data_bin_is_exact(tmp_path, corpus):
+    data = _prepare(corpus, tmp_path / "bin")
+    extra = ["--save-every", "1", "--dropout", "0.1", "--log-every", "1"]
+    train_cli(_bin_args(data, tmp_path / "ref", "--max-steps", "7", *extra))
+    train_cli(_bin_args(data, tmp_path / "run", "--max-steps", "3", *extra))
+    s = train_cli(_bin_args(data, tmp_path / "run", "--max-steps", "7", *extra, "--resume"))
+    assert s["step"] == 7
+    state = torch.load(tmp_path / "run" / "step_3" / "trainer_state.pt", weights_only=False)
+    assert state["position"] > 0  # step 3 is inside the first epoch
+    assert _same(weights(tmp_path / "ref", 7), weights(tmp_path / "run", 7))
+
+
+def test_resume_refuses_a_data_directory_that_changed(tmp_path, corpus, capsys):
+    data = _prepare(corpus, tmp_path / "bin")
+    run = tmp_path / "run"
+    assert cli_main(_bin_args(data, run, "--max-steps", "2", "--save-every", "1")) == 0
+    _prepare(corpus, data, max_len=20)  # the same files prepared otherwise: a new manifest
+    capsys.readouterr()
+    assert cli_main(_bin_args(data, run, "--max-steps", "4", "--resume")) == 2
+    err = capsys.readouterr().err
+    assert f"{data}: the data changed since {run / 'step_2'} was written" in err and err.count("\n") == 1
+    # raw text: an edited training file is prepared again, and the resume refuses it the same way
+    raw = tmp_path / "raw"
+    assert cli_main(tiny_args(corpus, raw, "--max-steps", "2", "--save-every", "1")) == 0
+    Path(corpus["train_tgt"]).write_text(Path(corpus["train_tgt"]).read_text().replace("katze", "kater"))
+    capsys.readouterr()
+    assert cli_main(tiny_args(corpus, raw, "--max-steps", "4", "--resume")) == 2
+    err = capsys.readouterr().err
+    assert f"{raw / 'data'} was prepared from other files or settings than these (the data changed since" in err
+    assert (raw / "data" / "manifest.json").is_file()  # refused, not replaced: the run was trained on it
+
+
+def test_a_shorter_max_len_at_train_time_skips_or_truncates_from_the_arrays(tmp_path, corpus):
+    data = _prepare(corpus, tmp_path / "bin")  # --max-len 256: everything kept
+    full = open_corpus(data, TrainConfig(max_tokens=160))
+    assert full.n_train_pairs == 120
+    short = open_corpus(data, TrainConfig(max_tokens=160, max_len=12))
+    lens = np.maximum(full.train.src.lengths, full.train.tgt.lengths)
+    assert short.n_train_pairs == int((lens <= 12).sum()) < 120
+    assert sorted(short.plan.order.tolist()) == np.flatnonzero(lens <= 12).tolist()
+    cut = open_corpus(data, TrainConfig(max_tokens=160, max_len=12, long="truncate"))
+    assert cut.n_train_pairs == 120
+    rows = np.flatnonzero(lens > 12)[:3]
+    b = cut.train.collate(rows, 12)
+    assert b.src.shape[1] <= 12 and b.tgt_in.shape[1] <= 13
+
+
+def test_data_bin_errors_are_one_line(tmp_path, corpus, capsys):
+    assert cli_main(_bin_args(tmp_path / "nowhere", tmp_path / "r", "--max-steps", "1")) == 2
+    err = capsys.readouterr().err
+    assert f"--data-bin {tmp_path / 'nowhere'}: no such directory" in err and err.count("\n") == 1
+    half = tmp_path / ".bin.prepare-1"  # what a killed prepare leaves
+    half.mkdir()
+    assert cli_main(_bin_args(half, tmp_path / "r", "--max-steps", "1")) == 2
+    assert "not a prepared data directory (no manifest.json)" in capsys.readouterr().err

@@ -1,0 +1,91 @@
+"""The house keeps the shape of its design note: one concern per module, arrows pointing down.
+
+The import graph of src/aiayn is read from the source (module-level and function-level imports, so
+a lazy import inside a function counts as much as one at the top) and must have no cycle; no library
+module imports the CLI; the paper's model depends on nothing but its config, kernels and cache.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from aiayn.config import INFERENCE_PRECISIONS, PRECISIONS, ModelConfig
+from aiayn.tokenizer import PAD_ID
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "aiayn"
+MODEL_MAX_LINES = 450  # the paper (Sections 3.1-3.5) reads in one sitting
+
+
+def import_graph(package: Path = SRC) -> dict[str, set[str]]:
+    """module -> the aiayn modules it imports anywhere in its source (itself and the package excluded)."""
+    modules = {p.stem for p in package.glob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for path in sorted(package.glob("*.py")):
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [a.name.split(".") for a in node.names]
+                deps.update(n[1] for n in names if n[0] == "aiayn" and len(n) > 1)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "aiayn":
+                parts = node.module.split(".")
+                # `from aiayn.x import y` names module x; `from aiayn import x` names x if it is a module
+                deps.update(parts[1:2] if len(parts) > 1 else (a.name for a in node.names if a.name in modules))
+        graph[path.stem] = deps - {path.stem}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as [a, b, ..., a], or None (depth-first search, three colours)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        path.append(m)
+        for d in sorted(graph.get(m, ())):
+            if state.get(d) == 1:
+                return path[path.index(d):] + [d]
+            if d not in state and (found := visit(d)):
+                return found
+        path.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    assert {"model", "config", "cli"} <= set(graph)  # the graph really was read
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
+
+
+def test_no_library_module_imports_the_cli():
+    importers = sorted(m for m, deps in import_graph().items() if "cli" in deps and m != "__main__")
+    assert importers == []
+
+
+def test_the_paper_depends_only_on_what_lies_below_it():
+    graph = import_graph()
+    assert graph["model"] <= {"config", "kernels", "cache"}
+    for low in ("config", "errors", "files", "kernels", "cache"):  # the floor every other room stands on
+        assert graph[low] <= {"errors"}, (low, graph[low])
+
+
+def test_model_py_reads_in_one_sitting():
+    lines = len((SRC / "model.py").read_text(encoding="utf-8").splitlines())
+    assert lines < MODEL_MAX_LINES, f"model.py has {lines} lines; move what is not the paper out"
+
+
+def test_one_definition_of_the_special_ids_and_precisions():
+    assert ModelConfig().pad_id == PAD_ID  # the model's default agrees with the tokenizer's fixed id
+    assert set(INFERENCE_PRECISIONS) <= set(PRECISIONS)

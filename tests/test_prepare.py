@@ -1,0 +1,248 @@
+"""`aiayn prepare` and the prepared directory: the arrays hold what the tokenizer says; the output is a
+function of the inputs and settings only (byte-identical twice, whatever the worker count); bad input
+is one line naming file and line; a killed run leaves nothing `train` accepts; memory stays bounded."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_train import make_corpus
+
+from aiayn import bindata, cli, prepare as P
+from aiayn.bindata import open_prepared
+from aiayn.data import collate, read_parallel
+from aiayn.errors import AiaynError
+
+SETTINGS = P.Settings(vocab_size=300, max_len=20)
+
+
+def _prep(paths: dict[str, str], out: Path, settings: P.Settings = SETTINGS, workers: int = 1) -> Path:
+    inputs = P.Inputs(*(Path(paths[k]) for k in ("train_src", "train_tgt", "valid_src", "valid_tgt")))
+    return P.prepare(inputs, out, settings, workers, log=lambda m: None)
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.fixture()
+def corpus(tmp_path) -> dict[str, str]:
+    return make_corpus(tmp_path / "data", n_train=300, n_valid=20)
+
+
+def test_arrays_hold_the_tokenizer_ids_and_the_manifest_counts_them(tmp_path, corpus):
+    out = _prep(corpus, tmp_path / "bin")
+    d = open_prepared(out)
+    src, tgt = read_parallel(corpus["train_src"], corpus["train_tgt"])
+    want = [(d.tokenizers.src.encode(s), d.tokenizers.tgt.encode(t)) for s, t in zip(src, tgt)]
+    kept = [p for p in want if max(len(p[0]), len(p[1])) <= 20]  # --long skip at --max-len 20
+    assert 0 < len(kept) < len(want)
+    assert [d.train.pair(i) for i in range(len(d.train))] == kept
+    assert d.train.src.tokens.dtype == np.uint16 and d.train.src.offsets.dtype == np.int64  # 300 ids need 2 bytes
+    assert d.train.src.lengths.dtype == np.uint8  # lengths up to 20
+    split = d.manifest["splits"]["train"]
+    assert (split["lines"], split["pairs"], split["skipped"]) == (300, len(kept), 300 - len(kept))
+    assert split["src_tokens"] == sum(len(s) for s, _ in kept)
+    assert d.manifest["inputs"]["train_src"]["sha256"] == hashlib.sha256(Path(corpus["train_src"]).read_bytes()).hexdigest()
+    assert d.manifest["tokenizer"]["src_sha256"] == d.tokenizers.src.sha256()
+    assert d.manifest["format"] == bindata.FORMAT and d.manifest["version"] == bindata.VERSION
+    # validation pairs are truncated, not skipped, and stay aligned with the text kept for BLEU
+    vs, vt = d.valid_text()
+    assert (vs, vt) == read_parallel(corpus["valid_src"], corpus["valid_tgt"])
+    assert d.valid is not None and len(d.valid) == 20
+    assert d.valid.pair(3) == (d.tokenizers.src.encode(vs[3])[:20], d.tokenizers.tgt.encode(vt[3])[:20])
+
+
+def test_truncate_counts_and_cuts(tmp_path, corpus):
+    d = open_prepared(_prep(corpus, tmp_path / "bin", P.Settings(vocab_size=300, max_len=4, long="truncate")))
+    assert len(d.train) == 300 and d.manifest["splits"]["train"]["truncated"] > 0
+    assert int(d.train.src.lengths.max()) == 4
+
+
+def test_collate_from_the_memory_map_equals_data_collate(tmp_path, corpus):
+    d = open_prepared(_prep(corpus, tmp_path / "bin"))
+    examples = [d.train.pair(i) for i in range(len(d.train))]
+    rows = [5, 0, 17, 3]
+    a, b = d.train.collate(np.array(rows), max_len=20), collate(examples, rows)
+    for name in ("src", "tgt_in", "tgt_out"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert (a.indices, a.n_tgt_tokens) == (b.indices, b.n_tgt_tokens)
+    c = d.train.collate(np.array(rows), max_len=2)  # a shorter --max-len at train time cuts each side
+    assert c.src.shape[1] <= 2 and c.tgt_out.shape[1] <= 3
+
+
+def test_twice_gives_byte_identical_output_whatever_the_worker_count(tmp_path, corpus):
+    a = _tree(_prep(corpus, tmp_path / "a", workers=1))
+    b = _tree(_prep(corpus, tmp_path / "elsewhere" / "b", workers=2))
+    assert a == b
+    gz = {k: v for k, v in corpus.items()}
+    for k in ("train_src", "train_tgt"):
+        gz[k] = str(tmp_path / f"{k}.gz")
+        Path(gz[k]).write_bytes(gzip.compress(Path(corpus[k]).read_bytes()))
+    c = _tree(_prep(gz, tmp_path / "c"))  # gzip input: the same arrays and tokenizer (the manifest names other files)
+    assert {k: v for k, v in c.items() if k != "manifest.json"} == {k: v for k, v in a.items() if k != "manifest.json"}
+
+
+def test_the_sentencepiece_sample_is_seeded(tmp_path, corpus):
+    src, tgt = Path(corpus["train_src"]), Path(corpus["train_tgt"])
+    one = P.scan_parallel(src, tgt, 50, seed=1).sample
+    assert one == P.scan_parallel(src, tgt, 50, seed=1).sample and len(one) == 50
+    assert one != P.scan_parallel(src, tgt, 50, seed=2).sample
+    pairs = list(zip(*read_parallel(src, tgt)))
+    assert set(one) <= set(pairs)
+    assert P.scan_parallel(src, tgt, 10_000, seed=1).sample == pairs  # a small corpus is used whole
+
+
+def test_a_second_run_on_the_same_inputs_only_checks(tmp_path, corpus):
+    out = _prep(corpus, tmp_path / "bin")
+    before = (out / "manifest.json").stat().st_mtime_ns
+    messages: list[str] = []
+    inputs = P.Inputs(*(Path(corpus[k]) for k in ("train_src", "train_tgt", "valid_src", "valid_tgt")))
+    P.prepare(inputs, out, SETTINGS, 1, log=messages.append)
+    assert messages == [f"{out}: already prepared from these files and settings"]
+    assert (out / "manifest.json").stat().st_mtime_ns == before
+    P.prepare(inputs, out, P.Settings(vocab_size=290, max_len=20), 1, log=messages.append)  # new settings: replaced
+    assert open_prepared(out).manifest["settings"]["vocab_size"] == 290
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str]:
+    rc = cli.main(["prepare", *argv])
+    return rc, capsys.readouterr().err
+
+
+def test_bad_input_is_one_line_naming_file_and_line(tmp_path, corpus, capsys):
+    out = str(tmp_path / "bin")
+    base = ["--out", out, "--vocab-size", "300", "--workers", "1"]
+    rc, err = _cli(capsys, "--train-src", str(tmp_path / "nope"), "--train-tgt", corpus["train_tgt"], *base)
+    assert rc == 2 and err == f"aiayn prepare: error: --train-src {tmp_path / 'nope'}: no such file\n"
+    short = tmp_path / "short.tgt"
+    short.write_text("eins\nzwei\n")
+    rc, err = _cli(capsys, "--train-src", corpus["train_src"], "--train-tgt", str(short), *base)
+    assert rc == 2 and err.count("\n") == 1
+    assert f"{corpus['train_src']} has 300 lines but {short} has 2; a parallel corpus needs" in err
+    bad = tmp_path / "bad.tgt"
+    lines = Path(corpus["train_tgt"]).read_bytes().split(b"\n")
+    lines[41] = b"gr\xfcn"  # Latin-1, not UTF-8, on line 42
+    bad.write_bytes(gzip.compress(b"\n".join(lines)))
+    rc, err = _cli(capsys, "--train-src", corpus["train_src"], "--train-tgt", str(bad), *base)
+    assert rc == 2 and err == (f"aiayn prepare: error: {bad}:42: invalid UTF-8 (byte 0xfc at column 3); "
+                               "convert the file to UTF-8\n")
+    blank = tmp_path / "blank.tgt"
+    lines[41] = b"  "
+    blank.write_bytes(b"\n".join(lines))
+    rc, err = _cli(capsys, "--train-src", corpus["train_src"], "--train-tgt", str(blank), *base)
+    assert rc == 2 and f"{blank}:42: blank line; remove the pair from both files" in err and err.count("\n") == 1
+    rc, err = _cli(capsys, "--train-src", corpus["train_src"], "--train-tgt", corpus["train_tgt"], "--valid-src",
+                   corpus["valid_src"], *base)
+    assert rc == 2 and "pass both --valid-src and --valid-tgt, or neither" in err
+    assert not Path(out).exists() and not list(tmp_path.glob(".bin.*"))  # nothing left behind
+
+
+def test_an_out_directory_with_other_files_is_refused(tmp_path, corpus, capsys):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    rc, err = _cli(capsys, "--train-src", corpus["train_src"], "--train-tgt", corpus["train_tgt"], "--out", str(out))
+    assert rc == 2 and "holds files that `aiayn prepare` did not write" in err
+    assert (out / "notes.txt").read_text() == "keep me"
+
+
+def test_a_killed_prepare_leaves_nothing_train_accepts_and_a_rerun_finishes(tmp_path, corpus):
+    out = tmp_path / "bin"
+    script = (  # SIGKILL itself after the training arrays are written, before the rename
+        "import os, signal, sys\n"
+        "from aiayn import bindata\n"
+        "close = bindata.SplitWriter.close\n"
+        "def die(self):\n"
+        "    close(self)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "bindata.SplitWriter.close = die\n"
+        "from aiayn.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    argv = ["prepare", "--train-src", corpus["train_src"], "--train-tgt", corpus["train_tgt"], "--valid-src",
+            corpus["valid_src"], "--valid-tgt", corpus["valid_tgt"], "--out", str(out), "--vocab-size", "300",
+            "--max-len", "20", "--workers", "1"]
+    proc = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr
+    assert not out.exists()
+    (tmp,) = tmp_path.glob(".bin.prepare-*")  # the killed run's work, under a name no one passes to train
+    with pytest.raises(AiaynError, match="not a prepared data directory"):
+        open_prepared(tmp)
+    assert cli.main(argv) == 0
+    assert not tmp.exists()  # cleaned up: it was marked as prepare's own
+    assert _tree(out) == _tree(_prep(corpus, tmp_path / "clean"))
+
+
+def test_open_prepared_refuses_what_prepare_did_not_finish(tmp_path, corpus):
+    with pytest.raises(AiaynError, match=r"--data-bin .*nowhere: no such directory"):
+        open_prepared(tmp_path / "nowhere")
+    out = _prep(corpus, tmp_path / "bin")
+    with open(out / "train.tgt.tokens", "ab") as f:
+        f.write(b"\0\0")
+    with pytest.raises(AiaynError, match=r"train.tgt.tokens is \d+ bytes, the manifest says \d+; prepare the data again"):
+        open_prepared(out)
+    m = json.loads((out / "manifest.json").read_text())
+    m["version"] = 99
+    (out / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(AiaynError, match="format version 99"):
+        open_prepared(out)
+
+
+def test_workers_get_a_bounded_window_of_chunks():
+    """The encoder never reads far ahead of what it has written: memory does not grow with the corpus."""
+    read = []
+
+    def tasks():
+        for i in range(100):
+            read.append(i)
+            yield i
+
+    it = P._ordered_map(abs, tasks(), 2, lambda: None, ())
+    assert next(it) == 0
+    assert len(read) <= 2 * 2 + 1
+    assert list(it) == list(range(1, 100))
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_iter_lines_reads_what_read_lines_reads_and_fails_alike(tmp_path, gz):
+    from aiayn.files import iter_lines, read_lines
+
+    def write(name: str, data: bytes) -> Path:
+        p = tmp_path / name
+        p.write_bytes(gzip.compress(data) if gz else data)
+        return p
+
+    tricky = write("t", "\ufeffEin Hund.\r\nZwei\u2028Katzen\x1c.\n\ufeffdrei\nno newline".encode())
+    assert list(iter_lines(tricky)) == read_lines(tricky) == ["Ein Hund.", "Zwei\u2028Katzen\x1c.", "\ufeffdrei",
+                                                              "no newline"]
+    bad = write("b", "one\ntwo\nthr\u00e9e".encode("latin-1"))
+    with pytest.raises(AiaynError) as a:
+        list(iter_lines(bad))
+    with pytest.raises(AiaynError) as b:
+        read_lines(bad)
+    assert str(a.value) == str(b.value) == f"{bad}:3: invalid UTF-8 (byte 0xe9 at column 4); convert the file to UTF-8"
+
+
+def test_scan_reports_blank_lines_as_read_parallel_does(tmp_path):
+    src, tgt = tmp_path / "s", tmp_path / "t"
+    src.write_text("a\nb\nc\nd\n")
+    tgt.write_text("A\n\nC\n \n")
+    with pytest.raises(AiaynError) as a:
+        P.scan_parallel(src, tgt, 10, 1)
+    with pytest.raises(AiaynError) as b:
+        read_parallel(src, tgt)
+    assert str(a.value) == str(b.value) and "t:2: blank line (2 blank lines in all)" in str(a.value)
+    tgt.write_text("\n \n")
+    with pytest.raises(AiaynError, match=r"t: file is empty"):
+        P.scan_parallel(src, tgt, 10, 1)
