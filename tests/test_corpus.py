@@ -77,7 +77,7 @@ def test_resume_refuses_a_data_directory_that_changed(tmp_path, corpus, capsys):
     capsys.readouterr()
     assert cli_main(tiny_args(corpus, raw, "--max-steps", "4", "--resume")) == 2
     err = capsys.readouterr().err
-    assert f"{raw / 'data'} was prepared from other files or settings than these (the data changed since" in err
+    assert f"{corpus['train_tgt']} is not what {raw / 'data'} was prepared from (the data changed since" in err
     assert (raw / "data" / "manifest.json").is_file()  # refused, not replaced: the run was trained on it
 
 
