@@ -36,7 +36,7 @@ from safetensors.torch import load_file, save_file
 
 from aiayn.config import ConfigError, ModelConfig
 from aiayn.errors import AiaynError
-from aiayn.files import umask
+from aiayn.files import fsync_path, umask
 from aiayn.model import Transformer
 
 CONFIG, WEIGHTS, TRAINER_STATE = "config.json", "model.safetensors", "trainer_state.pt"
@@ -55,14 +55,6 @@ def package_versions() -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------------------- saving
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _tied_groups(model: torch.nn.Module) -> list[list[str]]:
@@ -100,14 +92,14 @@ def write_dir_atomic(path: Path, fill, flag: str = "--out") -> None:  # type: ig
         mask = umask()
         for f in tmp.iterdir():
             f.chmod(0o666 & ~mask)  # the usual mode (safetensors writes its files 0600)
-            _fsync_path(f)
-        _fsync_path(tmp)
+            fsync_path(f)
+        fsync_path(tmp)
         old = None
         if path.exists():  # a directory cannot be os.replace'd over a non-empty one: swap in two steps
             old = path.parent / f"{TMP_PREFIX}old-{path.name}-{uuid.uuid4().hex[:8]}"
             os.rename(path, old)
         os.rename(tmp, path)
-        _fsync_path(path.parent)
+        fsync_path(path.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except (OSError, SafetensorError, RuntimeError) as e:  # safetensors and torch.save report a full disk in their own types

@@ -16,9 +16,21 @@ import sys
 import tempfile
 import zlib
 from pathlib import Path
-from typing import Iterator
+from typing import BinaryIO, Iterator
 
 from aiayn.errors import AiaynError
+
+
+def _open_text_file(path: Path) -> BinaryIO:
+    """`path` opened for reading bytes; the one-line errors of a missing, unreadable or folder path."""
+    try:
+        return open(path, "rb")
+    except FileNotFoundError:
+        raise AiaynError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise AiaynError(f"{path}: is a directory, expected a text file") from None
+    except OSError as e:
+        raise AiaynError(f"{path}: cannot read ({e.strerror or e})") from None
 
 
 def read_lines(path: str | os.PathLike[str], blank_ok: bool = False) -> list[str]:
@@ -31,14 +43,8 @@ def read_lines(path: str | os.PathLike[str], blank_ok: bool = False) -> list[str
     U+2028 or U+001C that can occur inside a sentence, and shift the alignment.
     """
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise AiaynError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise AiaynError(f"{path}: is a directory, expected a text file") from None
-    except OSError as e:
-        raise AiaynError(f"{path}: cannot read ({e.strerror or e})") from None
+    with _open_text_file(path) as f:
+        raw = f.read()
     if raw[:2] == b"\x1f\x8b":  # gzip magic, whatever the file is called
         try:
             raw = gzip.decompress(raw)
@@ -70,15 +76,7 @@ def iter_lines(path: str | os.PathLike[str]) -> Iterator[str]:
     check: it sees no lines, or only blank ones.
     """
     path = Path(path)
-    try:
-        raw_file = open(path, "rb")
-    except FileNotFoundError:
-        raise AiaynError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise AiaynError(f"{path}: is a directory, expected a text file") from None
-    except OSError as e:
-        raise AiaynError(f"{path}: cannot read ({e.strerror or e})") from None
-    with raw_file:
+    with _open_text_file(path) as raw_file:
         is_gzip = raw_file.peek(2)[:2] == b"\x1f\x8b"  # gzip magic, whatever the file is called
         f = io.BufferedReader(gzip.GzipFile(fileobj=raw_file), 1 << 20) if is_gzip else raw_file
         number = 0
@@ -98,6 +96,15 @@ def iter_lines(path: str | os.PathLike[str]) -> Iterator[str]:
                     ) from None
         except (OSError, EOFError, zlib.error) as e:
             raise AiaynError(f"{path}: corrupt or truncated gzip file ({e}); download or copy it again") from None
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file or a folder (its entries) to disk: what an atomic rename needs to survive a crash."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def file_sha256(path: str | os.PathLike[str]) -> str:

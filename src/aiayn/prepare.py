@@ -35,7 +35,7 @@ from aiayn import bindata
 from aiayn.data import blank_line_error, line_count_error, read_parallel
 from aiayn.files import iter_lines
 from aiayn.errors import AiaynError
-from aiayn.files import atomic_write_bytes, file_sha256
+from aiayn.files import atomic_write_bytes, file_sha256, fsync_path
 from aiayn.tokenizer import MODEL_TYPES, Tokenizer, TokenizerPair
 
 CHUNK_PAIRS = 20_000  # pairs per worker task: large enough to amortise pickling, small in memory
@@ -252,7 +252,7 @@ def prepare(inputs: Inputs, out: str | os.PathLike[str], settings: Settings = Se
         manifest = _write(inputs, tmp, settings, digests, workers, log)
         (tmp / TMP_MARK).unlink()
         atomic_write_bytes(tmp / bindata.MANIFEST, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
-        _fsync_dir(tmp)
+        fsync_path(tmp)
         _replace(tmp, out)
     finally:
         if tmp.exists():
@@ -353,14 +353,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # someone else's process
         return True
     return True
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ------------------------------------------------------------------------------------------- CLI
