@@ -9,22 +9,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import WebDriverWait
+from serve import Server  # bench/serve.py, beside this script
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
 
@@ -37,26 +32,16 @@ def main() -> None:
     p.add_argument("--hover", type=int, default=3, help="index of the target token to hover")
     p.add_argument("--size", default="1100,1250", help="window width,height")
     args = p.parse_args()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(x for x in (SRC, os.environ.get("PYTHONPATH")) if x))
-    server = subprocess.Popen([sys.executable, "-m", "aiayn", "serve", "--checkpoint", args.checkpoint, "--port", "0"],
-                              stderr=subprocess.PIPE, text=True, env=env)
+    server = Server(args.checkpoint)  # bench/serve.py's: a free loopback port, ready once /health says so
     driver = None
     try:
-        url = "http://127.0.0.1:" + re.search(r":(\d+)/", server.stderr.readline()).group(1)
-        while True:
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
         os.environ.setdefault("SE_OFFLINE", "true")
         options = webdriver.ChromeOptions()
         options.binary_location = "/usr/bin/chromium"
         for flag in FLAGS + [f"--window-size={args.size}", f"--user-data-dir={tempfile.mkdtemp()}"]:
             options.add_argument(flag)
         driver = webdriver.Chrome(options=options, service=Service("/usr/bin/chromedriver"))
-        driver.get(url)
+        driver.get(server.url)
         wait = WebDriverWait(driver, 60)
         wait.until(lambda d: "→" in d.find_element(By.ID, "pair").text)
         driver.find_element(By.ID, "source").send_keys(args.sentence)
@@ -70,8 +55,7 @@ def main() -> None:
     finally:
         if driver is not None:
             driver.quit()
-        server.terminate()
-        server.wait(60)
+        server.stop()
 
 
 if __name__ == "__main__":
