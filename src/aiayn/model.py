@@ -163,7 +163,7 @@ class FeedForward(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.act is F.relu and not self.training:  # inference: ReLU fused into the first GEMM
             return self.w2(kernels.inference_linear(x, self.w1.weight, self.w1.bias, relu=True))
-        return self.w2(F.dropout(self.act(self.w1(x)), self.dropout, self.training))
+        return self.w2(kernels.dropout(self.act(self.w1(x)), self.dropout, self.training))
 
 
 class _Sublayers(nn.Module):
@@ -175,8 +175,8 @@ class _Sublayers(nn.Module):
 
     def _residual(self, x: Tensor, norm: nn.LayerNorm, f) -> Tensor:  # type: ignore[no-untyped-def]
         if self.norm_first:
-            return x + F.dropout(f(norm(x)), self.dropout, self.training)
-        return norm(x + F.dropout(f(x), self.dropout, self.training))
+            return x + kernels.dropout(f(norm(x)), self.dropout, self.training)
+        return norm(x + kernels.dropout(f(x), self.dropout, self.training))
 
 
 class EncoderLayer(_Sublayers):
@@ -326,7 +326,7 @@ class Transformer(nn.Module):
             # Under autocast the residual stream runs in the low-precision dtype: every linear layer
             # would cast its input to it anyway, and LayerNorm keeps its statistics in float32.
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        return F.dropout(self.pos(x, offset), self.cfg.dropout, self.training)
+        return kernels.dropout(self.pos(x, offset), self.cfg.dropout, self.training)
 
     def encode(self, src: Tensor, src_keep: Tensor | None = None, weights: list | None = None) -> Tensor:
         """Shape: src (B, S) -> memory (B, S, d_model)."""
@@ -416,8 +416,9 @@ class Transformer(nn.Module):
         labels = tgt_out.flatten().index_select(0, tgt_packed.idx)  # (N_tgt,)
         real = labels.ne(pad)
         logits = self.project(h[real])  # (N, V), N = real target tokens
-        # Log-softmax in float32: bf16 has too few mantissa bits for a loss over ~10^4 classes.
-        return F.cross_entropy(logits.float(), labels[real], label_smoothing=label_smoothing, reduction=reduction)
+        # The softmax in float32 (bf16 has too few mantissa bits for ~10^4 classes), fused with the loss.
+        losses = kernels.smoothed_cross_entropy(logits, labels[real], label_smoothing)  # (N,)
+        return losses.sum() if reduction == "sum" else losses.mean()
 
     def attention_weights(self, src: Tensor, tgt_in: Tensor) -> dict[str, list[Tensor]]:
         """Attention probabilities of every layer and head (for plots): encoder self-attention,

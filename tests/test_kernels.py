@@ -1,0 +1,75 @@
+"""The training-side speed paths of `aiayn.kernels` compute what the plain torch calls compute."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from aiayn import kernels
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_smoothed_cross_entropy_equals_torchs_loss_and_gradient(dtype, eps):
+    torch.manual_seed(0)
+    rows = 3 * kernels._LOSS_ROWS + 5  # several row blocks and a partial one
+    logits = (4 * torch.randn(rows, 301)).to(dtype).requires_grad_()
+    labels = torch.randint(0, 301, (rows,))
+    weights = torch.rand(rows)  # a gradient that differs per row
+    got = kernels.smoothed_cross_entropy(logits, labels, eps)
+    assert got.dtype == torch.float32 and got.shape == (rows,)
+    (got * weights).sum().backward()
+    ours, logits.grad = logits.grad, None
+    want = F.cross_entropy(logits.float(), labels, label_smoothing=eps, reduction="none")
+    (want * weights).sum().backward()
+    torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-5)
+    assert ours.dtype == dtype
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(ours, logits.grad, **tol)
+
+
+def test_smoothed_cross_entropy_under_autocast_takes_bf16_logits_and_gives_bf16_gradients():
+    torch.manual_seed(0)
+    h = torch.randn(40, 16, requires_grad=True)
+    w = torch.randn(50, 16, requires_grad=True)
+    labels = torch.randint(0, 50, (40,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = F.linear(h, w)
+        loss = kernels.smoothed_cross_entropy(logits, labels, 0.1).mean()
+    assert logits.dtype == torch.bfloat16 and loss.dtype == torch.float32
+    loss.backward()
+    want = F.cross_entropy(logits.float(), labels, label_smoothing=0.1)
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+    assert h.grad is not None and torch.isfinite(h.grad).all()
+
+
+@pytest.mark.parametrize("p", [0.1, 0.3])
+def test_dropout_zeroes_a_fraction_p_and_scales_the_rest(p):
+    torch.manual_seed(0)
+    x = torch.rand(1001, 999) + 1.0  # no zeros of its own; an odd element count
+    y = kernels.dropout(x, p, training=True)
+    dropped = y.eq(0)
+    n = x.numel()
+    assert abs(dropped.float().mean().item() - p) < 4 * (p * (1 - p) / n) ** 0.5  # within 4 sigma
+    torch.testing.assert_close(y[~dropped], x[~dropped] / (1 - p))
+    # each half of the 64-bit draws is its own coin: rows and columns show no pattern
+    assert abs(dropped[:, 0::2].float().mean().item() - dropped[:, 1::2].float().mean().item()) < 0.01
+
+
+def test_dropout_gradient_is_the_mask_times_the_scale():
+    torch.manual_seed(0)
+    x = torch.randn(64, 33, dtype=torch.bfloat16, requires_grad=True)
+    y = kernels.dropout(x, 0.2, training=True)
+    y.sum().backward()
+    mask = y.detach().ne(0)
+    torch.testing.assert_close(x.grad, (mask.to(x.dtype) * (1 / 0.8)).to(x.dtype))
+
+
+def test_dropout_is_the_identity_in_eval_and_repeatable_under_a_seed():
+    x = torch.randn(10, 10)
+    assert kernels.dropout(x, 0.5, training=False) is x
+    assert kernels.dropout(x, 0.0, training=True) is x
+    torch.manual_seed(3)
+    a = kernels.dropout(x, 0.5, training=True)
+    torch.manual_seed(3)
+    assert torch.equal(a, kernels.dropout(x, 0.5, training=True))
+    assert kernels.dropout(x, 1.0, training=True).eq(0).all()
