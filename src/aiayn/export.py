@@ -375,7 +375,21 @@ def check_out(out: str | Path, source: str | Path | None = None) -> Path:
         if not _is_export(out):
             raise AiaynError(f"OUT {out} exists and is not an earlier aiayn export (no {MARKER}); choose a new OUT "
                              "(it would be replaced)")
+        _check_aside(out)
     return out
+
+
+def _aside(out: Path) -> Path:
+    """Where an existing OUT is moved while the new export takes its place."""
+    return out.parent / f".tmp-old-{out.name}"
+
+
+def _check_aside(out: Path) -> None:
+    """A leftover aside folder is removed only if it is export's own (an interrupted replace leaves one)."""
+    old = _aside(out)
+    if (old.exists() or old.is_symlink()) and not (old.is_dir() and not old.is_symlink() and _is_export(old)):
+        raise AiaynError(f"{old} is in the way of replacing OUT and is not an earlier aiayn export (no {MARKER}); "
+                         "move it away or choose another OUT")
 
 
 def _fresh_dir(out: Path) -> Path:
@@ -394,7 +408,8 @@ def _replace_dir(tmp: Path, out: Path) -> None:
     for f in [tmp, *tmp.rglob("*")]:
         f.chmod((0o777 if f.is_dir() else 0o666) & ~mask)
     if out.exists():
-        old = out.parent / f".tmp-old-{out.name}"
+        _check_aside(out)  # again: it may have appeared while the export was written
+        old = _aside(out)
         shutil.rmtree(old, ignore_errors=True)
         out.rename(old)
         tmp.rename(out)
