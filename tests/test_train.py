@@ -284,12 +284,37 @@ def test_resume_starts_again_a_run_killed_before_its_first_checkpoint(tmp_path, 
     assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--log-every", "1")) == 0
     for p in out.glob("step_*"):  # as if killed before the first save: train.json, metrics.jsonl, no step
         shutil.rmtree(p)
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "st')  # killed while writing a line
     capsys.readouterr()
     assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--log-every", "1")) == 2
     assert "use --resume" in capsys.readouterr().err
     assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--log-every", "1", "--resume")) == 0
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2] and (out / "step_2").is_dir()
+
+
+def test_resume_never_rewrites_metrics_or_train_json_it_did_not_write(tmp_path, corpus, capsys):
+    """--resume of an --out without a checkpoint starts the run again only if what is there is
+    recognisably aiayn's: a foreign metrics.jsonl or train.json is refused and left byte-identical."""
+    genuine = tmp_path / "genuine"
+    assert cli_main(tiny_args(corpus, genuine, "--max-steps", "1")) == 0
+    out = tmp_path / "r"
+    out.mkdir()
+    foreign = b'{"epoch": 1, "acc": 0.9}\n{"epoch": 2, "acc": 0.95}\nnot json\n'
+    (out / "metrics.jsonl").write_bytes(foreign)
+    cases = [(None, "metrics.jsonl"), (b'{"lr": 0.1}\n', "train.json"),
+             ((genuine / "train.json").read_bytes(), "metrics.jsonl")]  # aiayn's settings, someone else's lines
+    for train_json, named in cases:
+        if train_json is not None:
+            (out / "train.json").write_bytes(train_json)
+        capsys.readouterr()
+        assert cli_main(tiny_args(corpus, out, "--max-steps", "1", "--resume")) == 2
+        err = capsys.readouterr().err
+        assert f"{out / named} was not written by aiayn train" in err and err.count("\n") == 1, err
+        assert (out / "metrics.jsonl").read_bytes() == foreign
+        assert train_json is None or (out / "train.json").read_bytes() == train_json
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "train.json"]
 
 
 def test_new_runs_feed_the_source_ending_with_eos_and_old_runs_go_on_without(tmp_path, corpus, monkeypatch):

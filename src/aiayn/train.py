@@ -654,6 +654,8 @@ def _open_run_dir(out: Path, resume: bool, d: Dist) -> list[tuple[int, Path]]:
     if others:
         raise AiaynError(f"--out {out} holds {', '.join(others[:3])} but no step_<N>/ checkpoint to resume from; "
                          "choose another --out")
+    if held:
+        _check_early_files(out, held)
     if d.main:
         try:
             out.mkdir(parents=True, exist_ok=True)
@@ -662,6 +664,47 @@ def _open_run_dir(out: Path, resume: bool, d: Dist) -> list[tuple[int, Path]]:
         ckpt.remove_stale_temporaries(out)
     d.barrier()
     return existing
+
+
+# Fields every train.json holds ({"preset", "model", "train": TrainConfig.to_dict()}).
+_TRAIN_JSON_FIELDS = frozenset({"out", "seed", "max_tokens", "label_smoothing", "warmup"})
+
+
+def _check_early_files(out: Path, held: list[str]) -> None:
+    """Starting again rewrites train.json and metrics.jsonl: refuse unless both are recognisably a
+    run's own (train.json with its fields; metrics lines of kind train/valid with a step, the last
+    one possibly torn by a kill), so that a file aiayn did not write is never rewritten."""
+    def foreign(path: Path, why: str) -> AiaynError:
+        return AiaynError(f"{path} was not written by aiayn train ({why}); --resume would rewrite it: "
+                          "move it away or choose another --out")
+
+    train_json = out / "train.json"
+    if "train.json" in held or any(n.startswith("metrics.jsonl") for n in held):
+        try:
+            saved = json.loads(train_json.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise foreign(out / next(n for n in held if n.startswith("metrics.jsonl")), "no train.json beside it") from None
+        except (OSError, ValueError) as e:
+            raise foreign(train_json, f"not readable JSON: {e}") from None
+        settings = saved.get("train") if isinstance(saved, dict) else None
+        if not (isinstance(saved, dict) and isinstance(saved.get("preset"), str) and isinstance(saved.get("model"), dict)
+                and isinstance(settings, dict) and _TRAIN_JSON_FIELDS <= set(settings)):
+            raise foreign(train_json, "no preset, model and train settings")
+    for name in ("metrics.jsonl", "metrics.jsonl.tmp"):
+        if name not in held:
+            continue
+        try:
+            text = (out / name).read_text(encoding="utf-8")
+        except (OSError, ValueError) as e:
+            raise foreign(out / name, f"unreadable: {e}") from None
+        lines = text.split("\n")
+        for n, line in enumerate(lines[:-1], 1):  # the text after the last newline may be a torn line
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                rec = None
+            if not (isinstance(rec, dict) and rec.get("kind") in ("train", "valid") and type(rec.get("step")) is int):
+                raise foreign(out / name, f"line {n} is not a train or valid record")
 
 
 def _saved_device(out: Path) -> str | None:
