@@ -1,14 +1,15 @@
-"""Numpy token buckets (aiayn.batching): the semantics of data.batch_indices, cut from length arrays;
+"""Numpy token buckets (aiayn.batching): the semantics of a plain-Python reference, cut from length arrays;
 the same batches for the same (seed, epoch); ranks share each step's batches evenly."""
 
 from __future__ import annotations
+
+import random
 
 import numpy as np
 import pytest
 
 from aiayn import batching
 from aiayn.batching import epoch_batches, pair_costs, plan_batches, rank_batches
-from aiayn.data import batch_indices
 from aiayn.errors import AiaynError
 
 
@@ -21,6 +22,43 @@ def _lengths(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 
 def _examples(src: np.ndarray, tgt: np.ndarray) -> list[tuple[list[int], list[int]]]:
     return [([7] * int(s), [7] * int(t)) for s, t in zip(src, tgt)]
+
+
+def batch_indices(examples: list[tuple[list[int], list[int]]], max_tokens: int, seed: int, epoch: int,
+                  shuffle: bool = True) -> list[list[int]]:
+    """The reference, one Python object per pair: sorted by (cost, source length), cost =
+    max(source, target + 1), ties shuffled with (seed, epoch); cut greedily so that
+    `rows * widest cost <= max_tokens`; then the batch order shuffled."""
+    costs = [max(len(s), len(t) + 1) for s, t in examples]
+    rng = random.Random(f"{seed}:{epoch}")
+    order = list(range(len(examples)))
+    if shuffle:
+        rng.shuffle(order)
+    order.sort(key=lambda i: (costs[i], len(examples[i][0])))  # stable: ties keep the shuffled order
+    batches: list[list[int]] = []
+    current: list[int] = []
+    width = 0
+    for i in order:
+        w = max(width, costs[i])
+        if current and (len(current) + 1) * w > max_tokens:
+            batches.append(current)
+            current, w = [], costs[i]
+        current.append(i)
+        width = w
+    batches.append(current)
+    if shuffle:
+        rng.shuffle(batches)
+    return batches
+
+
+def test_batches_are_tight_and_length_sorted():
+    src, tgt = np.array([3, 10, 4, 10, 1, 9], np.uint16), np.array([2, 9, 3, 2, 1, 9], np.uint16)
+    # costs max(s, t + 1): 3, 10, 4, 10, 2, 10 -> sorted 2, 3, 4 | 10, 10, 10 with budget 20
+    got = [b.tolist() for b in epoch_batches(plan_batches(src, tgt, 20), seed=0, epoch=0, shuffle=False)]
+    assert got == [[4, 0, 2], [5, 1], [3]]
+    # a cut happens only where one more pair would overflow: 3 * 4 = 12 fits, 4 * 10 does not
+    got = [b.tolist() for b in epoch_batches(plan_batches(src, tgt, 12), seed=0, epoch=0, shuffle=False)]
+    assert got == [[4, 0, 2], [5], [1], [3]]
 
 
 def test_unshuffled_batches_are_exactly_those_of_batch_indices():

@@ -1,4 +1,4 @@
-"""Readers (clear errors), Multi30k paths, encode_pairs, token-bucketed batching, collate."""
+"""Readers (clear errors), Multi30k paths, collate."""
 
 from __future__ import annotations
 
@@ -9,22 +9,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from aiayn import data
 from aiayn.data import (
     LANGS,
     SPLITS,
-    batch_indices,
     collate,
-    encode_pairs,
     multi30k_paths,
     read_parallel,
 )
 from aiayn.errors import AiaynError
 from aiayn.files import read_lines
-from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, TokenizerPair
+from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 DATA = os.environ.get("AIAYN_DATA")
 needs_data = pytest.mark.skipif(
@@ -149,92 +145,6 @@ def test_real_multi30k_line_counts() -> None:
     for split, n in (("train", 29000), ("val", 1014), ("test_2016_flickr", 1000)):
         src, tgt = read_parallel(*multi30k_paths(split, "cs", "fr", DATA))
         assert len(src) == len(tgt) == n
-
-
-# ---------------------------------------------------------------------------------------------
-# encode_pairs
-
-
-@pytest.fixture(scope="module")
-def pair() -> TokenizerPair:
-    tok = Tokenizer.train(["ein kleiner Hund läuft", "a small dog runs", "word " * 5] * 10, vocab_size=300)
-    return TokenizerPair(tok, tok, joint=True)
-
-
-def test_encode_pairs_skip_and_truncate_count(pair: TokenizerPair) -> None:
-    huge = " ".join(["word"] * 10_000)  # a line of 10,000 tokens
-    src = ["ein Hund", huge, "a dog"]
-    tgt = ["a dog", "words", huge]
-    examples, n = encode_pairs(src, tgt, pair, max_len=64)
-    assert n == 2 and len(examples) == 1
-    assert examples[0] == (pair.src.encode("ein Hund"), pair.tgt.encode("a dog"))
-    examples, n = encode_pairs(src, tgt, pair, max_len=64, long="truncate")
-    assert n == 2 and len(examples) == 3
-    assert [(len(s), len(t)) for s, t in examples[1:]] == [(64, len(pair.tgt.encode("words"))), (len(pair.src.encode("a dog")), 64)]
-    assert examples[1][0] == pair.src.encode(huge)[:64]
-    assert all(BOS_ID not in s + t and EOS_ID not in s + t for s, t in examples)
-
-
-def test_encode_pairs_bad_arguments(pair: TokenizerPair) -> None:
-    with pytest.raises(AiaynError, match="--max-len must be at least 1"):
-        encode_pairs(["a"], ["b"], pair, max_len=0)
-    with pytest.raises(AiaynError, match="'skip' or 'truncate'"):
-        encode_pairs(["a"], ["b"], pair, max_len=5, long="drop")
-    with pytest.raises(AiaynError, match="2 source lines but 1 target"):
-        encode_pairs(["a", "b"], ["b"], pair, max_len=5)
-
-
-# ---------------------------------------------------------------------------------------------
-# batch_indices
-
-
-def _examples(lengths: list[tuple[int, int]]) -> list[tuple[list[int], list[int]]]:
-    return [([5] * s, [6] * t) for s, t in lengths]
-
-
-_lengths = st.lists(st.tuples(st.integers(1, 40), st.integers(1, 40)), min_size=1, max_size=200)
-
-
-@settings(max_examples=200, deadline=None)
-@given(lengths=_lengths, max_tokens=st.integers(41, 600), seed=st.integers(0, 2**31), epoch=st.integers(0, 50),
-       shuffle=st.booleans())
-def test_batches_cover_each_pair_once_within_budget(lengths, max_tokens, seed, epoch, shuffle) -> None:
-    examples = _examples(lengths)
-    batches = batch_indices(examples, max_tokens, seed, epoch, shuffle)
-    flat = [i for b in batches for i in b]
-    assert sorted(flat) == list(range(len(examples)))  # every pair exactly once per epoch
-    for b in batches:
-        assert b
-        batch = collate(examples, b)
-        padded = max(batch.src.numel(), batch.tgt_in.numel())  # padding counted
-        assert padded <= max_tokens
-    assert batch_indices(examples, max_tokens, seed, epoch, shuffle) == batches  # deterministic
-
-
-def test_batches_are_tight_and_length_sorted() -> None:
-    examples = _examples([(3, 2), (10, 9), (4, 3), (10, 2), (1, 1), (9, 9)])
-    # costs max(s, t + 1): 3, 10, 4, 10, 2, 10 -> sorted 2, 3, 4 | 10, 10, 10 with budget 20
-    assert batch_indices(examples, 20, seed=0, epoch=0, shuffle=False) == [[4, 0, 2], [5, 1], [3]]
-    # a cut happens only where one more example would overflow: 3 * 4 = 12 fits, 4 * 10 does not
-    assert batch_indices(examples, 12, seed=0, epoch=0, shuffle=False) == [[4, 0, 2], [5], [1], [3]]
-
-
-def test_shuffle_depends_on_seed_and_epoch_only() -> None:
-    examples = _examples([(n % 17 + 1, n % 13 + 1) for n in range(300)])
-    a = batch_indices(examples, 60, seed=1, epoch=0)
-    assert a == batch_indices(examples, 60, seed=1, epoch=0)
-    assert a != batch_indices(examples, 60, seed=1, epoch=1)
-    assert a != batch_indices(examples, 60, seed=2, epoch=0)
-    assert sorted(map(sorted, a)) != sorted(map(sorted, batch_indices(examples, 60, seed=1, epoch=1)))  # new buckets
-
-
-def test_max_tokens_smaller_than_a_pair_is_a_clear_error() -> None:
-    examples = _examples([(3, 2), (30, 7)])
-    with pytest.raises(AiaynError, match=r"--max-tokens 20 is smaller than the longest sentence pair \(30 tokens"):
-        batch_indices(examples, 20, seed=0, epoch=0)
-    with pytest.raises(AiaynError, match="--max-tokens must be positive"):
-        batch_indices(examples, 0, seed=0, epoch=0)
-    assert batch_indices([], 100, seed=0, epoch=0) == []
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,10 +1,9 @@
 """Token-bucketed batches cut from length arrays with numpy, for corpora of millions of pairs.
 
-The semantics are those of `data.batch_indices` (Section 5.1, "batched together by approximate
-sequence length"): pairs sorted by (cost, source length), where cost = max(source, target + 1) is
-the padded width a pair needs; cut greedily so that `rows * widest cost <= max_tokens`; ties in the
-sort and the batch order shuffled with (seed, epoch). What changes is the cost at WMT14 size: no
-Python object per pair, and memory that does not grow with a second copy of the corpus.
+Section 5.1, "batched together by approximate sequence length": pairs sorted by (cost, source
+length), where cost = max(source, target + 1) is the padded width a pair needs; cut greedily so that
+`rows * widest cost <= max_tokens`; ties in the sort and the batch order shuffled with (seed, epoch).
+At WMT14 size: no Python object per pair, and memory that does not grow with a second copy of the corpus.
 
 - `plan_batches` does the epoch-independent work once: a counting sort of the pairs (in chunks,
   so no int64 index array the size of the corpus is ever built) and the cut points. Shuffling ties

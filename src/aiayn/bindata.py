@@ -131,7 +131,7 @@ class Split:
 
     def collate(self, rows: np.ndarray | list[int], max_len: int, source_eos: bool = False) -> Batch:
         """Batch of pairs `rows`, each side cut to `max_len` tokens (a no-op for data prepared with it);
-        with `source_eos` each source ends with EOS, after the cut (as `data.encode_pairs` does)."""
+        with `source_eos` each source ends with EOS, after the cut."""
         rows = np.asarray(rows, np.int64)
         if not len(rows):
             raise AiaynError("cannot collate an empty batch")

@@ -9,11 +9,8 @@ approximately 25000 source tokens and 25000 target tokens").
   translation or a shifted alignment, and dropping it silently would hide that.
 - `multi30k_paths`: the Multi30k task-1 files from `--data-dir`, `$AIAYN_DATA`, or the user cache
   (downloaded once from the public repository and checked against sha256).
-- `encode_pairs`: subword ids, with pairs longer than `max_len` skipped or truncated (counted).
-- `batch_indices`: token-bucketed batches: examples sorted by length and cut so that
-  `batch size * longest side` (padding included) stays within `max_tokens`; the batch order is
-  shuffled with (seed, epoch), so the same arguments always give the same batches (resume relies
-  on this). `collate` pads one batch to its own longest sentence, never to a fixed length.
+- `collate` pads one batch to its own longest sentence, never to a fixed length (the batches
+  themselves are cut by `aiayn.batching`).
 """
 
 from __future__ import annotations
@@ -22,7 +19,6 @@ import argparse
 import hashlib
 import http.client
 import os
-import random
 import sys
 import tempfile
 import urllib.error
@@ -36,7 +32,7 @@ from torch import Tensor
 
 from aiayn.errors import AiaynError
 from aiayn.files import default_cache_dir, file_sha256, read_lines
-from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, TokenizerPair
+from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 LANGS = ("en", "de", "fr", "cs")
 SPLITS = ("train", "val", "test_2016_flickr")
@@ -218,88 +214,7 @@ def download_file(url: str, target: Path, want: str, mirror_env: str, timeout: f
 
 
 # ---------------------------------------------------------------------------------------------
-# Encoding and batching
-
-
-def encode_pairs(
-    src_lines: Sequence[str],
-    tgt_lines: Sequence[str],
-    tokenizers: TokenizerPair,
-    max_len: int,
-    long: str = "skip",
-    source_eos: bool = False,
-) -> tuple[list[Example], int]:
-    """Subword ids of each pair (the target without BOS/EOS, which `collate` adds; the source
-    ending with EOS if `source_eos`), and how many pairs were too long.
-
-    A pair is too long if either side has more than `max_len` subword tokens (EOS not counted);
-    with `long="skip"` it is left out, with `long="truncate"` each side is cut to `max_len`.
-    """
-    if len(src_lines) != len(tgt_lines):
-        raise AiaynError(f"{len(src_lines)} source lines but {len(tgt_lines)} target lines")
-    if int(max_len) < 1:
-        raise AiaynError(f"--max-len must be at least 1, got {max_len}")
-    if long not in ("skip", "truncate"):
-        raise AiaynError(f"long={long!r}: choose 'skip' or 'truncate'")
-    src_ids = tokenizers.src.encode_batch(list(src_lines))
-    tgt_ids = tokenizers.tgt.encode_batch(list(tgt_lines))
-    examples: list[Example] = []
-    n_long = 0
-    for s, t in zip(src_ids, tgt_ids):
-        if len(s) > max_len or len(t) > max_len:
-            n_long += 1
-            if long == "skip":
-                continue
-            s, t = s[:max_len], t[:max_len]
-        examples.append((s + [EOS_ID] if source_eos else s, t))
-    return examples, n_long
-
-
-def example_cost(example: Example) -> int:
-    """Padded positions one example takes in a batch: max(source, BOS/EOS + target)."""
-    return max(len(example[0]), len(example[1]) + 1)
-
-
-def batch_indices(
-    examples: Sequence[Example], max_tokens: int, seed: int, epoch: int, shuffle: bool = True
-) -> list[list[int]]:
-    """Token-bucketed batches of example indices; each index appears exactly once.
-
-    Examples are sorted by length (ties broken by a (seed, epoch) shuffle, so batches differ
-    between epochs) and cut greedily so that `len(batch) * max(longest source, longest target + 1)`
-    never exceeds `max_tokens`; the batch order is then shuffled with (seed, epoch). Without
-    `shuffle`, batches come in length order (for validation and translation).
-    """
-    if int(max_tokens) < 1:
-        raise AiaynError(f"--max-tokens must be positive, got {max_tokens}")
-    if not examples:
-        return []
-    costs = [example_cost(e) for e in examples]
-    longest = max(costs)
-    if longest > max_tokens:
-        raise AiaynError(
-            f"--max-tokens {max_tokens} is smaller than the longest sentence pair ({longest} tokens with BOS/EOS); "
-            f"raise --max-tokens to at least {longest} or lower --max-len"
-        )
-    rng = random.Random(f"{seed}:{epoch}")  # a str seed hashes the same in every process
-    order = list(range(len(examples)))
-    if shuffle:
-        rng.shuffle(order)
-    order.sort(key=lambda i: (costs[i], len(examples[i][0])))  # stable: ties keep the shuffled order
-    batches: list[list[int]] = []
-    current: list[int] = []
-    width = 0  # longest cost in `current`
-    for i in order:
-        w = max(width, costs[i])
-        if current and (len(current) + 1) * w > max_tokens:
-            batches.append(current)
-            current, w = [], costs[i]
-        current.append(i)
-        width = w
-    batches.append(current)
-    if shuffle:
-        rng.shuffle(batches)
-    return batches
+# Batches
 
 
 @dataclass

@@ -51,18 +51,13 @@ from aiayn.model import Transformer
 # ------------------------------------------------------------------------------------ the recipe
 
 
-def loss_sum(model: torch.nn.Module, batch: Any, label_smoothing: float, pad_id: int = 0) -> Tensor:
+def loss_sum(model: Transformer, batch: Any, label_smoothing: float) -> Tensor:
     """Sum of label-smoothed cross entropies over the non-pad target tokens of one batch (Section 5.4).
 
-    The one place the training loss is computed; the caller divides by the token count. A model
-    with a `loss` method (aiayn's Transformer: projection and softmax only at real target tokens)
-    computes it itself.
+    The one place the training loss is computed; the caller divides by the token count. The model
+    computes it itself (`Transformer.loss`: projection and softmax only at real target tokens).
     """
-    if hasattr(model, "loss"):
-        return model.loss(batch.src, batch.tgt_in, batch.tgt_out, label_smoothing=label_smoothing, reduction="sum")
-    logits = model(batch.src, batch.tgt_in)  # (B, T, V)
-    return F.cross_entropy(logits.flatten(0, 1).float(), batch.tgt_out.flatten(), ignore_index=pad_id,
-                           label_smoothing=label_smoothing, reduction="sum")
+    return model.loss(batch.src, batch.tgt_in, batch.tgt_out, label_smoothing=label_smoothing, reduction="sum")
 
 
 # ----------------------------------------------------------------------------- configuration/CLI
@@ -358,7 +353,7 @@ class _LossModule(torch.nn.Module):
 
     def forward(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor) -> Tensor:
         batch = argparse.Namespace(src=src, tgt_in=tgt_in, tgt_out=tgt_out)
-        return loss_sum(self.model, batch, self.label_smoothing, self.model.cfg.pad_id)
+        return loss_sum(self.model, batch, self.label_smoothing)
 
 
 

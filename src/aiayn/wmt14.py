@@ -69,13 +69,6 @@ def wmt14_paths(src: str, tgt: str, data_dir: str | Path | None = None) -> tuple
     return (folder / f"train.{src}", folder / f"train.{tgt}"), (folder / f"newstest2013.{src}", folder / f"newstest2013.{tgt}")
 
 
-def newstest2014_paths(src: str, tgt: str, data_dir: str | Path | None = None) -> tuple[Path, Path]:
-    """newstest2014 source and reference for the direction src -> tgt."""
-    check_pair(src, tgt)
-    folder = wmt14_folder(data_dir)
-    return folder / f"newstest2014.{src}-{tgt}.{src}", folder / f"newstest2014.{src}-{tgt}.{tgt}"
-
-
 def check_pair(src: str, tgt: str) -> None:
     if {src, tgt} != set(LANGS):
         raise AiaynError(f"--src {src} --tgt {tgt}: WMT14 here is English-German; use --src en --tgt de or the reverse")
