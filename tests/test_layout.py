@@ -11,7 +11,7 @@ import ast
 from pathlib import Path
 
 from aiayn.config import INFERENCE_PRECISIONS, PRECISIONS, ModelConfig
-from aiayn.tokenizer import PAD_ID
+from aiayn.tokenizer import PAD_ID, PIECES
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "aiayn"
 MODEL_MAX_LINES = 450  # the paper (Sections 3.1-3.5) reads in one sitting
@@ -81,11 +81,50 @@ def test_the_paper_depends_only_on_what_lies_below_it():
         assert graph[low] <= {"errors"}, (low, graph[low])
 
 
+def test_plot_does_not_import_train_for_one_formula():
+    """The schedule plot needs `config.learning_rate`, not the whole training loop (and torch.distributed)."""
+    assert "train" not in import_graph()["plot"]
+
+
 def test_model_py_reads_in_one_sitting():
     lines = len((SRC / "model.py").read_text(encoding="utf-8").splitlines())
     assert lines < MODEL_MAX_LINES, f"model.py has {lines} lines; move what is not the paper out"
 
 
+def duplicated_definitions(package: Path = SRC) -> list[str]:
+    """`file:line what` for each copy of a definition that has one home: a literal tuple, list or set
+    of precision names outside config.py, a special piece name ("<pad>", ...) outside tokenizer.py,
+    an integer default for a special id (pad_id=0) outside tokenizer.py and config.py."""
+    precisions, pieces = set(PRECISIONS), set(PIECES.values())
+    ids = {"pad_id", "unk_id", "bos_id", "eos_id"}
+    found = []
+    for path in sorted(package.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            where = f"{path.name}:{getattr(node, 'lineno', '?')}"
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and path.name != "config.py":
+                values = [e.value for e in node.elts if isinstance(e, ast.Constant)]
+                if len(values) == len(node.elts) >= 2 and set(values) <= precisions:
+                    found.append(f"{where} precision names {tuple(values)}")
+            elif isinstance(node, ast.Constant) and node.value in pieces and path.name != "tokenizer.py":
+                found.append(f"{where} piece name {node.value!r}")
+            elif isinstance(node, ast.arguments) and path.name not in ("tokenizer.py", "config.py"):
+                args = [*node.posonlyargs, *node.args]
+                named = list(zip(args[len(args) - len(node.defaults):], node.defaults))
+                named += [(a, d) for a, d in zip(node.kwonlyargs, node.kw_defaults) if d is not None]
+                found += [f"{path.name}:{d.lineno} {a.arg}={d.value}" for a, d in named
+                          if a.arg in ids and isinstance(d, ast.Constant) and isinstance(d.value, int)]
+    return found
+
+
+def test_the_duplicate_finder_finds_duplicates(tmp_path):
+    (tmp_path / "serve.py").write_text('choices = ("fp32", "bf16")\nx = "fp32"\n')
+    (tmp_path / "export.py").write_text('kw = dict(eos_token="</s>")\ndoc = "ends with </s>"\n')
+    (tmp_path / "train.py").write_text("def loss(m, pad_id: int = 0, *, eos_id=3, bos_id=BOS_ID): ...\n")
+    assert duplicated_definitions(tmp_path) == ["export.py:1 piece name '</s>'", "serve.py:1 precision names "
+                                                "('fp32', 'bf16')", "train.py:1 pad_id=0", "train.py:1 eos_id=3"]
+
+
 def test_one_definition_of_the_special_ids_and_precisions():
-    assert ModelConfig().pad_id == PAD_ID  # the model's default agrees with the tokenizer's fixed id
+    assert ModelConfig().pad_id == PAD_ID  # config stands below tokenizer: its literal default is pinned here
     assert set(INFERENCE_PRECISIONS) <= set(PRECISIONS)
+    assert duplicated_definitions() == []

@@ -84,7 +84,7 @@ class ModelConfig:
     share_embeddings: bool = True
     tie_output: bool = True
     max_positions: int = 1024  # positional table size; it grows if a longer input comes
-    pad_id: int = 0
+    pad_id: int = 0  # tokenizer.PAD_ID; config stands below tokenizer, so tests/test_layout.py pins the two equal
     layer_norm_eps: float = 1e-5
     # The source ends with EOS, as fairseq and Marian (and every Hugging Face pipeline) feed it. A
     # config without this field is from a model trained on bare sources: `from_dict` gives it False.

@@ -209,7 +209,7 @@ def save_hf_tokenizer(tokenizers: TokenizerPair, out: Path) -> None:
             kwargs = dict(target_vocab_file=str(t / "target_vocab.json"), separate_vocabs=True)
         tok = transformers.MarianTokenizer(
             source_spm=str(t / "source.spm"), target_spm=str(t / "target.spm"), vocab=str(t / "vocab.json"),
-            unk_token="<unk>", eos_token="</s>", pad_token="<pad>", bos_token="<s>",
+            unk_token=PIECES[UNK_ID], eos_token=PIECES[EOS_ID], pad_token=PIECES[PAD_ID], bos_token=PIECES[BOS_ID],
             model_max_length=1024, **kwargs,
         )
         tok.save_pretrained(str(out))

@@ -15,6 +15,7 @@ import socket
 import sys
 from collections.abc import Iterator
 
+from aiayn.config import INFERENCE_PRECISIONS
 from aiayn.errors import AiaynError
 from aiayn.scheduler import Limits
 
@@ -36,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback by default)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on; 0: any free port (printed)")
     p.add_argument("--beam", type=int, default=d.beam, help="default beam size (1 = greedy)")
-    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="bf16: a bfloat16 copy of the model")
+    p.add_argument("--precision", choices=INFERENCE_PRECISIONS, default="fp32", help="bf16: a bfloat16 copy of the model")
     p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens, help="source tokens per batch")
     p.add_argument("--max-wait-ms", type=float, default=d.max_wait_ms,
                    help="how long a line may wait for others to share its batch (0: batches only what is waiting)")
