@@ -38,7 +38,7 @@ def _batch(pairs: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torc
     return src, tgt_in, tgt_out
 
 
-def train_tiny(path: Path, steps: int = 400) -> Path:
+def train_tiny(path: Path, steps: int = 600) -> Path:
     rng = random.Random(0)
     corpus = [sentence(rng) for _ in range(2000)]
     tok = Tokenizer.train([s for pair in corpus for s in pair], 360)

@@ -35,12 +35,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
-from aiayn import __version__
+from aiayn import __version__, memory
 from aiayn.scheduler import Limits, QueueFull, Scheduler
 from aiayn.serve_batch import DEFAULT_ALPHA, Key, LineTooLong, refuse_long, run_batch, warm_up
 
 LANGUAGE_NAMES = {"en": "English", "de": "German", "fr": "French", "cs": "Czech"}
-ONEDNN_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")  # capped by `aiayn serve`
 PATHS = ("/", "/translate", "/languages", "/v1/translate", "/v1/info", "/health", "/metrics", "/docs")
 log = logging.getLogger("aiayn.serve")
 
@@ -384,7 +383,7 @@ def _info_routes(app: FastAPI, srv: Server) -> None:
             "precision": srv.translator.precision, "limits": asdict(srv.limits),
             "versions": {"aiayn": __version__, "torch": torch.__version__, "python": platform.python_version()},
             "runtime": {"torch_threads": torch.get_num_threads(),
-                        **{k.lower(): os.environ.get(k) for k in ONEDNN_CACHE_VARIABLES}}}
+                        **{k.lower(): os.environ.get(k) for k in memory.ONEDNN_CACHES}}}
     page = resources.files("aiayn") / "static"
 
     @app.get("/health")

@@ -44,6 +44,7 @@ from torch import Tensor
 
 import aiayn.kernels
 from aiayn import checkpoint as ckpt
+from aiayn import memory
 from aiayn.config import PRECISIONS, PRESETS, ConfigError, ModelConfig, TrainConfig, learning_rate, preset
 from aiayn.errors import AiaynError
 from aiayn.model import Transformer
@@ -362,6 +363,7 @@ class Trainer:
 
     def __init__(self, model: Transformer, tc: TrainConfig, d: Dist, precision: str = "fp32") -> None:
         self.tc, self.d = tc, d
+        self.heap = memory.HeapTrimmer()  # batches of ever-new shapes leave the heap in pieces
         self.base = model.to(d.device)
         self.model: torch.nn.Module = _LossModule(self.base, tc.label_smoothing)
         if d.world > 1:
@@ -415,6 +417,7 @@ class Trainer:
             self.scaler.update()
         else:
             self.opt.step()
+        self.heap.step()
         return total_loss / max(all_tokens, 1), all_tokens
 
     def state(self) -> dict[str, Any]:
@@ -596,6 +599,7 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
     With `resume`, continues the newest checkpoint in `tc.out` with the run's saved settings (see
     `resumed_settings`; `given` names the options set on the command line, None: all of `tc`).
     """
+    memory.cap_onednn_caches()  # before the first bf16 matmul
     if resume and given is not None and "device" not in given:  # not given anew: where the run ran
         tc = tc.replace(device=_saved_device(Path(tc.out)) or tc.device)
     d = setup_distributed(tc.device)

@@ -1,0 +1,79 @@
+"""A long run stays flat in memory: oneDNN's kernel caches are capped and freed heap memory is given
+back once the process has grown a quarter beyond what a training step needs."""
+
+from __future__ import annotations
+
+import os
+
+from aiayn import memory
+from test_train import make_corpus, tiny_args, train_cli
+
+
+class _Fake:
+    """A resident size the test sets, and a malloc_trim that counts its calls and shrinks it."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.now, self.calls = 0, 0
+        monkeypatch.setattr(memory, "resident_anon_bytes", lambda: self.now)
+
+    def trim(self, pad: int) -> int:
+        assert pad == 0
+        self.calls += 1
+        self.now = 100
+        return 1
+
+
+def test_trims_only_past_a_quarter_more_than_a_step_needs(monkeypatch):
+    fake = _Fake(monkeypatch)
+    heap = memory.HeapTrimmer(growth=1.25)
+    heap.trim = fake.trim
+    for now in (400, 450, 500):  # what the first step left; then within a quarter of it
+        fake.now = now
+        heap.step()
+    assert fake.calls == 0 and heap.need == 400
+    fake.now = 501
+    heap.step()
+    assert fake.calls == 1
+    fake.now = 300  # the first step after the trim: a step needs less than the first one showed
+    heap.step()
+    assert heap.need == 400 and fake.calls == 1
+    fake.now = 480  # the need is the largest seen, so the threshold does not fall
+    heap.step()
+    assert fake.calls == 1
+    for _ in range(3):  # nor does it climb with each trim: it is the need, not the size before the trim
+        fake.now = 501
+        heap.step()
+        heap.step()  # the first after the trim reads 100 (the fake's trim), which sets nothing new
+    assert fake.calls == 4 and heap.need == 400
+
+
+def test_no_malloc_trim_means_nothing_to_do(monkeypatch):
+    fake = _Fake(monkeypatch)
+    heap = memory.HeapTrimmer()
+    heap.trim = None
+    fake.now = 10**12
+    heap.step()
+    heap.step()
+    assert heap.trims == 0
+
+
+def test_the_oneDNN_caches_are_capped_unless_the_user_set_them(monkeypatch):
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "7")
+    memory.cap_onednn_caches()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"
+    assert os.environ["LRU_CACHE_CAPACITY"] == "7"
+
+
+def test_training_caps_the_caches_and_gives_the_heap_back_as_it_grows(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    monkeypatch.delenv("LRU_CACHE_CAPACITY", raising=False)
+    sizes = iter(range(1, 10**6))
+    monkeypatch.setattr(memory, "resident_anon_bytes", lambda: 2 ** next(sizes))
+    trims = []
+    monkeypatch.setattr(memory, "_malloc_trim", lambda: trims.append)
+    paths = make_corpus(tmp_path / "data")
+    train_cli(tiny_args(paths, tmp_path / "run", "--max-steps", "4"))
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == os.environ["LRU_CACHE_CAPACITY"] == "64"
+    assert trims == [0, 0]  # a doubling size every step: steps 2 and 4 trim, 1 and 3 follow a trim
