@@ -19,12 +19,15 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) -e .
 	touch $@
 
-# transformers 5 removed pipeline("translation"); the export test runs it with 4.x from its own folder
-# (about 15 s and 240 MB), first on PYTHONPATH in a subprocess, so the venv keeps transformers 5.
-$(VENV)/.installed-test: $(VENV)/.installed
-	$(PIP) -e '.[test,export,serve]'
+# transformers 5 removed pipeline("translation"); the export test runs it with 4.x from its own folder,
+# first on PYTHONPATH in a subprocess, so the venv keeps transformers 5 (tests/hf4-requirements.txt).
+$(VENV)/.installed-hf4: $(VENV)/.installed tests/hf4-requirements.txt
 	rm -rf $(VENV)/hf4
-	$(PIP) --target $(VENV)/hf4 'transformers>=4.57,<5'
+	$(PIP) --no-deps --target $(VENV)/hf4 -r tests/hf4-requirements.txt
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed $(VENV)/.installed-hf4
+	$(PIP) -e '.[test,export,serve]'
 	touch $@
 
 install: $(VENV)/.installed

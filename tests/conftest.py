@@ -25,3 +25,22 @@ def _user_cache_in_tmp(tmp_path_factory):
         os.environ.pop("XDG_CACHE_HOME", None)
     else:
         os.environ["XDG_CACHE_HOME"] = old
+
+
+@pytest.fixture(autouse=True)
+def _onednn_caches_as_the_user_left_them():
+    """`train()` caps oneDNN's kernel caches through os.environ for its process; a test must not pass
+    that on to the next one (nor to the servers it starts, whose own capping is under test)."""
+    import os
+
+    from aiayn.memory import ONEDNN_CACHES
+
+    old = {k: os.environ.get(k) for k in ONEDNN_CACHES}
+    for k in ONEDNN_CACHES:
+        os.environ.pop(k, None)
+    yield
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v

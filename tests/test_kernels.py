@@ -11,7 +11,7 @@ from aiayn import kernels
 @pytest.mark.parametrize("eps", [0.0, 0.1])
 def test_smoothed_cross_entropy_equals_torchs_loss_and_gradient(dtype, eps):
     torch.manual_seed(0)
-    rows = 3 * kernels._LOSS_ROWS + 5  # several row blocks and a partial one
+    rows = 3 * (kernels._LOSS_BLOCK // 301) + 5  # several row blocks and a partial one
     logits = (4 * torch.randn(rows, 301)).to(dtype).requires_grad_()
     labels = torch.randint(0, 301, (rows,))
     weights = torch.rand(rows)  # a gradient that differs per row
@@ -73,3 +73,44 @@ def test_dropout_is_the_identity_in_eval_and_repeatable_under_a_seed():
     torch.manual_seed(3)
     assert torch.equal(a, kernels.dropout(x, 0.5, training=True))
     assert kernels.dropout(x, 1.0, training=True).eq(0).all()
+
+
+def test_loss_reductions_and_a_wrong_one():
+    from aiayn.config import preset
+    from aiayn.model import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", src_vocab_size=30, tgt_vocab_size=30)).eval()
+    src = torch.tensor([[5, 6, 7, 3], [8, 9, 3, 0]])
+    tgt_in = torch.tensor([[1, 10, 11, 12], [1, 13, 0, 0]])
+    tgt_out = torch.tensor([[10, 11, 12, 3], [13, 3, 0, 0]])
+    per_token = model.loss(src, tgt_in, tgt_out, label_smoothing=0.1, reduction="none")
+    logits = model(src, tgt_in)
+    want = F.cross_entropy(logits.flatten(0, 1), tgt_out.flatten(), label_smoothing=0.1, reduction="none")
+    torch.testing.assert_close(per_token, want[tgt_out.flatten() != 0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.loss(src, tgt_in, tgt_out, 0.1, "sum"), per_token.sum())
+    with pytest.raises(ValueError, match="reduction"):
+        model.loss(src, tgt_in, tgt_out, reduction="max")
+
+
+def test_dropout_near_one_or_out_of_range_behaves_as_torchs():
+    x = torch.ones(1000)
+    assert kernels.dropout(x, 1 - 1e-12, training=True).eq(0).all()  # not x * 1e12
+    with pytest.raises(ValueError):
+        kernels.dropout(x, -0.1, training=True)
+
+
+def test_the_loss_on_another_device_is_torchs_own(monkeypatch):
+    calls = []
+    monkeypatch.setattr(kernels._SmoothedCrossEntropy, "apply", lambda *a: calls.append(a))
+    logits = torch.randn(4, 5, device="meta")
+    out = kernels.smoothed_cross_entropy(logits, torch.zeros(4, dtype=torch.long, device="meta"), 0.1)
+    assert out.shape == (4,) and not calls
+
+
+def test_second_derivatives_of_the_fused_loss_are_refused_not_wrong():
+    logits = torch.randn(3, 7, requires_grad=True)
+    loss = kernels.smoothed_cross_entropy(logits, torch.tensor([1, 2, 3]), 0.1).sum()
+    (g,) = torch.autograd.grad(loss, logits, create_graph=True)
+    with pytest.raises(RuntimeError):
+        g.sum().backward()

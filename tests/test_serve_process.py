@@ -21,6 +21,9 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 from serve_model import sentence, tiny_checkpoint  # noqa: E402
 
+from aiayn.memory import ONEDNN_CACHES  # noqa: E402
+from aiayn.translate import Translator  # noqa: E402
+
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
@@ -31,6 +34,8 @@ def ckpt(tmp_path_factory):
 
 def _env():
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    for name in ONEDNN_CACHES:  # the server must cap them itself
+        env.pop(name, None)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, env.get("PYTHONPATH", "")) if p)
     return env
 
@@ -122,7 +127,8 @@ def test_ctrl_c_exits_0_libretranslate_form_and_capped_kernel_caches(ckpt, serve
     runtime = httpx.get(f"{s.url}/v1/info").json()["runtime"]  # oneDNN's kernel caches are capped (flat RSS)
     assert runtime["onednn_primitive_cache_capacity"] == runtime["lru_cache_capacity"] == "64"
     r = httpx.post(f"{s.url}/translate", data={"q": "ein Mann läuft", "source": "de", "target": "en"})
-    assert r.status_code == 200 and r.json() == {"translatedText": "a man runs"}
+    want = Translator.from_checkpoint(ckpt).translate(["ein Mann läuft"], beam=4)[0]  # the server's default beam
+    assert r.status_code == 200 and r.json() == {"translatedText": want} and want.startswith("a man")
     # kept-alive connections answer at once: no 40 ms stall of Nagle's algorithm and delayed ACKs
     conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=30)
     conn.connect()

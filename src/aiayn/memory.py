@@ -16,7 +16,6 @@ variable-length batches and decoding do, without any tensor leaking:
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 # 64 entries each: measured flat at the same speed (bench/serve.py --rss; bench/scale.py for training).
@@ -43,11 +42,13 @@ def resident_anon_bytes() -> int:
 
 
 def _malloc_trim():  # type: ignore[no-untyped-def]
-    name = ctypes.util.find_library("c")
+    """glibc's malloc_trim, or None where the C library has none (musl, macOS)."""
     try:
-        return getattr(ctypes.CDLL(name), "malloc_trim") if name else None
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
         return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
 
 
 class HeapTrimmer:

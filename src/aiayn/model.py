@@ -400,9 +400,10 @@ class Transformer(nn.Module):
         Equal to `F.cross_entropy(forward(src, tgt_in) over (B*T), tgt_out, ignore_index=pad_id,
         label_smoothing=...)` for right-padded batches, but faster: the position-wise layers run on
         real tokens only (`Packed`), and the vocabulary projection and softmax only where `tgt_out`
-        is not padding. `reduction` is "mean" (over real tokens) or "sum".
+        is not padding. `reduction` is "mean" (over real tokens), "sum" or "none" (one loss per
+        real target token, in the order of `tgt_out[tgt_out != pad]`).
 
-        Shape: src (B, S), tgt_in (B, T), tgt_out (B, T) -> scalar float32.
+        Shape: src (B, S), tgt_in (B, T), tgt_out (B, T) -> scalar float32 ((N,) for "none").
         """
         pad = self.cfg.pad_id
         src_keep = src.ne(pad)  # (B, S)
@@ -418,7 +419,10 @@ class Transformer(nn.Module):
         logits = self.project(h[real])  # (N, V), N = real target tokens
         # The softmax in float32 (bf16 has too few mantissa bits for ~10^4 classes), fused with the loss.
         losses = kernels.smoothed_cross_entropy(logits, labels[real], label_smoothing)  # (N,)
-        return losses.sum() if reduction == "sum" else losses.mean()
+        reduce = {"mean": Tensor.mean, "sum": Tensor.sum, "none": lambda t: t}
+        if reduction not in reduce:
+            raise ValueError(f"reduction must be 'mean', 'sum' or 'none', not {reduction!r}")
+        return reduce[reduction](losses)
 
     def attention_weights(self, src: Tensor, tgt_in: Tensor) -> dict[str, list[Tensor]]:
         """Attention probabilities of every layer and head (for plots): encoder self-attention,
