@@ -171,3 +171,16 @@ def test_bad_flags_and_checkpoints_are_one_line_errors(ckpt, tmp_path):
     r = serve("--checkpoint", str(no_lang))
     assert r.returncode == 2 and "names no source and target language" in r.stderr, r.stderr
 
+
+
+def test_the_server_searches_its_model_as_it_is_not_a_view_per_batch(ckpt):
+    """A trainable model gets a fresh frozen view (and freshly packed weights) at every search; the
+    server's own model is frozen once, so batches reuse the packed weights."""
+    from aiayn.checkpoint import load_checkpoint
+    from aiayn.serve import _frozen
+    from aiayn.translate import inference_view
+
+    model = load_checkpoint(ckpt).model
+    assert inference_view(model) is not model  # as loaded: trainable
+    frozen = _frozen(model)
+    assert inference_view(frozen) is frozen

