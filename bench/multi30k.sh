@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# Train on Multi30k and score test_2016_flickr: bench/multi30k.sh SRC TGT [MINUTES] [THREADS]
+# Train on Multi30k and score test_2016_flickr: bench/multi30k.sh SRC TGT [MINUTES] [THREADS] [TRAIN FLAGS...]
 # Writes runs/multi30k-SRC-TGT/ (checkpoints, metrics.jsonl, averaged/), the search settings tuned
 # on the validation set (val.jsonl) and the test scores (scores.jsonl). The test set is translated
 # only with settings fixed in advance or chosen on val: best/ greedy and beam 4, and averaged/ with
 # the paper's beam 4 / alpha 0.6 and with the val-tuned beam and alpha, in fp32 and bf16.
 set -euo pipefail
 src=${1:?source language}; tgt=${2:?target language}; minutes=${3:-60}; threads=${4:-0}
+shift $(( $# < 4 ? $# : 4 ))  # the rest go to `aiayn train` (e.g. --dropout 0.3), after the recipe
 aiayn=${AIAYN:-aiayn}
 run=${RUN:-runs/multi30k-$src-$tgt}  # RUN=DIR scores (or trains) another run directory
 if [ ! -e "$run/averaged" ]; then
   $aiayn train --config configs/multi30k.toml --src "$src" --tgt "$tgt" --max-minutes "$minutes" \
-    --threads "$threads" --out "$run" --resume  # a re-run after an interruption continues the run
+    --threads "$threads" --out "$run" --resume "$@"  # a re-run after an interruption continues the run
   $aiayn average --checkpoint "$run" -n 5 -o "$run/averaged"
 fi
 score() {  # score SPLIT CHECKPOINT BEAM ALPHA PRECISION -> one JSON line
@@ -20,7 +21,7 @@ score() {  # score SPLIT CHECKPOINT BEAM ALPHA PRECISION -> one JSON line
 }
 : > "$run/val.jsonl"
 for beam in 4 6; do
-  for alpha in 0.6 1.0 1.4 1.8 2.2; do
+  for alpha in 0.6 1.0 1.4 1.8 2.2 2.6 3.0; do
     echo "== val averaged beam $beam alpha $alpha" >&2
     score val averaged "$beam" "$alpha" fp32 >> "$run/val.jsonl"
   done
