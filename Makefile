@@ -46,7 +46,7 @@ demo: install
 	printf '%s\n' $(DEMO_SENTENCES) >&2
 	printf '%s\n' $(DEMO_SENTENCES) | $(AIAYN) translate --checkpoint runs/demo --beam 4
 
-# Train de->en, then en->de (dropout 0.3: see the README), 60 minutes each on both cores; tune beam/alpha on val; score test_2016_flickr.
+# Train de->en, then en->de, 60 minutes each on both cores; choose the average and beam/alpha on val; score test_2016_flickr.
 multi30k: install
 	AIAYN=$(AIAYN) bash bench/multi30k.sh de en 60 2
 	AIAYN=$(AIAYN) bash bench/multi30k.sh en de 60 2
