@@ -86,6 +86,24 @@ def test_learning_rate_follows_the_paper():
     assert T.learning_rate(100, d, w, factor=2.0) == pytest.approx(2 * T.learning_rate(100, d, w))
 
 
+def test_cooldown_ramps_the_paper_schedule_down_to_zero_at_max_steps():
+    d, w, n, c = 256, 100, 1000, 200
+    paper = lambda step: T.learning_rate(step, d, w)  # noqa: E731
+    cooled = lambda step: T.learning_rate(step, d, w, cooldown=c, max_steps=n)  # noqa: E731
+    assert [cooled(s) for s in (1, w, n - c + 1)] == [paper(s) for s in (1, w, n - c + 1)]  # untouched before
+    assert cooled(n - c // 2 + 1) == pytest.approx(paper(n - c // 2 + 1) / 2)  # half way down the ramp
+    assert cooled(n) == pytest.approx(paper(n) / c)  # the last step still moves the weights
+    assert cooled(n + 1) == 0.0
+
+
+def test_cooldown_needs_a_step_budget():
+    with pytest.raises(T.ConfigError, match="--cooldown must be at most --max-steps"):
+        T.TrainConfig(cooldown=500)
+    with pytest.raises(T.ConfigError, match="--cooldown must be 0"):
+        T.TrainConfig(cooldown=-1, max_steps=10)
+    assert T.TrainConfig(cooldown=500, max_steps=500).cooldown == 500
+
+
 def test_loss_is_label_smoothed_and_ignores_padding():
     torch.manual_seed(0)
     V, eps = 40, 0.1

@@ -146,10 +146,18 @@ def preset(name: str, **overrides: Any) -> ModelConfig:
     return ModelConfig(**{**PRESETS[name], **overrides})
 
 
-def learning_rate(step: int, d_model: int, warmup: int, factor: float = 1.0) -> float:
-    """Section 5.3: linear warm-up for `warmup` steps, then decay with the inverse square root."""
+def learning_rate(step: int, d_model: int, warmup: int, factor: float = 1.0, cooldown: int = 0,
+                  max_steps: int = 0) -> float:
+    """Section 5.3: linear warm-up for `warmup` steps, then decay with the inverse square root.
+
+    With `cooldown` > 0 the last `cooldown` steps before `max_steps` also ramp the rate linearly down
+    to 1/cooldown of it: a run with a fixed budget ends on a low rate instead of mid-schedule.
+    """
     step = max(step, 1)
-    return factor * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
+    lr = factor * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
+    if cooldown:
+        lr *= min(1.0, max(max_steps + 1 - step, 0) / cooldown)
+    return lr
 
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # training: autocast dtypes (`TrainConfig.precision`)
@@ -160,7 +168,8 @@ INFERENCE_PRECISIONS = ("fp32", "bf16")  # search: the weights' dtype (`Translat
 class TrainConfig:
     """Data, tokenizer, batching, the paper's recipe (Section 5) and the loop's limits.
 
-    Learning rate (Section 5.3): lr = lr_factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5).
+    Learning rate (Section 5.3): lr = lr_factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5),
+    times a linear ramp to 0 over the last `cooldown` steps before `max_steps` (off by default).
     A zero limit (max_epochs, max_steps, max_minutes, patience, save_every, clip_norm, valid_bleu,
     threads) means "off". The messages name the command-line flag of each field.
     """
@@ -187,6 +196,7 @@ class TrainConfig:
     # the recipe
     lr_factor: float = 1.0
     warmup: int = 4000
+    cooldown: int = 0  # last steps before max_steps on a linear ramp down to 0 (0: the paper's schedule)
     adam_beta1: float = 0.9
     adam_beta2: float = 0.98
     adam_eps: float = 1e-9
@@ -224,6 +234,9 @@ class TrainConfig:
         need(self.lr_factor > 0, "lr_factor", "must be positive")
         need(self.warmup >= 1, "warmup", "must be a positive number of steps")
         need(self.warmup <= 10**12, "warmup", "must be at most 10^12 steps")
+        need(self.cooldown >= 0, "cooldown", "must be 0 (off) or a positive number of steps")
+        need(self.cooldown <= self.max_steps or not self.cooldown, "cooldown",
+             f"must be at most --max-steps ({self.max_steps}), the step where the rate reaches 0")
         need(0.0 <= self.adam_beta1 < 1.0, "adam_beta1", "must be in [0, 1)")
         need(0.0 <= self.adam_beta2 < 1.0, "adam_beta2", "must be in [0, 1)")
         need(self.adam_eps > 0, "adam_eps", "must be positive")

@@ -85,6 +85,7 @@ _HELP = {
     "update_freq": "batches accumulated per optimizer step",
     "lr_factor": "factor in lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)",
     "warmup": "warm-up steps of the learning-rate schedule",
+    "cooldown": "the last N steps before --max-steps ramp the learning rate linearly down to 0 (0: off)",
     "adam_beta1": "Adam beta1",
     "adam_beta2": "Adam beta2",
     "adam_eps": "Adam epsilon",
@@ -381,7 +382,8 @@ class Trainer:
         self.step = 0
 
     def lr(self, step: int) -> float:
-        return learning_rate(step, self.base.cfg.d_model, self.tc.warmup, self.tc.lr_factor)
+        tc = self.tc
+        return learning_rate(step, self.base.cfg.d_model, tc.warmup, tc.lr_factor, tc.cooldown, tc.max_steps)
 
     def train_step(self, batches: list[Any]) -> tuple[float, int]:
         """One update from `batches` (this rank's share); returns (loss per target token, tokens) of the
@@ -513,7 +515,7 @@ class Metrics:
 
 # Options that cannot change what a run has computed so far: a resumed run may take new values.
 # The data files may move (their sha256 is checked); `out` and `device` always come from the command.
-FREE_ON_RESUME = frozenset({"max_epochs", "max_steps", "max_minutes", "patience", "keep_last", "save_every",
+FREE_ON_RESUME = frozenset({"max_epochs", "max_steps", "cooldown", "max_minutes", "patience", "keep_last", "save_every",
                             "valid_bleu", "log_every", "threads", "device", "out",
                             "data_dir", "train_src", "train_tgt", "valid_src", "valid_tgt"})
 
