@@ -176,6 +176,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads for the server, the CLI and the direct calls (0: torch's default); "
                         "1 keeps a shared, busy machine from stalling multi-threaded operations")
+    p.add_argument("--serve-flags", default="", help="more flags for the batching server, e.g. '--max-wait-ms 20'")
     p.add_argument("--json", help="write the results here too")
     args = p.parse_args()
     if args.threads:
@@ -185,7 +186,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     levels = [int(c) for c in args.clients.split(",")]
     lines = read_lines(multi30k_paths("test_2016_flickr", args.src, args.tgt)[0])
-    results: dict = {"checkpoint": args.checkpoint, "sentences": len(lines), "cpus": os.cpu_count(),
+    results: dict = {"checkpoint": args.checkpoint, "serve_flags": args.serve_flags, "sentences": len(lines), "cpus": os.cpu_count(),
                      "threads": args.threads, "load_average_start": os.getloadavg()[0]}
     print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the start", flush=True)
 
@@ -199,7 +200,7 @@ def main() -> None:
 
     translator = Translator.from_checkpoint(args.checkpoint)
     translator.translate(lines[:16])  # warm-up
-    servers = {"batching": Server(args.checkpoint),
+    servers = {"batching": Server(args.checkpoint, *args.serve_flags.split()),
                "one_at_a_time": Server(args.checkpoint, "--max-batch-tokens", "1", "--max-wait-ms", "0")}
     try:
         ceilings = [ceiling(translator, lines)]

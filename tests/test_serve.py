@@ -387,7 +387,7 @@ def test_scheduler_drops_cancelled_work_bounds_the_queue_and_survives_faults():
     assert result == ["k:fine"] and calls == [("k", ["boom"]), ("k", ["fine"])]
 
 
-def test_scheduler_waits_for_as_many_lines_as_the_last_batch_at_most_max_wait():
+def test_scheduler_waits_for_the_lines_the_last_batch_answered_at_most_max_wait():
     async def go(s, calls):
         start = time.monotonic()
         await s.submit("k", ["a", "b", "c"], [1, 1, 1]).future  # the first batch goes at once
@@ -397,7 +397,7 @@ def test_scheduler_waits_for_as_many_lines_as_the_last_batch_at_most_max_wait():
         second = time.monotonic() - start
         s.submit("k", ["e", "f"], [1, 1])
         start = time.monotonic()
-        await s.submit("k", ["g"], [1]).future  # three lines waiting: as many as the last batch held
+        await s.submit("k", ["g"], [1]).future  # three lines waiting: more than the last batch answered
         return first, second, time.monotonic() - start, calls
 
     first, second, third, calls = _run_scheduler(go, max_wait=0.3, max_batch_tokens=100)
@@ -405,6 +405,46 @@ def test_scheduler_waits_for_as_many_lines_as_the_last_batch_at_most_max_wait():
     assert calls == [("k", ["a", "b", "c"]), ("k", ["d"]), ("k", ["e", "f", "g"])]
     full, *_ = _run_scheduler(go, max_wait=10.0, max_batch_tokens=1)  # a full batch goes at once
     assert full < 2.0
+
+
+def test_scheduler_waits_for_the_lines_it_answered_so_that_clients_stay_one_cohort():
+    async def main():
+        calls = []
+
+        def run(key, lines):
+            calls.append(list(lines))
+            time.sleep(0.1 if lines == ["a"] else 0)
+            return lines
+
+        s = Scheduler(run, max_wait=1.0, max_batch_tokens=100)
+        try:
+            a = s.submit("k", ["a"], [1])  # client A's line runs at once ...
+            await asyncio.sleep(0.05)
+            b = s.submit("k", ["b"], [1])  # ... and client B's waits for it
+            await a.future  # A sends again as soon as it is answered: B's batch waits for it
+            start = time.monotonic()
+            await asyncio.gather(b.future, s.submit("k", ["c"], [1]).future)
+            return calls, time.monotonic() - start
+        finally:
+            await s.close()
+
+    calls, seconds = asyncio.run(main())
+    assert calls == [["a"], ["b", "c"]] and seconds < 0.5  # not [b] then [c]: one batch of both clients
+
+
+def test_scheduler_waits_for_no_client_that_cannot_come_back():
+    async def go(s, calls):
+        start = time.monotonic()
+        a, x = s.submit("k1", ["a", "b"], [1, 1]), s.submit("k2", ["x"], [1])
+        await asyncio.gather(a.future, x.future)  # x's settings differ: nobody of batch [a, b] joins it
+        mixed = time.monotonic() - start
+        start = time.monotonic()
+        await s.submit("k1", ["c", "d", "e"], [1, 1, 1]).future  # cut in two: the rest is all there is
+        return mixed, time.monotonic() - start, calls
+
+    mixed, split, calls = _run_scheduler(go, max_wait=1.0, max_batch_tokens=2)
+    assert mixed < 0.5 and split < 0.5
+    assert calls == [("k1", ["a", "b"]), ("k2", ["x"]), ("k1", ["c", "d"]), ("k1", ["e"])]
 
 
 def test_a_fault_in_the_scheduler_fails_the_waiting_requests_instead_of_hanging_them():

@@ -86,7 +86,7 @@ def test_learning_rate_follows_the_paper():
     assert T.learning_rate(100, d, w, factor=2.0) == pytest.approx(2 * T.learning_rate(100, d, w))
 
 
-def test_cooldown_ramps_the_paper_schedule_down_to_zero_at_max_steps():
+def test_cooldown_ramps_the_paper_schedule_down_until_max_steps():
     d, w, n, c = 256, 100, 1000, 200
     paper = lambda step: T.learning_rate(step, d, w)  # noqa: E731
     cooled = lambda step: T.learning_rate(step, d, w, cooldown=c, max_steps=n)  # noqa: E731
@@ -97,7 +97,7 @@ def test_cooldown_ramps_the_paper_schedule_down_to_zero_at_max_steps():
 
 
 def test_cooldown_needs_a_step_budget():
-    with pytest.raises(T.ConfigError, match="--cooldown must be at most --max-steps"):
+    with pytest.raises(T.ConfigError, match="--cooldown needs --max-steps of at least"):
         T.TrainConfig(cooldown=500)
     with pytest.raises(T.ConfigError, match="--cooldown must be 0"):
         T.TrainConfig(cooldown=-1, max_steps=10)

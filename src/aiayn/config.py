@@ -150,8 +150,9 @@ def learning_rate(step: int, d_model: int, warmup: int, factor: float = 1.0, coo
                   max_steps: int = 0) -> float:
     """Section 5.3: linear warm-up for `warmup` steps, then decay with the inverse square root.
 
-    With `cooldown` > 0 the last `cooldown` steps before `max_steps` also ramp the rate linearly down
-    to 1/cooldown of it: a run with a fixed budget ends on a low rate instead of mid-schedule.
+    With `cooldown` = N > 0 the last N steps up to `max_steps` also ramp the rate linearly down, to
+    1/N of the schedule on the last step (0 after it): a run with a fixed budget of steps ends on a
+    low rate instead of mid-schedule.
     """
     step = max(step, 1)
     lr = factor * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
@@ -169,7 +170,7 @@ class TrainConfig:
     """Data, tokenizer, batching, the paper's recipe (Section 5) and the loop's limits.
 
     Learning rate (Section 5.3): lr = lr_factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5),
-    times a linear ramp to 0 over the last `cooldown` steps before `max_steps` (off by default).
+    times a linear ramp down over the last `cooldown` steps up to `max_steps` (off by default).
     A zero limit (max_epochs, max_steps, max_minutes, patience, save_every, clip_norm, valid_bleu,
     threads) means "off". The messages name the command-line flag of each field.
     """
@@ -196,7 +197,7 @@ class TrainConfig:
     # the recipe
     lr_factor: float = 1.0
     warmup: int = 4000
-    cooldown: int = 0  # last steps before max_steps on a linear ramp down to 0 (0: the paper's schedule)
+    cooldown: int = 0  # last steps up to max_steps on a linear ramp down (0: the paper's schedule)
     adam_beta1: float = 0.9
     adam_beta2: float = 0.98
     adam_eps: float = 1e-9
@@ -234,9 +235,6 @@ class TrainConfig:
         need(self.lr_factor > 0, "lr_factor", "must be positive")
         need(self.warmup >= 1, "warmup", "must be a positive number of steps")
         need(self.warmup <= 10**12, "warmup", "must be at most 10^12 steps")
-        need(self.cooldown >= 0, "cooldown", "must be 0 (off) or a positive number of steps")
-        need(self.cooldown <= self.max_steps or not self.cooldown, "cooldown",
-             f"must be at most --max-steps ({self.max_steps}), the step where the rate reaches 0")
         need(0.0 <= self.adam_beta1 < 1.0, "adam_beta1", "must be in [0, 1)")
         need(0.0 <= self.adam_beta2 < 1.0, "adam_beta2", "must be in [0, 1)")
         need(self.adam_eps > 0, "adam_eps", "must be positive")
@@ -248,6 +246,9 @@ class TrainConfig:
         for name in ("max_epochs", "max_steps", "patience", "save_every", "valid_bleu", "log_every", "threads"):
             need(getattr(self, name) >= 0, name, "must be 0 (off) or positive")
         need(self.max_minutes >= 0, "max_minutes", "must be 0 (off) or positive")
+        need(self.cooldown >= 0, "cooldown", "must be 0 (off) or a positive number of steps")
+        need(not self.cooldown or 0 < self.cooldown <= self.max_steps, "cooldown",
+             f"needs --max-steps of at least as many steps (the ramp ends there); --max-steps is {self.max_steps}")
         need(self.keep_last >= 1, "keep_last", "must be at least 1")
         need(-(2**63) <= self.seed < 2**64, "seed", "must fit in 64 bits")
         need(self.threads <= 4096, "threads", "must be at most 4096")

@@ -447,15 +447,18 @@ def curves_figure(records: list[dict[str, Any]], title: str | None = None) -> tu
 # -------------------------------------------------------------------------------------- lr schedule
 
 
-def schedule(steps: np.ndarray, d_model: int, warmup: int, factor: float = 1.0) -> np.ndarray:
+def schedule(steps: np.ndarray, d_model: int, warmup: int, factor: float = 1.0, cooldown: int = 0,
+             max_steps: int = 0) -> np.ndarray:
     """The trainer's learning rate (`aiayn.config.learning_rate`, Section 5.3) at each step."""
-    return np.array([learning_rate(int(s), d_model, warmup, factor) for s in steps], dtype=np.float64)
+    return np.array([learning_rate(int(s), d_model, warmup, factor, cooldown, max_steps) for s in steps],
+                    dtype=np.float64)
 
 
 def lr_schedule_figure(d_models: Sequence[int], warmups: Sequence[int], steps: int | None = None,
-                       factor: float = 1.0) -> tuple[Figure, dict[str, np.ndarray]]:
-    """One curve per (d_model, warmup) pair. Returns the figure and {legend label: lr per step
-    1..steps}."""
+                       factor: float = 1.0, cooldown: int = 0,
+                       max_steps: int = 0) -> tuple[Figure, dict[str, np.ndarray]]:
+    """One curve per (d_model, warmup) pair (with a run's `--cooldown` ramp before `max_steps`, if
+    any). Returns the figure and {legend label: lr per step 1..steps}."""
     for d in d_models:
         if d <= 0:
             raise AiaynError(f"--d-model must be positive, got {d}")
@@ -464,7 +467,7 @@ def lr_schedule_figure(d_models: Sequence[int], warmups: Sequence[int], steps: i
             raise AiaynError(f"--warmup must be positive, got {w}")
     if not 0 < factor < math.inf:  # nan fails too
         raise AiaynError(f"--factor must be a positive finite number, got {factor}")
-    steps = steps if steps is not None else 10 * max(warmups)
+    steps = steps if steps is not None else (max_steps if cooldown else 10 * max(warmups))
     if steps < 1:
         raise AiaynError(f"--steps must be at least 1, got {steps}")
     x = np.arange(1, steps + 1)
@@ -474,7 +477,7 @@ def lr_schedule_figure(d_models: Sequence[int], warmups: Sequence[int], steps: i
     styles = ["-", "--", ":", "-."]  # per warmup: same-d_model curves coincide after warmup, dashes keep both visible
     for d in d_models:
         for k, w in enumerate(warmups):
-            lr = schedule(x, d, w, factor)
+            lr = schedule(x, d, w, factor, cooldown, max_steps)
             label = f"d_model = {d}, warmup = {w}"
             (line,) = ax.plot(x, lr, lw=1.8, ls=styles[k % len(styles)], label=f"{label}  (peak {lr.max():.2e} at step {int(x[np.argmax(lr)])})")
             if w <= steps:
@@ -488,9 +491,10 @@ def lr_schedule_figure(d_models: Sequence[int], warmups: Sequence[int], steps: i
     ax.grid(alpha=0.3)
     ax.legend(fontsize=9)
     f = "" if factor == 1.0 else f"{factor:g} · "
+    ramp = f", ramped down over steps {max_steps - cooldown + 1}-{max_steps}" if cooldown else ""
     ax.set_title(
         "Learning-rate schedule (Section 5.3): "
-        rf"lrate = {f}$d_{{model}}^{{-0.5}} \cdot \min(step^{{-0.5}},\ step \cdot warmup^{{-1.5}})$",
+        rf"lrate = {f}$d_{{model}}^{{-0.5}} \cdot \min(step^{{-0.5}},\ step \cdot warmup^{{-1.5}})${ramp}",
         fontsize=11,
     )
     return fig, drawn
@@ -580,13 +584,15 @@ def run(args: argparse.Namespace) -> int:
         path = find_metrics(args.checkpoint)
         fig, _ = curves_figure(read_metrics(path), title=f"Training run {path.parent.resolve().name} ({path.name})")
     else:
-        d_models, warmups, factor = args.d_model, args.warmup, args.factor
+        d_models, warmups, factor, ramp = args.d_model, args.warmup, args.factor, (0, 0)
         if args.checkpoint:  # the schedule that run trained with
             cfg = _checkpoint_config(args.checkpoint)
             d_models = [int(_config_value(cfg, "model", "d_model", args.checkpoint))]
             warmups = [int(_config_value(cfg, "train", "warmup", args.checkpoint))]
             factor = float(_config_value(cfg, "train", "lr_factor", args.checkpoint))
-        fig, _ = lr_schedule_figure(d_models, warmups, args.steps, factor)
+            train = cfg.get("train") or {}
+            ramp = (int(train.get("cooldown") or 0), int(train.get("max_steps") or 0))  # older runs: none
+        fig, _ = lr_schedule_figure(d_models, warmups, args.steps, factor, *ramp)
     out = save_figure(fig, args.output, args.dpi)
     print(out)
     return 0

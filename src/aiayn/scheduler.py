@@ -9,11 +9,14 @@ batch further inside that thread).
 A batch holds lines that share one `key` (the search settings): lines with other settings wait for
 a batch of their own, so every line is searched exactly as `aiayn translate` would search it. The
 scheduler takes lines oldest first until `max_batch_tokens` source tokens. It waits for a batch
-to fill at most `max_wait` seconds after the oldest line arrived, and no longer than it takes for as
-many lines as the previous batch held: under steady load (c clients, each sending again as soon as
-it is answered) that is the size the next batch will have, and a lone client, whose previous batch
-was one line, never waits. A request's lines may be cut across several batches; its future is
-answered once all of them are back.
+to fill at most `max_wait` seconds after the oldest line arrived or, under the key of the previous
+batch, after that batch ended (whichever is later), and no longer than it takes for as many lines as
+the requests that batch completed held, plus those of its key already waiting when it ended. Under
+steady load (c clients, each sending again as soon as it is answered) that is all c lines, so the
+clients move as one cohort in batches of c instead of splitting into cohorts that take turns in
+smaller, slower batches; a lone client, whose previous batch was one line, never waits, and neither
+does the rest of a request too long for one batch. A request's lines may be cut across several
+batches; its future is answered once all of them are back.
 
 Limits are data: `max_queue` lines may wait (not yet in a batch); beyond that `submit` raises
 `QueueFull`. A cancelled request (its client went away) loses its lines that have not started.
@@ -41,7 +44,7 @@ class Limits:
 
     beam: int = 4  # default beam size
     max_batch_tokens: int = 2048  # source tokens per batch
-    max_wait_ms: float = 5.0  # how long a line may wait for a batch to fill
+    max_wait_ms: float = 5.0  # how long a batch may wait to fill, after its oldest line or the last batch
     max_queue: int = 1024  # lines waiting for a batch; also the most lines one request may hold
     max_chars: int = 2000  # characters per line
     max_beam: int = 16  # the largest beam a request may ask for
@@ -90,7 +93,11 @@ class Scheduler:
         self.waiting = 0  # lines in the queue not yet taken into a batch
         self.stats = Stats()
         self.busy = False  # a batch is running in the model thread
-        self.last_lines = 1  # lines in the previous batch: what the next one waits for at most
+        # the previous batch: its key, when it ended (time.monotonic), and the lines a next batch
+        # under that key waits for at most (see the module docstring)
+        self.last_key: Hashable = None
+        self.ended = 0.0
+        self.expect = 1
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="aiayn-model")  # the one thread that owns the model
@@ -159,14 +166,15 @@ class Scheduler:
         return sum(len(j.lines) - j.taken for j in jobs), sum(sum(j.costs[j.taken:]) for j in jobs)
 
     async def _fill(self) -> None:
-        """Waits until the oldest job's batch is full, holds as many lines as the previous batch,
-        or has waited `max_wait` seconds."""
+        """Waits until the oldest job's batch is full, holds `expect` lines, or has waited
+        `max_wait` seconds since that job arrived or the previous batch (of its key) ended."""
         assert self._wake is not None
         while self.queue:
             head = self.queue[0]
-            left = head.arrived + self.max_wait - time.monotonic()
+            same = head.key == self.last_key  # only the clients of that batch are coming back
+            left = max(head.arrived, self.ended if same else 0.0) + self.max_wait - time.monotonic()
             lines, tokens = self._ready(head.key)
-            if left <= 0 or tokens >= self.max_batch_tokens or lines >= self.last_lines:
+            if left <= 0 or tokens >= self.max_batch_tokens or lines >= (self.expect if same else 1):
                 return
             self._wake.clear()
             try:
@@ -230,11 +238,15 @@ class Scheduler:
             self.busy = False
         self.stats.batches += 1
         self.stats.lines += len(lines)
-        self.last_lines = len(lines)
         if self.stats.on_batch is not None:
             self.stats.on_batch(len(lines), tokens, time.perf_counter() - start)
+        answered = 0  # lines of the requests this batch completes: their clients may send again
         for (job, i), result in zip(batch, results):
             job.results[i] = result
             job.returned += 1
-            if job.returned == len(job.lines) and not job.future.done():
-                job.future.set_result(job.results)
+            if job.returned == len(job.lines):
+                answered += len(job.lines)
+                if not job.future.done():
+                    job.future.set_result(job.results)
+        self.last_key, self.ended = key, time.monotonic()
+        self.expect = max(1, answered + self._ready(key)[0])

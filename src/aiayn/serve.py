@@ -32,7 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=INFERENCE_PRECISIONS, default="fp32", help="bf16: a bfloat16 copy of the model")
     p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens, help="source tokens per batch")
     p.add_argument("--max-wait-ms", type=float, default=d.max_wait_ms,
-                   help="how long a line may wait for others to share its batch (0: batches only what is waiting)")
+                   help="how long a batch may wait for more lines, after its oldest line arrived or the previous batch "
+                        "ended (0: batches only what is waiting)")
     p.add_argument("--max-queue", type=int, default=d.max_queue,
                    help="lines that may wait for a batch (more: 503); also the most lines per request")
     p.add_argument("--max-chars", type=int, default=d.max_chars, help="characters per line (more: 413)")

@@ -85,7 +85,8 @@ _HELP = {
     "update_freq": "batches accumulated per optimizer step",
     "lr_factor": "factor in lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)",
     "warmup": "warm-up steps of the learning-rate schedule",
-    "cooldown": "the last N steps before --max-steps ramp the learning rate linearly down to 0 (0: off)",
+    "cooldown": "the last N steps up to --max-steps ramp the learning rate linearly down (to 1/N of it on the "
+                "last step; 0: off)",
     "adam_beta1": "Adam beta1",
     "adam_beta2": "Adam beta2",
     "adam_eps": "Adam epsilon",
