@@ -9,7 +9,9 @@ sentence as soon as its previous one is answered (`POST /v1/translate`, the serv
 level: sentences/s over the whole level and latency percentiles p50/p95/p99 per request. "Batching
 off" is the same server with `--max-batch-tokens 1 --max-wait-ms 0`: every batch holds one line.
 (b) is `aiayn translate`'s own path timed in process (`Translator.search` over 500-line chunks, as
-the CLI reads them; model loading excluded); its translations, from the CLI itself, are compared
+the CLI reads them; model loading excluded), before the levels and after each pass. The levels run
+`--repeat` times (3) and every figure, the ceiling's included, is the best of its passes: on a
+shared machine one pass can be slowed by other work, and the best pass is the least disturbed; its translations, from the CLI itself, are compared
 with every server answer (the count of identical lines is printed). The 1-client target compares the
 server's median latency with a direct `Translator.translate([line])` call on the same sentences.
 
@@ -176,6 +178,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads for the server, the CLI and the direct calls (0: torch's default); "
                         "1 keeps a shared, busy machine from stalling multi-threaded operations")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="passes over the levels; each figure is the best pass (the ceiling's too: the machine is shared)")
     p.add_argument("--serve-flags", default="", help="more flags for the batching server, e.g. '--max-wait-ms 20'")
     p.add_argument("--json", help="write the results here too")
     args = p.parse_args()
@@ -206,13 +210,16 @@ def main() -> None:
         ceilings = [ceiling(translator, lines)]
         print(f"(b) aiayn translate on the whole file: {ceilings[0]:.1f} sentences/s", flush=True)
         rows: dict[str, dict[int, dict]] = {name: {} for name in servers}
-        for c in levels:  # the two servers take turns level by level
-            for name, server in servers.items():
-                print(f"server, {name.replace('_', ' ')}:", flush=True)
-                few = lines[:len(lines) if c >= 16 else args.few]
-                rows[name][c] = level(server, few, c, reference)
-        ceilings.append(ceiling(translator, lines))
-        print(f"(b) again: {ceilings[1]:.1f} sentences/s", flush=True)
+        for r in range(args.repeat):  # each figure is the best of `repeat` passes, the ceiling's too
+            for c in levels:  # the two servers take turns level by level
+                for name, server in servers.items():
+                    print(f"pass {r + 1}, server, {name.replace('_', ' ')}:", flush=True)
+                    few = lines[:len(lines) if c >= 16 else args.few]
+                    row = level(server, few, c, reference)
+                    if c not in rows[name] or row["sent_s"] > rows[name][c]["sent_s"]:
+                        rows[name][c] = row
+            ceilings.append(ceiling(translator, lines))
+            print(f"(b) again: {ceilings[-1]:.1f} sentences/s", flush=True)
         # last, when the server and the direct translator have both met many batch shapes (oneDNN
         # builds its kernels per shape, so a fresh process pays once for each new one)
         direct_ms, served_ms = one_client(translator, servers["batching"], lines[:args.direct])
@@ -221,7 +228,7 @@ def main() -> None:
     finally:
         for server in servers.values():
             server.stop()
-    best = max(ceilings)  # the faster of the two runs: the stricter comparison
+    best = max(ceilings)  # the fastest run: the stricter comparison
     results.update(rows, ceiling_sent_s=ceilings, direct_p50_ms=direct_ms, served_p50_ms=served_ms)
     if args.rss:
         results["rss_mib"] = memory(args.checkpoint, lines, args.rss)
