@@ -11,8 +11,9 @@ off" is the same server with `--max-batch-tokens 1 --max-wait-ms 0`: every batch
 (b) is `aiayn translate`'s own path timed in process (`Translator.search` over 500-line chunks, as
 the CLI reads them; model loading excluded), before the levels and after each pass. The levels run
 `--repeat` times (3) and every figure, the ceiling's included, is the best of its passes: on a
-shared machine one pass can be slowed by other work, and the best pass is the least disturbed; its translations, from the CLI itself, are compared
-with every server answer (the count of identical lines is printed). The 1-client target compares the
+shared machine one pass can be slowed by other work, and the best pass is the least disturbed.
+The CLI's own translations are compared with every server answer (the count of identical lines is
+printed). The 1-client target compares the
 server's median latency with a direct `Translator.translate([line])` call on the same sentences.
 
 With --rss N the batching server then takes N more requests from 64 clients, and its resident set
@@ -27,6 +28,7 @@ import http.client
 import json
 import os
 import re
+import shlex
 import socket
 import statistics
 import subprocess
@@ -190,8 +192,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     levels = [int(c) for c in args.clients.split(",")]
     lines = read_lines(multi30k_paths("test_2016_flickr", args.src, args.tgt)[0])
-    results: dict = {"checkpoint": args.checkpoint, "serve_flags": args.serve_flags, "sentences": len(lines), "cpus": os.cpu_count(),
-                     "threads": args.threads, "load_average_start": os.getloadavg()[0]}
+    if args.repeat < 1:
+        raise SystemExit("--repeat must be at least 1")
+    results: dict = {"checkpoint": args.checkpoint, "serve_flags": args.serve_flags, "sentences": len(lines),
+                     "cpus": os.cpu_count(), "threads": args.threads, "load_average_start": os.getloadavg()[0]}
     print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the start", flush=True)
 
     with tempfile.TemporaryDirectory() as tmp:  # the CLI's translations: what every answer must equal
@@ -204,7 +208,7 @@ def main() -> None:
 
     translator = Translator.from_checkpoint(args.checkpoint)
     translator.translate(lines[:16])  # warm-up
-    servers = {"batching": Server(args.checkpoint, *args.serve_flags.split()),
+    servers = {"batching": Server(args.checkpoint, *shlex.split(args.serve_flags)),
                "one_at_a_time": Server(args.checkpoint, "--max-batch-tokens", "1", "--max-wait-ms", "0")}
     try:
         ceilings = [ceiling(translator, lines)]
