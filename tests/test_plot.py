@@ -274,13 +274,16 @@ def test_lr_schedule_of_a_run(tmp_path, run_dir, monkeypatch):
     assert seen == [([32], [300], 600, 2.0, 0, 0)]  # d_model, warmup and lr_factor of the run; no ramp
 
 
-def test_lr_schedule_of_a_run_with_a_cooldown(tmp_path, model, tokenizers):
+def test_lr_schedule_of_a_run_with_a_cooldown(tmp_path, model, tokenizers, monkeypatch):
     cfg = {"train": TrainConfig(warmup=100, max_steps=500, cooldown=200).to_dict(), "step": 500}
     checkpoint.save_checkpoint(tmp_path / "best", model, tokenizers, cfg)
-    _, drawn = plot.lr_schedule_figure([32], [100], None, 1.0, 200, 500)
-    curve = drawn["d_model = 32, warmup = 100"]
+    figure = plot.lr_schedule_figure([32], [100], None, 1.0, 200, 500)
+    curve = figure[1]["d_model = 32, warmup = 100"]
     assert len(curve) == 500 and curve[-1] == learning_rate(500, 32, 100) / 200  # the whole run, ramp included
+    seen = []
+    monkeypatch.setattr(plot, "lr_schedule_figure", lambda *a: seen.append(a) or figure)
     assert main(["plot", "lr-schedule", "--checkpoint", str(tmp_path / "best"), "-o", str(tmp_path / "lr.png")]) == 0
+    assert seen == [([32], [100], None, 1.0, 200, 500)]  # the run's ramp
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):

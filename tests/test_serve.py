@@ -413,7 +413,7 @@ def test_scheduler_waits_for_the_lines_it_answered_so_that_clients_stay_one_coho
 
         def run(key, lines):
             calls.append(list(lines))
-            time.sleep(0.1 if lines == ["a"] else 0)
+            time.sleep(0.5 if lines == ["a"] else 0)
             return lines
 
         s = Scheduler(run, max_wait=1.0, max_batch_tokens=100)

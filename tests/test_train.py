@@ -97,11 +97,21 @@ def test_cooldown_ramps_the_paper_schedule_down_until_max_steps():
 
 
 def test_cooldown_needs_a_step_budget():
-    with pytest.raises(T.ConfigError, match="--cooldown needs --max-steps of at least"):
-        T.TrainConfig(cooldown=500)
+    with pytest.raises(T.ConfigError, match="--cooldown 500 needs --max-steps of at least"):
+        T.TrainConfig(cooldown=500).check_cooldown()
     with pytest.raises(T.ConfigError, match="--cooldown must be 0"):
         T.TrainConfig(cooldown=-1, max_steps=10)
-    assert T.TrainConfig(cooldown=500, max_steps=500).cooldown == 500
+    T.TrainConfig(cooldown=500, max_steps=500).check_cooldown()
+
+
+def test_cooldown_is_checked_on_the_settings_a_run_ends_up_with(tmp_path, corpus, capsys):
+    out = tmp_path / "r"
+    assert cli_main(tiny_args(corpus, out, "--cooldown", "3")) == 2  # a fresh run without --max-steps
+    assert "--cooldown 3 needs --max-steps" in capsys.readouterr().err and not out.exists()
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "2")) == 0
+    assert cli_main(["train", "--out", str(out), "--resume", "--cooldown", "2"]) == 0  # the run's --max-steps 2
+    assert cli_main(["train", "--out", str(out), "--resume", "--cooldown", "3"]) == 2
+    assert "--cooldown 3 needs --max-steps of at least" in capsys.readouterr().err
 
 
 def test_loss_is_label_smoothed_and_ignores_padding():

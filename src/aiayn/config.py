@@ -247,11 +247,16 @@ class TrainConfig:
             need(getattr(self, name) >= 0, name, "must be 0 (off) or positive")
         need(self.max_minutes >= 0, "max_minutes", "must be 0 (off) or positive")
         need(self.cooldown >= 0, "cooldown", "must be 0 (off) or a positive number of steps")
-        need(not self.cooldown or 0 < self.cooldown <= self.max_steps, "cooldown",
-             f"needs --max-steps of at least as many steps (the ramp ends there); --max-steps is {self.max_steps}")
         need(self.keep_last >= 1, "keep_last", "must be at least 1")
         need(-(2**63) <= self.seed < 2**64, "seed", "must fit in 64 bits")
         need(self.threads <= 4096, "threads", "must be at most 4096")
+
+    def check_cooldown(self) -> None:
+        """The ramp needs a step budget to end at; checked on the final settings (a resumed run
+        takes --max-steps from its checkpoint when only --cooldown is given anew)."""
+        if self.cooldown > self.max_steps:
+            raise ConfigError(f"--cooldown {self.cooldown} needs --max-steps of at least as many steps (the ramp "
+                              f"ends there); --max-steps is {self.max_steps}")
 
     def replace(self, **changes: Any) -> "TrainConfig":
         return dataclasses.replace(self, **changes)

@@ -14,8 +14,9 @@ batch, after that batch ended (whichever is later), and no longer than it takes 
 the requests that batch completed held, plus those of its key already waiting when it ended. Under
 steady load (c clients, each sending again as soon as it is answered) that is all c lines, so the
 clients move as one cohort in batches of c instead of splitting into cohorts that take turns in
-smaller, slower batches; a lone client, whose previous batch was one line, never waits, and neither
-does the rest of a request too long for one batch. A request's lines may be cut across several
+smaller, slower batches. A lone client, whose previous batch was one line, never waits; neither do
+the rest of a request too long for one batch, nor lines with other settings than the previous batch
+(no client it answered will join them). A request's lines may be cut across several
 batches; its future is answered once all of them are back.
 
 Limits are data: `max_queue` lines may wait (not yet in a batch); beyond that `submit` raises
@@ -244,9 +245,8 @@ class Scheduler:
         for (job, i), result in zip(batch, results):
             job.results[i] = result
             job.returned += 1
-            if job.returned == len(job.lines):
+            if job.returned == len(job.lines) and not job.future.done():  # (done: cancelled, its client gone)
                 answered += len(job.lines)
-                if not job.future.done():
-                    job.future.set_result(job.results)
+                job.future.set_result(job.results)
         self.last_key, self.ended = key, time.monotonic()
         self.expect = max(1, answered + self._ready(key)[0])

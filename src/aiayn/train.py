@@ -602,6 +602,8 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
     With `resume`, continues the newest checkpoint in `tc.out` with the run's saved settings (see
     `resumed_settings`; `given` names the options set on the command line, None: all of `tc`).
     """
+    if not resume:
+        tc.check_cooldown()  # before anything is written
     memory.cap_onednn_caches()  # before the first bf16 matmul
     if resume and given is not None and "device" not in given:  # not given anew: where the run ran
         tc = tc.replace(device=_saved_device(Path(tc.out)) or tc.device)
@@ -614,6 +616,7 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
         info(f"resuming from {loaded.path}")
     elif resume:
         info(f"nothing to resume in {tc.out}; starting a new run")
+    tc.check_cooldown()
     if tc.threads:
         torch.set_num_threads(tc.threads)
     run = _set_up(preset_name, model_over, tc, loaded, d, info)
