@@ -13,8 +13,8 @@ the CLI reads them; model loading excluded), before the levels and after each pa
 `--repeat` times (3) and every figure, the ceiling's included, is the best of its passes: on a
 shared machine one pass can be slowed by other work, and the best pass is the least disturbed.
 The CLI's own translations are compared with every server answer (the count of identical lines is
-printed). The 1-client target compares the
-server's median latency with a direct `Translator.translate([line])` call on the same sentences.
+printed). The 1-client target compares the server's median latency with a direct
+`Translator.translate([line])` call on the same sentences.
 
 With --rss N the batching server then takes N more requests from 64 clients, and its resident set
 size (VmRSS) is printed after 1,000 and after N requests. Clients and server share the machine's
@@ -208,7 +208,8 @@ def main() -> None:
 
     translator = Translator.from_checkpoint(args.checkpoint)
     translator.translate(lines[:16])  # warm-up
-    servers = {"batching": Server(args.checkpoint, *shlex.split(args.serve_flags)),
+    serve_flags = shlex.split(args.serve_flags)  # the batching server's, in the levels and the memory run
+    servers = {"batching": Server(args.checkpoint, *serve_flags),
                "one_at_a_time": Server(args.checkpoint, "--max-batch-tokens", "1", "--max-wait-ms", "0")}
     try:
         ceilings = [ceiling(translator, lines)]
@@ -237,7 +238,7 @@ def main() -> None:
     best = max(ceilings)  # the fastest run: the stricter comparison
     results.update(rows, ceiling_sent_s=ceilings, direct_p50_ms=direct_ms, served_p50_ms=served_ms)
     if args.rss:
-        results["rss_mib"] = memory(args.checkpoint, lines, args.rss, shlex.split(args.serve_flags))
+        results["rss_mib"] = memory(args.checkpoint, lines, args.rss, serve_flags)
     results["load_average_end"] = os.getloadavg()[0]
     report(results, levels, best, args.rss)
     if args.json:

@@ -616,7 +616,8 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
         info(f"resuming from {loaded.path}")
     elif resume:
         info(f"nothing to resume in {tc.out}; starting a new run")
-    tc.check_cooldown()
+    if resume:
+        tc.check_cooldown()  # on the settings the run continues with (a fresh run was checked above)
     if tc.threads:
         torch.set_num_threads(tc.threads)
     run = _set_up(preset_name, model_over, tc, loaded, d, info)
