@@ -234,6 +234,27 @@ def test_batch_invariance():
     assert torch.allclose(full[1], alone[0], atol=1e-5)
 
 
+def test_encode_and_cache_skip_padding_with_the_same_values():
+    """Search's encoder and cross-attention keys/values run on real source tokens only, and give
+    what the padded layout gives there (zeros at the padding, which is masked)."""
+    model = tiny()
+    src, _ = padded_batch()
+    keep = src.ne(0)
+    rows: list[int] = []
+    hook = model.encoder.layers[0].ff.register_forward_hook(lambda m, i, o: rows.append(i[0].numel() // i[0].size(-1)))
+    with torch.no_grad():
+        memory = model.encode(src, keep)
+        hook.remove()
+        padded = model.encoder(model.embed(src, model.src_embed), keep)  # (B, S, d) every position
+        cache = model.new_cache(memory, keep)
+        k, v = model.decoder.layers[1].cross_attn.project_kv(padded)
+    assert rows == [int(keep.sum())]  # 15 real tokens, not 3 * 7
+    assert torch.allclose(memory[keep], padded[keep], atol=1e-6) and memory[~keep].eq(0).all()
+    m = keep[:, None, :, None]  # (B, 1, S, 1)
+    assert torch.allclose(cache.layers[1].cross_k * m, k * m, atol=1e-6)
+    assert torch.allclose(cache.layers[1].cross_v * m, v * m, atol=1e-6)
+
+
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_cached_decoding_equals_full_decoding(norm_first):
     model = tiny(norm_first=norm_first)

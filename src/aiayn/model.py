@@ -329,16 +329,27 @@ class Transformer(nn.Module):
         return kernels.dropout(self.pos(x, offset), self.cfg.dropout, self.training)
 
     def encode(self, src: Tensor, src_keep: Tensor | None = None, weights: list | None = None) -> Tensor:
-        """Shape: src (B, S) -> memory (B, S, d_model)."""
+        """Shape: src (B, S) -> memory (B, S, d_model), zeros at the padding when there is some.
+
+        The position-wise layers run on the real tokens only (`Packed`): the sentences of a batch
+        that search gets from a server are of any length, and their padding would cost up to half
+        of the encoder's time. With `weights` (plots) the padded layout is kept."""
         if src_keep is None:
             src_keep = src.ne(self.cfg.pad_id)
-        return self.encoder(self.embed(src, self.src_embed), src_keep, weights)
+        x = self.embed(src, self.src_embed)  # (B, S, d)
+        if weights is not None or bool(src_keep.all()):
+            return self.encoder(x, src_keep, weights)
+        packed = Packed.from_keep(src_keep)
+        return packed.unpack(self.encoder(packed.pack(x), src_keep, packed=packed))
 
     def new_cache(self, memory: Tensor, src_keep: Tensor) -> DecoderCache:
-        """A decoding cache with cross-attention keys/values computed once from `memory`."""
+        """A decoding cache with cross-attention keys/values computed once from `memory`, at its
+        real tokens only (the keys/values at the padding are zeros, and masked)."""
+        packed = None if bool(src_keep.all()) else Packed.from_keep(src_keep)
+        mem = memory if packed is None else packed.pack(memory)  # (B, S, d) or (N_src, d)
         layers = []
         for layer in self.decoder.layers:
-            k, v = layer.cross_attn.project_kv(memory)  # (B, H, S, d_head) each
+            k, v = layer.cross_attn.project_kv(mem, packed)  # (B, H, S, d_head) each
             layers.append(LayerCache(k.contiguous(), v.contiguous()))  # contiguous: read at every step
         return DecoderCache(layers, src_keep)
 
