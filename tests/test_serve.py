@@ -265,6 +265,27 @@ def test_concurrent_requests_share_batches_and_match_translator(ckpt, reference)
 # ------------------------------------------------------------------------------ the other endpoints
 
 
+@pytest.mark.parametrize("threads, parts", [(1, 1), (2, 2)])
+def test_the_model_thread_cuts_a_batch_into_one_part_per_torch_thread(reference, monkeypatch, threads, parts):
+    """Padding counted: lines of very different lengths are one part on one thread, not several."""
+    import aiayn.translate
+    from aiayn.serve_batch import Key, run_batch
+
+    searched = []
+    search = aiayn.translate.beam_search
+    monkeypatch.setattr(aiayn.translate, "beam_search", lambda model, src, *a, **k: searched.append(src.size(0))
+                        or search(model, src, *a, **k))
+    lines = [w for w in LINES if w.strip()] * 4  # 20 lines of 2 to 15 source tokens
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = run_batch(reference, Key(2, 0.6, 1, False), lines)
+    finally:
+        torch.set_num_threads(old)
+    assert len(searched) == parts and sum(searched) == len(lines)
+    assert [nb[0]["text"] for nb in out] == reference.translate(lines, beam=2)
+
+
 def test_info_metrics_docs_and_page(client):
     info = client.get("/v1/info").json()
     assert info["languages"] == {"source": "de", "target": "en"} and info["model"]["d_model"] == 32

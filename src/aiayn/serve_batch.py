@@ -66,10 +66,15 @@ def model_device(model: Any) -> Any:
 def _split_tokens(translator: Any, lines: list[str]) -> int:
     """A `max_tokens` that cuts the batch into about one part per torch thread: `map_batches` then
     searches the parts at once, each on its own thread, which beats one part on all threads for the
-    small batches a server sees (the results do not depend on it: each line is searched alike)."""
+    small batches a server sees (the results do not depend on it: each line is searched alike).
+
+    `max_tokens` counts padding (a part costs its lines times its longest), so the share does too:
+    counted without it, one thread got three or four parts of a 64-line batch, each with its own
+    tail of steps that decode a few rows, 5 to 8% slower than one part. At most 4096, as `translate`."""
     lengths = [len(ids) for ids in translator.encode(lines)]
-    share = math.ceil(sum(lengths) * 1.1 / torch.get_num_threads())
-    return max(1, min(4096, max(max(lengths, default=1), share)))
+    longest = max(lengths, default=1)
+    share = math.ceil(len(lengths) * longest * 1.05 / torch.get_num_threads())
+    return max(1, min(4096, max(longest, share)))
 
 
 def run_batch(translator: Any, key: Key, lines: list[str]) -> list[list[dict[str, Any]]]:
