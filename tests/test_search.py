@@ -12,6 +12,7 @@ import torch
 from aiayn.config import preset
 from aiayn.errors import AiaynError
 from aiayn.model import Transformer
+from aiayn import search
 from aiayn.search import beam_search, greedy_search, length_penalty
 
 PAD, UNK, BOS, EOS, A, B_ = 0, 1, 2, 3, 4, 5
@@ -224,6 +225,25 @@ def test_fast_topk_does_not_change_the_search(monkeypatch):
     fast = beam_search(model, src, BOS, EOS, **kw)
     monkeypatch.setattr(search, "TOPK_GROUPS", 7)  # 200 % 7 != 0: plain topk
     assert beam_search(model, src, BOS, EOS, **kw) == fast
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_on_done_gives_each_sentence_its_result_as_soon_as_it_is_done(beam, monkeypatch):
+    """What a server answers early is what the search returns, at the step each sentence ends
+    (in that order), not once the batch is done."""
+    model, src = random_model(), random_batch([6, 2, 8, 4, 5])
+    steps, seen = [], []
+    hidden = search._hidden
+    monkeypatch.setattr(search, "_hidden", lambda *args: steps.append(1) or hidden(*args))
+    done = lambda row, result: seen.append((row, result, len(steps)))  # noqa: E731
+    if beam == 1:
+        out = greedy_search(model, src, BOS, EOS, max_len_b=10, on_done=done)
+    else:
+        out = beam_search(model, src, BOS, EOS, beam=beam, nbest=2, max_len_b=10, on_done=done)
+    assert sorted(row for row, _, _ in seen) == [0, 1, 2, 3, 4]
+    assert all(result == out[row] for row, result, _ in seen)
+    at = [step for _, _, step in seen]
+    assert at == sorted(at) and at[0] < at[-1] == len(steps)  # the first one steps before the last
+
 
 def test_batch_invariance():
     model = random_model()

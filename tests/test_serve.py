@@ -232,7 +232,7 @@ def test_a_fault_in_the_search_is_a_500_json_and_the_server_goes_on(ckpt):
         ready(c)
         srv = app.state.server
         work = srv.scheduler.run
-        srv.scheduler.run = lambda key, lines: 1 / 0
+        srv.scheduler.run = lambda key, lines, early: 1 / 0
         r = c.post("/v1/translate", json={"text": ["ein Mann"]})
         assert r.status_code == 500 and r.json() == {"error": "translation failed (ZeroDivisionError)"}
         srv.scheduler.run = work
@@ -363,7 +363,7 @@ def _run_scheduler(coro_fn, **kw):
     async def main():
         calls = []
 
-        def run(key, lines):
+        def run(key, lines, early):
             calls.append((key, list(lines)))
             if "boom" in lines:
                 raise RuntimeError("boom")
@@ -432,7 +432,7 @@ def test_scheduler_waits_for_the_lines_it_answered_so_that_clients_stay_one_coho
     async def main():
         calls = []
 
-        def run(key, lines):
+        def run(key, lines, early):
             calls.append(list(lines))
             time.sleep(0.5 if lines == ["a"] else 0)
             return lines
@@ -451,6 +451,37 @@ def test_scheduler_waits_for_the_lines_it_answered_so_that_clients_stay_one_coho
 
     calls, seconds = asyncio.run(main())
     assert calls == [["a"], ["b", "c"]] and seconds < 0.5  # not [b] then [c]: one batch of both clients
+
+
+def test_scheduler_answers_a_line_when_it_is_done_and_the_next_batch_still_waits_for_the_rest():
+    """Client A's line is done early in a batch of A and B: A is answered while B's line still
+    runs, sends again at once, and its new line waits for B's client, so both stay one cohort."""
+    async def main():
+        calls, a_answered = [], []
+
+        def run(key, lines, early):
+            calls.append(list(lines))
+            if lines == ["a", "b"]:
+                early(0, "a!")  # a is done; b takes 0.5 s more
+                time.sleep(0.5)
+                a_answered.append(a.future.done())
+            return [f"{line}!" for line in lines]
+
+        s = Scheduler(run, max_wait=1.0, max_batch_tokens=100)
+        try:
+            a, b = s.submit("k", ["a"], [1]), s.submit("k", ["b"], [1])
+            assert await a.future == ["a!"]
+            c = s.submit("k", ["c"], [1])  # A again, while b runs
+            assert await b.future == ["b!"]
+            start = time.monotonic()
+            await asyncio.gather(c.future, s.submit("k", ["d"], [1]).future)  # B again
+            return calls, a_answered, time.monotonic() - start
+        finally:
+            await s.close()
+
+    calls, a_answered, seconds = asyncio.run(main())
+    assert a_answered == [True]  # before its batch was back
+    assert calls == [["a", "b"], ["c", "d"]] and seconds < 0.5  # not [c] then [d]
 
 
 def test_scheduler_waits_for_no_client_that_cannot_come_back():

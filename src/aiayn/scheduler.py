@@ -8,16 +8,19 @@ batch further inside that thread).
 
 A batch holds lines that share one `key` (the search settings): lines with other settings wait for
 a batch of their own, so every line is searched exactly as `aiayn translate` would search it. The
-scheduler takes lines oldest first until `max_batch_tokens` source tokens. It waits for a batch
-to fill at most `max_wait` seconds after the oldest line arrived or, under the key of the previous
-batch, after that batch ended (whichever is later), and no longer than it takes for as many lines as
-the requests that batch completed held, plus those of its key already waiting when it ended. Under
-steady load (c clients, each sending again as soon as it is answered) that is all c lines, so the
-clients move as one cohort in batches of c instead of splitting into cohorts that take turns in
-smaller, slower batches. A lone client, whose previous batch was one line, never waits; neither do
-the rest of a request too long for one batch, nor lines with other settings than the previous batch
-(no client it answered will join them). A request's lines may be cut across several
-batches; its future is answered once all of them are back.
+scheduler takes lines oldest first until `max_batch_tokens` source tokens. A line is answered as
+soon as the search is done with it (`run` calls `early`), while the longer lines of its batch go
+on; a request's future is answered once all its lines are (they may be cut across batches).
+
+A batch waits to fill at most `max_wait` seconds after the oldest line arrived or, under the key of
+the previous batch, after that batch ended (whichever is later), and no longer than it takes for
+the clients that batch answered to come back: the lines of the requests it completed, plus those of
+its key that were waiting, where lines that arrived during the batch count first as the clients it
+answered early. Under steady load (c clients, each sending again as soon as it is answered) that is
+all c lines, most of them back before the batch ends, so the clients move as one cohort in batches
+of c instead of splitting into cohorts that take turns in smaller, slower batches. A lone client,
+whose previous batch was one line, never waits; neither do the rest of a request too long for one
+batch, nor lines with other settings than the previous batch (no client it answered will join them).
 
 Limits are data: `max_queue` lines may wait (not yet in a batch); beyond that `submit` raises
 `QueueFull`. A cancelled request (its client went away) loses its lines that have not started.
@@ -35,8 +38,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 log = logging.getLogger("aiayn.serve")
-# run(key, lines) -> one result per line; called in the model thread, never on the event loop
-RunBatch = Callable[[Hashable, list[str]], list[Any]]
+# run(key, lines, early) -> one result per line; called in the model thread, never on the event loop.
+# It may call early(i, result) (from that thread) as soon as line i is done, before the rest.
+RunBatch = Callable[[Hashable, list[str], Callable[[int, Any], None]], list[Any]]
 
 
 @dataclass(frozen=True)
@@ -225,10 +229,25 @@ class Scheduler:
         key = batch[0][0].key
         lines = [job.lines[i] for job, i in batch]
         tokens = sum(job.costs[i] for job, i in batch)
+        waiting = self._ready(key)[0]  # lines of this key left waiting
+        given = [False] * len(batch)  # lines answered already (most before the batch is back)
+        # lines of the requests this batch completes (their clients may send again): all, and
+        # those completed before the batch was back
+        answered = [0, 0]
+        loop = asyncio.get_running_loop()
+
+        def give(n: int, result: Any, early: bool) -> None:  # on the event loop
+            lines = self._give(batch, given, n, result)
+            answered[0] += lines
+            answered[1] += lines if early else 0
+
+        def early(n: int, result: Any) -> None:  # in the model thread: hand over to the event loop
+            loop.call_soon_threadsafe(give, n, result, True)
+
         self.busy = True
         start = time.perf_counter()
         try:
-            results = await self.call(self.run, key, lines)
+            results = await self.call(self.run, key, lines, early)
         except Exception as e:  # a fault in the search fails its requests, never the loop
             for job in {job for job, _ in batch}:
                 self._unqueue(job)  # its lines still waiting go too
@@ -241,12 +260,25 @@ class Scheduler:
         self.stats.lines += len(lines)
         if self.stats.on_batch is not None:
             self.stats.on_batch(len(lines), tokens, time.perf_counter() - start)
-        answered = 0  # lines of the requests this batch completes: their clients may send again
-        for (job, i), result in zip(batch, results):
-            job.results[i] = result
-            job.returned += 1
-            if job.returned == len(job.lines) and not job.future.done():  # (done: cancelled, its client gone)
-                answered += len(job.lines)
-                job.future.set_result(job.results)
+        for n, result in enumerate(results):  # the lines not given early (blank ones, or all)
+            give(n, result, False)
         self.last_key, self.ended = key, time.monotonic()
-        self.expect = max(1, answered + self._ready(key)[0])
+        # The next batch waits for the clients this batch answered and for the lines waiting now,
+        # but the lines that arrived during the batch may come from clients it answered early:
+        # as many of them as it answered early count as theirs.
+        self.expect = max(1, answered[0] + max(waiting, self._ready(key)[0] - answered[1]))
+
+    @staticmethod
+    def _give(batch: list[tuple[Job, int]], given: list[bool], n: int, result: Any) -> int:
+        """Line n of the batch is done: its request is answered once all its lines are. Returns
+        the lines of the request it completes (0 if none, or if line n was given already)."""
+        if given[n]:
+            return 0
+        given[n] = True
+        job, i = batch[n]
+        job.results[i] = result
+        job.returned += 1
+        if job.returned == len(job.lines) and not job.future.done():  # (done: cancelled, its client gone)
+            job.future.set_result(job.results)
+            return len(job.lines)
+        return 0

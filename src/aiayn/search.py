@@ -38,6 +38,7 @@ Conventions, pinned by tests/test_search.py:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -177,8 +178,10 @@ class _RowTopk:
 
 @torch.inference_mode()  # no autograd bookkeeping at all (a few % per step over no_grad)
 def greedy_search(model: Any, src: Tensor, bos_id: int, eos_id: int, max_len_a: float = 1.0,
-                  max_len_b: int = 50, min_len: int = 0, use_cache: bool = True) -> list[list[int]]:
-    """Greedy search for a batch of right-padded sources.
+                  max_len_b: int = 50, min_len: int = 0, use_cache: bool = True,
+                  on_done: Callable[[int, list[int]], None] | None = None) -> list[list[int]]:
+    """Greedy search for a batch of right-padded sources; `on_done(row, ids)` (if given) as soon
+    as a sentence is done, before the rest of the batch (a server answers its client then).
 
     Shape: src (B, S) -> B lists of token ids without BOS/EOS.
     """
@@ -206,6 +209,8 @@ def greedy_search(model: Any, src: Tensor, bos_id: int, eos_id: int, max_len_a: 
         if bool(done.any()):  # finished sentences leave the batch and stop costing compute
             for row, ids in zip(alive[done].tolist(), tokens[done, 1:].tolist()):
                 out[row] = ids[:-1] if ids[-1] == eos_id else ids
+                if on_done is not None:
+                    on_done(row, out[row])
             keep = (~done).nonzero().squeeze(1)
             alive, tokens = alive[keep], tokens[keep]
             if cache is not None:
@@ -218,8 +223,10 @@ def greedy_search(model: Any, src: Tensor, bos_id: int, eos_id: int, max_len_a: 
 @torch.inference_mode()  # no autograd bookkeeping at all (a few % per step over no_grad)
 def beam_search(model: Any, src: Tensor, bos_id: int, eos_id: int, beam: int = 4, alpha: float = 0.6,
                 max_len_a: float = 1.0, max_len_b: int = 50, min_len: int = 0, nbest: int = 1,
-                use_cache: bool = True) -> list[list[Hypothesis]]:
+                use_cache: bool = True,
+                on_done: Callable[[int, list[Hypothesis]], None] | None = None) -> list[list[Hypothesis]]:
     """Batched beam search; returns, per sentence, up to `nbest` (tokens, score) pairs, best first.
+    `on_done(row, n-best)` (if given) as soon as a sentence is done, as `greedy_search`'s.
 
     Shape: src (B, S) right-padded -> B lists of (ids without BOS/EOS, score).
     """
@@ -265,6 +272,9 @@ def beam_search(model: Any, src: Tensor, bos_id: int, eos_id: int, beam: int = 4
                 finals[s].append((ids, sc / lp))
         cont_scores, cont_pos = top_scores.masked_fill(is_eos, neg_inf).topk(K, dim=1)  # (b, K)
         done = n_final.ge(K) | at_limit | cont_scores[:, 0].eq(neg_inf)  # (b,)
+        if on_done is not None and bool(done.any()):
+            for s in sent[done].tolist():
+                on_done(s, _best(finals[s], nbest))
         keep = (~done).nonzero().squeeze(1) if bool(done.any()) else None
         if keep is not None:
             if keep.numel() == 0:
@@ -285,8 +295,9 @@ def beam_search(model: Any, src: Tensor, bos_id: int, eos_id: int, beam: int = 4
             memory, src_keep = memory.index_select(0, src_rows), src_keep.index_select(0, src_rows)
         R = K
         step += 1
-    out = []
-    for hyps in finals:
-        hyps.sort(key=lambda h: -h[1])  # stable: ties keep the order in which they finished
-        out.append(hyps[:nbest])
-    return out
+    return [_best(hyps, nbest) for hyps in finals]
+
+
+def _best(hyps: list[Hypothesis], nbest: int) -> list[Hypothesis]:
+    """The `nbest` best finished hypotheses; stable: ties keep the order in which they finished."""
+    return sorted(hyps, key=lambda h: -h[1])[:nbest]

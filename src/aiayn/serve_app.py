@@ -21,7 +21,7 @@ import logging
 import os
 import platform
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict
 from importlib import resources
@@ -195,9 +195,9 @@ class Server:
         self.ready = False
         self.failure = ""
 
-    def _work(self, key: Key, lines: list[str]) -> list[list[dict[str, Any]]]:
+    def _work(self, key: Key, lines: list[str], early: Callable[[int, Any], None]) -> list[list[dict[str, Any]]]:
         start = time.perf_counter()
-        out = run_batch(self.translator, key, lines)
+        out = run_batch(self.translator, key, lines, early)
         n = sum(len(nb[0]["tokens"]) for nb in out if nb)
         self.metrics.target_tokens.inc(n)
         self.metrics.tokens_per_s.set(n / max(time.perf_counter() - start, 1e-9))

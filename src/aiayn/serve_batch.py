@@ -9,6 +9,7 @@ No HTTP here (`aiayn.serve_app`) and no batching (`aiayn.scheduler`): plain func
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -77,24 +78,37 @@ def _split_tokens(translator: Any, lines: list[str]) -> int:
     return max(1, min(4096, max(longest, share)))
 
 
-def run_batch(translator: Any, key: Key, lines: list[str]) -> list[list[dict[str, Any]]]:
+def run_batch(translator: Any, key: Key, lines: list[str],
+              on_line: Callable[[int, list[dict[str, Any]]], None] | None = None) -> list[list[dict[str, Any]]]:
     """Per line, its n-best hypotheses: text, score, target subwords (and attention on request).
 
     The subwords are the ones the search chose (`Translator.search_ids`), the text their
     detokenization as `Translator.search` gives it; the attention is that of a teacher-forced pass
-    over the source and those subwords."""
+    over the source and those subwords. `on_line(i, hypotheses)`, if given, gets each searched line
+    as soon as the search is done with it (the server answers its client then, while the batch's
+    longer lines go on); the returned list has every line, those too."""
+    out: list[list[dict[str, Any]] | None] = [None] * len(lines)
+
+    def done(i: int, nbest: list[tuple[list[int], float]]) -> None:
+        out[i] = _hypotheses(translator, key, lines[i], nbest)
+        assert on_line is not None
+        on_line(i, out[i])
+
     found = translator.search_ids(lines, beam=key.beam, alpha=key.alpha, nbest=key.nbest,
-                                  max_tokens=_split_tokens(translator, lines))
+                                  max_tokens=_split_tokens(translator, lines), on_line=done if on_line else None)
+    return [hyps if hyps is not None else _hypotheses(translator, key, line, nbest)
+            for line, nbest, hyps in zip(lines, found, out)]
+
+
+def _hypotheses(translator: Any, key: Key, line: str, nbest: list[tuple[list[int], float]]) -> list[dict[str, Any]]:
+    """One line's n-best as the API gives it: text, score, target subwords, attention if asked."""
     tgt = translator.tokenizers.tgt
-    out = []
-    for line, nbest in zip(lines, found):
-        hyps = [{"text": one_line(tgt.decode(ids)), "score": _score(score),
-                 "tokens": [tgt.id_to_piece(i) for i in ids]} for ids, score in nbest]
-        if key.attention:
-            for h, m in zip(hyps, _attention(translator, line, [ids for ids, _ in nbest])):
-                h["attention"] = m
-        out.append(hyps)
-    return out
+    hyps = [{"text": one_line(tgt.decode(ids)), "score": _score(score),
+             "tokens": [tgt.id_to_piece(i) for i in ids]} for ids, score in nbest]
+    if key.attention:
+        for h, m in zip(hyps, _attention(translator, line, [ids for ids, _ in nbest])):
+            h["attention"] = m
+    return hyps
 
 
 def _attention(translator: Any, line: str, ids: list[list[int]]) -> list[list[list[list[float]]]]:

@@ -299,9 +299,13 @@ class Translator(BaseTranslator):
                 for nb in self.search_ids(lines, first_line, **settings)]
 
     def search_ids(self, lines: Sequence[str], first_line: int = 1,
+                   on_line: Callable[[int, list[tuple[list[int], float]]], None] | None = None,
                    **settings: Any) -> list[list[tuple[list[int], float]]]:
         """`search` before detokenizing: per line, its n-best (target ids without BOS/EOS, score);
-        the exact tokens the search chose, for callers that show them (the server's attention)."""
+        the exact tokens the search chose, for callers that show them (the server's attention).
+
+        `on_line(i, n-best)`, if given, is called (in the thread that searched it) as soon as line i
+        is done, before the rest of its batch; never for a blank line."""
         s = Settings(**settings)
         s.check()
         encoded = self.encode(lines, first_line)
@@ -316,10 +320,12 @@ class Translator(BaseTranslator):
                 src[row, : len(encoded[i])] = torch.tensor(encoded[i])
             src = src.to(self.device)
             if s.beam == 1:
+                done = None if on_line is None else (lambda row, ids: on_line(batch[row], [(ids, float("nan"))]))
                 return [[(ids, float("nan"))] for ids in greedy_search(
-                    model, src, BOS_ID, EOS_ID, s.max_len_a, s.max_len_b, s.min_len)]
+                    model, src, BOS_ID, EOS_ID, s.max_len_a, s.max_len_b, s.min_len, on_done=done)]
             return beam_search(model, src, BOS_ID, EOS_ID, beam=s.beam, alpha=s.alpha, max_len_a=s.max_len_a,
-                               max_len_b=s.max_len_b, min_len=s.min_len, nbest=s.nbest)
+                               max_len_b=s.max_len_b, min_len=s.min_len, nbest=s.nbest,
+                               on_done=None if on_line is None else (lambda row, nb: on_line(batch[row], nb)))
 
         batches = list(length_batches(encoded, s.max_tokens, s.batch_size))
         with evaluating(model):
