@@ -275,15 +275,19 @@ def test_the_model_thread_cuts_a_batch_into_one_part_per_torch_thread(reference,
     search = aiayn.translate.beam_search
     monkeypatch.setattr(aiayn.translate, "beam_search", lambda model, src, *a, **k: searched.append(src.size(0))
                         or search(model, src, *a, **k))
-    lines = [w for w in LINES if w.strip()] * 4  # 20 lines of 2 to 15 source tokens
+    lines = [w for w in LINES if w.strip()] * 4 + [""]  # 20 lines of 2 to 15 source tokens, a blank one
+    early = []
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = run_batch(reference, Key(2, 0.6, 1, False), lines)
+        out = run_batch(reference, Key(2, 0.6, 1, False), lines, lambda i, hyps: early.append((i, hyps)))
     finally:
         torch.set_num_threads(old)
-    assert len(searched) == parts and sum(searched) == len(lines)
+    assert len(searched) == parts and sum(searched) == len(lines) - 1
     assert [nb[0]["text"] for nb in out] == reference.translate(lines, beam=2)
+    # every searched line was handed over early (from the worker that searched it), as returned
+    assert sorted(i for i, _ in early) == list(range(len(lines) - 1))
+    assert all(out[i] == hyps for i, hyps in early)
 
 
 def test_info_metrics_docs_and_page(client):
