@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Train on Multi30k and score test_2016_flickr: bench/multi30k.sh SRC TGT [MINUTES] [THREADS] [TRAIN FLAGS...]
-# Writes runs/multi30k-SRC-TGT/ (checkpoints, metrics.jsonl, averaged-5/, averaged-10/ and, where the
-# run kept 20 epoch checkpoints, averaged-20/: the last 5, 10 and 20 epochs), the choices made on the
-# validation set (val.jsonl: which average, then beam and alpha) and the test scores (scores.jsonl). The test set is translated only with settings fixed in
+# Writes runs/multi30k-SRC-TGT/ (checkpoints, metrics.jsonl, averaged-5/, averaged-10/ and, where
+# the run kept 20 epoch checkpoints (--keep-last 20), averaged-20/: the last 5, 10 and 20 epochs),
+# the choices made on the validation set (val.jsonl: which average, then beam and alpha) and the
+# test scores (scores.jsonl). The test set is translated only with settings fixed in
 # advance or chosen on val: best/ greedy and beam 4, and the val-chosen average with the paper's
 # beam 4 / alpha 0.6 and with the val-tuned beam and alpha, in fp32 and bf16.
 set -euo pipefail
@@ -15,9 +16,10 @@ if [ ! -e "$run/averaged-10" ]; then
     --threads "$threads" --out "$run" --resume "$@"  # a re-run after an interruption continues the run
   $aiayn average --checkpoint "$run" -n 5 -o "$run/averaged-5"
   $aiayn average --checkpoint "$run" -n 10 -o "$run/averaged-10"
-  if [ "$(find "$run" -maxdepth 1 -name 'step_*' | wc -l)" -ge 20 ]; then
-    $aiayn average --checkpoint "$run" -n 20 -o "$run/averaged-20"
-  fi
+fi
+kept=$(find "$run" -mindepth 2 -maxdepth 2 -path "$run/step_*/config.json" | grep -cE '/step_[0-9]+/config.json$' || true)
+if [ ! -e "$run/averaged-20" ] && [ "$kept" -ge 20 ]; then  # complete step_<N>/ checkpoints, as average counts
+  $aiayn average --checkpoint "$run" -n 20 -o "$run/averaged-20"
 fi
 score() {  # score SPLIT CHECKPOINT BEAM ALPHA PRECISION -> one JSON line
   $aiayn evaluate --checkpoint "$run/$2" --data multi30k --src "$src" --tgt "$tgt" --split "$1" \
@@ -31,7 +33,7 @@ import json, sys; rows = [json.loads(l) for l in open('$run/val.jsonl')]
 rows = [r for r in rows if sys.argv[1] in ('', r['checkpoint'])]
 r = max(rows, key=lambda r: r['bleu']); print(r['checkpoint'], r['beam'], r['alpha'])" "${1:-}"
 }
-for avg in averaged-5 averaged-10 averaged-20; do  # how many epochs to average, at the paper's search settings
+for avg in averaged-5 averaged-10 averaged-20; do  # how many epochs to average, at beam 4 / alpha 0.6
   [ -e "$run/$avg" ] || continue
   echo "== val $avg beam 4 alpha 0.6" >&2
   score val "$avg" 4 0.6 fp32 >> "$run/val.jsonl"

@@ -241,14 +241,17 @@ def test_encode_and_cache_skip_padding_with_the_same_values():
     src, _ = padded_batch()
     keep = src.ne(0)
     rows: list[int] = []
-    hook = model.encoder.layers[0].ff.register_forward_hook(lambda m, i, o: rows.append(i[0].numel() // i[0].size(-1)))
+    count = lambda m, i, o: rows.append(i[0].numel() // i[0].size(-1))  # noqa: E731
+    hooks = [model.encoder.layers[0].ff.register_forward_hook(count),
+             model.decoder.layers[1].cross_attn.kv_proj.register_forward_hook(count)]
     with torch.no_grad():
         memory = model.encode(src, keep)
-        hook.remove()
-        padded = model.encoder(model.embed(src, model.src_embed), keep)  # (B, S, d) every position
         cache = model.new_cache(memory, keep)
+        for h in hooks:
+            h.remove()
+        padded = model.encoder(model.embed(src, model.src_embed), keep)  # (B, S, d) every position
         k, v = model.decoder.layers[1].cross_attn.project_kv(padded)
-    assert rows == [int(keep.sum())]  # 15 real tokens, not 3 * 7
+    assert rows == [int(keep.sum())] * 2  # 15 real tokens, not 3 * 7
     assert torch.allclose(memory[keep], padded[keep], atol=1e-6) and memory[~keep].eq(0).all()
     m = keep[:, None, :, None]  # (B, 1, S, 1)
     assert torch.allclose(cache.layers[1].cross_k * m, k * m, atol=1e-6)

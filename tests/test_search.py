@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from aiayn import search
 from aiayn.config import preset
 from aiayn.errors import AiaynError
 from aiayn.model import Transformer
-from aiayn import search
 from aiayn.search import beam_search, greedy_search, length_penalty
 
 PAD, UNK, BOS, EOS, A, B_ = 0, 1, 2, 3, 4, 5
@@ -184,7 +184,6 @@ def test_cached_equals_uncached(beam):
 def test_row_blocks_do_not_change_the_search(monkeypatch):
     """The vocabulary stage runs on blocks of rows (`ROW_BLOCK`): any block size gives the same
     tokens and scores, forced EOS at the length limit and min_len across block edges included."""
-    import aiayn.search as search
 
     model, src = random_model(), random_batch([6, 2, 8, 4, 5, 7, 3])
     kw = dict(beam=4, nbest=4, max_len_b=6, min_len=2)
@@ -218,13 +217,13 @@ def test_topk_rows_gives_the_values_of_topk(V, k):
 
 
 def test_fast_topk_does_not_change_the_search(monkeypatch):
-    import aiayn.search as search
 
     model, src = random_model(vocab=200), random_batch([6, 2, 8, 4, 5], vocab=200)
     kw = dict(beam=4, nbest=4, max_len_b=6)
     fast = beam_search(model, src, BOS, EOS, **kw)
     monkeypatch.setattr(search, "TOPK_GROUPS", 7)  # 200 % 7 != 0: plain topk
     assert beam_search(model, src, BOS, EOS, **kw) == fast
+
 
 @pytest.mark.parametrize("beam", [1, 4])
 def test_on_done_gives_each_sentence_its_result_as_soon_as_it_is_done(beam, monkeypatch):

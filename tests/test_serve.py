@@ -488,6 +488,28 @@ def test_scheduler_answers_a_line_when_it_is_done_and_the_next_batch_still_waits
     assert calls == [["a", "b"], ["c", "d"]] and seconds < 0.5  # not [c] then [d]
 
 
+def test_scheduler_waits_for_no_line_cancelled_while_a_batch_ran():
+    async def main():
+        def run(key, lines, early):
+            time.sleep(0.3 if lines == ["a"] else 0)
+            return lines
+
+        s = Scheduler(run, max_wait=1.0, max_batch_tokens=2)
+        try:
+            a = s.submit("k", ["a"], [2])  # a full batch alone ...
+            r = s.submit("k", ["r1", "r2", "r3"], [1, 1, 1])  # ... while these wait
+            await asyncio.sleep(0.1)
+            s.cancel(r)  # r's client goes away during a's batch
+            await a.future
+            start = time.monotonic()
+            await s.submit("k", ["b"], [1]).future  # a's client again: nobody else to wait for
+            return time.monotonic() - start
+        finally:
+            await s.close()
+
+    assert asyncio.run(main()) < 0.5
+
+
 def test_scheduler_waits_for_no_client_that_cannot_come_back():
     async def go(s, calls):
         start = time.monotonic()

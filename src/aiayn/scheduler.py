@@ -39,7 +39,7 @@ from typing import Any
 
 log = logging.getLogger("aiayn.serve")
 # run(key, lines, early) -> one result per line; called in the model thread, never on the event loop.
-# It may call early(i, result) (from that thread) as soon as line i is done, before the rest.
+# It may call early(i, result) (from the thread that searched line i) once line i is done.
 RunBatch = Callable[[Hashable, list[str], Callable[[int, Any], None]], list[Any]]
 
 
@@ -229,23 +229,14 @@ class Scheduler:
         key = batch[0][0].key
         lines = [job.lines[i] for job, i in batch]
         tokens = sum(job.costs[i] for job, i in batch)
-        waiting = self._ready(key)[0]  # lines of this key left waiting
-        given = [False] * len(batch)  # lines answered already (most before the batch is back)
-        # lines of the requests this batch completes (their clients may send again): all, and
-        # those completed before the batch was back
-        answered = [0, 0]
+        answers = Answers(batch)
         loop = asyncio.get_running_loop()
 
-        def give(n: int, result: Any, early: bool) -> None:  # on the event loop
-            lines = self._give(batch, given, n, result)
-            answered[0] += lines
-            answered[1] += lines if early else 0
-
-        def early(n: int, result: Any) -> None:  # in the model thread: hand over to the event loop
-            loop.call_soon_threadsafe(give, n, result, True)
+        def early(n: int, result: Any) -> None:  # in the thread that searched line n: to the event loop
+            loop.call_soon_threadsafe(answers.give, n, result, True)
 
         self.busy = True
-        start = time.perf_counter()
+        began, start = time.monotonic(), time.perf_counter()
         try:
             results = await self.call(self.run, key, lines, early)
         except Exception as e:  # a fault in the search fails its requests, never the loop
@@ -261,24 +252,47 @@ class Scheduler:
         if self.stats.on_batch is not None:
             self.stats.on_batch(len(lines), tokens, time.perf_counter() - start)
         for n, result in enumerate(results):  # the lines not given early (blank ones, or all)
-            give(n, result, False)
+            answers.give(n, result, False)
         self.last_key, self.ended = key, time.monotonic()
-        # The next batch waits for the clients this batch answered and for the lines waiting now,
-        # but the lines that arrived during the batch may come from clients it answered early:
-        # as many of them as it answered early count as theirs.
-        self.expect = max(1, answered[0] + max(waiting, self._ready(key)[0] - answered[1]))
+        self.expect = self._expect(key, began, answers)
 
-    @staticmethod
-    def _give(batch: list[tuple[Job, int]], given: list[bool], n: int, result: Any) -> int:
-        """Line n of the batch is done: its request is answered once all its lines are. Returns
-        the lines of the request it completes (0 if none, or if line n was given already)."""
-        if given[n]:
-            return 0
-        given[n] = True
-        job, i = batch[n]
+    def _expect(self, key: Hashable, began: float, answers: "Answers") -> int:
+        """The lines the next batch under `key` waits for: those of the clients this batch answered,
+        and those waiting now, where the lines that arrived while it ran (after `began`) count first
+        as clients it answered early (a cancelled request's lines are no longer waiting)."""
+        before = during = 0
+        for job in self.queue:
+            if job.key == key:
+                left = len(job.lines) - job.taken
+                if job.arrived <= began:
+                    before += left
+                else:
+                    during += left
+        return max(1, answers.all + before + max(0, during - answers.early))
+
+
+@dataclass
+class Answers:
+    """A running batch's answers, given on the event loop as each line is done (or at the end)."""
+
+    batch: list[tuple[Job, int]]
+    given: list[bool] = field(default_factory=list)
+    all: int = 0  # lines of the requests the batch completed: their clients may send again
+    early: int = 0  # of those, the lines of requests completed before the batch was back
+
+    def __post_init__(self) -> None:
+        self.given = [False] * len(self.batch)
+
+    def give(self, n: int, result: Any, before_end: bool) -> None:
+        """Line n of the batch is done: its request is answered once all its lines are (once each;
+        a cancelled request, its client gone, is not answered)."""
+        if self.given[n]:
+            return
+        self.given[n] = True
+        job, i = self.batch[n]
         job.results[i] = result
         job.returned += 1
-        if job.returned == len(job.lines) and not job.future.done():  # (done: cancelled, its client gone)
+        if job.returned == len(job.lines) and not job.future.done():
             job.future.set_result(job.results)
-            return len(job.lines)
-        return 0
+            self.all += len(job.lines)
+            self.early += len(job.lines) if before_end else 0

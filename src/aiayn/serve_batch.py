@@ -3,7 +3,8 @@
 translations into target subwords and, on request, compute their cross-attention.
 
 No HTTP here (`aiayn.serve_app`) and no batching (`aiayn.scheduler`): plain functions of a
-`Translator` and lines, run only in the scheduler's model thread.
+`Translator` and lines, run in the scheduler's model thread (and, for a finished line handed over
+early, in the search worker that searched it when the batch is split across torch threads).
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def _split_tokens(translator: Any, lines: list[str]) -> int:
     `max_tokens` counts padding (a part costs its lines times its longest), so the share does too:
     counted without it, one thread got three or four parts of a 64-line batch, each with its own
     tail of steps that decode a few rows, 5 to 8% slower than one part. At most 4096, as `translate`."""
-    lengths = [len(ids) for ids in translator.encode(lines)]
+    lengths = [len(ids) for ids in translator.encode(lines) if ids]  # blank lines are not searched
     longest = max(lengths, default=1)
     share = math.ceil(len(lengths) * longest * 1.05 / torch.get_num_threads())
     return max(1, min(4096, max(longest, share)))
