@@ -165,9 +165,10 @@ class Scheduler:
             self._wake = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="aiayn-scheduler")
 
-    def _ready(self, key: Hashable) -> tuple[int, int]:
-        """Lines and source tokens waiting under `key` (the most the next batch could hold)."""
-        jobs = [j for j in self.queue if j.key == key]
+    def _ready(self, key: Hashable, after: float = float("-inf")) -> tuple[int, int]:
+        """Lines and source tokens waiting under `key` (the most the next batch could hold), of the
+        requests that arrived after `after` (time.monotonic)."""
+        jobs = [j for j in self.queue if j.key == key and j.arrived > after]
         return sum(len(j.lines) - j.taken for j in jobs), sum(sum(j.costs[j.taken:]) for j in jobs)
 
     async def _fill(self) -> None:
@@ -260,15 +261,8 @@ class Scheduler:
         """The lines the next batch under `key` waits for: those of the clients this batch answered,
         and those waiting now, where the lines that arrived while it ran (after `began`) count first
         as clients it answered early (a cancelled request's lines are no longer waiting)."""
-        before = during = 0
-        for job in self.queue:
-            if job.key == key:
-                left = len(job.lines) - job.taken
-                if job.arrived <= began:
-                    before += left
-                else:
-                    during += left
-        return max(1, answers.all + before + max(0, during - answers.early))
+        waiting, during = self._ready(key)[0], self._ready(key, after=began)[0]
+        return max(1, answers.all + waiting - during + max(0, during - answers.early))
 
 
 @dataclass
