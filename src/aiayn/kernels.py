@@ -156,8 +156,8 @@ def dropout(x: Tensor, p: float, training: bool) -> Tensor:
 class Packed:
     """Where the real tokens of a right-padded (B, T) batch sit, for running the position-wise work
     (projections, feed-forward, LayerNorm) on real tokens only, (N, d) instead of (B, T, d); only
-    attention needs the padded layout. Used by `Transformer.loss`: a batch of sentences is often a
-    third padding, and nn.Transformer spends full price on it."""
+    attention needs the padded layout. Used by `Transformer.loss` (a batch of sentences is often a
+    third padding, and nn.Transformer spends full price on it) and by search's encoder."""
 
     idx: Tensor  # (N,) flat positions of the real tokens in (B*T)
     B: int
@@ -166,6 +166,11 @@ class Packed:
     @classmethod
     def from_keep(cls, keep: Tensor) -> "Packed":
         return cls(keep.flatten().nonzero().squeeze(1), keep.size(0), keep.size(1))
+
+    @classmethod
+    def if_padded(cls, keep: Tensor) -> "Packed | None":
+        """`from_keep`, or None when there is no padding to skip."""
+        return None if bool(keep.all()) else cls.from_keep(keep)
 
     def pack(self, x: Tensor) -> Tensor:
         """(B, T, C) -> (N, C)"""

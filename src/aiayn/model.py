@@ -337,15 +337,15 @@ class Transformer(nn.Module):
         if src_keep is None:
             src_keep = src.ne(self.cfg.pad_id)
         x = self.embed(src, self.src_embed)  # (B, S, d)
-        if weights is not None or bool(src_keep.all()):
+        packed = None if weights is not None else Packed.if_padded(src_keep)
+        if packed is None:
             return self.encoder(x, src_keep, weights)
-        packed = Packed.from_keep(src_keep)
         return packed.unpack(self.encoder(packed.pack(x), src_keep, packed=packed))
 
     def new_cache(self, memory: Tensor, src_keep: Tensor) -> DecoderCache:
         """A decoding cache with cross-attention keys/values computed once from `memory`, at its
         real tokens only (the keys/values at the padding are zeros, and masked)."""
-        packed = None if bool(src_keep.all()) else Packed.from_keep(src_keep)
+        packed = Packed.if_padded(src_keep)
         mem = memory if packed is None else packed.pack(memory)  # (B, S, d) or (N_src, d)
         layers = []
         for layer in self.decoder.layers:
