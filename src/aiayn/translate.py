@@ -319,13 +319,13 @@ class Translator(BaseTranslator):
             for row, i in enumerate(batch):
                 src[row, : len(encoded[i])] = torch.tensor(encoded[i])
             src = src.to(self.device)
+            done = None if on_line is None else (lambda row, nb: on_line(batch[row], nb))  # row -> line
             if s.beam == 1:
-                done = None if on_line is None else (lambda row, ids: on_line(batch[row], [(ids, float("nan"))]))
+                greedy_done = None if done is None else (lambda row, ids: done(row, [(ids, float("nan"))]))
                 return [[(ids, float("nan"))] for ids in greedy_search(
-                    model, src, BOS_ID, EOS_ID, s.max_len_a, s.max_len_b, s.min_len, on_done=done)]
+                    model, src, BOS_ID, EOS_ID, s.max_len_a, s.max_len_b, s.min_len, on_done=greedy_done)]
             return beam_search(model, src, BOS_ID, EOS_ID, beam=s.beam, alpha=s.alpha, max_len_a=s.max_len_a,
-                               max_len_b=s.max_len_b, min_len=s.min_len, nbest=s.nbest,
-                               on_done=None if on_line is None else (lambda row, nb: on_line(batch[row], nb)))
+                               max_len_b=s.max_len_b, min_len=s.min_len, nbest=s.nbest, on_done=done)
 
         batches = list(length_batches(encoded, s.max_tokens, s.batch_size))
         with evaluating(model):
