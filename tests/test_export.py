@@ -350,6 +350,25 @@ def test_ctranslate2_int8_and_pre_norm(tmp_path):
     assert [len(nb[0][0]) for nb in got] == [len(h) for h in ours]
 
 
+def test_ctranslate2_output_stops_at_the_exports_last_position(tmp_path):
+    # random weights rarely say EOS: a 60-token source with max_len_b 50 would run past position 64,
+    # where the export's table of positions ends (CTranslate2 raised there)
+    pytest.importorskip("ctranslate2")
+    from aiayn.export import export_ctranslate2
+    from aiayn.translate import CT2Translator
+
+    tok = Tokenizer.train([f"{w} {v}" for w in SRC_WORDS for v in TGT_WORDS], 300)
+    cfg = preset("tiny", src_vocab_size=tok.vocab_size, tgt_vocab_size=tok.vocab_size, max_positions=64)
+    torch.manual_seed(0)
+    save_checkpoint(tmp_path / "ckpt", Transformer(cfg).eval(), TokenizerPair(tok, tok, joint=True),
+                    {"train": {}, "step": 0})
+    export_ctranslate2(tmp_path / "ckpt", tmp_path / "ct2")
+    ids = [(tok.encode_batch(["dog"])[0] * 60)[:59] + [EOS_ID]]
+    for beam in (1, 2):
+        (hyp, _), = CT2Translator(tmp_path / "ct2", threads=1).translate_ids(ids, beam, max_len_b=50)[0]
+        assert 0 < len(hyp) <= 64
+
+
 def test_ctranslate2_export_leaves_the_model_untouched(tmp_path):
     pytest.importorskip("ctranslate2")
     from aiayn.export import to_ctranslate2, to_marian

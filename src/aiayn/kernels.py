@@ -115,21 +115,40 @@ def _explicit_attention(
 ) -> tuple[Tensor, Tensor]:
     """softmax(q k^T / sqrt(d_head)) v, spelled out (Section 3.2.1); also returns the weights.
 
+    The scaling and the mask ride in one `baddbmm` (masked keys get the lowest finite value added,
+    not -inf: a row with every key masked then gets uniform weights rather than NaN, with no
+    data-dependent branch; see `Transformer.attention_weights` for plots), and the softmax writes
+    float32 whatever the scores' dtype: in bf16 torch's CPU softmax is four times slower.
+
     Shape: q (B, H, T, d_head), k/v (B, H, S, d_head), mask broadcastable to (B, H, T, S), True = may
     attend -> (B, H, T, d_head), weights (B, H, T, S).
     """
-    scores = (q * (1.0 / math.sqrt(q.size(-1)))) @ k.transpose(-2, -1)  # (B, H, T, S)
+    B, H, T, d_head = q.shape
+    S = k.size(-2)
     if is_causal:
-        T, S = scores.shape[-2:]
         causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)  # (T, S)
         mask = causal if mask is None else mask & causal
-    if mask is not None:
-        # the lowest finite value, not -inf: a row with every key masked then gets uniform weights
-        # rather than NaN, with no data-dependent branch (see `Transformer.attention_weights` for plots)
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    weights = torch.softmax(scores, dim=-1)
+    q3, kt = q.reshape(B * H, T, d_head), k.reshape(B * H, S, d_head).transpose(1, 2)  # (BH, T, dh), (BH, dh, S)
+    scale = 1.0 / math.sqrt(d_head)
+    if mask is None:
+        scores = torch.bmm(q3, kt).mul_(scale)  # (BH, T, S)
+    else:
+        scores = torch.baddbmm(_mask_bias(mask, B, H, q.dtype), q3, kt, alpha=scale)  # (BH, T, S)
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype).view(B, H, T, S)
     attn = dropout(weights, dropout_p, training)
     return attn @ v, weights
+
+
+def _mask_bias(mask: Tensor, B: int, H: int, dtype: torch.dtype) -> Tensor:
+    """The additive form of a keep-mask: 0 where True, the lowest finite value where False.
+
+    Shape: mask (T, S) or (B | 1, H | 1, T | 1, S) -> (1 | B*H, T | 1, S), broadcastable to (B*H, T, S).
+    """
+    m = mask if mask.dim() == 4 else mask.view(1, 1, *mask.shape[-2:])
+    bias = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, torch.finfo(dtype).min)
+    if bias.size(0) == 1 and bias.size(1) == 1:
+        return bias[0]
+    return bias.expand(B, H, -1, -1).reshape(B * H, *bias.shape[-2:])
 
 
 # ---------------------------------------------------------------------------------- dropout
@@ -137,17 +156,18 @@ def dropout(x: Tensor, p: float, training: bool) -> Tensor:
     """`F.dropout(x, p, training)`: zero each element with probability p, scale the rest by 1/(1-p).
 
     On the CPU, torch draws the mask with `bernoulli_`, one random number per element, and that was
-    a tenth of a training step at the small shape; here each 64-bit draw gives two 32-bit integers,
-    compared with p * 2^32 (p exact to 2^-32), for half the time forward and backward.
+    a tenth of a training step at the small shape; here each 64-bit draw gives four 16-bit integers,
+    each compared with p * 2^16: P(drop) is p rounded to a multiple of 2^-16 (within 2^-17 of it,
+    finer than the 2^-24 steps of torch's own float draws would matter), at a quarter of the time.
     Shape: any -> the same.
     """
     if not training or p == 0.0:
         return x
-    drop = round(p * 2**32)  # P(drop) = drop / 2^32
-    if x.device.type != "cpu" or not 0 < drop < 2**32:  # p out of range, or too close to 0 or 1
+    drop = round(p * 2**16)  # P(drop) = drop / 2^16
+    if x.device.type != "cpu" or not 0 < drop < 2**16:  # p out of range, or too close to 0 or 1
         return F.dropout(x, p, training)
-    bits = torch.empty((x.numel() + 1) // 2, dtype=torch.int64).random_(-(2**63), None)  # every bit random
-    keep = bits.view(torch.int32)[: x.numel()].view(x.shape) >= drop - 2**31  # P(keep) = 1 - p
+    bits = torch.empty((x.numel() + 3) // 4, dtype=torch.int64).random_(-(2**63), None)  # every bit random
+    keep = bits.view(torch.int16)[: x.numel()].view(x.shape) >= drop - 2**15  # P(keep) = 1 - drop / 2^16
     return x * keep.to(x.dtype).mul_(1.0 / (1.0 - p))
 
 
@@ -184,11 +204,11 @@ class Packed:
 # ----------------------------------------------------------------- the loss over the vocabulary
 # `F.cross_entropy(logits.float(), ..., label_smoothing=eps)` makes about ten passes over the (N, V)
 # logits and keeps float32 copies of them (the cast and the log-probabilities, saved for backward):
-# 130 MB each at 4096 tokens and 8000 words. Here row blocks of about a million logits are
-# processed while they sit in the CPU cache: the logits are read once each way, the gradient
-# written once, and nothing of (N, V) size is kept but the logits themselves. Measured at the
-# small shape: a tenth of the loss's own time in isolation, ~1% of a training step, less memory.
-_LOSS_BLOCK = 2**20  # logits per row block
+# 130 MB each at 4096 tokens and 8000 words. Here row blocks of about half a million logits are
+# processed while they sit in the CPU cache: the logits are read once each way (a float32
+# log-softmax forward, a float32 softmax backward, each one kernel from bf16), the gradient written
+# once, and nothing of (N, V) size is kept but the logits themselves.
+_LOSS_BLOCK = 2**19  # logits per row block: 2 MB of float32, about what one core caches
 
 
 def _row_blocks(N: int, V: int) -> Iterator[slice]:
@@ -202,30 +222,28 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, labels: Tensor, eps: float) -> Tensor:  # type: ignore[override]
         N, V = logits.shape
-        lse = torch.empty(N, dtype=torch.float32, device=logits.device)  # (N,) log-sum-exp
         loss = torch.empty(N, dtype=torch.float32, device=logits.device)  # (N,)
         with torch.autocast(logits.device.type, enabled=False):
             for rows in _row_blocks(N, V):
-                x = logits[rows].float()  # (R, V)
-                torch.logsumexp(x, 1, out=lse[rows])
-                true = x.gather(1, labels[rows, None]).squeeze(1)  # (R,)
-                # -(1-eps) log p_y - eps/V sum_j log p_j, with log p_j = x_j - lse
-                loss[rows] = lse[rows] - (1 - eps) * true - eps * x.mean(1)
-        ctx.save_for_backward(logits, labels, lse)
+                logp = torch.log_softmax(logits[rows], 1, dtype=torch.float32)  # (R, V), one pass from any dtype
+                # -(1-eps) log p_y - eps/V sum_j log p_j
+                loss[rows] = logp.gather(1, labels[rows, None]).squeeze(1).mul_(eps - 1).sub_(logp.mean(1), alpha=eps)
+        ctx.save_for_backward(logits, labels)
         ctx.eps = eps
         return loss
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
-        logits, labels, lse = ctx.saved_tensors
+        logits, labels = ctx.saved_tensors
         eps, (N, V) = ctx.eps, logits.shape
         grad = torch.empty_like(logits)  # (N, V), the logits' dtype
         with torch.autocast(logits.device.type, enabled=False):
             for rows in _row_blocks(N, V):
-                x = logits[rows].float().sub(lse[rows, None]).exp_().sub_(eps / V)  # (R, V) p - eps/V (a new tensor)
-                x.scatter_add_(1, labels[rows, None], x.new_full((x.size(0), 1), eps - 1.0))
-                grad[rows] = x.mul_(grad_loss[rows, None])
+                p = torch.softmax(logits[rows], 1, dtype=torch.float32)  # (R, V)
+                p.scatter_add_(1, labels[rows, None], p.new_full((p.size(0), 1), eps - 1.0))  # p - (1-eps) at y
+                g = grad_loss[rows, None]  # (R, 1)
+                torch.addcmul(g * (-eps / V), p, g, out=grad[rows])  # (p - smoothed target) * g, cast once
         return grad, None, None
 
 

@@ -341,7 +341,8 @@ class CT2Translator(BaseTranslator):
     The same contract as `Translator` (`search` and `translate` take the same settings): one output
     per input line, in order; a blank line gives an empty translation; a line longer than the
     model's `max_positions` is truncated with a note. The maximum length per
-    sentence is aiayn's floor(max_len_a * source length + max_len_b) tokens; PAD and BOS are never
+    sentence is aiayn's floor(max_len_a * source length + max_len_b) tokens, and at most
+    `max_positions` (the export's table of positions ends there, where aiayn's grows); PAD and BOS are never
     generated. Greedy search gives aiayn's translations; CTranslate2's beam search divides scores by
     len**alpha where aiayn divides by ((5 + len) / 6)**alpha, and it stops a hypothesis at the
     batch's longest length limit (cut to the sentence's own limit afterwards) instead of forcing EOS.
@@ -390,7 +391,7 @@ class CT2Translator(BaseTranslator):
         todo = [i for i, s in enumerate(src_ids) if len(s)]
         if not todo:
             return out
-        limits = [min(max(1, math.floor(len(src_ids[i]) * max_len_a + max_len_b)), 2 ** 31 - 1) for i in todo]
+        limits = [min(max(1, math.floor(len(src_ids[i]) * max_len_a + max_len_b)), self.max_src_tokens) for i in todo]
         results = self.engine.translate_batch(
             [[self._src_vocab[t] for t in src_ids[i]] for i in todo],
             beam_size=int(beam), num_hypotheses=int(nbest), length_penalty=float(alpha) if beam > 1 else 0.0,
