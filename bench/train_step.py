@@ -132,6 +132,25 @@ class Contender:
         return time.perf_counter() - t0
 
 
+def profile_table(c: Contender, batches: list[Batch], top: int, title: str) -> str:
+    """The `top` ops by self CPU time per step of one pass over `batches`, as a Markdown table.
+
+    The profiler's own overhead is included, so the total is a little above an unprofiled step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        c.run(batches)
+    ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in ops)
+    lines = [f"profile of aiayn, {title}: self time per step, {len(batches)} steps",
+             "| op | ms | share |", "|---|---:|---:|"]
+    for e in ops[:top]:
+        lines.append(f"| `{e.key}` | {e.self_cpu_time_total / 1e3 / len(batches):.1f} | "
+                     f"{e.self_cpu_time_total / total:.1%} |")
+    lines.append(f"| total | {total / 1e3 / len(batches):.1f} | |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny shapes and few steps: a smoke run in seconds")
@@ -145,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile'd nn.Transformer")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after the table, print aiayn's N costliest ops per step (torch.profiler, self time)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -186,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
             # the peak again after each row, keeping the best: a busy moment must not inflate the shares
             peak[prec] = max(peak[prec], peak_matmul_flops(torch.bfloat16 if prec == "bf16" else torch.float32,
                                                            n_mm, 3 if args.quick else 10))
+            if args.profile:
+                print(profile_table(cs[0], timed, args.profile, f"{size} {prec}"), flush=True)
             rows.append((size, prec, tps, peer, flops / min(c.best for c in cs if c.name == "aiayn"),
                          flops / min(c.best for c in cs if c.name == peer)))
             print(f"{size:5s} {prec}: aiayn {tps['aiayn']:8.0f} tok/s | nn.Transformer eager {tps['eager']:8.0f}"
