@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="after the table, print aiayn's N costliest ops per step (torch.profiler, self time)")
+                   help="after each row, print aiayn's N costliest ops per step (torch.profiler, self time)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -62,13 +62,13 @@ def test_profile_lists_the_costliest_ops_per_step(capsys):
     bench = load_bench()
     threads = torch.get_num_threads()
     try:
-        assert bench.main(["--quick", "--no-compile", "--threads", "1", "--precisions", "fp32", "--profile", "4"]) == 0
+        assert bench.main(["--quick", "--no-compile", "--threads", "1", "--precisions", "fp32", "--profile", "20"]) == 0
     finally:
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
-    rows = re.findall(r"^\| `([\w:#.]+)` \| ([\d.]+) \| ([\d.]+)% \|$", out, re.M)
-    assert len(rows) == 4  # the top 4, one profile for the one shape and precision
+    rows = re.findall(r"^\| `([^`]+)` \| ([\d.]+) \| ([\d.]+)% \|$", out, re.M)
+    assert len(rows) == 20  # the top 20, one profile for the one shape and precision
     ms = [float(r[1]) for r in rows]
     assert ms == sorted(ms, reverse=True) and ms[0] > 0  # costliest first
-    assert any(name in ("aten::mm", "aten::addmm") for name, _, _ in rows)  # the GEMMs are there
+    assert {"aten::mm", "aten::addmm"} & {name for name, _, _ in rows}  # the GEMMs are there
     assert re.search(r"^\| total \| [\d.]+ \| \|$", out, re.M)

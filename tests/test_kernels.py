@@ -139,3 +139,29 @@ def test_a_fully_masked_row_gets_uniform_weights_under_autocast(dtype):
     assert torch.isfinite(w).all()
     torch.testing.assert_close(w[1].float(), torch.full((2, 3, 3), 1 / 3), atol=4e-3, rtol=0)
     assert w[0, ..., 1].eq(0).all()
+
+
+def test_attention_in_float64_stays_float64():
+    # the float32 softmax is for low precision; float64 weights must not be rounded through it
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 3, 8, dtype=torch.float64) for _ in range(3))
+    _, w = kernels._explicit_attention(q, k, v, None, True, 0.0, False)
+    want = torch.softmax((q @ k.transpose(-2, -1) / 8**0.5).masked_fill(~torch.ones(3, 3).tril().bool(), -1e300), -1)
+    torch.testing.assert_close(w, want, rtol=1e-13, atol=1e-15)
+
+
+def test_float16_scores_are_scaled_before_they_can_overflow():
+    # q.k = 40 * 40 * 64 = 102400 > float16's 65504, while q.k / sqrt(64) = 12800 fits
+    q = k = v = torch.full((1, 1, 2, 64), 40.0, dtype=torch.float16)
+    for mask in (None, torch.tensor([True, False])[None, None, None, :]):
+        out, w = kernels._explicit_attention(q, k, v, mask, False, 0.0, False)
+        assert torch.isfinite(w).all() and torch.isfinite(out).all()
+
+
+def test_dropout_with_a_p_that_16_bit_coins_cannot_hold_is_torchs():
+    # round(0.01 * 2^16) / 2^16 is 0.0100098: 0.1% off p, so torch's own dropout runs
+    x = torch.ones(10_000)
+    torch.manual_seed(3)
+    got = kernels.dropout(x, 0.01, training=True)
+    torch.manual_seed(3)
+    assert torch.equal(got, F.dropout(x, 0.01, training=True))

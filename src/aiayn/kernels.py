@@ -118,8 +118,8 @@ def _explicit_attention(
 
     The scaling and the mask ride in one `baddbmm` (masked keys get the lowest finite value added,
     not -inf: a row with every key masked then gets uniform weights rather than NaN, with no
-    data-dependent branch; see `Transformer.attention_weights` for plots), and the softmax writes
-    float32 whatever the scores' dtype: in bf16 torch's CPU softmax is four times slower. float16,
+    data-dependent branch; see `Transformer.attention_weights` for plots), and the softmax computes
+    in float32 (float64 for float64 scores): in bf16 torch's CPU softmax is four times slower. float16,
     whose lowest value is too near for that sum, masks with `masked_fill` instead.
 
     Shape: q (B, H, T, d_head), k/v (B, H, S, d_head), mask broadcastable to (B, H, T, S), True = may
@@ -135,12 +135,13 @@ def _explicit_attention(
     dev = q.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else torch.promote_types(q.dtype, k.dtype)
     if mask is None or dtype == torch.float16:
-        scores = torch.bmm(q3, kt).mul_(scale)  # (BH, T, S)
+        scores = torch.bmm(q3 * scale, kt)  # (BH, T, S); scaled first: q k^T may overflow float16
         if mask is not None:
             scores = scores.view(B, H, T, S).masked_fill(~mask, torch.finfo(scores.dtype).min).view(B * H, T, S)
     else:
         scores = torch.baddbmm(_mask_bias(mask, B, H, dtype), q3, kt, alpha=scale)  # (BH, T, S)
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype).view(B, H, T, S)
+    exact = torch.promote_types(scores.dtype, torch.float32)  # float32, or float64 kept as it is
+    weights = torch.softmax(scores, dim=-1, dtype=exact).to(scores.dtype).view(B, H, T, S)
     attn = dropout(weights, dropout_p, training)
     return attn @ v, weights
 
@@ -165,14 +166,16 @@ def dropout(x: Tensor, p: float, training: bool) -> Tensor:
 
     On the CPU, torch draws the mask with `bernoulli_`, one random number per element, and that was
     a tenth of a training step at the small shape; here each 64-bit draw gives four 16-bit integers,
-    each compared with round(p * 2^16): P(drop) is p to within 2^-17, and the survivors are scaled by
-    1 / P(keep), so the expectation stays exactly x. Half the time of 32-bit coins (two per draw).
+    each compared with round(p * 2^16), and the survivors are scaled by 1 / P(keep), so the
+    expectation stays exactly x. Half the time of 32-bit coins (two per draw). Where 2^-16 steps
+    cannot hold P(drop) within 1e-4 of p relatively (some p below 0.08, such as 0.01, and p within
+    2^-17 of 1), torch's own dropout runs instead.
     Shape: any -> the same.
     """
     if not training or p == 0.0:
         return x
     drop = round(p * 2**16)  # P(drop) = drop / 2^16
-    if x.device.type != "cpu" or not 0 < drop < 2**16:  # p out of range, or too close to 0 or 1
+    if x.device.type != "cpu" or not 0 < drop < 2**16 or abs(drop / 2**16 - p) > 1e-4 * p:
         return F.dropout(x, p, training)
     bits = torch.empty((x.numel() + 3) // 4, dtype=torch.int64).random_(-(2**63), None)  # every bit random
     keep = bits.view(torch.int16)[: x.numel()].view(x.shape) >= drop - 2**15  # P(keep) = 1 - drop / 2^16
@@ -214,8 +217,8 @@ class Packed:
 # logits and keeps float32 copies of them (the cast and the log-probabilities, saved for backward):
 # 130 MB each at 4096 tokens and 8000 words. Here row blocks of about half a million logits are
 # processed while they sit in the CPU cache: the logits are read once each way (a float32
-# log-softmax forward, a float32 softmax backward, each one kernel from bf16), the gradient written
-# once, and nothing of (N, V) size is kept but the logits themselves.
+# log-softmax forward, a float32 softmax backward, each a cast and one pass from bf16), the gradient
+# written once, and nothing of (N, V) size is kept but the logits themselves.
 _LOSS_BLOCK = 2**19  # logits per row block: 2 MB of float32, about what one core caches
 
 
@@ -233,7 +236,7 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         loss = torch.empty(N, dtype=torch.float32, device=logits.device)  # (N,)
         with torch.autocast(logits.device.type, enabled=False):
             for rows in _row_blocks(N, V):
-                logp = torch.log_softmax(logits[rows], 1, dtype=torch.float32)  # (R, V), one pass from any dtype
+                logp = torch.log_softmax(logits[rows], 1, dtype=torch.float32)  # (R, V)
                 # -(1-eps) log p_y - eps/V sum_j log p_j
                 loss[rows] = logp.gather(1, labels[rows, None]).squeeze(1).mul_(eps - 1).sub_(logp.mean(1), alpha=eps)
         ctx.save_for_backward(logits, labels)
