@@ -175,7 +175,8 @@ def dropout(x: Tensor, p: float, training: bool) -> Tensor:
     if not training or p == 0.0:
         return x
     drop = round(p * 2**16)  # P(drop) = drop / 2^16
-    if x.device.type != "cpu" or not 0 < drop < 2**16 or abs(drop / 2**16 - p) > 1e-4 * p:
+    # p out of range or near 1, or 2^-16 steps too coarse for it (drop = 0 included)
+    if x.device.type != "cpu" or drop >= 2**16 or abs(drop / 2**16 - p) > 1e-4 * p:
         return F.dropout(x, p, training)
     bits = torch.empty((x.numel() + 3) // 4, dtype=torch.int64).random_(-(2**63), None)  # every bit random
     keep = bits.view(torch.int16)[: x.numel()].view(x.shape) >= drop - 2**15  # P(keep) = 1 - drop / 2^16
