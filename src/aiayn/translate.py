@@ -364,7 +364,8 @@ class CT2Translator(BaseTranslator):
         self._tgt_index = {p: i for i, p in enumerate(vocabulary(self.tokenizers.tgt))}
         try:
             meta = json.loads((path / "aiayn.json").read_text(encoding="utf-8"))
-            self.max_src_tokens = int(meta["model"]["max_positions"])
+            self.max_positions = int(meta["model"]["max_positions"])  # the export's table of positions
+            self.max_src_tokens = self.max_positions  # the same cap on the way in (the `Translator` contract)
             self.source_eos = bool(meta["model"].get("source_eos", False))  # older exports: bare sources
         except (OSError, ValueError, KeyError, TypeError):
             raise AiaynError(f"{path}/aiayn.json is missing or damaged; export the checkpoint again") from None
@@ -391,7 +392,7 @@ class CT2Translator(BaseTranslator):
         todo = [i for i, s in enumerate(src_ids) if len(s)]
         if not todo:
             return out
-        limits = [min(max(1, math.floor(len(src_ids[i]) * max_len_a + max_len_b)), self.max_src_tokens) for i in todo]
+        limits = [min(max(1, math.floor(len(src_ids[i]) * max_len_a + max_len_b)), self.max_positions) for i in todo]
         results = self.engine.translate_batch(
             [[self._src_vocab[t] for t in src_ids[i]] for i in todo],
             beam_size=int(beam), num_hypotheses=int(nbest), length_penalty=float(alpha) if beam > 1 else 0.0,
