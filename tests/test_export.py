@@ -351,8 +351,8 @@ def test_ctranslate2_int8_and_pre_norm(tmp_path):
 
 
 def test_ctranslate2_output_stops_at_the_exports_last_position(tmp_path):
-    # random weights rarely say EOS: a 60-token source with max_len_b 50 would run past position 64,
-    # where the export's table of positions ends (CTranslate2 raised there)
+    # a 60-token source with max_len_b 50 would run past position 64, where the export's table of
+    # positions ends (CTranslate2 raised there); min_len 64 keeps greedy from stopping at an EOS first
     pytest.importorskip("ctranslate2")
     from aiayn.export import export_ctranslate2
     from aiayn.translate import CT2Translator
@@ -365,7 +365,7 @@ def test_ctranslate2_output_stops_at_the_exports_last_position(tmp_path):
     export_ctranslate2(tmp_path / "ckpt", tmp_path / "ct2")
     ids = [(tok.encode_batch(["dog"])[0] * 60)[:59] + [EOS_ID]]
     ct2 = CT2Translator(tmp_path / "ct2", threads=1)
-    assert len(ct2.translate_ids(ids, 1, max_len_b=50)[0][0][0]) == 64  # greedy ran to the cap
+    assert len(ct2.translate_ids(ids, 1, max_len_b=50, min_len=64)[0][0][0]) == 64  # ran to the cap
     assert 0 < len(ct2.translate_ids(ids, 2, max_len_b=50)[0][0][0]) <= 64
 
 
