@@ -31,6 +31,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # reference.py
 
 from aiayn.config import ModelConfig, preset  # noqa: E402
+from aiayn.kernels import SLOW_BF16, cpu_has_fast_bf16  # noqa: E402
 from aiayn.model import Transformer  # noqa: E402
 from aiayn.tokenizer import BOS_ID as BOS, EOS_ID as EOS, PAD_ID as PAD  # noqa: E402
 from reference import TorchReference  # noqa: E402
@@ -155,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny shapes and few steps: a smoke run in seconds")
     p.add_argument("--sizes", default="small,base", help="comma-separated presets")
-    p.add_argument("--precisions", default="fp32,bf16", help="comma-separated: fp32, bf16")
+    p.add_argument("--precisions", default=None,
+                   help="comma-separated: fp32, bf16 (default both; fp32 alone on a CPU without oneDNN bf16 kernels)")
     p.add_argument("--vocab", type=int, default=8000, help="joint vocabulary size")
     p.add_argument("--batch", type=int, default=64, help="sentences per batch")
     p.add_argument("--mean-len", type=float, default=14.0, help="mean sentence length in tokens")
@@ -176,11 +178,18 @@ def main(argv: list[str] | None = None) -> int:
         overrides = dict(src_vocab_size=500, tgt_vocab_size=500)
         args.batch, args.mean_len = 8, 6.0
 
+    if args.precisions is None:
+        args.precisions = "fp32,bf16" if cpu_has_fast_bf16() else "fp32"
+        if not cpu_has_fast_bf16():
+            print(f"note: {SLOW_BF16}; timing fp32 only (--precisions fp32,bf16 times both)")
+    precisions = args.precisions.split(",")
+    if not set(precisions) <= {"fp32", "bf16"}:
+        p.error(f"--precisions takes fp32 and/or bf16, got {args.precisions!r}")
     n_mm = 256 if args.quick else 1024
-    peak = {"fp32": peak_matmul_flops(torch.float32, n_mm, 3 if args.quick else 10),
-            "bf16": peak_matmul_flops(torch.bfloat16, n_mm, 3 if args.quick else 10)}
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    peak = {prec: peak_matmul_flops(dtypes[prec], n_mm, 3 if args.quick else 10) for prec in precisions}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; peak matmul ({n_mm}^3): "
-          f"fp32 {peak['fp32'] / 1e9:.1f} GFLOP/s, bf16 {peak['bf16'] / 1e9:.1f} GFLOP/s")
+          + ", ".join(f"{prec} {peak[prec] / 1e9:.1f} GFLOP/s" for prec in precisions))
     print(f"batches: {args.batch} sentences, mean length {args.mean_len:g}, vocab {overrides['tgt_vocab_size']}, "
           f"{args.steps} steps x {args.rounds} rounds; tokens = real target tokens")
     rows = []
@@ -191,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         warm, timed = batches[:2], batches[2:]
         tokens = sum(sum(b.tgt_lens) for b in timed)
         flops = sum(step_flops(cfg, b) for b in timed)
-        for prec in args.precisions.split(","):
+        for prec in precisions:
             kinds = ["aiayn", "eager"] + ([] if args.no_compile else ["compiled"])
             cs = [Contender(k, cfg, k, prec == "bf16", args.seed) for k in kinds]
             for c in cs:
@@ -205,8 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             tps = {c.name: tokens / c.best for c in cs}
             peer = max((k for k in tps if k != "aiayn"), key=tps.get)  # type: ignore[arg-type]
             # the peak again after each row, keeping the best: a busy moment must not inflate the shares
-            peak[prec] = max(peak[prec], peak_matmul_flops(torch.bfloat16 if prec == "bf16" else torch.float32,
-                                                           n_mm, 3 if args.quick else 10))
+            peak[prec] = max(peak[prec], peak_matmul_flops(dtypes[prec], n_mm, 3 if args.quick else 10))
             if args.profile:
                 print(profile_table(cs[0], timed, args.profile, f"{size} {prec}"), flush=True)
             rows.append((size, prec, tps, peer, flops / min(c.best for c in cs if c.name == "aiayn"),
@@ -214,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{size:5s} {prec}: aiayn {tps['aiayn']:8.0f} tok/s | nn.Transformer eager {tps['eager']:8.0f}"
                   + ("" if "compiled" not in tps else f", compiled {tps['compiled']:8.0f}") + " tok/s", flush=True)
 
-    print(f"\npeak matmul, best seen in the run: fp32 {peak['fp32'] / 1e9:.1f} GFLOP/s, bf16 {peak['bf16'] / 1e9:.1f} GFLOP/s")
+    print("\npeak matmul, best seen in the run: " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in peak.items()))
     print("| shape | precision | aiayn tok/s | nn.Transformer tok/s (peer) | ratio | aiayn % of peak | peer % of peak |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for size, prec, tps, peer, flops_s, peer_flops_s in rows:

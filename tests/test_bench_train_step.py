@@ -24,7 +24,7 @@ def test_quick_run_prints_ratio_lines(capsys):
     bench = load_bench()
     threads = torch.get_num_threads()
     try:
-        assert bench.main(["--quick", "--no-compile", "--threads", "1"]) == 0
+        assert bench.main(["--quick", "--no-compile", "--threads", "1", "--precisions", "fp32,bf16"]) == 0
     finally:
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
@@ -32,6 +32,20 @@ def test_quick_run_prints_ratio_lines(capsys):
     for prec in ("fp32", "bf16"):
         assert re.search(rf"^ratio tiny {prec}: aiayn / nn.Transformer \(eager\) = \d+\.\d\d$", out, re.M)
         assert re.search(rf"^\| tiny \| {prec} \| \d+ \| \d+ \(eager\) \| \d+\.\d\dx \| [\d.]+% \| [\d.]+% \|$", out, re.M)
+
+
+def test_default_skips_bf16_where_the_cpu_has_no_bf16_kernels(capsys, monkeypatch):
+    bench = load_bench()
+    monkeypatch.setattr(bench, "cpu_has_fast_bf16", lambda: False)  # an AVX2-only CPU: bf16 is 100x slower
+    threads = torch.get_num_threads()
+    try:
+        assert bench.main(["--quick", "--no-compile", "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "timing fp32 only" in out
+    assert re.search(r"^ratio tiny fp32: ", out, re.M) and not re.search(r"^(ratio|\|) tiny \|? ?bf16", out, re.M)
+    assert not re.search(r"peak matmul.*bf16", out)
 
 
 def test_batches_are_padded_sentences_with_shared_layout():

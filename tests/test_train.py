@@ -518,7 +518,7 @@ def test_validation_bleu_feeds_the_source_as_the_model_was_trained(tmp_path, cor
     assert sorted(rows) == want
 
 
-def test_resume_keeps_the_precision_that_auto_chose(tmp_path, corpus, monkeypatch):
+def test_resume_keeps_the_precision_that_auto_chose(tmp_path, corpus, monkeypatch, capsys):
     """`--precision auto` is resolved when a process starts; a resumed run goes on in the precision
     the run trained in (resumed on a CPU without bf16 kernels, or by a version whose `auto` chooses
     otherwise), not in whatever `auto` would pick now. A checkpoint from before the choice was kept
@@ -536,8 +536,12 @@ def test_resume_keeps_the_precision_that_auto_chose(tmp_path, corpus, monkeypatc
     real = T.Trainer.__init__
     monkeypatch.setattr(T.Trainer, "__init__", lambda self, *a: real(self, *a) or used.append(self.precision))
     monkeypatch.setattr(aiayn.kernels, "cpu_has_fast_bf16", lambda: False)  # another machine
+    capsys.readouterr()
     assert cli_main(["train", "--out", str(out), "--resume", "--max-steps", "2"]) == 0
     assert used == ["bf16"]
+    logged = capsys.readouterr()
+    assert "slow fallback code (oneDNN has no bf16 kernels" in logged.out + logged.err  # and what to do:
+    assert "--precision fp32 trains faster here" in logged.out + logged.err
     state = torch.load(out / "step_2" / "trainer_state.pt", weights_only=True)
     del state["precision"], state["data_sha256"]  # as an older version wrote it
     torch.save(state, out / "step_2" / "trainer_state.pt")

@@ -230,6 +230,20 @@ def test_bf16_precision_translates(parts):
     assert len(out) == 3 and out[1] == ""
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_bf16_on_a_cpu_without_bf16_kernels_says_so(parts, monkeypatch, fast):
+    """bf16 without oneDNN's bf16 kernels (an AVX2-only CPU) is 10-100x slower than fp32: say so once."""
+    import aiayn.translate
+
+    monkeypatch.setattr(aiayn.translate, "cpu_has_fast_bf16", lambda: fast)
+    notes: list[str] = []
+    Translator(*parts, precision="fp32", note=notes.append)
+    assert notes == []
+    Translator(*parts, precision="bf16", note=notes.append)
+    assert notes == ([] if fast else [notes[0]])
+    assert fast or ("slow fallback code" in notes[0] and "--precision fp32" in notes[0])
+
+
 def test_output_is_always_one_line():
     assert one_line("a\nb\r\nc\u2028d") == "a b  c d"
 

@@ -44,6 +44,10 @@ def cpu_has_fast_bf16() -> bool:
     return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+# What `train`, `translate` and `serve` say when asked for bf16 on such a CPU (it is 10-100x slower).
+SLOW_BF16 = "bf16 on this CPU runs on slow fallback code (oneDNN has no bf16 kernels for it: no AVX-512 BF16 or AMX)"
+
+
 def _packing_works(dtype: torch.dtype) -> bool:
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return False

@@ -42,6 +42,7 @@ import torch
 from aiayn.config import INFERENCE_PRECISIONS
 from aiayn.errors import AiaynError, require
 from aiayn.files import silence_stdout
+from aiayn.kernels import SLOW_BF16, cpu_has_fast_bf16
 from aiayn.search import Hypothesis, beam_search, greedy_search
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, PIECES, TokenizerPair, vocabulary
 
@@ -263,6 +264,8 @@ class Translator(BaseTranslator):
         self.precision = precision
         self.max_src_tokens = int(max_src_tokens or model.cfg.max_positions)
         self.note = note or _stderr_note
+        if precision == "bf16" and self.device.type == "cpu" and not cpu_has_fast_bf16():
+            self.note(f"warning: {SLOW_BF16} (--precision fp32 is faster here)")
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike[str], precision: str = "fp32", device: str = "cpu",
