@@ -54,6 +54,7 @@ from aiayn.config import preset
 from aiayn.data import multi30k_paths
 from aiayn.export import to_marian  # the weight mapping of `aiayn export --to hf`
 from aiayn.files import read_lines
+from aiayn.kernels import SLOW_BF16, cpu_has_fast_bf16
 from aiayn.model import Transformer
 from aiayn.search import beam_search, greedy_search
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizers
@@ -188,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     skip = set(filter(None, args.skip.split(",")))
+    if "bf16" not in skip and not cpu_has_fast_bf16():  # bf16 runs ~100x slower than fp32 there
+        skip.add("bf16")
+        print(f"note: {SLOW_BF16}; skipping bf16 (as --skip bf16)", file=sys.stderr)
     model, toks, what = build(args)
     model.requires_grad_(False)  # as `Translator` does: frozen weights take the packed inference GEMMs
     src_path, _ = multi30k_paths("test_2016_flickr", args.src, args.tgt, args.data_dir)

@@ -42,6 +42,7 @@ from aiayn.data import multi30k_paths
 from aiayn.evaluate import corpus_scores
 from aiayn.export import export_ctranslate2, export_hf
 from aiayn.files import read_lines
+from aiayn.kernels import SLOW_BF16, cpu_has_fast_bf16
 from aiayn.model import Transformer
 from aiayn.search import beam_search, greedy_search
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizers
@@ -75,6 +76,9 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
     skip = set(filter(None, args.skip.split(",")))
+    if "bf16" not in skip and not cpu_has_fast_bf16():  # bf16 runs ~100x slower than fp32 there
+        skip.add("bf16")
+        print(f"note: {SLOW_BF16}; skipping bf16 (as --skip bf16)", file=sys.stderr)
     work_dir = tempfile.TemporaryDirectory(prefix="aiayn-engines-")  # removed when the run ends
     work = Path(work_dir.name)
     if args.checkpoint:

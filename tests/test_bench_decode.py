@@ -21,9 +21,10 @@ def _bench():
     return bench
 
 
-def test_tiny_run_prints_every_system_and_the_ratios(capsys):
+def test_tiny_run_prints_every_system_and_the_ratios(capsys, monkeypatch):
     pytest.importorskip("transformers")
     bench = _bench()
+    monkeypatch.setattr(bench, "cpu_has_fast_bf16", lambda: True)  # bf16 rows too, on any CPU
     threads = torch.get_num_threads()
     try:
         assert bench.main(["--preset", "tiny", "--vocab-size", "1000", "--n", "6", "--skip", "ct2",
@@ -46,6 +47,20 @@ def test_tiny_run_prints_every_system_and_the_ratios(capsys):
     m = re.search(r"^  aiayn beam 4, no cache: \d+\.\d G, (\d+\.\d\d)x aiayn's$", out, re.M)
     assert m and float(m.group(1)) > 1.0
     assert re.search(r"^  HF Marian beam 4: \d+\.\d G, \d+\.\d\dx aiayn's$", out, re.M)
+
+
+def test_bf16_is_skipped_where_the_cpu_has_no_bf16_kernels(capsys, monkeypatch):
+    bench = _bench()
+    monkeypatch.setattr(bench, "cpu_has_fast_bf16", lambda: False)  # an AVX2-only CPU: bf16 is 100x slower
+    threads = torch.get_num_threads()
+    try:
+        assert bench.main(["--preset", "tiny", "--vocab-size", "1000", "--n", "2", "--skip", "ct2,hf,uncached,work",
+                           "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    got = capsys.readouterr()
+    assert "slow fallback code" in got.err and "skipping bf16" in got.err
+    assert re.search(r"^\| aiayn beam 4 \|", got.out, re.M) and "bf16 |" not in got.out
 
 
 def test_linear_work_counts_each_linear_once():

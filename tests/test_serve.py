@@ -44,6 +44,17 @@ def reference(ckpt):
     return Translator.from_checkpoint(ckpt)
 
 
+def test_bf16_on_a_cpu_without_bf16_kernels_loads_and_warns(ckpt, monkeypatch, capsys):
+    """The slow-bf16 warning goes to stderr; through the server's `note` it would refuse to start."""
+    import aiayn.translate
+    from aiayn import serve
+
+    monkeypatch.setattr(aiayn.translate, "cpu_has_fast_bf16", lambda: False)
+    translator, pair, _ = serve.load(str(ckpt), "bf16")
+    assert translator.precision == "bf16" and pair == ("de", "en")
+    assert "slow fallback code" in capsys.readouterr().err
+
+
 def make_app(ckpt, **limits):
     return create_app(Translator.from_checkpoint(ckpt), Limits(**limits), ("de", "en"), checkpoint=str(ckpt))
 

@@ -541,7 +541,7 @@ def test_resume_keeps_the_precision_that_auto_chose(tmp_path, corpus, monkeypatc
     assert used == ["bf16"]
     logged = capsys.readouterr()
     assert "slow fallback code (oneDNN has no bf16 kernels" in logged.out + logged.err  # and what to do:
-    assert "--precision fp32 trains faster here" in logged.out + logged.err
+    assert "fp32 trains faster here (start a run with --precision fp32" in logged.out + logged.err
     state = torch.load(out / "step_2" / "trainer_state.pt", weights_only=True)
     del state["precision"], state["data_sha256"]  # as an older version wrote it
     torch.save(state, out / "step_2" / "trainer_state.pt")

@@ -841,7 +841,8 @@ def _describe(run: Run, info: Any) -> None:
     info(f"device {run.d.device} x{run.d.world}, precision {run.trainer.precision}, max {tc.max_tokens} tokens x "
          f"{tc.update_freq} batches x {run.d.world} ranks per step; output {run.out}")
     if run.trainer.precision == "bf16" and run.d.device.type == "cpu" and not aiayn.kernels.cpu_has_fast_bf16():
-        info(f"warning: {aiayn.kernels.SLOW_BF16} (--precision fp32 trains faster here)")
+        info(f"warning: {aiayn.kernels.SLOW_BF16}; fp32 trains faster here (start a run with --precision fp32 "
+             "or auto; --resume keeps the run's own precision)")
 
 
 def _stop_if_done(run: Run) -> None:

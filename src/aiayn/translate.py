@@ -265,7 +265,8 @@ class Translator(BaseTranslator):
         self.max_src_tokens = int(max_src_tokens or model.cfg.max_positions)
         self.note = note or _stderr_note
         if precision == "bf16" and self.device.type == "cpu" and not cpu_has_fast_bf16():
-            self.note(f"warning: {SLOW_BF16} (--precision fp32 is faster here)")
+            # on stderr, not through `note`: that is for lines (the server's refuses them)
+            print(f"aiayn: warning: {SLOW_BF16}; --precision fp32 is faster here", file=sys.stderr, flush=True)
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike[str], precision: str = "fp32", device: str = "cpu",
