@@ -18,7 +18,8 @@ CTranslate2 run one batch at a time on all threads. The copy into Marian is chec
 logits of one batch, and the greedy translations of every sentence (printed as an agreement count).
 
 aiayn runs as `Translator` runs it: weights frozen (so linear layers use oneDNN-packed weights, see
-`aiayn.kernels.inference_linear`), bf16 as a bfloat16 copy of the model. Comparisons are like for
+`aiayn.kernels.inference_linear`), bf16 as a bfloat16 copy of the model (skipped on a CPU for which
+oneDNN has no bf16 kernels, where it runs ~100x slower than fp32). Comparisons are like for
 like: aiayn bf16 is compared with a bfloat16 copy of the Marian model and with its own bf16 search
 without the cache (the fp32 peers are printed beside them). The last lines give the speed-ups of
 aiayn over HF, over its own uncached search and over CTranslate2 float32, mode by mode, and then

@@ -16,7 +16,8 @@ alpha = 0, where the two searches are the same algorithm, and HF greedy on sourc
 that `MarianTokenizer` appends by default (aiayn feeds the source without it).
 
 aiayn runs as `Translator` runs it: weights frozen (linear layers on oneDNN-packed weights), bf16
-as a bfloat16 copy of the model; after the table, aiayn's speed-up over HF and CTranslate2 float32 per mode.
+as a bfloat16 copy of the model (skipped on a CPU for which oneDNN has no bf16 kernels); after the
+table, aiayn's speed-up over HF and CTranslate2 float32 per mode.
 
 Without --checkpoint, a random-weight `small` model (d_model 256, 3+3 layers) is used with a joint
 tokenizer trained on the Multi30k training text; it seldom emits EOS, so sentences run to their

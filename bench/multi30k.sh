@@ -50,8 +50,14 @@ done
 read -r _ vbeam valpha < <(best_on_val "$avg")
 echo "== chosen on val: $avg, beam $vbeam alpha $valpha" >&2
 : > "$run/scores.jsonl"
-py=$(dirname "$(command -v "$aiayn")")/python  # the Python that runs aiayn (its venv's)
-fast_bf16=$("$py" -c 'import aiayn.kernels as k; print(int(k.cpu_has_fast_bf16()))' 2>/dev/null || echo 1)
+has_fast_bf16() {  # 1 if oneDNN has bf16 kernels for this CPU, asked of the Python that runs aiayn
+  local exe py
+  exe=$(command -v "${aiayn%% *}" || true)  # aiayn's script (its #! names the Python), or a python itself
+  case "${exe##*/}" in python*) py=$exe ;; *) py=$(sed -n '1s/^#![[:space:]]*//p' "$exe" 2>/dev/null || true) ;; esac
+  $py -c 'import aiayn.kernels as k; print(int(k.cpu_has_fast_bf16()))' 2>/dev/null \
+    || { echo "note: could not ask aiayn's Python whether this CPU has bf16 kernels; scoring bf16 too" >&2; echo 1; }
+}
+fast_bf16=$(has_fast_bf16)
 for spec in "best 1 0.6 fp32" "best 4 0.6 fp32" "$avg 4 0.6 fp32" "$avg 4 0.6 bf16" \
             "$avg $vbeam $valpha fp32" "$avg $vbeam $valpha bf16"; do
   [ "$fast_bf16" = 0 ] && [ "${spec##* }" = bf16 ] && continue  # bf16 is 10-100x slower than fp32 there

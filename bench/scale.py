@@ -165,7 +165,8 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--preset", default="small")
     ap.add_argument("--src", type=Path, default=ROOT / "src", help="the aiayn source tree to measure (a snapshot)")
-    ap.add_argument("--precision", default="auto", help="of train (auto: bf16 autocast on a CPU, what a user gets)")
+    ap.add_argument("--precision", default="auto",
+                    help="of train (auto: what a user gets, bf16 autocast on a CPU with oneDNN bf16 kernels)")
     ap.add_argument("--reuse", action="store_true",
                     help="keep the prepare results of an earlier run in WORK/scale.json and its prepared data")
     args = ap.parse_args()

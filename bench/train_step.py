@@ -9,6 +9,7 @@ sentences, for:
     `torch.compile`d; the faster of the two is the peer of the ratio.
 It also measures the machine's peak matmul FLOP/s (fp32 and bf16) in the same run and reports each
 model's share of it, counting the useful FLOPs of the step (real tokens only, 3x the forward pass).
+On a CPU for which oneDNN has no bf16 kernels (AVX2 only) it times fp32 alone unless --precisions says otherwise.
 
     python bench/train_step.py            # the full table (several minutes on 2 cores)
     python bench/train_step.py --quick    # tiny shapes, a few steps: a smoke run in seconds

@@ -550,8 +550,11 @@ def test_resume_keeps_the_precision_that_auto_chose(tmp_path, corpus, monkeypatc
     state = torch.load(out / "step_3" / "trainer_state.pt", weights_only=True)
     del state["precision"]  # as the release that brought data digests and today's `auto` wrote it
     torch.save(state, out / "step_3" / "trainer_state.pt")
+    capsys.readouterr()
     assert cli_main(["train", "--out", str(out), "--resume", "--max-steps", "4"]) == 0
     assert used == ["bf16", "bf16", "fp32"]
+    logged = capsys.readouterr()
+    assert "slow fallback code" not in logged.out + logged.err  # fp32 on that CPU: nothing to say
     state = torch.load(out / "step_4" / "trainer_state.pt", weights_only=True)
     state["precision"] = "fp16"  # as a run on CUDA, now resumed with --device cpu
     torch.save(state, out / "step_4" / "trainer_state.pt")

@@ -45,7 +45,8 @@ def cpu_has_fast_bf16() -> bool:
 
 
 # What `train`, `translate` and `serve` say when asked for bf16 on such a CPU (it is 10-100x slower).
-SLOW_BF16 = "bf16 on this CPU runs on slow fallback code (oneDNN has no bf16 kernels for it: no AVX-512 BF16 or AMX)"
+# oneDNN's test (torch's `_is_mkldnn_bf16_supported`): AVX-512 (bf16 native with AVX-512 BF16 or AMX) or AVX2-VNNI-2.
+SLOW_BF16 = "bf16 on this CPU runs on slow fallback code (oneDNN has bf16 kernels only for AVX-512 or AVX2-VNNI-2)"
 
 
 def _packing_works(dtype: torch.dtype) -> bool:
