@@ -180,8 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         args.batch, args.mean_len = 8, 6.0
 
     if args.precisions is None:
-        args.precisions = "fp32,bf16" if cpu_has_fast_bf16() else "fp32"
-        if not cpu_has_fast_bf16():
+        fast = cpu_has_fast_bf16()
+        args.precisions = "fp32,bf16" if fast else "fp32"
+        if not fast:
             print(f"note: {SLOW_BF16}; timing fp32 only (--precisions fp32,bf16 times both)")
     precisions = args.precisions.split(",")
     if not set(precisions) <= {"fp32", "bf16"}:
