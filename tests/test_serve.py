@@ -46,10 +46,10 @@ def reference(ckpt):
 
 def test_bf16_on_a_cpu_without_bf16_kernels_loads_and_warns(ckpt, monkeypatch, capsys):
     """The slow-bf16 warning goes to stderr; through the server's `note` it would refuse to start."""
-    import aiayn.translate
+    import aiayn.kernels
     from aiayn import serve
 
-    monkeypatch.setattr(aiayn.translate, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(aiayn.kernels, "cpu_has_fast_bf16", lambda: False)
     translator, pair, _ = serve.load(str(ckpt), "bf16")
     assert translator.precision == "bf16" and pair == ("de", "en")
     assert "slow fallback code" in capsys.readouterr().err

@@ -234,9 +234,9 @@ def test_bf16_precision_translates(parts):
 def test_bf16_on_a_cpu_without_bf16_kernels_says_so(parts, monkeypatch, capsys, fast):
     """bf16 without oneDNN's bf16 kernels (an AVX2-only CPU) is 10-100x slower than fp32: say so once,
     on stderr and not through `note`, which the server turns into refusing a line."""
-    import aiayn.translate
+    import aiayn.kernels
 
-    monkeypatch.setattr(aiayn.translate, "cpu_has_fast_bf16", lambda: fast)
+    monkeypatch.setattr(aiayn.kernels, "cpu_has_fast_bf16", lambda: fast)
     notes: list[str] = []
     Translator(*parts, precision="fp32", note=notes.append)
     assert capsys.readouterr().err == ""

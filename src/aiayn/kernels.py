@@ -44,6 +44,11 @@ def cpu_has_fast_bf16() -> bool:
     return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def slow_bf16_on(device: torch.device) -> bool:
+    """Whether bf16 on `device` runs on oneDNN's fallback code: a CPU without its bf16 kernels."""
+    return device.type == "cpu" and not cpu_has_fast_bf16()
+
+
 # What `train`, `translate` and `serve` say when asked for bf16 on such a CPU (it is 10-100x slower).
 # oneDNN's test (torch's `_is_mkldnn_bf16_supported`): AVX-512 (bf16 native with AVX-512 BF16 or AMX) or AVX2-VNNI-2.
 SLOW_BF16 = "bf16 on this CPU runs on slow fallback code (oneDNN has bf16 kernels only for AVX-512 or AVX2-VNNI-2)"

@@ -840,7 +840,7 @@ def _describe(run: Run, info: Any) -> None:
     info(f"data: {corpus.describe(tc)}; ~{run.steps_per_epoch} steps/epoch")
     info(f"device {run.d.device} x{run.d.world}, precision {run.trainer.precision}, max {tc.max_tokens} tokens x "
          f"{tc.update_freq} batches x {run.d.world} ranks per step; output {run.out}")
-    if run.trainer.precision == "bf16" and run.d.device.type == "cpu" and not aiayn.kernels.cpu_has_fast_bf16():
+    if run.trainer.precision == "bf16" and aiayn.kernels.slow_bf16_on(run.d.device):
         info(f"warning: {aiayn.kernels.SLOW_BF16}; fp32 trains faster here (start a run with --precision fp32 "
              "or auto; --resume keeps the run's own precision)")
 

@@ -39,10 +39,10 @@ from typing import IO, Any, BinaryIO
 
 import torch
 
+import aiayn.kernels
 from aiayn.config import INFERENCE_PRECISIONS
 from aiayn.errors import AiaynError, require
 from aiayn.files import silence_stdout
-from aiayn.kernels import SLOW_BF16, cpu_has_fast_bf16
 from aiayn.search import Hypothesis, beam_search, greedy_search
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, PIECES, TokenizerPair, vocabulary
 
@@ -264,9 +264,9 @@ class Translator(BaseTranslator):
         self.precision = precision
         self.max_src_tokens = int(max_src_tokens or model.cfg.max_positions)
         self.note = note or _stderr_note
-        if precision == "bf16" and self.device.type == "cpu" and not cpu_has_fast_bf16():
+        if precision == "bf16" and aiayn.kernels.slow_bf16_on(self.device):
             # on stderr, not through `note`: that is for lines (the server's refuses them)
-            print(f"aiayn: warning: {SLOW_BF16}; --precision fp32 is faster here", file=sys.stderr, flush=True)
+            print(f"aiayn: warning: {aiayn.kernels.SLOW_BF16}; --precision fp32 is faster here", file=sys.stderr, flush=True)
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike[str], precision: str = "fp32", device: str = "cpu",
