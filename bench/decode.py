@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 
 from aiayn.config import preset
-from aiayn.data import multi30k_paths
+from aiayn.data.text import multi30k_paths
 from aiayn.export import to_marian  # the weight mapping of `aiayn export --to hf`
 from aiayn.files import read_lines
 from aiayn.kernels import SLOW_BF16, cpu_has_fast_bf16

@@ -39,7 +39,7 @@ import torch
 
 from aiayn.checkpoint import load_checkpoint, save_checkpoint
 from aiayn.config import preset
-from aiayn.data import multi30k_paths
+from aiayn.data.text import multi30k_paths
 from aiayn.evaluate import corpus_scores
 from aiayn.export import export_ctranslate2, export_hf
 from aiayn.files import read_lines

@@ -1,4 +1,4 @@
-"""Numpy token buckets (aiayn.batching): the semantics of a plain-Python reference, cut from length arrays;
+"""Numpy token buckets (aiayn.data.batching): the semantics of a plain-Python reference, cut from length arrays;
 the same batches for the same (seed, epoch); ranks share each step's batches evenly."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import random
 import numpy as np
 import pytest
 
-from aiayn import batching
-from aiayn.batching import epoch_batches, pair_costs, plan_batches, rank_batches
+from aiayn.data import batching
+from aiayn.data.batching import epoch_batches, pair_costs, plan_batches, rank_batches
 from aiayn.errors import AiaynError
 
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 from test_train import make_corpus, tiny_args, train_cli, weights
 
-from aiayn import prepare as P
+from aiayn.data import prepare as P
 from aiayn.cli import main as cli_main
 from aiayn.config import TrainConfig
-from aiayn.corpus import open_corpus
+from aiayn.data.corpus import open_corpus
 
 
 @pytest.fixture()

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from aiayn import data
-from aiayn.data import (
+from aiayn.data import text as data
+from aiayn.data.text import (
     LANGS,
     SPLITS,
     collate,

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 from test_train import make_corpus, tiny_args, train_cli
 
-from aiayn import prepare as P
+from aiayn.data import prepare as P
 
 STEPS = 6
 EXTRA = ["--max-steps", str(STEPS), "--log-every", "1", "--save-every", "0"]

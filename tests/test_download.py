@@ -13,8 +13,9 @@ from typing import Iterator
 
 import pytest
 
-from aiayn import cli, data
-from aiayn.data import multi30k_paths, read_parallel
+from aiayn import cli
+from aiayn.data import text as data
+from aiayn.data.text import multi30k_paths, read_parallel
 from aiayn.errors import AiaynError
 
 LINES = {"de": ["Ein Hund läuft.", "Zwei Katzen schlafen."], "en": ["A dog runs.", "Two cats sleep."]}

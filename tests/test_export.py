@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from aiayn.checkpoint import save_checkpoint
 from aiayn.cli import main
 from aiayn.config import preset
-from aiayn.data import collate
+from aiayn.data.text import collate
 from aiayn.errors import AiaynError
 from aiayn.model import Transformer, sinusoidal_table
 from aiayn.search import beam_search, greedy_search

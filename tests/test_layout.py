@@ -17,21 +17,37 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "aiayn"
 MODEL_MAX_LINES = 450  # the paper (Sections 3.1-3.5) reads in one sitting
 
 
+def module_names(package: Path = SRC) -> dict[str, Path]:
+    """Dotted module name inside the package -> its file: `model`, `data` (its __init__), `data.corpus`."""
+    names = {}
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if parts:  # the package's own __init__ is not a room
+            names[".".join(parts)] = path
+    return names
+
+
 def import_graph(package: Path = SRC) -> dict[str, set[str]]:
-    """module -> the aiayn modules it imports anywhere in its source (itself and the package excluded)."""
-    modules = {p.stem for p in package.glob("*.py")}
+    """module -> the aiayn modules it imports anywhere in its source (itself and the package excluded);
+    subpackage modules by their dotted name (`data.corpus`)."""
+    modules = module_names(package)
     graph: dict[str, set[str]] = {}
-    for path in sorted(package.glob("*.py")):
+    for name, path in modules.items():
         deps: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Import):
-                names = [a.name.split(".") for a in node.names]
-                deps.update(n[1] for n in names if n[0] == "aiayn" and len(n) > 1)
+                deps.update(a.name.split(".", 1)[1] for a in node.names if a.name.startswith("aiayn."))
             elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "aiayn":
-                parts = node.module.split(".")
-                # `from aiayn.x import y` names module x; `from aiayn import x` names x if it is a module
-                deps.update(parts[1:2] if len(parts) > 1 else (a.name for a in node.names if a.name in modules))
-        graph[path.stem] = deps - {path.stem}
+                base = node.module.split(".", 1)[1] if "." in node.module else ""
+                for a in node.names:  # `from aiayn.x import y` names x.y if that is a module, else x
+                    sub = f"{base}.{a.name}" if base else a.name
+                    if sub in modules:
+                        deps.add(sub)
+                    elif base:
+                        deps.add(base)
+        graph[name] = deps - {name}
     return graph
 
 
@@ -81,6 +97,16 @@ def test_the_paper_depends_only_on_what_lies_below_it():
         assert graph[low] <= {"errors"}, (low, graph[low])
 
 
+def test_the_data_path_imports_only_what_lies_before_it():
+    """download -> prepare -> bindata -> batching -> corpus, as the subpackage's docstring draws it."""
+    graph = import_graph()
+    order = ["data.text", "data.wmt14", "data.download", "data.bindata", "data.prepare", "data.batching",
+             "data.corpus"]
+    for i, m in enumerate(order):
+        later = {d for d in graph[m] if d.startswith("data")} - set(order[:i])
+        assert not later, (m, later)
+
+
 def test_plot_does_not_import_train_for_one_formula():
     """The schedule plot needs `config.learning_rate`, not the whole training loop (and torch.distributed)."""
     assert "train" not in import_graph()["plot"]
@@ -98,7 +124,7 @@ def duplicated_definitions(package: Path = SRC) -> list[str]:
     precisions, pieces = set(PRECISIONS), set(PIECES.values())
     ids = {"pad_id", "unk_id", "bos_id", "eos_id"}
     found = []
-    for path in sorted(package.glob("*.py")):
+    for path in sorted(package.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             where = f"{path.name}:{getattr(node, 'lineno', '?')}"
             if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and path.name != "config.py":

@@ -17,9 +17,10 @@ import pytest
 import torch
 from test_train import make_corpus
 
-from aiayn import bindata, cli, prepare as P
-from aiayn.bindata import open_prepared
-from aiayn.data import collate, read_parallel
+from aiayn import cli
+from aiayn.data import bindata, prepare as P
+from aiayn.data.bindata import open_prepared
+from aiayn.data.text import collate, read_parallel
 from aiayn.errors import AiaynError
 
 SETTINGS = P.Settings(vocab_size=300, max_len=20)
@@ -161,7 +162,7 @@ def test_a_killed_prepare_leaves_nothing_train_accepts_and_a_rerun_finishes(tmp_
     out = tmp_path / "bin"
     script = (  # SIGKILL itself after the training arrays are written, before the rename
         "import os, signal, sys\n"
-        "from aiayn import bindata\n"
+        "from aiayn.data import bindata\n"
         "close = bindata.SplitWriter.close\n"
         "def die(self):\n"
         "    close(self)\n"

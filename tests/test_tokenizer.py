@@ -207,7 +207,7 @@ DATA = os.environ.get("AIAYN_DATA")
 
 @pytest.mark.skipif(not DATA or not Path(DATA, "multi30k").is_dir(), reason="AIAYN_DATA (Multi30k) not set")
 def test_multi30k_joint_bpe_8k(tmp_path: Path) -> None:
-    from aiayn.data import multi30k_paths, read_parallel
+    from aiayn.data.text import multi30k_paths, read_parallel
 
     src, tgt = multi30k_paths("train", "de", "en", DATA)
     t0 = time.perf_counter()

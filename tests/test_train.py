@@ -18,9 +18,9 @@ from aiayn import train as T
 from aiayn.cli import build_parser
 from aiayn.cli import main as cli_main
 from aiayn.config import ModelConfig, TrainConfig, preset
-from aiayn.data import Batch, collate
+from aiayn.data.text import Batch, collate
 from aiayn.errors import AiaynError
-from aiayn.bindata import open_prepared
+from aiayn.data.bindata import open_prepared
 from aiayn.model import Transformer
 
 EN = "the a cat dog sees runs big small red house tree man woman child ball blue green eats under".split()

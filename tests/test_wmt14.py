@@ -12,9 +12,10 @@ from typing import Iterator
 import pytest
 from test_download import _no_proxy, _Server
 
-from aiayn import cli, wmt14
-from aiayn.bindata import open_prepared
-from aiayn.data import read_lines
+from aiayn import cli
+from aiayn.data import wmt14
+from aiayn.data.bindata import open_prepared
+from aiayn.data.text import read_lines
 from aiayn.errors import AiaynError
 
 EN = ["A house.", "The dog runs.", "", "Two cats.", "Rain today.", "Bad bytes.", "Last one."]

@@ -17,7 +17,7 @@ from aiayn.files import silence_stdout
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "prepare": ("aiayn.prepare", "binarize parallel text for training (SentencePiece + memory-mapped arrays)"),
+    "prepare": ("aiayn.data.prepare", "binarize parallel text for training (SentencePiece + memory-mapped arrays)"),
     "train": ("aiayn.train", "train a translation model on parallel text"),
     "translate": ("aiayn.translate", "translate text with a trained model"),
     "evaluate": ("aiayn.evaluate", "score translations with sacreBLEU (BLEU, chrF)"),
@@ -25,7 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plot": ("aiayn.plot", "draw positional encodings, attention maps, learning curves, LR schedules"),
     "serve": ("aiayn.serve", "serve a model over HTTP (LibreTranslate-compatible API, batching, attention page)"),
     "export": ("aiayn.export", "export a model to Hugging Face (Marian) or CTranslate2"),
-    "download": ("aiayn.download", "download Multi30k or WMT14 into the cache (sha256-checked)"),
+    "download": ("aiayn.data.download", "download Multi30k or WMT14 into the cache (sha256-checked)"),
     "demo": ("aiayn.copytask", "train a tiny model on the copy task and show its output"),
 }
 

@@ -93,7 +93,7 @@ def _inputs(args: argparse.Namespace) -> tuple[str, str | None, str]:
             raise AiaynError("--data picks the files itself: drop --src-file/--ref-file")
         if not args.src or not args.tgt:
             raise AiaynError("--data multi30k needs --src and --tgt (e.g. --src de --tgt en)")
-        from aiayn.data import multi30k_paths
+        from aiayn.data.text import multi30k_paths
 
         src, ref = multi30k_paths(args.split, args.src, args.tgt, args.data_dir)
         return "translate", str(src), str(ref)

@@ -174,8 +174,8 @@ def _labels(ids: list[int], tokenizer: Any) -> list[str]:
 
 def attention_inputs(tokenizers: Any, src_ids: list[int], tgt_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[str], list[str], list[str]]:
     """Source and decoder-input tensors (1, S), (1, T) built as training batches are
-    (`aiayn.data.collate`), and the labels of the source, decoder input and decoder output tokens."""
-    from aiayn.data import collate
+    (`aiayn.data.text.collate`), and the labels of the source, decoder input and decoder output tokens."""
+    from aiayn.data.text import collate
 
     if not src_ids:
         raise AiaynError("--src encodes to no tokens; give a non-empty sentence")

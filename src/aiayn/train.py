@@ -13,10 +13,10 @@ run reproduces an uninterrupted one bitwise (CPU, fp32). SIGINT/SIGTERM finish t
 write a checkpoint and print the command that resumes.
 
 Data: one path, memory-mapped arrays written by `aiayn prepare` (--data-bin, or the raw text
-prepared into the run directory); batches are cut from their length arrays (aiayn.corpus).
+prepared into the run directory); batches are cut from their length arrays (aiayn.data.corpus).
 
 Distributed: under `torchrun`, each step's batches are shared out so that every rank takes as many
-and about as many tokens (aiayn.batching), DDP sums the gradients, and only rank 0 validates and writes.
+and about as many tokens (aiayn.data.batching), DDP sums the gradients, and only rank 0 validates and writes.
 """
 
 from __future__ import annotations
@@ -319,9 +319,9 @@ class Stopper:
 def load_corpus(tc: TrainConfig, loaded: Any | None, run_dir: Path, d: Dist, source_eos: bool,
                 log: Any = print) -> Any:
     """The run's prepared data (--data-bin, or the raw text prepared into the run directory by rank 0)
-    with its batch plans (aiayn.corpus; sources ending with EOS if `source_eos`). A run resumed from
+    with its batch plans (aiayn.data.corpus; sources ending with EOS if `source_eos`). A run resumed from
     checkpoint `loaded` needs the same data (manifest sha256) and tokenizer as before."""
-    from aiayn.corpus import open_corpus, prepared_path
+    from aiayn.data.corpus import open_corpus, prepared_path
 
     path = prepared_path(tc, run_dir, d.main, d.barrier, log, resuming=loaded is not None)
     corpus = open_corpus(path, tc, source_eos)
@@ -338,8 +338,8 @@ def load_corpus(tc: TrainConfig, loaded: Any | None, run_dir: Path, d: Dist, sou
 
 
 def rank_batches(corpus: Any, tc: TrainConfig, epoch: int, d: Dist) -> Any:
-    """This rank's batches of an epoch: a list of int32 arrays of pair ids (aiayn.batching)."""
-    from aiayn.corpus import rank_batches as for_rank
+    """This rank's batches of an epoch: a list of int32 arrays of pair ids (aiayn.data.batching)."""
+    from aiayn.data.corpus import rank_batches as for_rank
 
     return for_rank(corpus, tc, epoch, d.rank, d.world)
 
@@ -441,7 +441,7 @@ class Trainer:
 def validate(model: Transformer, corpus: Any, tc: TrainConfig, autocast: Any, device: torch.device) -> dict[str, float]:
     """Validation loss (label-smoothed and plain, per token) and greedy BLEU/chrF on the first
     `valid_bleu` validation sentences."""
-    from aiayn.corpus import valid_batches
+    from aiayn.data.corpus import valid_batches
     from aiayn.evaluate import corpus_scores
     from aiayn.search import greedy_search
     from aiayn.tokenizer import BOS_ID, EOS_ID
@@ -543,7 +543,7 @@ class Run:
     preset: str
     d: Dist
     out: Path
-    corpus: Any  # aiayn.corpus.Corpus
+    corpus: Any  # aiayn.data.corpus.Corpus
     model: Transformer
     trainer: Trainer
     metrics: Metrics

@@ -31,8 +31,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
-from aiayn import bindata
-from aiayn.data import blank_line_error, line_count_error, read_parallel
+from aiayn.data import bindata
+from aiayn.data.text import blank_line_error, line_count_error, read_parallel
 from aiayn.files import iter_lines
 from aiayn.errors import AiaynError
 from aiayn.files import atomic_write_bytes, file_sha256, fsync_path
@@ -381,14 +381,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def inputs_from_args(args: argparse.Namespace) -> Inputs:
-    from aiayn import data
+    from aiayn.data import text as data
 
     if args.data == "multi30k":
         tr = data.multi30k_paths("train", args.src, args.tgt, args.data_dir)
         va = data.multi30k_paths("val", args.src, args.tgt, args.data_dir)
         return Inputs(tr[0], tr[1], va[0], va[1])
     if args.data == "wmt14":
-        from aiayn.wmt14 import wmt14_paths
+        from aiayn.data.wmt14 import wmt14_paths
 
         tr, va = wmt14_paths(args.src, args.tgt, args.data_dir)
         return Inputs(tr[0], tr[1], va[0], va[1])

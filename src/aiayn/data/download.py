@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from aiayn import data, wmt14
+from aiayn.data import text as data, wmt14
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -27,7 +27,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
-from aiayn.data import Batch
+from aiayn.data.text import Batch
 from aiayn.files import read_lines
 from aiayn.errors import AiaynError
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, TokenizerPair

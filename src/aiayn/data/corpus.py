@@ -17,9 +17,9 @@ from typing import Callable
 
 import numpy as np
 
-from aiayn import batching, prepare
-from aiayn.batching import BatchPlan, Batches
-from aiayn.bindata import Prepared, Split, open_prepared
+from aiayn.data import batching, prepare
+from aiayn.data.batching import BatchPlan, Batches
+from aiayn.data.bindata import Prepared, Split, open_prepared
 from aiayn.config import TrainConfig
 from aiayn.errors import AiaynError
 
@@ -84,7 +84,7 @@ def prepared_path(tc: TrainConfig, run_dir: Path, is_main: bool, barrier: Callab
 
 
 def _raw_inputs(tc: TrainConfig) -> prepare.Inputs:
-    from aiayn import data
+    from aiayn.data import text as data
 
     if tc.data is not None:
         if tc.data != "multi30k":

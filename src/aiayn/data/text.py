@@ -10,7 +10,7 @@ approximately 25000 source tokens and 25000 target tokens").
 - `multi30k_paths`: the Multi30k task-1 files from `--data-dir`, `$AIAYN_DATA`, or the user cache
   (downloaded once from the public repository and checked against sha256).
 - `collate` pads one batch to its own longest sentence, never to a fixed length (the batches
-  themselves are cut by `aiayn.batching`).
+  themselves are cut by `aiayn.data.batching`).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
-from aiayn.data import DATA_ENV, download_file
+from aiayn.data.text import DATA_ENV, download_file
 from aiayn.errors import AiaynError
 from aiayn.files import atomic_write_bytes, default_cache_dir
 
