@@ -17,8 +17,8 @@ import torch
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from aiayn.scheduler import Limits, QueueFull, Scheduler  # noqa: E402
-from aiayn.serve_app import create_app  # noqa: E402
+from aiayn.serve.scheduler import Limits, QueueFull, Scheduler  # noqa: E402
+from aiayn.serve.app import create_app  # noqa: E402
 from aiayn.translate import Translator  # noqa: E402
 from serve_model import tiny_checkpoint  # noqa: E402
 
@@ -47,7 +47,7 @@ def reference(ckpt):
 def test_bf16_on_a_cpu_without_bf16_kernels_loads_and_warns(ckpt, monkeypatch, capsys):
     """The slow-bf16 warning goes to stderr; through the server's `note` it would refuse to start."""
     import aiayn.kernels
-    from aiayn import serve
+    from aiayn.serve import cli as serve
 
     monkeypatch.setattr(aiayn.kernels, "cpu_has_fast_bf16", lambda: False)
     translator, pair, _ = serve.load(str(ckpt), "bf16")
@@ -280,7 +280,7 @@ def test_concurrent_requests_share_batches_and_match_translator(ckpt, reference)
 def test_the_model_thread_cuts_a_batch_into_one_part_per_torch_thread(reference, monkeypatch, threads, parts):
     """Padding counted: lines of very different lengths are one part on one thread, not several."""
     import aiayn.translate
-    from aiayn.serve_batch import Key, run_batch
+    from aiayn.serve.batch import Key, run_batch
 
     searched = []
     search = aiayn.translate.beam_search

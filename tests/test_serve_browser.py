@@ -25,8 +25,8 @@ from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
 
-from aiayn.scheduler import Limits  # noqa: E402
-from aiayn.serve_app import create_app  # noqa: E402
+from aiayn.serve.scheduler import Limits  # noqa: E402
+from aiayn.serve.app import create_app  # noqa: E402
 from aiayn.translate import Translator  # noqa: E402
 from serve_model import tiny_checkpoint  # noqa: E402
 

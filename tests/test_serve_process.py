@@ -177,7 +177,7 @@ def test_the_server_searches_its_model_as_it_is_not_a_view_per_batch(ckpt):
     """A trainable model gets a fresh frozen view (and freshly packed weights) at every search; the
     server's own model is frozen once, so batches reuse the packed weights."""
     from aiayn.checkpoint import load_checkpoint
-    from aiayn.serve import load
+    from aiayn.serve.cli import load
     from aiayn.translate import inference_view
 
     model = load_checkpoint(ckpt).model

@@ -23,7 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "evaluate": ("aiayn.evaluate", "score translations with sacreBLEU (BLEU, chrF)"),
     "average": ("aiayn.checkpoint", "average the weights of the last N checkpoints"),
     "plot": ("aiayn.plot", "draw positional encodings, attention maps, learning curves, LR schedules"),
-    "serve": ("aiayn.serve", "serve a model over HTTP (LibreTranslate-compatible API, batching, attention page)"),
+    "serve": ("aiayn.serve.cli", "serve a model over HTTP (LibreTranslate-compatible API, batching, attention page)"),
     "export": ("aiayn.export", "export a model to Hugging Face (Marian) or CTranslate2"),
     "download": ("aiayn.data.download", "download Multi30k or WMT14 into the cache (sha256-checked)"),
     "demo": ("aiayn.copytask", "train a tiny model on the copy task and show its output"),

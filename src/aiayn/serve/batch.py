@@ -2,7 +2,7 @@
 (so each line gets the translation `aiayn translate` gives it with the same settings), segment the
 translations into target subwords and, on request, compute their cross-attention.
 
-No HTTP here (`aiayn.serve_app`) and no batching (`aiayn.scheduler`): plain functions of a
+No HTTP here (`aiayn.serve.app`) and no batching (`aiayn.serve.scheduler`): plain functions of a
 `Translator` and lines, run in the scheduler's model thread (and, for a finished line handed over
 early, in the search worker that searched it when the batch is split across torch threads).
 """

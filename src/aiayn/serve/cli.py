@@ -1,4 +1,4 @@
-"""`aiayn serve`: the command line of the translation server (the app itself is `aiayn.serve_app`).
+"""`aiayn serve`: the command line of the translation server (the app itself is `aiayn.serve.app`).
 
 Flags are checked and the checkpoint is loaded before anything listens, so a bad flag or checkpoint
 is a one-line error. The socket is bound here (port 0 picks a free one, printed on stderr); uvicorn
@@ -18,7 +18,7 @@ from typing import Any
 from aiayn import memory
 from aiayn.config import INFERENCE_PRECISIONS
 from aiayn.errors import AiaynError
-from aiayn.scheduler import Limits
+from aiayn.serve.scheduler import Limits
 
 # ----------------------------------------------------------------------------------- the CLI
 
@@ -87,7 +87,7 @@ def _signals_end_quietly() -> Iterator[None]:
 def load(checkpoint: str, precision: str) -> tuple[Any, tuple[str, str], str]:
     """The server's translator (its own model, frozen once), the language pair and the checkpoint path."""
     from aiayn.checkpoint import load_checkpoint, resolve_checkpoint
-    from aiayn.serve_batch import refuse_long
+    from aiayn.serve.batch import refuse_long
     from aiayn.translate import Translator
 
     ckpt = load_checkpoint(resolve_checkpoint(checkpoint))
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from aiayn.serve_app import create_app
+        from aiayn.serve.app import create_app
     except ImportError as e:
         raise AiaynError(f"aiayn serve needs {e.name}: pip install 'aiayn[serve]'") from None
     translator, (src, tgt), path = load(args.checkpoint, args.precision)

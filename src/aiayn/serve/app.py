@@ -3,10 +3,10 @@
 Endpoints: LibreTranslate's `POST /translate` (JSON or an HTML form) and `GET /languages`, so its
 clients work unchanged; `POST /v1/translate` (n-best lists with scores, subword tokens on both sides,
 cross-attention on request); `GET /health` (200 once the model is warmed up), `GET /v1/info`,
-`GET /metrics` (Prometheus), `/docs` (OpenAPI) and `GET /`, the page in src/aiayn/static/.
+`GET /metrics` (Prometheus), `/docs` (OpenAPI) and `GET /`, the page in src/aiayn/serve/static/.
 
-Handlers never touch the model: lines go to `aiayn.scheduler.Scheduler`, whose model thread runs
-`aiayn.serve_batch.run_batch` on `Translator.search`, so a line gets the translation `aiayn translate` gives it with the
+Handlers never touch the model: lines go to `aiayn.serve.scheduler.Scheduler`, whose model thread runs
+`aiayn.serve.batch.run_batch` on `Translator.search`, so a line gets the translation `aiayn translate` gives it with the
 same settings, whatever shares its batch. Errors are JSON bodies `{"error": message}`: 400 a language
 pair the model does not serve, 411/413 a body without length or too large, 413 a line over
 --max-chars or the model's length, 422 a malformed body (naming the field), 503 a full queue or a
@@ -36,8 +36,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
 from aiayn import __version__, memory
-from aiayn.scheduler import Limits, QueueFull, Scheduler
-from aiayn.serve_batch import DEFAULT_ALPHA, Key, LineTooLong, refuse_long, run_batch, warm_up
+from aiayn.serve.batch import DEFAULT_ALPHA, Key, LineTooLong, refuse_long, run_batch, warm_up
+from aiayn.serve.scheduler import Limits, QueueFull, Scheduler
 
 LANGUAGE_NAMES = {"en": "English", "de": "German", "fr": "French", "cs": "Czech"}
 PATHS = ("/", "/translate", "/languages", "/v1/translate", "/v1/info", "/health", "/metrics", "/docs")
@@ -384,7 +384,7 @@ def _info_routes(app: FastAPI, srv: Server) -> None:
             "versions": {"aiayn": __version__, "torch": torch.__version__, "python": platform.python_version()},
             "runtime": {"torch_threads": torch.get_num_threads(),
                         **{k.lower(): os.environ.get(k) for k in memory.ONEDNN_CACHES}}}
-    page = resources.files("aiayn") / "static"
+    page = resources.files("aiayn.serve") / "static"
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -408,4 +408,4 @@ def _info_routes(app: FastAPI, srv: Server) -> None:
     async def index() -> HTMLResponse:
         return HTMLResponse((page / "index.html").read_text(encoding="utf-8"))
 
-    app.mount("/static", StaticFiles(packages=[("aiayn", "static")]), name="static")
+    app.mount("/static", StaticFiles(packages=[("aiayn.serve", "static")]), name="static")
