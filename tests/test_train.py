@@ -251,6 +251,43 @@ def test_patience_stops_early_and_max_steps_stops(tmp_path, corpus):
     assert s["step"] == 1 and "max-minutes" in s["stop"] and (tmp_path / "t" / "step_1" / "trainer_state.pt").is_file()
 
 
+def test_a_run_stopped_by_a_limit_validates_the_model_it_stops_with(tmp_path, corpus):
+    """A time or step limit met mid-epoch ends with a validation of the last model (which becomes
+    best/ when it is the best), not with the score of the last epoch end: the demo translates with it."""
+    for flag, value in (("--max-minutes", "1e-6"), ("--max-steps", "3")):
+        out = tmp_path / flag
+        s = train_cli(tiny_args(corpus, out, flag, value))
+        recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        valid = [r for r in recs if r["kind"] == "valid"]
+        assert [r["step"] for r in valid] == [s["step"]] and valid[0]["epoch"] == 1 and "bleu" in valid[0]
+        assert s["best_bleu"] == valid[0]["bleu"]
+        assert json.loads((out / "best" / "config.json").read_text())["step"] == s["step"]
+    # a limit met at an epoch end validates once
+    one_epoch = train_cli(tiny_args(corpus, tmp_path / "e", "--max-epochs", "1"))["step"]
+    s = train_cli(tiny_args(corpus, tmp_path / "s", "--max-steps", str(one_epoch)))
+    recs = [json.loads(x) for x in (tmp_path / "s" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs if r["kind"] == "valid"] == [one_epoch]
+
+
+def test_time_running_out_in_an_epoch_end_validation_stops_there(tmp_path, corpus, monkeypatch):
+    """The run stops with the model the epoch end just scored, not one unscored step later."""
+    clock = {"s": 0.0}
+    real_validate = T.validate
+
+    def slow_validate(*a, **k):
+        clock["s"] = 3600.0  # this validation takes the rest of the hour
+        return real_validate(*a, **k)
+
+    monkeypatch.setattr(T, "validate", slow_validate)
+    monkeypatch.setattr(T.Run, "seconds", lambda self: clock["s"])
+    one_epoch = train_cli(tiny_args(corpus, tmp_path / "e", "--max-epochs", "1"))["step"]
+    clock["s"] = 0.0
+    s = train_cli(tiny_args(corpus, tmp_path / "t", "--max-minutes", "30"))
+    recs = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    assert s["step"] == one_epoch and "max-minutes" in s["stop"]
+    assert [r["step"] for r in recs if r["kind"] == "valid"] == [one_epoch]
+
+
 def test_long_pairs_are_skipped_and_counted(tmp_path, corpus, capsys):
     src = Path(corpus["train_src"])
     tgt = Path(corpus["train_tgt"])

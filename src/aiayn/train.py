@@ -886,9 +886,12 @@ def _train_epoch(run: Run, stopper: Stopper, bar: Any) -> None:
                              "--precision fp32, and resume from an earlier checkpoint")
         run.stop_reason = _stop_reason_after_step(run, stopper)
         if run.pos < len(mine) and (run.stop_reason or (tc.save_every and trainer.step % tc.save_every == 0)):
-            run.save()
+            # a run stopped by a limit ends with the model it translates with: score that one too
+            run.save(best=run.stop_reason.startswith("reached") and _validate(run, bar, epoch_end=False))
     if run.pos >= len(mine):
         _end_epoch(run, bar)
+        # time may run out while validating: stop with the model just scored, not one step after it
+        run.stop_reason = run.stop_reason or _stop_reason_after_step(run, stopper)
 
 
 def _stop_reason_after_step(run: Run, stopper: Stopper) -> str:
@@ -903,14 +906,16 @@ def _stop_reason_after_step(run: Run, stopper: Stopper) -> str:
     return ""
 
 
-def _end_epoch(run: Run, bar: Any) -> None:
-    """The epoch is complete: validate (rank 0), keep the best, count patience, save, move on."""
-    tc, d, improved = run.tc, run.d, False
+def _validate(run: Run, bar: Any, epoch_end: bool = True) -> bool:
+    """Validates (rank 0), logs a `valid` line and keeps the best BLEU; True if it improved
+    (every rank gets the answer). At an epoch end it also counts epochs without one (--patience)."""
+    d, improved = run.d, False
     if d.main:
-        v = validate(run.model, run.corpus, tc, run.trainer.autocast, d.device)
+        v = validate(run.model, run.corpus, run.tc, run.trainer.autocast, d.device)
         if "bleu" in v:
             improved = v["bleu"] > run.best_bleu
-            run.bad_epochs = 0 if improved else run.bad_epochs + 1
+            if epoch_end:
+                run.bad_epochs = 0 if improved else run.bad_epochs + 1
             run.best_bleu = max(run.best_bleu, v["bleu"])
         run.metrics.write({"kind": "valid", "step": run.trainer.step, "epoch": run.epoch,
                            **{k: round(x, 4) for k, x in v.items()}, "elapsed_s": round(run.seconds(), 2)})
@@ -921,6 +926,13 @@ def _end_epoch(run: Run, bar: Any) -> None:
                              device=d.device)
         dist.broadcast(flags, 0)
         improved, run.bad_epochs, run.best_bleu = bool(flags[0]), int(flags[1]), float(flags[2])
+    return improved
+
+
+def _end_epoch(run: Run, bar: Any) -> None:
+    """The epoch is complete: validate, keep the best, count patience, save, move on."""
+    tc = run.tc
+    improved = _validate(run, bar)
     if tc.patience and run.bad_epochs >= tc.patience and not run.stop_reason:
         run.stop_reason = f"no better validation BLEU for {tc.patience} epochs (--patience)"
     run.epoch, run.pos = run.epoch + 1, 0
