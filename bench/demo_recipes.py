@@ -59,7 +59,8 @@ def figure(cands: list[Candidate], goal: float) -> Figure:
     fig = Figure(figsize=(9, 5.2), layout="constrained")
     ax = fig.subplots()
     for c in cands:
-        ax.plot(c.minutes, c.bleu, marker="o", ms=4, lw=1.6, label=f"{c.name}: {c.settings} ({c.bleu[-1]:.1f})")
+        ax.plot(c.minutes, c.bleu, marker="o", ms=4, lw=1.6, ls="--" if c.precision == "fp32" else "-",
+                label=f"{c.name}: {c.settings}, {c.precision} ({c.bleu[-1]:.1f})")
     ax.axhline(goal, color="grey", ls=":", lw=1)
     ax.set_xlabel("minutes of training (validation included)")
     ax.set_ylabel("validation BLEU (Multi30k val, de->en, greedy)")
@@ -69,19 +70,21 @@ def figure(cands: list[Candidate], goal: float) -> Figure:
     return fig
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("runs", nargs="+", type=Path, help="run directories (or their copies under docs/logs)")
     p.add_argument("-o", "--output", default="docs/demo-recipes.png", help="the picture")
     p.add_argument("--goal", type=float, default=30.0, help="the BLEU line drawn")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     cands = [read_candidate(r) for r in args.runs]
     print(save_figure(figure(cands, args.goal), args.output))
-    print("| candidate | settings | final val BLEU | minutes | steps | precision |")
+    print("| candidate | settings | precision | steps | val BLEU at the end (minutes) | best val BLEU |")
     print("|---|---|---|---|---|---|")
     for c in cands:
-        print(f"| {c.name} | {c.settings} | {c.bleu[-1]:.2f} | {c.minutes[-1]:.2f} | {c.steps} | {c.precision} |")
+        print(f"| {c.name} | {c.settings} | {c.precision} | {c.steps} | {c.bleu[-1]:.2f} ({c.minutes[-1]:.2f}) "
+              f"| {max(c.bleu):.2f} |")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
