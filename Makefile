@@ -38,16 +38,18 @@ install-test: $(VENV)/.installed-test
 DEMO_MINUTES ?= 4.5
 DEMO_SENTENCES := "Ein Mann fährt mit dem Fahrrad eine Straße entlang." "Zwei Hunde spielen im Schnee." \
   "Eine Frau in einem roten Kleid singt auf einer Bühne." "Kinder spielen Fußball auf einer Wiese."
-# Each sentence beside its translation, padded by characters (printf pads by bytes: ä, ü, ß are two).
-DEMO_ALIGN := import sys; s, t = (open(f, encoding="utf-8").read().splitlines() for f in sys.argv[1:]); \
+# The score of best/ (the model that translates), then each sentence beside its translation, padded by
+# characters (printf pads by bytes: ä, ü, ß are two).
+DEMO_SHOW := import sys, json; s, t = (open(f, encoding="utf-8").read().splitlines() for f in sys.argv[1:3]); \
+  v = [r for r in map(json.loads, open(sys.argv[3])) if "bleu" in r]; best = max(v, key=lambda r: r["bleu"]); \
+  print("runs/demo/best: validation BLEU {:.2f} (step {}); its translations:".format(best["bleu"], best["step"])); \
   w = max(map(len, s)); print("\n".join(f"  {a:<{w}}  ->  {b}" for a, b in zip(s, t)))
 demo: install
 	rm -rf runs/demo
 	$(AIAYN) train --config configs/demo.toml --src de --tgt en --max-minutes $(DEMO_MINUTES) --out runs/demo
 	printf '%s\n' $(DEMO_SENTENCES) > runs/demo/demo.de
 	$(AIAYN) translate --checkpoint runs/demo --beam 4 < runs/demo/demo.de > runs/demo/demo.en
-	@echo; echo "Translations by runs/demo (its validation BLEU is the last 'valid bleu' above):"
-	@$(PY) -c '$(DEMO_ALIGN)' runs/demo/demo.de runs/demo/demo.en
+	@echo; $(PY) -c '$(DEMO_SHOW)' runs/demo/demo.de runs/demo/demo.en runs/demo/metrics.jsonl
 	@echo; echo "Next:"
 	@echo "  $(AIAYN) plot attention --checkpoint runs/demo --src 'Zwei Hunde spielen im Schnee.' -o runs/demo/attention.png"
 	@echo "  $(AIAYN) plot curves --checkpoint runs/demo -o runs/demo/curves.png"

@@ -21,7 +21,9 @@ MAKEFILE = ROOT / "Makefile"
 STUB = """#!/bin/sh
 # stands in for aiayn: `train` makes its --out and logs on stdout and stderr, `translate` echoes its input
 case "$1" in
-  train) while [ "$#" -gt 0 ]; do [ "$1" = --out ] && mkdir -p "$2"; shift; done
+  train) while [ "$#" -gt 0 ]; do
+           [ "$1" = --out ] && mkdir -p "$2" && printf '%s\n' '{"kind": "valid", "step": 5, "bleu": 31.5}' \
+             '{"kind": "valid", "step": 9, "bleu": 30.25}' > "$2/metrics.jsonl"; shift; done
          echo "stub train: model ready"; echo "stub train: progress" >&2; echo "stub train: stopped" ;;
   translate) while IFS= read -r line; do echo "EN: $line"; done ;;
 esac
@@ -61,6 +63,7 @@ def test_make_demo_prints_each_sentence_beside_its_translation_aligned(tmp_path)
     assert [p.split("->")[0].strip() for p in pairs] == SENTENCES
     assert [p.split("->  ")[1] for p in pairs] == [f"EN: {s}" for s in SENTENCES]
     assert len({p.index("->") for p in pairs}) == 1, pairs  # one column, counted in characters (ä, ß)
+    assert "runs/demo/best: validation BLEU 31.50 (step 5); its translations:" in lines  # the best, not the last
 
 
 @needs_make
