@@ -6,7 +6,7 @@ each epoch end and when time is up. Draws docs/demo-recipes.png and prints the t
 (settings from train.json; precision and steps from the log's `device ...` and `stopped: ...` lines).
 
     python bench/demo_recipes.py docs/logs/demo-*            # the picture and the table
-    python bench/demo_recipes.py runs/demo-a runs/demo-b -o /tmp/recipes.png
+    python bench/demo_recipes.py runs/demo-a runs/demo-b -o /tmp/recipes.png   # logs: runs/demo-a.log, ...
 """
 
 from __future__ import annotations
@@ -41,11 +41,13 @@ def _settings(train_json: Path) -> str:
 
 
 def read_candidate(run: Path) -> Candidate:
-    """A run directory (or its copy under docs/logs): metrics.jsonl, train.json and a `*.log`."""
+    """A run directory (or its copy under docs/logs): metrics.jsonl, train.json and the run's log,
+    `*.log` in it or RUN.log beside it."""
     valid = [r for r in read_metrics(run / "metrics.jsonl") if r.get("kind") == "valid" and "bleu" in r]
     if not valid:
         raise SystemExit(f"{run}/metrics.jsonl: no validation BLEU yet")
-    logs = sorted(run.glob("*.log"))
+    logs = sorted(run.glob("*.log")) + [run.parent / f"{run.name}.log"]  # a copy's, or the one beside the run
+    logs = [f for f in logs if f.is_file()]
     text = logs[0].read_text(encoding="utf-8", errors="replace") if logs else ""
     precision = re.search(r"precision (\w+)", text)
     stopped = re.search(r"stopped: .*?; step (\d+)", text)

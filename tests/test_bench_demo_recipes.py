@@ -26,6 +26,7 @@ def fake_run(folder: Path, d_model: int, bleus: list[float], precision: str) -> 
 def test_picture_and_table(tmp_path):
     runs = [fake_run(tmp_path / "demo-small", 192, [10.0, 31.5, 30.25], "bf16"),
             fake_run(tmp_path / "demo-wide", 256, [5.0, 20.0], "fp32")]
+    (runs[1] / "train.log").rename(tmp_path / "demo-wide.log")  # the log beside the run is read too
     out = tmp_path / "recipes.png"
     res = subprocess.run([sys.executable, str(ROOT / "bench" / "demo_recipes.py"), *map(str, runs), "-o", str(out)],
                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, timeout=120)

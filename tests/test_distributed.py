@@ -78,7 +78,8 @@ def test_two_ranks_match_one_process_with_update_freq_2(tmp_path):
     _assert_same_training(one, two)
     # only rank 0 wrote: one run directory layout, no per-rank files
     names = sorted(p.name for p in two.iterdir())
-    assert names == ["data", "metrics.jsonl", f"step_{STEPS}", "train.json"], names  # data: the prepared text
+    # data: the prepared text; best/: --max-steps stops mid-epoch, and the stop is validated
+    assert names == ["best", "data", "metrics.jsonl", f"step_{STEPS}", "train.json"], names
 
 
 def test_update_freq_under_ddp_matches_one_process_accumulating_all(tmp_path):
