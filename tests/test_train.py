@@ -313,6 +313,7 @@ def test_a_new_run_never_touches_what_it_did_not_write(tmp_path, corpus, capsys)
     out = tmp_path / "r"
     assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--save-every", "1", "--keep-last", "1")) == 0
     (out / "step_2").rename(tmp_path / "moved")
+    shutil.rmtree(out / "best")  # the stop's own; a copy of the step stands for some earlier work's
     shutil.copytree(tmp_path / "moved", out / "best")
     (out / ".tmp-notes").mkdir()
     (out / ".tmp-notes" / "todo.txt").write_text("mine\n")
@@ -337,7 +338,7 @@ def test_a_new_run_never_touches_what_it_did_not_write(tmp_path, corpus, capsys)
 def test_resume_starts_again_a_run_killed_before_its_first_checkpoint(tmp_path, corpus, capsys):
     out = tmp_path / "r"
     assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--log-every", "1")) == 0
-    for p in out.glob("step_*"):  # as if killed before the first save: train.json, metrics.jsonl, no step
+    for p in [*out.glob("step_*"), out / "best"]:  # as if killed before the first save: train.json, metrics.jsonl
         shutil.rmtree(p)
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"kind": "train", "st')  # killed while writing a line
@@ -345,8 +346,8 @@ def test_resume_starts_again_a_run_killed_before_its_first_checkpoint(tmp_path, 
     assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--log-every", "1")) == 2
     assert "use --resume" in capsys.readouterr().err
     assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--log-every", "1", "--resume")) == 0
-    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2] and (out / "step_2").is_dir()
+    steps = [(r["kind"], r["step"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+    assert steps == [("train", 1), ("train", 2), ("valid", 2)] and (out / "step_2").is_dir()
 
 
 def test_resume_never_rewrites_metrics_or_train_json_it_did_not_write(tmp_path, corpus, capsys):
