@@ -212,7 +212,7 @@ class TrainConfig:
     patience: int = 0  # epochs without a better validation BLEU before stopping
     keep_last: int = 5
     save_every: int = 1000  # steps; a checkpoint is also written at the end of each epoch
-    valid_bleu: int = 1000  # validation sentences translated (greedy) for BLEU each epoch
+    valid_bleu: int = 1000  # validation sentences translated (greedy) for BLEU each epoch and at a mid-epoch stop
     log_every: int = 50  # steps between train lines in metrics.jsonl
     seed: int = 1
     out: str = "runs/train"

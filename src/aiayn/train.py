@@ -101,7 +101,7 @@ _HELP = {
     "patience": "stop after this many epochs without a better validation BLEU (0: off)",
     "keep_last": "step checkpoints kept (plus best/)",
     "save_every": "write a checkpoint every N steps (0: only at epoch ends)",
-    "valid_bleu": "validation sentences translated greedily for BLEU each epoch (0: loss only)",
+    "valid_bleu": "validation sentences translated greedily for BLEU each epoch and at a mid-epoch stop (0: loss only)",
     "log_every": "append a train line to metrics.jsonl every N steps",
     "seed": "random seed (weights, dropout, batch order)",
     "out": "run directory: step_<N>/ and best/ checkpoints and metrics.jsonl",
