@@ -58,7 +58,7 @@ def read_candidate(run: Path) -> Candidate:
 
 
 def figure(cands: list[Candidate], goal: float) -> Figure:
-    fig = Figure(figsize=(9, 5.2), layout="constrained")
+    fig = Figure(figsize=(9, 7.5), layout="constrained")
     ax = fig.subplots()
     for c in cands:
         ax.plot(c.minutes, c.bleu, marker="o", ms=4, lw=1.6, ls="--" if c.precision == "fp32" else "-",
@@ -68,7 +68,7 @@ def figure(cands: list[Candidate], goal: float) -> Figure:
     ax.set_ylabel("validation BLEU (Multi30k val, de->en, greedy)")
     ax.set_title("Recipes for `make demo`: one run each, validated at each epoch end and at the stop")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
+    fig.legend(fontsize=8, loc="outside lower center")  # below the axes: the lines cross every corner
     return fig
 
 
