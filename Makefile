@@ -61,7 +61,9 @@ multi30k: install
 	AIAYN=$(AIAYN) bash bench/multi30k.sh de en 60 2
 	AIAYN=$(AIAYN) bash bench/multi30k.sh en de 60 2
 
+# The type checker first (settings: pyproject's [tool.mypy]), so a type error fails `make test`.
 test: install-test
+	$(PY) -m mypy
 	$(PY) -m pytest -q
 
 bench: install
@@ -69,4 +71,4 @@ bench: install
 	$(PY) bench/decode.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache

@@ -40,13 +40,13 @@ class LayerCache:
 
         Shape: k, v (R, H, T, d_head) -> (R, H, t + T, d_head) each.
         """
-        if self.self_k is None:
+        if self.self_k is None or self.self_v is None:  # the first step (both are set together)
             self.self_k, self.self_v = k, v
         else:
             self.self_k, self.spare[0] = _select_cat(self.self_k, self.pending, k, self.spare[0])
-            self.self_v, self.spare[1] = _select_cat(self.self_v, self.pending, v, self.spare[1])  # type: ignore[arg-type]
+            self.self_v, self.spare[1] = _select_cat(self.self_v, self.pending, v, self.spare[1])
         self.pending = None
-        return self.self_k, self.self_v  # type: ignore[return-value]
+        return self.self_k, self.self_v
 
     def cross(self, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The cached cross-attention keys/values, and `q` regrouped to read them: the G rows of a

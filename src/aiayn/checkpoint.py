@@ -71,7 +71,7 @@ def _unique_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {g[0]: sd[g[0]].detach().cpu().contiguous() for g in _tied_groups(model)}
 
 
-def write_dir_atomic(path: Path, fill, flag: str = "--out") -> None:  # type: ignore[no-untyped-def]
+def write_dir_atomic(path: Path, fill, flag: str = "--out") -> None:
     """Calls `fill(tmp_dir)` to write the files, then moves the finished directory to `path`.
 
     An existing `path` is replaced only after the new directory is complete. Any OSError (a full
@@ -256,7 +256,7 @@ def step_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
+def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     """A checkpoint directory -> itself; a run directory -> its best/, else its newest step_<N>/."""
     path = Path(path)
     if (path / CONFIG).is_file():

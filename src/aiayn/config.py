@@ -12,11 +12,14 @@ import dataclasses
 import math
 import typing
 from dataclasses import dataclass
-from typing import Any, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Iterator, TypeVar
 
 from aiayn.errors import AiaynError
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 
 
 class ConfigError(AiaynError, ValueError):
@@ -24,7 +27,7 @@ class ConfigError(AiaynError, ValueError):
 
 
 def _from_dict(cls: type[T], data: dict[str, Any]) -> T:
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
         raise ConfigError(f"{cls.__name__}: unknown field(s) {', '.join(unknown)}")

@@ -78,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
-def _inputs(args: argparse.Namespace) -> tuple[str, str | None, str]:
+def _inputs(args: argparse.Namespace) -> tuple[str, str, str]:
     """(mode, source path, reference path); one-line errors for incomplete flag sets."""
     if args.hyp_file:
         if args.checkpoint or args.src_file or args.data:
@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     if args.save_hyps and mode == "translate":
         _check_save_path(args.save_hyps, [first, ref_path])
     refs = read_lines(ref_path)
-    lines = read_lines(first, blank_ok=mode == "hyp")  # type: ignore[arg-type]
+    lines = read_lines(first, blank_ok=mode == "hyp")
     if len(lines) != len(refs):
         kind = "hypotheses" if mode == "hyp" else "source lines"
         raise AiaynError(f"{first} has {len(lines)} {kind} but {ref_path} has {len(refs)} references; "

@@ -292,9 +292,9 @@ def ct2_spec(model: Transformer, tokenizers: TokenizerPair) -> Any:
         linear(s.ffn.linear_0, layer.ff.w1)
         linear(s.ffn.linear_1, layer.ff.w2)
         norm(s.ffn.layer_norm, layer.norm3)
-    if cfg.norm_first:
-        norm(enc.layer_norm, model.encoder.norm)  # type: ignore[arg-type]
-        norm(dec.layer_norm, model.decoder.norm)  # type: ignore[arg-type]
+    if model.encoder.norm is not None and model.decoder.norm is not None:  # pre-norm (cfg.norm_first)
+        norm(enc.layer_norm, model.encoder.norm)
+        norm(dec.layer_norm, model.decoder.norm)
     spec.register_source_vocabulary(vocabulary(tokenizers.src))
     spec.register_target_vocabulary(vocabulary(tokenizers.tgt))
     spec.config.unk_token, spec.config.bos_token, spec.config.eos_token = PIECES[UNK_ID], PIECES[BOS_ID], PIECES[EOS_ID]
@@ -318,7 +318,9 @@ def to_ctranslate2(model: Transformer, tokenizers: TokenizerPair, out: str | Pat
         raise AiaynError(f"--quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
     spec = ct2_spec(model, tokenizers)
 
-    class _Given(ct2.converters.Converter):  # type: ignore[name-defined,misc]
+    converter: Any = ct2.converters.Converter  # imported at run time: an optional dependency
+
+    class _Given(converter):
         def _load(self) -> Any:
             return spec
 

@@ -16,12 +16,12 @@ import sys
 import tempfile
 import zlib
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import Iterator
 
 from aiayn.errors import AiaynError
 
 
-def _open_text_file(path: Path) -> BinaryIO:
+def _open_text_file(path: Path) -> io.BufferedReader:
     """`path` opened for reading bytes; the one-line errors of a missing, unreadable or folder path."""
     try:
         return open(path, "rb")

@@ -81,7 +81,8 @@ def inference_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, relu
     if entry is None or entry[0]() is not weight or entry[1] != key:
         w = weight.detach().to(dtype)
         b = None if bias is None else bias.detach().to(dtype)
-        ref = weakref.ref(weight, lambda _, i=id(weight): _PACKED.pop(i, None))  # dropped with the weight
+        key_id = id(weight)
+        ref = weakref.ref(weight, lambda _: _PACKED.pop(key_id, None))  # dropped with the weight
         entry = (ref, key, torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH_HINT), b)
         _PACKED[id(weight)] = entry
     return torch.ops.mkldnn._linear_pointwise(x.to(dtype).contiguous(), entry[2], entry[3], "relu" if relu else "none",
@@ -242,7 +243,7 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
     """Per-row label-smoothed cross entropy; the gradient is softmax minus the smoothed target."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, labels: Tensor, eps: float) -> Tensor:  # type: ignore[override]
+    def forward(ctx, logits: Tensor, labels: Tensor, eps: float) -> Tensor:
         N, V = logits.shape
         loss = torch.empty(N, dtype=torch.float32, device=logits.device)  # (N,)
         with torch.autocast(logits.device.type, enabled=False):
@@ -256,7 +257,7 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_loss: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx, grad_loss: Tensor) -> tuple[Tensor, None, None]:
         logits, labels = ctx.saved_tensors
         eps, (N, V) = ctx.eps, logits.shape
         grad = torch.empty_like(logits)  # (N, V), the logits' dtype

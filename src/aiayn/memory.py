@@ -41,7 +41,7 @@ def resident_anon_bytes() -> int:
     return 0
 
 
-def _malloc_trim():  # type: ignore[no-untyped-def]
+def _malloc_trim():
     """glibc's malloc_trim, or None where the C library has none (musl, macOS)."""
     try:
         trim = ctypes.CDLL(None).malloc_trim

@@ -13,6 +13,8 @@ explicit target padding mask only when one is given.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Iterator
+from typing import Generic, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +45,8 @@ class PositionalEncoding(nn.Module):
 
     The table grows when a longer sequence than `max_len` comes, instead of failing.
     """
+
+    table: Tensor  # (max_len, d_model), a buffer
 
     def __init__(self, d_model: int, max_len: int) -> None:
         super().__init__()
@@ -134,7 +138,8 @@ class MultiHeadAttention(nn.Module):
             if cache is not None:  # a sentence's beam rows share its keys: q (N, H, G*T, d_head)
                 q, k, v = cache.cross(q)
             else:
-                k, v = self.project_kv(memory, mem_packed)  # type: ignore[arg-type]
+                assert memory is not None, "cross-attention needs the encoder output or a cache"
+                k, v = self.project_kv(memory, mem_packed)
         else:
             q, k, v = self._heads(padded(self.qkv_proj(x)), 3)
             if cache is not None:
@@ -173,7 +178,7 @@ class _Sublayers(nn.Module):
     norm_first: bool
     dropout: float
 
-    def _residual(self, x: Tensor, norm: nn.LayerNorm, f) -> Tensor:  # type: ignore[no-untyped-def]
+    def _residual(self, x: Tensor, norm: nn.LayerNorm, f: Callable[[Tensor], Tensor]) -> Tensor:
         if self.norm_first:
             return x + kernels.dropout(f(norm(x)), self.dropout, self.training)
         return norm(x + kernels.dropout(f(x), self.dropout, self.training))
@@ -233,15 +238,15 @@ class DecoderLayer(_Sublayers):
         def self_attend(h: Tensor) -> Tensor:
             out, w = self.self_attn(h, key_keep=self_keep, is_causal=is_causal, cache=cache, need_weights=want,
                                     packed=packed)
-            if want:
-                weights["self"].append(w)  # type: ignore[index]
+            if weights is not None:
+                weights["self"].append(w)
             return out
 
         def cross_attend(h: Tensor) -> Tensor:
             out, w = self.cross_attn(h, memory, key_keep=src_keep, cache=cache, need_weights=want, packed=packed,
                                      mem_packed=mem_packed)
-            if want:
-                weights["cross"].append(w)  # type: ignore[index]
+            if weights is not None:
+                weights["cross"].append(w)
             return out
 
         x = self._residual(x, self.norm1, self_attend)
@@ -249,12 +254,25 @@ class DecoderLayer(_Sublayers):
         return self._residual(x, self.norm3, self.ff)
 
 
+L = TypeVar("L", bound=nn.Module)
+
+
+class Layers(nn.ModuleList, Generic[L]):
+    """An `nn.ModuleList` whose items type-check as their class (the state dict is the same)."""
+
+    def __init__(self, layers: Iterable[L]) -> None:
+        super().__init__(layers)
+
+    def __iter__(self) -> Iterator[L]:
+        return cast(Iterator[L], super().__iter__())  # __init__ took only L's
+
+
 class Encoder(nn.Module):
     """N identical layers (Section 3.1); a final LayerNorm when pre-norm."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.encoder_layers))
+        self.layers = Layers(EncoderLayer(cfg) for _ in range(cfg.encoder_layers))
         self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps) if cfg.norm_first else None
 
     def forward(
@@ -270,11 +288,21 @@ class Decoder(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
+        self.layers = Layers(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
         self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps) if cfg.norm_first else None
 
-    def forward(self, x, memory, src_keep, self_keep, is_causal, cache=None, weights=None, packed=None,  # type: ignore[no-untyped-def]
-                mem_packed=None):
+    def forward(
+        self,
+        x: Tensor,
+        memory: Tensor | None,
+        src_keep: Tensor | None,
+        self_keep: Tensor | None,
+        is_causal: bool,
+        cache: DecoderCache | None = None,
+        weights: dict[str, list] | None = None,
+        packed: Packed | None = None,
+        mem_packed: Packed | None = None,
+    ) -> Tensor:
         for i, layer in enumerate(self.layers):
             x = layer(x, memory, src_keep, self_keep, is_causal, None if cache is None else cache.layers[i], weights,
                       packed, mem_packed)
@@ -430,7 +458,7 @@ class Transformer(nn.Module):
         logits = self.project(h[real])  # (N, V), N = real target tokens
         # The softmax in float32 (bf16 has too few mantissa bits for ~10^4 classes), fused with the loss.
         losses = kernels.smoothed_cross_entropy(logits, labels[real], label_smoothing)  # (N,)
-        reduce = {"mean": Tensor.mean, "sum": Tensor.sum, "none": lambda t: t}
+        reduce: dict[str, Callable[[Tensor], Tensor]] = {"mean": Tensor.mean, "sum": Tensor.sum, "none": lambda t: t}
         if reduction not in reduce:
             raise ValueError(f"reduction must be 'mean', 'sum' or 'none', not {reduction!r}")
         return reduce[reduction](losses)

@@ -395,7 +395,8 @@ class Trainer:
         for i, batch in enumerate(batches):
             batch = batch.to(self.d.device)
             sync = i == len(batches) - 1 or self.d.world == 1
-            ctx = self.model.no_sync() if not sync and hasattr(self.model, "no_sync") else contextlib.nullcontext()
+            no_sync = getattr(self.model, "no_sync", None)  # DistributedDataParallel's
+            ctx = no_sync() if not sync and no_sync is not None else contextlib.nullcontext()
             with ctx:
                 with self.autocast():
                     loss = self.model(batch.src, batch.tgt_in, batch.tgt_out)
@@ -576,7 +577,7 @@ class Run:
         d, tc = self.d, self.tc
         rngs = [rng_state()]
         if d.world > 1:
-            rngs = [None] * d.world  # type: ignore[list-item]
+            rngs = [None] * d.world
             dist.all_gather_object(rngs, rng_state())
         path = self.out / f"step_{self.trainer.step}"
         if d.main:
@@ -727,7 +728,7 @@ def _saved_device(out: Path) -> str | None:
 def _load_newest(existing: list[tuple[int, Path]], info: Any) -> ckpt.Checkpoint:
     """The newest readable step checkpoint with a complete trainer state (an unreadable newest one
     falls back to the one before); the first error if none is."""
-    first_error = None
+    first_error: AiaynError | None = None
     for _, path in reversed(existing):
         try:
             loaded = ckpt.load_checkpoint(path, with_trainer_state=True)
@@ -738,7 +739,8 @@ def _load_newest(existing: list[tuple[int, Path]], info: Any) -> ckpt.Checkpoint
         except AiaynError as e:
             first_error = first_error or e
             info(f"warning: cannot resume from {path}: {e}")
-    raise first_error  # type: ignore[misc]
+    assert first_error is not None, "called with no checkpoints"
+    raise first_error
 
 
 def resumed_settings(loaded: ckpt.Checkpoint, preset_name: str, model_over: dict[str, Any], tc: TrainConfig,
@@ -746,7 +748,9 @@ def resumed_settings(loaded: ckpt.Checkpoint, preset_name: str, model_over: dict
     """The run's saved settings, with the given values of FREE_ON_RESUME options; any other given
     option (`given`: names set on the command line; None: every field of `tc`) must equal the saved
     value, else one error names it."""
-    saved = loaded.config.get("train") if isinstance(loaded.config.get("train"), dict) else {}
+    saved = loaded.config.get("train")
+    if not isinstance(saved, dict):
+        saved = {}
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     try:
         base = TrainConfig.from_dict({k: v for k, v in saved.items() if k in names})

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, BinaryIO
+from typing import IO, Any, BinaryIO, TypeVar
 
 import torch
 
@@ -208,7 +208,10 @@ def evaluating(model: torch.nn.Module) -> Iterator[None]:
             m.training = training
 
 
-def inference_view(model: torch.nn.Module, device: torch.device | str | None = None) -> torch.nn.Module:
+M = TypeVar("M", bound=torch.nn.Module)
+
+
+def inference_view(model: M, device: torch.device | str | None = None) -> M:
     """`model` itself if its weights are frozen, on `device` (None: where they are) and it is in
     eval mode; else a copy whose parameters are frozen aliases of the caller's (same storage, no
     copy of the weights), so search takes the packed inference GEMMs and switches only the view's

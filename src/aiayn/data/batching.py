@@ -89,7 +89,7 @@ def plan_batches(src_len: np.ndarray, tgt_len: np.ndarray, max_tokens: int, keep
     return BatchPlan(order, runs, bounds, tokens)
 
 
-def _counting_sort(keys, n: int) -> tuple[np.ndarray, np.ndarray]:  # type: ignore[no-untyped-def]
+def _counting_sort(keys, n: int) -> tuple[np.ndarray, np.ndarray]:
     """Stable sort of pair ids by key, one chunk at a time: ((N,) int32 ids, (K,) int64 counts per key).
 
     A counting sort: one pass counts each key, a second writes each chunk's ids into its keys' slots,
@@ -155,7 +155,7 @@ class Batches(Sequence[np.ndarray]):
     def __getitem__(self, i: int) -> np.ndarray: ...
     @overload
     def __getitem__(self, i: slice) -> list[np.ndarray]: ...
-    def __getitem__(self, i):  # type: ignore[no-untyped-def]
+    def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         b = int(self.ids[i])

@@ -127,7 +127,7 @@ class Split:
         return len(self.src.lengths)
 
     def pair(self, i: int) -> tuple[list[int], list[int]]:
-        return tuple(s.tokens[s.offsets[i] : s.offsets[i] + s.lengths[i]].tolist() for s in (self.src, self.tgt))  # type: ignore[return-value]
+        return tuple(s.tokens[s.offsets[i] : s.offsets[i] + s.lengths[i]].tolist() for s in (self.src, self.tgt))
 
     def collate(self, rows: np.ndarray | list[int], max_len: int, source_eos: bool = False) -> Batch:
         """Batch of pairs `rows`, each side cut to `max_len` tokens (a no-op for data prepared with it);

@@ -22,6 +22,7 @@ from aiayn.data.batching import BatchPlan, Batches
 from aiayn.data.bindata import Prepared, Split, open_prepared
 from aiayn.config import TrainConfig
 from aiayn.errors import AiaynError
+from aiayn.tokenizer import TokenizerPair
 
 RUN_DATA = "data"  # the prepared raw text, inside the run directory
 
@@ -35,7 +36,7 @@ class Corpus:
     valid_tgt: list[str]
 
     @property
-    def tokenizers(self):  # type: ignore[no-untyped-def]
+    def tokenizers(self) -> TokenizerPair:
         return self.data.tokenizers
 
     @property
@@ -116,7 +117,9 @@ def open_corpus(path: Path, tc: TrainConfig, source_eos: bool = False) -> Corpus
     plan = batching.plan_batches(src + source_eos if source_eos else src, tgt, tc.max_tokens, keep)
     if len(plan.order) == 0:
         raise AiaynError(f"every training pair is longer than --max-len {tc.max_len}; raise --max-len")
-    valid_plan, vs, vt = None, [], []
+    valid_plan: BatchPlan | None = None
+    vs: list[str] = []
+    vt: list[str] = []
     if data.valid is not None:
         vsrc, vtgt = data.valid.lengths(tc.max_len)
         vsrc = vsrc + source_eos if source_eos else vsrc

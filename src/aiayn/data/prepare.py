@@ -183,7 +183,7 @@ def _chunks(src_path: Path, tgt_path: Path, size: int) -> Iterator[tuple[list[st
         yield [s for s, _ in chunk], [t for _, t in chunk]
 
 
-def _ordered_map(fn: Callable, tasks: Iterable, workers: int, init: Callable, initargs: tuple) -> Iterator:  # type: ignore[type-arg]
+def _ordered_map(fn: Callable, tasks: Iterable, workers: int, init: Callable, initargs: tuple) -> Iterator:
     """`map(fn, tasks)` in order over `workers` processes, with at most 2 tasks per worker in flight
     (Pool.imap would read the whole input ahead and hold it in memory)."""
     if workers <= 1:

@@ -135,14 +135,16 @@ def multi30k_paths(split: str, src: str, tgt: str, data_dir: str | Path | None =
         if not root.is_dir():
             raise AiaynError(f"{origin} {root}: no such folder")
         folder = _multi30k_folder(root)
-        found = [_find(folder, split, lang) for lang in (src, tgt)]
-        for lang, p in zip((src, tgt), found):
+        found: list[Path] = []
+        for lang in (src, tgt):
+            p = _find(folder, split, lang)
             if p is None:
                 raise AiaynError(
                     f"{origin} {root}: no {split}.{lang}.gz in {folder}; "
                     f"run `aiayn download --src {src} --tgt {tgt} --data-dir {root}` or point {origin} elsewhere"
                 )
-        return found[0], found[1]  # type: ignore[return-value]
+            found.append(p)
+        return found[0], found[1]
     folder = multi30k_cache_dir()
     return download_multi30k(split, src, folder), download_multi30k(split, tgt, folder)
 

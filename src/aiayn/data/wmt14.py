@@ -133,7 +133,7 @@ def _extract(archive: Path, member: str, dest: Path) -> Path:
         raise AiaynError(f"{archive}: cannot unpack it ({e}); remove the archive and download again") from None
 
 
-def _append_pairs(files: list[Path], outs: list) -> tuple[int, int]:  # type: ignore[type-arg]
+def _append_pairs(files: list[Path], outs: list) -> tuple[int, int]:
     """Append the aligned lines of two files to `outs`, leaving out pairs with a blank side or
     bytes that are not UTF-8: (pairs kept, pairs left out)."""
     kept = dropped = 0

@@ -21,7 +21,7 @@ import logging
 import os
 import platform
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Mapping, MutableMapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict
 from importlib import resources
@@ -127,7 +127,7 @@ class _Middleware:
         path = scope["path"] if scope["path"] in PATHS else "other"  # bounded label values
         status = [500]
 
-        async def counted(message: dict) -> None:
+        async def counted(message: MutableMapping[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
             await send(message)
@@ -151,7 +151,7 @@ class _Middleware:
         return None
 
 
-def _error(status: int, message: str, headers: dict[str, str] | None = None, **extra: Any) -> JSONResponse:
+def _error(status: int, message: str, headers: Mapping[str, str] | None = None, **extra: Any) -> JSONResponse:
     return JSONResponse({"error": message, **extra}, status_code=status, headers=headers)
 
 
@@ -195,7 +195,8 @@ class Server:
         self.ready = False
         self.failure = ""
 
-    def _work(self, key: Key, lines: list[str], early: Callable[[int, Any], None]) -> list[list[dict[str, Any]]]:
+    def _work(self, key: Hashable, lines: list[str], early: Callable[[int, Any], None]) -> list[list[dict[str, Any]]]:
+        assert isinstance(key, Key)  # the scheduler hands back the keys the handlers submitted
         start = time.perf_counter()
         out = run_batch(self.translator, key, lines, early)
         n = sum(len(nb[0]["tokens"]) for nb in out if nb)
@@ -265,7 +266,7 @@ def create_app(translator: Any, limits: Limits, languages: tuple[str, str], chec
     srv = Server(translator, limits, languages, checkpoint)
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):  # type: ignore[no-untyped-def]
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         warming = asyncio.create_task(srv.warm_up())
         yield
         await asyncio.gather(warming, return_exceptions=True)

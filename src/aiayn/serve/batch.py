@@ -91,9 +91,9 @@ def run_batch(translator: Any, key: Key, lines: list[str],
     out: list[list[dict[str, Any]] | None] = [None] * len(lines)
 
     def done(i: int, nbest: list[tuple[list[int], float]]) -> None:
-        out[i] = _hypotheses(translator, key, lines[i], nbest)
+        hyps = out[i] = _hypotheses(translator, key, lines[i], nbest)
         assert on_line is not None
-        on_line(i, out[i])
+        on_line(i, hyps)
 
     found = translator.search_ids(lines, beam=key.beam, alpha=key.alpha, nbest=key.nbest,
                                   max_tokens=_split_tokens(translator, lines), on_line=done if on_line else None)
