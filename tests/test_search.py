@@ -47,38 +47,56 @@ def table_lookup(sid, prefix):
 
 
 class StubCache:
-    def __init__(self, sid):
+    """A `search.SearchCache`: one row per hypothesis (so `beam` changes nothing here)."""
+
+    def __init__(self, sid: torch.Tensor) -> None:
         self.sid = sid  # (b,)
         self.hist = torch.zeros(sid.numel(), 0, dtype=torch.long)  # (b, t) tokens fed so far
 
-    def reorder(self, idx):
-        self.sid, self.hist = self.sid.index_select(0, idx), self.hist.index_select(0, idx)
+    def reorder(self, indices: torch.Tensor, beam: int | None = None) -> None:
+        self.sid, self.hist = self.sid.index_select(0, indices), self.hist.index_select(0, indices)
 
 
 class StubModel:
-    """encode/new_cache/decode like Transformer's; the source's first token is the sentence id."""
+    """A `search.SearchModel`: encode/new_cache/decode/project like Transformer's; the source's first
+    token is the sentence id. Its "hidden states" are already the logits: `project` is the identity."""
 
     cfg = SimpleNamespace(pad_id=PAD)
 
-    def __init__(self):
-        self.rows_per_step = []
+    def __init__(self) -> None:
+        self.rows_per_step: list[int] = []
 
-    def encode(self, src, src_keep=None):
+    def encode(self, src: torch.Tensor, src_keep: torch.Tensor | None = None) -> torch.Tensor:
         return (src[:, :1] - 10).float().unsqueeze(-1)  # (B, 1, 1): the sentence id
 
-    def new_cache(self, memory, src_keep):
+    def new_cache(self, memory: torch.Tensor, src_keep: torch.Tensor) -> StubCache:
         return StubCache(memory[:, 0, 0].long())
 
-    def _logits(self, sid, prefixes, T):
+    def _logits(self, sid: torch.Tensor, prefixes: list[list[int]], T: int) -> torch.Tensor:
         rows = [table_lookup(s, tuple(p[1:])) for s, p in zip(sid.tolist(), prefixes)]
         return torch.stack(rows).unsqueeze(1).expand(-1, T, -1).clone()  # (b, T, V)
 
-    def decode(self, tgt, memory, src_keep=None, cache=None):
+    def decode(self, tgt: torch.Tensor, memory: torch.Tensor | None, src_keep: torch.Tensor | None = None, *,
+               cache: StubCache | None = None, project: bool = True) -> torch.Tensor:
         self.rows_per_step.append(tgt.size(0))
         if cache is not None:
             cache.hist = torch.cat([cache.hist, tgt], dim=1)
             return self._logits(cache.sid, cache.hist.tolist(), tgt.size(1))
+        assert memory is not None
         return self._logits(memory[:, 0, 0].long(), tgt.tolist(), tgt.size(1))
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        return h
+
+
+def test_the_stub_and_the_transformer_are_what_search_needs():
+    """Both implement the protocols search is typed with (mypy checks the signatures of the real ones)."""
+    model = Transformer(preset("tiny", src_vocab_size=V, tgt_vocab_size=V))
+    for m, src in ((StubModel(), src_for(0, 1)), (model, torch.tensor([[A, B_, EOS], [B_, EOS, PAD]]))):
+        assert isinstance(m, search.SearchModel)
+        memory = m.encode(src)
+        assert isinstance(m.new_cache(memory, torch.ones(2, memory.size(1), dtype=torch.bool)), search.SearchCache)
+    assert not isinstance(SimpleNamespace(encode=None), search.SearchModel)
 
 
 def src_for(*sids, length=3):

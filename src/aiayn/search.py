@@ -39,15 +39,57 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol, TypeVar, runtime_checkable
 
 import torch
 from torch import Tensor
 
 from aiayn.errors import AiaynError
-from aiayn.cache import DecoderCache
 
-Hypothesis = tuple[list[int], float]  # (token ids without BOS/EOS, score)
+ScoredIds = tuple[list[int], float]  # a finished hypothesis: (token ids without BOS/EOS, score)
+
+
+@runtime_checkable
+class SearchCache(Protocol):
+    """What search needs of a decoding cache (`aiayn.cache.DecoderCache` is the real one)."""
+
+    def reorder(self, indices: Tensor, beam: int | None = None) -> None:
+        """Keep rows `indices`: new row i continues old row indices[i]; `beam` rows per sentence
+        afterwards (None: unchanged), in groups that each come from one sentence's rows."""
+        ...
+
+
+class _PadConfig(Protocol):
+    @property
+    def pad_id(self) -> int: ...
+
+
+C = TypeVar("C", bound=SearchCache)
+
+
+@runtime_checkable
+class SearchModel(Protocol[C]):
+    """What search needs of a model (`aiayn.model.Transformer` is the real one): the encoder, a
+    decoding cache of type C, the decoder on it and the vocabulary projection."""
+
+    @property
+    def cfg(self) -> _PadConfig: ...
+
+    def encode(self, src: Tensor, src_keep: Tensor | None = None) -> Tensor:
+        """(B, S) -> memory (B, S, d)."""
+        ...
+
+    def new_cache(self, memory: Tensor, src_keep: Tensor) -> C: ...
+
+    def decode(self, tgt: Tensor, memory: Tensor | None, src_keep: Tensor | None = None, *,
+               cache: C | None = None, project: bool = True) -> Tensor:
+        """tgt (B, T) (with a cache: only the new tokens) -> logits (B, T, V), or the hidden states
+        (B, T, d) when not `project`."""
+        ...
+
+    def project(self, h: Tensor) -> Tensor:
+        """Hidden states (..., d) -> logits (..., V)."""
+        ...
 
 
 def length_penalty(length: int, alpha: float) -> float:
@@ -66,10 +108,6 @@ def _check(beam: int, nbest: int, alpha: float, max_len_a: float, max_len_b: flo
         raise AiaynError(f"maximum length a*len+b needs finite a >= 0 and b >= 0, got a={max_len_a}, b={max_len_b}")
     if min_len < 0:
         raise AiaynError(f"minimum length must be >= 0, got {min_len}")
-
-
-def _pad_id(model: Any) -> int:
-    return int(model.cfg.pad_id)
 
 
 def _max_lengths(src_keep: Tensor, a: float, b: float) -> Tensor:
@@ -91,15 +129,14 @@ def _forbid(lprobs: Tensor, ids: tuple[int, ...]) -> None:
 ROW_BLOCK = 128
 
 
-def _hidden(model: Any, tokens: Tensor, memory: Tensor, src_keep: Tensor, cache: Any) -> Tensor:
-    """The last decoder state of every row, (b, d); a model without `project` gives logits (b, V).
+def _hidden(model: SearchModel[C], tokens: Tensor, memory: Tensor, src_keep: Tensor, cache: C | None) -> Tensor:
+    """The last decoder state of every row, (b, d).
 
     With the cache only the newest token is fed; without it (`use_cache=False`) the decoder re-runs on
     the whole prefix. Either way only the last position is projected to the vocabulary, later."""
-    kw = {"project": False} if hasattr(model, "project") else {}
     if cache is not None:
-        return model.decode(tokens[:, -1:], None, cache=cache, **kw)[:, -1]
-    return model.decode(tokens, memory, src_keep, **kw)[:, -1]
+        return model.decode(tokens[:, -1:], None, cache=cache, project=False)[:, -1]
+    return model.decode(tokens, memory, src_keep, project=False)[:, -1]
 
 
 TOPK_GROUPS = 8  # `_topk_rows` splits a row into this many strided slices
@@ -132,8 +169,8 @@ class _RowTopk:
     The rules on tokens apply before ranking: `banned` ids are never chosen, EOS is the only choice
     of a `forced` row and is forbidden in the others when `no_eos`."""
 
-    def __init__(self, model: Any, width: int, beam: int, banned: tuple[int, ...], eos_id: int) -> None:
-        self.project = getattr(model, "project", None)
+    def __init__(self, model: SearchModel[C], width: int, beam: int, banned: tuple[int, ...], eos_id: int) -> None:
+        self.project = model.project
         self.width, self.beam, self.banned, self.eos = width, beam, banned, eos_id
         self.buf: tuple[Tensor, Tensor] | None = None
 
@@ -144,9 +181,9 @@ class _RowTopk:
         return self.buf
 
     def __call__(self, hidden: Tensor, forced: Tensor | None, no_eos: bool) -> tuple[Tensor, Tensor]:
-        """Shape: hidden (n, d) (or logits (n, V)), forced (n,) bool or None -> values, ids (n, width)."""
+        """Shape: hidden (n, d), forced (n,) bool or None -> values, ids (n, width)."""
         n = hidden.size(0)
-        logits = self.project(hidden) if self.project is not None else hidden  # (n, V), one GEMM
+        logits = self.project(hidden)  # (n, V), one GEMM
         V = logits.size(-1)
         if V < self.beam:
             raise AiaynError(f"--beam {self.beam} is larger than the target vocabulary ({V} tokens)")
@@ -177,7 +214,7 @@ class _RowTopk:
 
 
 @torch.inference_mode()  # no autograd bookkeeping at all (a few % per step over no_grad)
-def greedy_search(model: Any, src: Tensor, bos_id: int, eos_id: int, max_len_a: float = 1.0,
+def greedy_search(model: SearchModel[C], src: Tensor, bos_id: int, eos_id: int, max_len_a: float = 1.0,
                   max_len_b: int = 50, min_len: int = 0, use_cache: bool = True,
                   on_done: Callable[[int, list[int]], None] | None = None) -> list[list[int]]:
     """Greedy search for a batch of right-padded sources; `on_done(row, ids)` (if given) as soon
@@ -186,7 +223,7 @@ def greedy_search(model: Any, src: Tensor, bos_id: int, eos_id: int, max_len_a: 
     Shape: src (B, S) -> B lists of token ids without BOS/EOS.
     """
     _check(1, 1, 0.0, max_len_a, max_len_b, min_len)
-    pad = _pad_id(model)
+    pad = int(model.cfg.pad_id)
     src_keep = src.ne(pad)  # (B, S)
     limit = _max_lengths(src_keep, max_len_a, max_len_b)  # (B,)
     memory = model.encode(src, src_keep)  # (B, S, d)
@@ -197,8 +234,8 @@ def greedy_search(model: Any, src: Tensor, bos_id: int, eos_id: int, max_len_a: 
     out: list[list[int]] = [[] for _ in range(B)]
     step = 0
     while alive.numel():
-        hidden = _hidden(model, tokens, memory, src_keep, cache)  # (b, d) or logits (b, V)
-        logits = model.project(hidden) if hasattr(model, "project") else hidden  # (b, V)
+        hidden = _hidden(model, tokens, memory, src_keep, cache)  # (b, d)
+        logits = model.project(hidden)  # (b, V)
         _forbid(logits, (pad, bos_id))
         if step < min_len:  # the limit is always above `step` here: greedy stops on reaching it
             logits[:, eos_id] = float("-inf")
@@ -221,17 +258,17 @@ def greedy_search(model: Any, src: Tensor, bos_id: int, eos_id: int, max_len_a: 
 
 
 @torch.inference_mode()  # no autograd bookkeeping at all (a few % per step over no_grad)
-def beam_search(model: Any, src: Tensor, bos_id: int, eos_id: int, beam: int = 4, alpha: float = 0.6,
+def beam_search(model: SearchModel[C], src: Tensor, bos_id: int, eos_id: int, beam: int = 4, alpha: float = 0.6,
                 max_len_a: float = 1.0, max_len_b: int = 50, min_len: int = 0, nbest: int = 1,
                 use_cache: bool = True,
-                on_done: Callable[[int, list[Hypothesis]], None] | None = None) -> list[list[Hypothesis]]:
+                on_done: Callable[[int, list[ScoredIds]], None] | None = None) -> list[list[ScoredIds]]:
     """Batched beam search; returns, per sentence, up to `nbest` (tokens, score) pairs, best first.
     `on_done(row, n-best)` (if given) as soon as a sentence is done, as `greedy_search`'s.
 
     Shape: src (B, S) right-padded -> B lists of (ids without BOS/EOS, score).
     """
     _check(beam, nbest, alpha, max_len_a, max_len_b, min_len)
-    pad, K, dev = _pad_id(model), int(beam), src.device
+    pad, K, dev = int(model.cfg.pad_id), int(beam), src.device
     B = src.size(0)
     src_keep = src.ne(pad)  # (B, S)
     max_len = _max_lengths(src_keep, max_len_a, max_len_b)  # (B,)
@@ -244,13 +281,13 @@ def beam_search(model: Any, src: Tensor, bos_id: int, eos_id: int, beam: int = 4
     tokens = torch.full((B, 1), bos_id, dtype=torch.long, device=dev)  # (b*R, 1 + t)
     scores = torch.zeros(B, 1, device=dev)  # (b, R) summed log-probs
     n_final = torch.zeros(B, dtype=torch.long, device=dev)  # (b,)
-    finals: list[list[Hypothesis]] = [[] for _ in range(B)]
+    finals: list[list[ScoredIds]] = [[] for _ in range(B)]
     neg_inf = float("-inf")
     row_topk = _RowTopk(model, 2 * K, K, (pad, bos_id), eos_id)
     step = 0
     while sent.numel():
         b = sent.numel()
-        hidden = _hidden(model, tokens, memory, src_keep, cache)  # (b*R, d) or logits (b*R, V)
+        hidden = _hidden(model, tokens, memory, src_keep, cache)  # (b*R, d)
         at_limit = max_len.le(step)  # (b,) hypotheses hold max_len tokens: EOS is forced
         forced = at_limit.repeat_interleave(R) if bool(at_limit.any()) else None  # (b*R,)
         row_lp, row_tok = row_topk(hidden, forced, step < min_len)  # (b*R, W)
@@ -287,10 +324,8 @@ def beam_search(model: Any, src: Tensor, bos_id: int, eos_id: int, beam: int = 4
         src_rows = (base.unsqueeze(1) + top_beam.gather(1, cont_pos)).view(-1)  # (b'*K,) parent hypotheses
         tokens = torch.cat([tokens.index_select(0, src_rows), top_tok.gather(1, cont_pos).view(-1, 1)], dim=1)
         scores = cont_scores
-        if isinstance(cache, DecoderCache):
+        if cache is not None:
             cache.reorder(src_rows, beam=K)  # K rows per sentence from now on; source side stays shared
-        elif cache is not None:
-            cache.reorder(src_rows)
         else:
             memory, src_keep = memory.index_select(0, src_rows), src_keep.index_select(0, src_rows)
         R = K
@@ -298,6 +333,6 @@ def beam_search(model: Any, src: Tensor, bos_id: int, eos_id: int, beam: int = 4
     return [_best(hyps, nbest) for hyps in finals]
 
 
-def _best(hyps: list[Hypothesis], nbest: int) -> list[Hypothesis]:
+def _best(hyps: list[ScoredIds], nbest: int) -> list[ScoredIds]:
     """The `nbest` best finished hypotheses; stable: ties keep the order in which they finished."""
     return sorted(hyps, key=lambda h: -h[1])[:nbest]

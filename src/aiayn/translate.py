@@ -43,7 +43,7 @@ import aiayn.kernels
 from aiayn.config import INFERENCE_PRECISIONS
 from aiayn.errors import AiaynError, require
 from aiayn.files import silence_stdout
-from aiayn.search import Hypothesis, beam_search, greedy_search
+from aiayn.search import ScoredIds, beam_search, greedy_search
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, PIECES, TokenizerPair, vocabulary
 
 # Characters that `str.splitlines` treats as line ends: an output line must never contain one.
@@ -320,7 +320,7 @@ class Translator(BaseTranslator):
         model = inference_view(self.model, self.device)
         pad = model.cfg.pad_id
 
-        def run(batch: list[int]) -> list[list[Hypothesis]]:
+        def run(batch: list[int]) -> list[list[ScoredIds]]:
             S = len(encoded[batch[0]])
             src = torch.full((len(batch), S), pad, dtype=torch.long)  # (B, S) right-padded
             for row, i in enumerate(batch):
