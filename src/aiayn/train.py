@@ -35,7 +35,7 @@ import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Collection, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -49,10 +49,30 @@ from aiayn.config import PRECISIONS, PRESETS, ConfigError, ModelConfig, TrainCon
 from aiayn.errors import AiaynError
 from aiayn.model import Transformer
 
+if TYPE_CHECKING:  # imported where used: `aiayn train --help` needs none of them
+    from aiayn.data.batching import Batches
+    from aiayn.data.corpus import Corpus
+    from aiayn.data.text import Batch
+    from aiayn.tokenizer import TokenizerPair
+
+Log = Callable[[str], None]
+Autocast = Callable[[], contextlib.AbstractContextManager[Any]]  # a fresh autocast (or no-op) context
+
 # ------------------------------------------------------------------------------------ the recipe
 
 
-def loss_sum(model: Transformer, batch: Any, label_smoothing: float) -> Tensor:
+class LossInputs(Protocol):
+    """What the loss reads of a batch: `aiayn.data.Batch`, or `_Pairs` inside DDP's forward."""
+
+    @property
+    def src(self) -> Tensor: ...  # (B, S)
+    @property
+    def tgt_in(self) -> Tensor: ...  # (B, T)
+    @property
+    def tgt_out(self) -> Tensor: ...  # (B, T)
+
+
+def loss_sum(model: Transformer, batch: LossInputs, label_smoothing: float) -> Tensor:
     """Sum of label-smoothed cross entropies over the non-pad target tokens of one batch (Section 5.4).
 
     The one place the training loss is computed; the caller divides by the token count. The model
@@ -258,7 +278,7 @@ def setup_distributed(device_pref: str) -> Dist:
     return Dist(rank, world, dev)
 
 
-def precision_context(precision: str, device: torch.device) -> tuple[Any, bool, str]:
+def precision_context(precision: str, device: torch.device) -> tuple[Autocast, bool, str]:
     """(autocast context factory, use a GradScaler, resolved name). `auto` takes bf16 on the CPU only
     where oneDNN has bf16 kernels for it (`cpu_has_fast_bf16`; elsewhere bf16 is slower than fp32)."""
     if precision == "auto":
@@ -316,8 +336,8 @@ class Stopper:
 # ------------------------------------------------------------------------------------------- data
 
 
-def load_corpus(tc: TrainConfig, loaded: Any | None, run_dir: Path, d: Dist, source_eos: bool,
-                log: Any = print) -> Any:
+def load_corpus(tc: TrainConfig, loaded: ckpt.Checkpoint | None, run_dir: Path, d: Dist, source_eos: bool,
+                log: Log = print) -> Corpus:
     """The run's prepared data (--data-bin, or the raw text prepared into the run directory by rank 0)
     with its batch plans (aiayn.data.corpus; sources ending with EOS if `source_eos`). A run resumed from
     checkpoint `loaded` needs the same data (manifest sha256) and tokenizer as before."""
@@ -337,7 +357,7 @@ def load_corpus(tc: TrainConfig, loaded: Any | None, run_dir: Path, d: Dist, sou
     return corpus
 
 
-def rank_batches(corpus: Any, tc: TrainConfig, epoch: int, d: Dist) -> Any:
+def rank_batches(corpus: Corpus, tc: TrainConfig, epoch: int, d: Dist) -> Batches:
     """This rank's batches of an epoch: a list of int32 arrays of pair ids (aiayn.data.batching)."""
     from aiayn.data.corpus import rank_batches as for_rank
 
@@ -355,8 +375,13 @@ class _LossModule(torch.nn.Module):
         self.model, self.label_smoothing = model, label_smoothing
 
     def forward(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor) -> Tensor:
-        batch = argparse.Namespace(src=src, tgt_in=tgt_in, tgt_out=tgt_out)
-        return loss_sum(self.model, batch, self.label_smoothing)
+        return loss_sum(self.model, _Pairs(src, tgt_in, tgt_out), self.label_smoothing)
+
+
+class _Pairs(NamedTuple):
+    src: Tensor  # (B, S)
+    tgt_in: Tensor  # (B, T)
+    tgt_out: Tensor  # (B, T)
 
 
 
@@ -386,7 +411,7 @@ class Trainer:
         tc = self.tc
         return learning_rate(step, self.base.cfg.d_model, tc.warmup, tc.lr_factor, tc.cooldown, tc.max_steps)
 
-    def train_step(self, batches: list[Any]) -> tuple[float, int]:
+    def train_step(self, batches: list[Batch]) -> tuple[float, int]:
         """One update from `batches` (this rank's share); returns (loss per target token, tokens) of the
         whole update over all ranks."""
         self.model.train()
@@ -439,7 +464,7 @@ class Trainer:
 
 
 @torch.no_grad()
-def validate(model: Transformer, corpus: Any, tc: TrainConfig, autocast: Any, device: torch.device) -> dict[str, float]:
+def validate(model: Transformer, corpus: Corpus, tc: TrainConfig, autocast: Autocast, device: torch.device) -> dict[str, float]:
     """Validation loss (label-smoothed and plain, per token) and greedy BLEU/chrF on the first
     `valid_bleu` validation sentences."""
     from aiayn.data.corpus import valid_batches
@@ -487,7 +512,7 @@ def validate(model: Transformer, corpus: Any, tc: TrainConfig, autocast: Any, de
 # ------------------------------------------------------------------------------------------- loop
 
 
-class Metrics:
+class TrainLog:
     """Appends JSON lines to run_dir/metrics.jsonl (rank 0 only)."""
 
     def __init__(self, path: Path, enabled: bool) -> None:
@@ -544,10 +569,10 @@ class Run:
     preset: str
     d: Dist
     out: Path
-    corpus: Any  # aiayn.data.corpus.Corpus
+    corpus: Corpus
     model: Transformer
     trainer: Trainer
-    metrics: Metrics
+    metrics: TrainLog
     epoch: int = 1
     pos: int = 0  # batches of this rank's epoch already taken
     elapsed: float = 0.0  # seconds trained by earlier processes of the run
@@ -597,7 +622,7 @@ class Run:
 
 
 def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume: bool = False,
-          log: Any = print, given: Collection[str] | None = None) -> dict[str, Any]:
+          log: Log = print, given: Collection[str] | None = None) -> dict[str, Any]:
     """Trains per `tc` and returns a summary (step, epoch, best BLEU, stop reason, last checkpoint).
 
     With `resume`, continues the newest checkpoint in `tc.out` with the run's saved settings (see
@@ -725,7 +750,7 @@ def _saved_device(out: Path) -> str | None:
     return device if isinstance(device, str) else None
 
 
-def _load_newest(existing: list[tuple[int, Path]], info: Any) -> ckpt.Checkpoint:
+def _load_newest(existing: list[tuple[int, Path]], info: Log) -> ckpt.Checkpoint:
     """The newest readable step checkpoint with a complete trainer state (an unreadable newest one
     falls back to the one before); the first error if none is."""
     first_error: AiaynError | None = None
@@ -772,7 +797,7 @@ def resumed_settings(loaded: ckpt.Checkpoint, preset_name: str, model_over: dict
 
 
 def _set_up(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, loaded: ckpt.Checkpoint | None, d: Dist,
-            info: Any) -> Run:
+            info: Log) -> Run:
     """Data, model, trainer and metrics, restored from `loaded` when resuming; writes train.json."""
     out = Path(tc.out)
     source_eos = loaded.model_config.source_eos if loaded else model_over.get("source_eos", ModelConfig.source_eos)
@@ -787,7 +812,7 @@ def _set_up(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, loade
         torch.manual_seed(tc.seed + 1000 * d.rank)
         random.seed(tc.seed + 1000 * d.rank)
     run = Run(tc, preset_name, d, out, corpus, model, Trainer(model, tc, d, _precision(tc, loaded, d)),
-              Metrics(out / "metrics.jsonl", d.main), last_saved=loaded.path if loaded else None)
+              TrainLog(out / "metrics.jsonl", d.main), last_saved=loaded.path if loaded else None)
     if loaded:
         st = loaded.trainer_state
         assert st is not None
@@ -819,7 +844,7 @@ def _precision(tc: TrainConfig, loaded: ckpt.Checkpoint | None, d: Dist) -> str:
     return "bf16" if d.device.type == "cpu" and "data_sha256" not in st else "auto"
 
 
-def _new_model_config(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, tok: Any) -> ModelConfig:
+def _new_model_config(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, tok: TokenizerPair) -> ModelConfig:
     over = dict(model_over)
     if not tc.joint_vocab:
         if over.get("share_embeddings"):
@@ -836,7 +861,7 @@ def _total_steps(run: Run) -> int | None:
     return tc.max_steps or (tc.max_epochs * run.steps_per_epoch if tc.max_epochs else None)
 
 
-def _describe(run: Run, info: Any) -> None:
+def _describe(run: Run, info: Log) -> None:
     tc, mcfg, corpus, tok = run.tc, run.model.cfg, run.corpus, run.corpus.tokenizers
     info(f"model: {mcfg.encoder_layers}+{mcfg.decoder_layers} layers, d_model {mcfg.d_model}, "
          f"{run.model.num_parameters():,} parameters; vocabulary {tok.src.vocab_size}"
