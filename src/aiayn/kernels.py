@@ -11,14 +11,17 @@ moves by at most 2^-17).
   matmul-softmax-matmul for short keys on the CPU (and whenever the weights are wanted, for plots),
   else `F.scaled_dot_product_attention`.
 - `Packed`: the position-wise layers run on the real tokens of a padded batch only (training).
+
+`Layers`, a typed `nn.ModuleList`, is here too only because `aiayn.model` may import nothing else.
 """
 
 from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Generic, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -282,3 +285,16 @@ def smoothed_cross_entropy(logits: Tensor, labels: Tensor, eps: float = 0.0) -> 
     if logits.device.type != "cpu":
         return F.cross_entropy(logits.float(), labels, label_smoothing=eps, reduction="none")
     return _SmoothedCrossEntropy.apply(logits, labels, eps)
+
+
+L = TypeVar("L", bound=nn.Module)
+
+
+class Layers(nn.ModuleList, Generic[L]):
+    """An `nn.ModuleList` whose items type-check as their class (same modules, same state dict)."""
+
+    def __init__(self, layers: Iterable[L]) -> None:
+        super().__init__(layers)
+
+    def __iter__(self) -> Iterator[L]:
+        return cast(Iterator[L], super().__iter__())  # __init__ took only L's

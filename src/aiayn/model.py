@@ -13,8 +13,7 @@ explicit target padding mask only when one is given.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator
-from typing import Generic, TypeVar, cast
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +22,7 @@ from torch import Tensor, nn
 from aiayn import kernels
 from aiayn.cache import DecoderCache, LayerCache, ungroup
 from aiayn.config import ModelConfig
-from aiayn.kernels import Linear, Packed
+from aiayn.kernels import Layers, Linear, Packed
 
 
 def sinusoidal_table(max_len: int, d_model: int) -> Tensor:
@@ -46,8 +45,6 @@ class PositionalEncoding(nn.Module):
     The table grows when a longer sequence than `max_len` comes, instead of failing.
     """
 
-    table: Tensor  # (max_len, d_model), a buffer
-
     def __init__(self, d_model: int, max_len: int) -> None:
         super().__init__()
         self.d_model = d_model
@@ -57,7 +54,7 @@ class PositionalEncoding(nn.Module):
         """Shape: x (B, T, d_model) -> (B, T, d_model); positions start at `offset`."""
         end = offset + x.size(1)
         if end > self.table.size(0):
-            self.table = sinusoidal_table(max(end, 2 * self.table.size(0)), self.d_model).to(self.table.device)
+            self.table: Tensor = sinusoidal_table(max(end, 2 * self.table.size(0)), self.d_model).to(self.table.device)
         return x + self.table[offset:end].to(x.dtype)
 
 
@@ -254,19 +251,6 @@ class DecoderLayer(_Sublayers):
         return self._residual(x, self.norm3, self.ff)
 
 
-L = TypeVar("L", bound=nn.Module)
-
-
-class Layers(nn.ModuleList, Generic[L]):
-    """An `nn.ModuleList` whose items type-check as their class (the state dict is the same)."""
-
-    def __init__(self, layers: Iterable[L]) -> None:
-        super().__init__(layers)
-
-    def __iter__(self) -> Iterator[L]:
-        return cast(Iterator[L], super().__iter__())  # __init__ took only L's
-
-
 class Encoder(nn.Module):
     """N identical layers (Section 3.1); a final LayerNorm when pre-norm."""
 
@@ -291,18 +275,9 @@ class Decoder(nn.Module):
         self.layers = Layers(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
         self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps) if cfg.norm_first else None
 
-    def forward(
-        self,
-        x: Tensor,
-        memory: Tensor | None,
-        src_keep: Tensor | None,
-        self_keep: Tensor | None,
-        is_causal: bool,
-        cache: DecoderCache | None = None,
-        weights: dict[str, list] | None = None,
-        packed: Packed | None = None,
-        mem_packed: Packed | None = None,
-    ) -> Tensor:
+    def forward(self, x: Tensor, memory: Tensor | None, src_keep: Tensor | None, self_keep: Tensor | None,
+                is_causal: bool, cache: DecoderCache | None = None, weights: dict[str, list] | None = None,
+                packed: Packed | None = None, mem_packed: Packed | None = None) -> Tensor:
         for i, layer in enumerate(self.layers):
             x = layer(x, memory, src_keep, self_keep, is_causal, None if cache is None else cache.layers[i], weights,
                       packed, mem_packed)
