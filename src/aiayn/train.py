@@ -49,7 +49,7 @@ from aiayn.config import PRECISIONS, PRESETS, ConfigError, ModelConfig, TrainCon
 from aiayn.errors import AiaynError
 from aiayn.model import Transformer
 
-if TYPE_CHECKING:  # imported where used: `aiayn train --help` needs none of them
+if TYPE_CHECKING:  # for the checker only: train imports the data path where it uses it
     from aiayn.data.batching import Batches
     from aiayn.data.corpus import Corpus
     from aiayn.data.text import Batch
@@ -62,7 +62,7 @@ Autocast = Callable[[], contextlib.AbstractContextManager[Any]]  # a fresh autoc
 
 
 class LossInputs(Protocol):
-    """What the loss reads of a batch: `aiayn.data.Batch`, or `_Pairs` inside DDP's forward."""
+    """What the loss reads of a batch: `aiayn.data.text.Batch`, or `_Pairs` inside DDP's forward."""
 
     @property
     def src(self) -> Tensor: ...  # (B, S)
