@@ -30,8 +30,8 @@ from torch.autograd.function import once_differentiable
 
 # ------------------------------------------------------------------ inference GEMMs on the CPU
 # Decoding runs every linear layer on a few hundred rows at a time, where a weight pre-packed in
-# oneDNN's blocked layout makes the CPU GEMM 15-40% faster than `F.linear` (the most on the wide
-# vocabulary projection), and under bf16 autocast saves casting every weight at every step. The
+# oneDNN's blocked layout makes the CPU GEMM faster than `F.linear` (the most on the wide
+# vocabulary projection; docs/speed.md), and under bf16 autocast saves casting every weight at every step. The
 # packed copies live beside the model (keyed by the weight, rebuilt when its data pointer, version
 # counter or the dtype changes), never in it, so state_dict, deepcopy and `.to()` are unaffected.
 # Only frozen weights (requires_grad False, as `Translator` sets) are packed: an optimizer may update
@@ -100,8 +100,7 @@ class Linear(nn.Linear):
 
 
 # On CPU, for sentence-length keys, PyTorch's fused attention kernel is slower than the plain
-# matmul-softmax-matmul (measured in torch 2.13 at (64, 4, 30, 64), bf16: forward + backward 3x
-# slower; forward alone 1.1-4x); longer keys and other devices take
+# matmul-softmax-matmul (in torch 2.13, bf16, forward and backward; docs/speed.md); longer keys and other devices take
 # `F.scaled_dot_product_attention`. Set to 0 to always use it.
 EXPLICIT_ATTENTION_MAX_KEYS = 256
 

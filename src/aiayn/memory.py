@@ -10,7 +10,8 @@ variable-length batches and decoding do, without any tensor leaking:
 - glibc's malloc keeps freed memory for reuse instead of returning it, and tensors of ever-new
   sizes leave it in pieces it cannot reuse well. `HeapTrimmer` gives it back (`malloc_trim`) when
   the resident size has grown a quarter beyond what a step needs, so a steady run pays for a trim
-  now and then instead of at every step (trimming at every step cost 14% of the step time).
+  now and then instead of at every step (a trim at every step costs a noticeable share of it;
+  docs/wmt14.md has the figures).
 """
 
 from __future__ import annotations

@@ -282,8 +282,8 @@ class Translator(BaseTranslator):
     @classmethod
     def from_loaded(cls, ckpt: Any, precision: str = "fp32", device: str = "cpu", **kwargs: Any) -> "Translator":
         """A translator that owns a loaded checkpoint's model: frozen once, so every search runs it as
-        it is on weights packed once, not on a fresh view whose weights are packed anew (a one-line
-        request took 82 ms against 61 ms that way in `aiayn serve`)."""
+        it is on weights packed once, not on a fresh view whose weights are packed anew (which made a
+        one-line request of `aiayn serve` a third slower; docs/serving.md)."""
         model = ckpt.model.requires_grad_(False).to(device)
         return cls(model, ckpt.tokenizers, precision=precision, device=device, **kwargs)
 
@@ -509,7 +509,7 @@ def add_search_arguments(p: argparse.ArgumentParser) -> None:
                    help="batches searched at once on the CPU, each on its share of the threads (0: one per thread); "
                         "translate takes them from one --chunk-lines chunk at a time; the torch engine only")
     p.add_argument("--precision", choices=INFERENCE_PRECISIONS, default="fp32",
-                   help="bf16: a bfloat16 copy of the model, ~1.5x faster beam search on CPUs with AVX512-BF16")
+                   help="bf16: a bfloat16 copy of the model, faster on CPUs with AVX512-BF16 (docs/speed.md)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

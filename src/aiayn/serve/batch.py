@@ -72,7 +72,7 @@ def _split_tokens(translator: Any, lines: list[str]) -> int:
 
     `max_tokens` counts padding (a part costs its lines times its longest), so the share does too:
     counted without it, one thread got three or four parts of a 64-line batch, each with its own
-    tail of steps that decode a few rows, 5 to 8% slower than one part. At most 4096, as `translate`."""
+    tail of steps that decode a few rows, slower than one part (docs/serving.md). At most 4096, as `translate`."""
     lengths = [len(ids) for ids in translator.encode(lines) if ids]  # blank lines are not searched
     longest = max(lengths, default=1)
     share = math.ceil(len(lengths) * longest * 1.05 / torch.get_num_threads())

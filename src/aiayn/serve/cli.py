@@ -101,7 +101,7 @@ def load(checkpoint: str, precision: str) -> tuple[Any, tuple[str, str], str]:
 def run(args: argparse.Namespace) -> int:
     limits = _limits(args)
     # Decoding meets new shapes at nearly every step (rows = live sentences x beams): uncapped,
-    # a server grew ~100 MiB per 1,000 sentences (measured), capped it stays flat at the same speed.
+    # a server grows steadily; capped it stays flat at the same speed (docs/serving.md).
     memory.cap_onednn_caches()
     try:
         import uvicorn
