@@ -419,6 +419,27 @@ def test_attention_weights_are_distributions():
         assert (layer.masked_select(tgt_pad[:, None, None, :]) == 0).all()
 
 
+def test_attention_weights_computes_only_the_kinds_asked_for(monkeypatch):
+    """The server's maps need cross-attention only: the encoder and decoder self-attention weights
+    are then neither built nor returned (every `need_weights` call is counted)."""
+    model = tiny()
+    src, tgt = padded_batch()
+    with torch.no_grad():
+        full = model.attention_weights(src, tgt)
+        calls = []
+        attention = aiayn.kernels.attention
+
+        def counted(q, k, v, mask, is_causal, p, training, need_weights=False):
+            calls.append(need_weights)
+            return attention(q, k, v, mask, is_causal, p, training, need_weights)
+
+        monkeypatch.setattr(aiayn.kernels, "attention", counted)
+        w = model.attention_weights(src, tgt, kinds=("cross",))
+    assert w["encoder"] == [] and w["decoder_self"] == [] and sum(calls) == model.cfg.decoder_layers
+    for got, want in zip(w["cross"], full["cross"]):
+        assert torch.allclose(got, want, atol=1e-6)
+
+
 # --- configuration --------------------------------------------------------------------------------
 
 

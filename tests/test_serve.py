@@ -134,6 +134,25 @@ def test_v1_attention_is_target_by_source_per_layer(client):
     assert r.json()["translations"][1]["hypotheses"][0]["attention"] == []
 
 
+def test_v1_attention_builds_only_the_cross_attention_it_returns(reference, monkeypatch):
+    """The maps are cross-attention only: the encoder and decoder self-attention weights were built
+    too and thrown away (their `need_weights` calls are counted)."""
+    import aiayn.kernels
+    from aiayn.serve.batch import cross_attention
+
+    calls = []
+    attention = aiayn.kernels.attention
+
+    def counted(q, k, v, mask, is_causal, p, training, need_weights=False):
+        calls.append(need_weights)
+        return attention(q, k, v, mask, is_causal, p, training, need_weights)
+
+    monkeypatch.setattr(aiayn.kernels, "attention", counted)
+    src, hyp = reference.encode(["ein Mann läuft"])[0], reference.search_ids(["ein Mann läuft"], beam=2)[0][0][0]
+    maps = cross_attention(reference.model, src, [hyp])
+    assert sum(calls) == reference.model.cfg.decoder_layers and len(maps[0]) == reference.model.cfg.decoder_layers
+
+
 # ---------------------------------------------------------------------------------- LibreTranslate
 
 

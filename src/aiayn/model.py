@@ -13,7 +13,7 @@ explicit target padding mask only when one is given.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,8 @@ from aiayn import kernels
 from aiayn.cache import DecoderCache, LayerCache, ungroup
 from aiayn.config import ModelConfig
 from aiayn.kernels import Layers, Linear, Packed
+
+ATTENTION_KINDS = ("encoder", "decoder_self", "cross")  # what `attention_weights` can compute
 
 
 def sinusoidal_table(max_len: int, d_model: int) -> Tensor:
@@ -230,20 +232,20 @@ class DecoderLayer(_Sublayers):
     ) -> Tensor:
         """Shape: x (B, T, d), memory (B, S, d), src_keep (B, S), self_keep (B, T, t) or None -> (B, T, d).
         x and memory may be packed, (N, d), with `packed` / `mem_packed`."""
-        want = weights is not None
+        want = {} if weights is None else weights  # only the kinds it has a list for are computed
 
         def self_attend(h: Tensor) -> Tensor:
-            out, w = self.self_attn(h, key_keep=self_keep, is_causal=is_causal, cache=cache, need_weights=want,
-                                    packed=packed)
-            if weights is not None:
-                weights["self"].append(w)
+            out, w = self.self_attn(h, key_keep=self_keep, is_causal=is_causal, cache=cache,
+                                    need_weights="self" in want, packed=packed)
+            if w is not None:
+                want["self"].append(w)
             return out
 
         def cross_attend(h: Tensor) -> Tensor:
-            out, w = self.cross_attn(h, memory, key_keep=src_keep, cache=cache, need_weights=want, packed=packed,
-                                     mem_packed=mem_packed)
-            if weights is not None:
-                weights["cross"].append(w)
+            out, w = self.cross_attn(h, memory, key_keep=src_keep, cache=cache, need_weights="cross" in want,
+                                     packed=packed, mem_packed=mem_packed)
+            if w is not None:
+                want["cross"].append(w)
             return out
 
         x = self._residual(x, self.norm1, self_attend)
@@ -438,12 +440,13 @@ class Transformer(nn.Module):
             raise ValueError(f"reduction must be 'mean', 'sum' or 'none', not {reduction!r}")
         return reduce[reduction](losses)
 
-    def attention_weights(self, src: Tensor, tgt_in: Tensor) -> dict[str, list[Tensor]]:
+    def attention_weights(self, src: Tensor, tgt_in: Tensor, kinds: Sequence[str] = ATTENTION_KINDS) -> dict[str, list]:
         """Attention probabilities of every layer and head (for plots): encoder self-attention,
-        decoder self-attention and cross-attention, each a list over layers of (B, H, T_q, T_k)."""
+        decoder self-attention and cross-attention, each a list over layers of (B, H, T_q, T_k).
+        Only the `kinds` asked for are computed (the server's maps need only "cross")."""
         src_keep = src.ne(self.cfg.pad_id)
         enc: list[Tensor] = []
-        dec: dict[str, list] = {"self": [], "cross": []}
-        memory = self.encode(src, src_keep, weights=enc)
+        dec: dict[str, list] = {k: [] for k, kind in zip(("self", "cross"), ATTENTION_KINDS[1:]) if kind in kinds}
+        memory = self.encode(src, src_keep, weights=enc if "encoder" in kinds else None)
         self.decode(tgt_in, memory, src_keep, tgt_keep=tgt_in.ne(self.cfg.pad_id), weights=dec)
-        return {"encoder": enc, "decoder_self": dec["self"], "cross": dec["cross"]}
+        return {"encoder": enc, "decoder_self": dec.get("self", []), "cross": dec.get("cross", [])}

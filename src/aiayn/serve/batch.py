@@ -56,7 +56,8 @@ def cross_attention(model: Any, src_ids: list[int], hyps: list[list[int]]) -> li
     for row, h in enumerate(hyps):
         tgt[row, 1:1 + len(h)] = torch.tensor(h, dtype=torch.long)
     with torch.inference_mode():
-        cross = model.attention_weights(src.to(model_device(model)), tgt.to(model_device(model)))["cross"]
+        dev = model_device(model)
+        cross = model.attention_weights(src.to(dev), tgt.to(dev), kinds=("cross",))["cross"]  # only what is shown
         mean = torch.stack([w.float().mean(1) for w in cross], 1).cpu()  # (N, L, 1 + T, S)
     return [mean[row, :, :len(h)].round(decimals=4).tolist() for row, h in enumerate(hyps)]
 
