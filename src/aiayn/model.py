@@ -441,9 +441,8 @@ class Transformer(nn.Module):
         return reduce[reduction](losses)
 
     def attention_weights(self, src: Tensor, tgt_in: Tensor, kinds: Sequence[str] = ATTENTION_KINDS) -> dict[str, list]:
-        """Attention probabilities of every layer and head (for plots): encoder self-attention,
-        decoder self-attention and cross-attention, each a list over layers of (B, H, T_q, T_k).
-        Only the `kinds` asked for are computed (the server's maps need only "cross")."""
+        """Attention probabilities of every layer and head, lists over layers of (B, H, T_q, T_k): encoder
+        self-, decoder self- and cross-attention; only the `kinds` asked for are computed (the server: cross)."""
         src_keep = src.ne(self.cfg.pad_id)
         enc: list[Tensor] = []
         dec: dict[str, list] = {k: [] for k, kind in zip(("self", "cross"), ATTENTION_KINDS[1:]) if kind in kinds}
