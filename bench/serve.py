@@ -16,6 +16,12 @@ The CLI's own translations are compared with every server answer (the count of i
 printed). The 1-client target compares the server's median latency with a direct
 `Translator.translate([line])` call on the same sentences.
 
+Fairness (--fairness N, after the levels, on the batching server): `--fair-clients` clients send N
+one-line requests in all, first alone ("idle"), then while one more client sends 1,024-line requests
+back to back; one batch time is the server's mean batch (its /metrics) over a 1,024-line request
+alone. The target: the one-line p99 beside the long requests within 2x the idle p99 plus one batch
+time (the ratio printed is p99 / (2 x idle p99 + batch), at most 1).
+
 With --rss N the batching server then takes N more requests from 64 clients, and its resident set
 size (VmRSS) is printed after 1,000 and after N requests. Clients and server share the machine's
 cores: the numbers include the clients' cost, as a loopback benchmark does.
@@ -152,6 +158,58 @@ def one_client(translator: Translator, server: Server, lines: list[str]) -> tupl
     return 1000 * statistics.median(direct), 1000 * statistics.median(served)
 
 
+def batch_seconds(url: str) -> tuple[float, float]:
+    """The server's (sum, count) of batch seconds so far, from /metrics."""
+    text, values = httpx.get(f"{url}/metrics").text, []
+    for k in ("sum", "count"):
+        m = re.search(rf"^aiayn_batch_seconds_{k} (\S+)$", text, re.M)
+        if m is None:
+            raise SystemExit(f"the server's /metrics has no aiayn_batch_seconds_{k}")
+        values.append(float(m.group(1)))
+    return values[0], values[1]
+
+
+def fairness(server: Server, lines: list[str], clients: int, requests: int) -> dict:
+    """One-line p99 latency of `clients` clients alone and beside a client that sends 1,024-line
+    requests back to back, and the server's mean batch time over one 1,024-line request alone."""
+    long = json.dumps({"text": (lines * (1024 // len(lines) + 1))[:1024]})
+    short = lines[:requests]
+    before = batch_seconds(server.url)
+    httpx.post(f"{server.url}/v1/translate", content=long, headers={"Content-Type": "application/json"}, timeout=600)
+    after = batch_seconds(server.url)
+    batch = (after[0] - before[0]) / max(1.0, after[1] - before[1])
+    idle = load(server.url, short, clients)[1]
+    stop, sent = threading.Event(), [0]
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=600)
+
+    def long_client() -> None:  # until stopped; its last request is dropped when the socket closes
+        try:
+            while not stop.is_set():
+                conn.request("POST", "/v1/translate", long, {"Content-Type": "application/json"})
+                conn.getresponse().read()
+                sent[0] += 1
+        except OSError:
+            pass
+
+    thread = threading.Thread(target=long_client)
+    thread.start()
+    while batch_seconds(server.url)[1] == after[1]:  # its first batch runs
+        time.sleep(0.01)
+    beside = load(server.url, short, clients)[1]
+    stop.set()
+    if conn.sock is not None:
+        conn.sock.shutdown(socket.SHUT_RDWR)
+    thread.join()
+    row = {"clients": clients, "requests": len(short), "idle_p99_ms": 1000 * percentile(idle, 99),
+           "beside_p99_ms": 1000 * percentile(beside, 99), "beside_p50_ms": 1000 * percentile(beside, 50),
+           "batch_ms": 1000 * batch, "long_requests": sent[0]}
+    row["ratio"] = row["beside_p99_ms"] / (2 * row["idle_p99_ms"] + row["batch_ms"])
+    print(f"fairness: one-line p99 {row['idle_p99_ms']:.0f} ms alone, {row['beside_p99_ms']:.0f} ms beside "
+          f"1,024-line requests ({sent[0]} answered meanwhile); one batch {row['batch_ms']:.0f} ms", flush=True)
+    return row
+
+
 def memory(checkpoint: str, lines: list[str], total: int, flags: list[str]) -> dict[int, float]:
     """RSS (MiB) of a fresh batching server after 1,000 requests and then every quarter of `total`."""
     server = Server(checkpoint, *flags)
@@ -182,6 +240,9 @@ def main() -> None:
                         "1 keeps a shared, busy machine from stalling multi-threaded operations")
     p.add_argument("--repeat", type=int, default=3,
                    help="passes over the levels; each figure is the best pass (the ceiling's too: the machine is shared)")
+    p.add_argument("--fairness", type=int, default=200,
+                   help="one-line requests of the fairness row, alone and beside 1,024-line requests (0: none)")
+    p.add_argument("--fair-clients", type=int, default=4, help="clients that send the fairness row's one-line requests")
     p.add_argument("--serve-flags", default="", help="more flags for the batching server, e.g. '--max-wait-ms 20'")
     p.add_argument("--json", help="write the results here too")
     args = p.parse_args()
@@ -232,6 +293,8 @@ def main() -> None:
         direct_ms, served_ms = one_client(translator, servers["batching"], lines[:args.direct])
         print(f"1 client, in turns: direct Translator.translate median {direct_ms:.0f} ms, server {served_ms:.0f} ms",
               flush=True)
+        if args.fairness:
+            results["fairness"] = fairness(servers["batching"], lines, args.fair_clients, args.fairness)
     finally:
         for server in servers.values():
             server.stop()
@@ -261,6 +324,11 @@ def report(results: dict, levels: list[int], best: float, rss_total: int) -> Non
           "in the worst pass of each level")
     d, s = results["direct_p50_ms"], results["served_p50_ms"]
     print(f"1 client: median {s:.0f} ms = {s / d:.2f}x a direct Translator.translate call ({d:.0f} ms; target <= 1.2x)")
+    if "fairness" in results:
+        f = results["fairness"]
+        print(f"fairness, {f['clients']} one-line clients beside one sending 1,024-line requests: p99 "
+              f"{f['beside_p99_ms']:.0f} ms = {f['ratio']:.2f} x (2 x idle p99 {f['idle_p99_ms']:.0f} ms + one batch "
+              f"{f['batch_ms']:.0f} ms) (target <= 1)")
     if "rss_mib" in results:
         r = results["rss_mib"]
         print(f"RSS: {r[1000]:.1f} MiB after 1,000 requests, {r[rss_total]:.1f} MiB after {rss_total:,} "

@@ -223,9 +223,9 @@ def test_413_for_long_lines_and_bodies_411_without_length(client, ckpt):
     assert r.status_code == 413 and "more source tokens than the model takes (64)" in r.json()["error"]
     r = client.post("/translate", json={"q": " ".join(["rot"] * 70), "source": "de", "target": "en"})
     assert r.status_code == 413
-    with TestClient(make_app(ckpt, max_queue=3)) as c:
+    with TestClient(make_app(ckpt, max_lines=3)) as c:
         r = ready(c).post("/v1/translate", json={"text": ["a"] * 4})
-        assert r.status_code == 413 and "more than --max-queue 3" in r.json()["error"]
+        assert r.status_code == 413 and "more than --max-lines 3" in r.json()["error"]
         r = c.post("/v1/translate", content=b"x" * 100_000, headers={"content-type": "application/json"})
         assert r.status_code == 413 and "bytes" in r.json()["error"]
         r = c.post("/v1/translate", content=iter([b'{"text": ["a"]}']), headers={"content-type": "application/json"})
@@ -267,6 +267,91 @@ def test_a_fault_in_the_search_is_a_500_json_and_the_server_goes_on(ckpt):
         assert r.status_code == 500 and r.json() == {"error": "translation failed (ZeroDivisionError)"}
         srv.scheduler.run = work
         assert c.post("/v1/translate", json={"text": ["ein Mann"]}).status_code == 200
+
+
+# ------------------------------------------------------------------------------ bounded work
+
+
+def test_beam_and_nbest_are_bounded_by_the_servers_flags(ckpt):
+    with TestClient(make_app(ckpt, max_beam=20, max_nbest=2)) as c:
+        ready(c)
+        r = c.post("/v1/translate", json={"text": ["rot"], "beam": 20})  # over the old fixed bound of 16
+        assert r.status_code == 200 and r.json()["beam"] == 20
+        r = c.post("/v1/translate", json={"text": ["rot"], "beam": 21})
+        assert r.status_code == 422 and r.json() == {"error": "beam: at most --max-beam 20, got 21", "field": "beam"}
+        r = c.post("/v1/translate", json={"text": ["rot"], "beam": 4, "nbest": 3})
+        assert r.status_code == 422 and "--max-nbest 2" in r.json()["error"] and r.json()["field"] == "nbest"
+        r = c.post("/translate", json={"q": "rot", "source": "de", "target": "en", "alternatives": 2})
+        assert r.status_code == 422 and "--max-nbest 2" in r.json()["error"]
+
+
+def test_a_request_is_priced_by_its_work_and_refused_at_once_over_max_work(ckpt, reference):
+    from aiayn.serve.batch import Key, price
+
+    key = Key(4, 0.6, 1, False)
+    S = len(reference.encode(["ein Mann läuft"])[0])
+    assert price(S, key, 2) == 4 * (S + S + 51) and price(0, key, 2) == 0  # a blank line is not searched
+    assert price(S, key._replace(attention=True, nbest=2), 2) == 4 * (S + S + 51) + 2 * 2 * (S + 51) * S
+    budget = 3 * price(S, key, 2)
+    app = make_app(ckpt, max_work=budget)
+    with TestClient(app) as c:
+        ready(c)
+        batches = app.state.server.scheduler.stats.batches
+        assert c.post("/v1/translate", json={"text": ["ein Mann läuft"] * 3 + [""]}).status_code == 200
+        r = c.post("/v1/translate", json={"text": ["ein Mann läuft"] * 4})  # one line too many
+        assert r.status_code == 413 and f"more than --max-work {budget}" in r.json()["error"]
+        r = c.post("/v1/translate", json={"text": ["ein Mann läuft"], "beam": 16})  # a wide beam
+        assert r.status_code == 413 and "--max-work" in r.json()["error"]
+        r = c.post("/v1/translate", json={"text": ["ein Mann läuft"], "attention": True})  # weights are work too
+        assert r.status_code == 413 and "--max-work" in r.json()["error"]
+        r = c.post("/translate", json={"q": "ein Mann läuft\n" * 4, "source": "de", "target": "en"})
+        assert r.status_code == 413 and "--max-work" in r.json()["error"]
+        assert app.state.server.scheduler.stats.batches == batches + 1  # refused before the queue
+
+
+def test_deeply_nested_json_is_a_400_with_a_json_body(client):
+    deep = b"[" * 100_000 + b"]" * 100_000
+    for path, body in [("/translate", deep), ("/translate", b'{"q": ' + deep + b"}"), ("/v1/translate", deep),
+                       ("/v1/translate", b'{"text": ' + deep + b"}")]:
+        r = client.post(path, content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "error" in r.json(), (path, r.status_code, r.text[:100])
+
+
+def test_health_answers_while_a_long_request_is_tokenized(ckpt):
+    """Tokenization runs off the event loop: while a 1,024-line request's lines are being encoded
+    (held here until /health has answered, at most 10 s), /health answers."""
+    import anyio
+
+    app = make_app(ckpt, max_work=1000)
+    srv = app.state.server
+    encode, release, started = srv.translator.encode, threading.Event(), threading.Event()
+
+    def slow_encode(lines, *a, **k):
+        if len(lines) == 1 and lines[0].startswith("lang "):
+            started.set()
+            release.wait(10)
+        return encode(lines, *a, **k)
+
+    async def main():  # the long request is refused once tokenized (over --max-work): it needs no search
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            long = asyncio.ensure_future(c.post("/v1/translate", json={"text": [f"lang {i}" for i in range(1024)]},
+                                                timeout=60))
+            await anyio.to_thread.run_sync(started.wait, 10)
+            start = time.monotonic()
+            health = await asyncio.wait_for(c.get("/health"), 20)
+            answered = time.monotonic() - start, release.is_set()
+            release.set()
+            return health.status_code, answered, (await long).status_code
+
+    async def with_lifespan():
+        async with app.router.lifespan_context(app):
+            while not srv.ready:
+                await asyncio.sleep(0.01)
+            srv.translator.encode = slow_encode
+            return await main()
+
+    status, (seconds, released), long_status = asyncio.run(with_lifespan())
+    assert status == 200 and not released and seconds < 5 and long_status == 413
 
 
 # ------------------------------------------------------------------------------ concurrency
@@ -412,7 +497,7 @@ def _run_scheduler(coro_fn, **kw):
     return asyncio.run(main())
 
 
-def test_scheduler_cuts_token_bounded_batches_and_keeps_settings_apart():
+def test_scheduler_cuts_token_bounded_fair_batches_and_keeps_settings_apart():
     async def go(s, calls):
         a = s.submit("k1", ["a1", "a2", "a3"], [4, 4, 4])
         b = s.submit("k2", ["b1"], [1])
@@ -422,7 +507,9 @@ def test_scheduler_cuts_token_bounded_batches_and_keeps_settings_apart():
 
     results, calls = _run_scheduler(go, max_batch_tokens=8, max_wait=0.05)
     assert results == [["k1:a1", "k1:a2", "k1:a3"], ["k2:b1"], ["k1:c1"]]
-    assert calls == [("k1", ["a1", "a2"]), ("k1", ["a3", "c1"]), ("k2", ["b1"])]  # oldest first, 8 tokens each
+    # a line of a and of c (a's share while others wait: 2 tokens, but at least a line), then b, the
+    # least recently served, then a alone takes the whole batch
+    assert calls == [("k1", ["a1", "c1"]), ("k2", ["b1"]), ("k1", ["a2", "a3"])]
 
 
 def test_scheduler_drops_cancelled_work_bounds_the_queue_and_survives_faults():
@@ -457,7 +544,7 @@ def test_scheduler_waits_for_the_lines_the_last_batch_answered_at_most_max_wait(
 
     first, second, third, calls = _run_scheduler(go, max_wait=0.3, max_batch_tokens=100)
     assert first < 0.2 and 0.25 <= second < 2.0 and third < 0.2
-    assert calls == [("k", ["a", "b", "c"]), ("k", ["d"]), ("k", ["e", "f", "g"])]
+    assert calls == [("k", ["a", "b", "c"]), ("k", ["d"]), ("k", ["e", "g", "f"])]  # a line of each request in turn
     full, *_ = _run_scheduler(go, max_wait=10.0, max_batch_tokens=1)  # a full batch goes at once
     assert full < 2.0
 
@@ -550,7 +637,7 @@ def test_scheduler_waits_for_no_client_that_cannot_come_back():
         await s.submit("k1", ["c", "d", "e"], [1, 1, 1]).future  # cut in two: the rest is all there is
         return mixed, time.monotonic() - start, calls
 
-    mixed, split, calls = _run_scheduler(go, max_wait=1.0, max_batch_tokens=2)
+    mixed, split, calls = _run_scheduler(go, max_wait=1.0, max_batch_tokens=2, max_share=1.0)  # no share cap
     assert mixed < 0.5 and split < 0.5
     assert calls == [("k1", ["a", "b"]), ("k2", ["x"]), ("k1", ["c", "d"]), ("k1", ["e"])]
 
@@ -566,3 +653,33 @@ def test_a_fault_in_the_scheduler_fails_the_waiting_requests_instead_of_hanging_
         return await asyncio.wait_for(s.submit("k", ["b"], [1]).future, 5), s.waiting
 
     assert _run_scheduler(go) == (["k:b"], 0)
+
+
+def test_scheduler_interleaves_a_long_request_with_short_ones_and_caps_its_share():
+    """A 40-line request alone fills every batch; a one-line request (of any settings) arriving
+    during one of its batches goes in the next, beside at most `max_share` of the long one's tokens."""
+    async def main():
+        calls = []
+
+        def run(key, lines, early):
+            calls.append((key, list(lines)))
+            time.sleep(0.05)
+            return lines
+
+        s = Scheduler(run, max_wait=0.0, max_batch_tokens=8, max_share=0.25)
+        try:
+            long = s.submit("k", [f"L{i}" for i in range(40)], [1] * 40)
+            await asyncio.sleep(0.02)  # the first batch of 8 runs
+            short = s.submit("k", ["s"], [1])
+            other = s.submit("k2", ["o"], [1])  # other settings: a batch of its own, not after all 40
+            await asyncio.gather(short.future, other.future, long.future)
+            return calls
+        finally:
+            await s.close()
+
+    calls = asyncio.run(main())
+    assert calls[0] == ("k", [f"L{i}" for i in range(8)])  # alone: a full batch
+    assert calls[1] == ("k", ["s", "L8", "L9"])  # it waited longest; 2 of 8 tokens (the share) of the long one
+    assert calls[2] == ("k2", ["o"])
+    assert all(len(lines) == 8 for _, lines in calls[3:-1])  # alone again: full batches
+    assert [line for _, lines in calls for line in lines if line.startswith("L")] == [f"L{i}" for i in range(40)]

@@ -184,3 +184,46 @@ def test_the_server_searches_its_model_as_it_is_not_a_view_per_batch(ckpt):
     assert inference_view(model) is not model  # as loaded: trainable
     translator, pair, _ = load(str(ckpt), "fp32")
     assert pair == ("de", "en") and inference_view(translator.model) is translator.model
+
+
+def _stalled_upload(port):
+    """A POST that promises 100 bytes of body, sends 7 and stalls (a slow or hostile client)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sock.sendall(b"POST /v1/translate HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 100\r\n\r\n{\"text\"")
+    return sock
+
+
+def _until_closed(sock):
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def test_a_stalled_upload_gets_408_and_connections_are_limited(served):
+    s = served("--body-timeout", "1", "--max-connections", "3").wait_ready()
+    start = time.monotonic()
+    with _stalled_upload(s.port) as sock:
+        reply = _until_closed(sock)  # the server closes the connection after its answer
+    assert reply.startswith(b"HTTP/1.1 408 ") and b"--body-timeout 1 s" in reply and 0.8 < time.monotonic() - start < 20
+    idle = [socket.create_connection(("127.0.0.1", s.port)) for _ in range(3)]  # connections held open
+    try:
+        time.sleep(0.3)
+        r = httpx.get(f"{s.url}/health")
+        assert r.status_code == 503  # over --max-connections: refused before the app runs
+    finally:
+        for sock in idle:
+            sock.close()
+    end = time.monotonic() + 20
+    while httpx.get(f"{s.url}/health").status_code != 200:
+        assert time.monotonic() < end, "the server did not take connections again"
+        time.sleep(0.1)
+
+
+def test_sigterm_ends_the_server_despite_a_stalled_upload(served):
+    s = served("--body-timeout", "300", "--shutdown-timeout", "1").wait_ready()
+    with _stalled_upload(s.port):
+        time.sleep(0.3)
+        s.proc.send_signal(signal.SIGTERM)  # without --shutdown-timeout, uvicorn waits for the body for ever
+        assert s.proc.wait(120) == 0 and "stopped" in s.proc.stderr.read()

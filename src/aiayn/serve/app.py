@@ -8,9 +8,12 @@ cross-attention on request); `GET /health` (200 once the model is warmed up), `G
 Handlers never touch the model: lines go to `aiayn.serve.scheduler.Scheduler`, whose model thread runs
 `aiayn.serve.batch.run_batch` on `Translator.search`, so a line gets the translation `aiayn translate` gives it with the
 same settings, whatever shares its batch. Errors are JSON bodies `{"error": message}`: 400 a language
-pair the model does not serve, 411/413 a body without length or too large, 413 a line over
---max-chars or the model's length, 422 a malformed body (naming the field), 503 a full queue or a
-model still warming up (both with Retry-After).
+pair the model does not serve or JSON nested too deeply, 408 a body not sent within --body-timeout,
+411/413 a body without length or too large, 413 a line over --max-chars or the model's length, more
+lines than --max-lines or more work than --max-work, 422 a malformed body (naming the field) or a
+beam / n-best over --max-beam / --max-nbest, 503 a full queue or a model still warming up (both with
+Retry-After). The body is read, and the lines tokenized, off the event loop's critical path: /health
+answers while a long request is read or tokenized.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
 from aiayn import __version__, memory
-from aiayn.serve.batch import DEFAULT_ALPHA, Key, LineTooLong, refuse_long, run_batch, warm_up
+from aiayn.serve.batch import DEFAULT_ALPHA, Key, LineTooLong, price, refuse_long, run_batch, warm_up
 from aiayn.serve.scheduler import Limits, QueueFull, Scheduler
 
 LANGUAGE_NAMES = {"en": "English", "de": "German", "fr": "French", "cs": "Czech"}
@@ -69,9 +72,9 @@ class LibreRequest(BaseModel):
 class TranslateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     text: list[str] = Field(min_length=1, description="lines to translate")
-    beam: int | None = Field(None, ge=1, le=Limits().max_beam, description="beam size (default: the server's)")
+    beam: int | None = Field(None, ge=1, description="beam size (default: the server's; at most its --max-beam)")
     alpha: float = Field(DEFAULT_ALPHA, ge=0, le=10, allow_inf_nan=False, description="length penalty")
-    nbest: int = Field(1, ge=1, le=Limits().max_beam, description="hypotheses per line, at most beam")
+    nbest: int = Field(1, ge=1, description="hypotheses per line, at most beam and the server's --max-nbest")
     attention: bool = Field(False, description="add each hypothesis's cross-attention (layers x target x source)")
 
 
@@ -116,10 +119,12 @@ class Metrics:
 
 
 class _Middleware:
-    """Counts every request (status, latency) and refuses bodies over the size limit (ASGI)."""
+    """Counts every request (status, latency), refuses bodies over the size limit and reads a POST
+    body whole within `body_timeout` seconds (ASGI): a client that stalls mid-body gets a 408 and
+    its connection closed, instead of holding a handler (and a graceful shutdown) for ever."""
 
-    def __init__(self, app: Any, metrics: Metrics, max_body: int) -> None:
-        self.app, self.metrics, self.max_body = app, metrics, max_body
+    def __init__(self, app: Any, metrics: Metrics, max_body: int, body_timeout: float) -> None:
+        self.app, self.metrics, self.max_body, self.body_timeout = app, metrics, max_body, body_timeout
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -134,7 +139,10 @@ class _Middleware:
 
         start = time.perf_counter()
         try:
-            await (self._too_large(scope) or self.app)(scope, receive, counted)
+            refused = self._too_large(scope)
+            if refused is None and scope["method"] == "POST":
+                refused, receive = await self._read_body(receive)
+            await (refused or self.app)(scope, receive, counted)
         finally:
             self.metrics.requests.labels(path, str(status[0])).inc()
             self.metrics.latency.labels(path).observe(time.perf_counter() - start)
@@ -149,6 +157,28 @@ class _Middleware:
         if not length.isdigit() or int(length) > self.max_body:
             return _error(413, f"the body is over {self.max_body} bytes")
         return None
+
+    async def _read_body(self, receive: Any) -> tuple[Response | None, Any]:
+        """The whole body within `body_timeout` seconds, and a `receive` that gives it to the app
+        (then passes on to the connection's, for the disconnect); else a 408 that closes it."""
+        chunks, end = [], time.monotonic() + self.body_timeout
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, end - time.monotonic()))
+            except TimeoutError:
+                return _error(408, f"the body was not sent within --body-timeout {self.body_timeout:g} s",
+                              {"Connection": "close"}), receive
+            if message["type"] != "http.request":  # the client went away: nobody to answer
+                return Response(status_code=499), receive
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replayed() -> dict:
+            return replay.pop() if replay else await receive()
+
+        return None, replayed
 
 
 def _error(status: int, message: str, headers: Mapping[str, str] | None = None, **extra: Any) -> JSONResponse:
@@ -188,7 +218,8 @@ class Server:
     def __init__(self, translator: Any, limits: Limits, languages: tuple[str, str], checkpoint: str) -> None:
         translator.note = refuse_long  # the server refuses a line the translator would truncate
         self.translator, self.limits, self.languages, self.checkpoint = translator, limits, languages, checkpoint
-        self.scheduler = Scheduler(self._work, limits.max_batch_tokens, limits.max_wait_ms / 1000, limits.max_queue)
+        self.scheduler = Scheduler(self._work, limits.max_batch_tokens, limits.max_wait_ms / 1000, limits.max_queue,
+                                   limits.max_share)
         self.metrics = Metrics(self.scheduler)
         self.scheduler.stats.on_batch = self._on_batch
         self.scheduler.stats.on_drop = self.metrics.dropped.inc
@@ -230,13 +261,24 @@ class Server:
                                     f"({self.translator.max_src_tokens})") from None
         return out
 
+    def check_work(self, ids: Sequence[list[int]], key: Key) -> None:
+        """413 for a request that asks for more work than --max-work (`aiayn.serve.batch.price`)."""
+        layers = self.translator.model.cfg.decoder_layers
+        work = sum(price(len(x), key, layers) for x in ids)
+        if work > self.limits.max_work:
+            raise ApiError(413, f"the request asks for {work} token slots of work, more than --max-work "
+                                f"{self.limits.max_work} (lines x beam x (source + output tokens), attention: "
+                                "n-best x layers x output x source); send fewer or shorter lines, a smaller beam, "
+                                "or no attention")
+
     async def translate(self, request: Request, lines: list[str], key: Key) -> tuple[list[list[int]], list[Any]]:
         """Source ids and results per line, once the scheduler has them (or the client has gone)."""
         if not self.ready:
             raise ApiError(503, self.failure or "the model is warming up; retry shortly", {"Retry-After": "1"})
-        if len(lines) > self.limits.max_queue:
-            raise ApiError(413, f"{len(lines)} lines in one request, more than --max-queue {self.limits.max_queue}")
-        ids = self.source_ids(lines)
+        if len(lines) > self.limits.max_lines:
+            raise ApiError(413, f"{len(lines)} lines in one request, more than --max-lines {self.limits.max_lines}")
+        ids = await asyncio.to_thread(self.source_ids, lines)  # a long request's tokenization: not on the loop
+        self.check_work(ids, key)
         try:
             job = self.scheduler.submit(key, lines, [len(x) for x in ids])
         except QueueFull as e:
@@ -275,8 +317,8 @@ def create_app(translator: Any, limits: Limits, languages: tuple[str, str], chec
     app = FastAPI(title="aiayn", version=__version__, lifespan=lifespan,
                   description=f"Translation {languages[0]}->{languages[1]} with a Transformer; batches across clients.")
     app.state.server = srv
-    max_body = limits.max_queue * limits.max_chars * 4 + (1 << 16)  # UTF-8 and JSON overhead
-    app.add_middleware(_Middleware, metrics=srv.metrics, max_body=max_body)
+    max_body = limits.max_lines * limits.max_chars * 4 + (1 << 16)  # UTF-8 and JSON overhead
+    app.add_middleware(_Middleware, metrics=srv.metrics, max_body=max_body, body_timeout=limits.body_timeout_s)
     _handlers(app)
     _libre_routes(app, srv)
     _v1_routes(app, srv)
@@ -313,6 +355,8 @@ async def _libre_fields(request: Request) -> dict[str, Any]:
         return {k: (v[0] if len(v) == 1 else v) for k in form.keys() for v in [form.getlist(k)]}
     try:
         data = json.loads(await request.body())
+    except RecursionError:
+        raise ApiError(400, "body: JSON nested too deeply", field="body") from None
     except ValueError:
         raise ApiError(422, "body: not valid JSON (send a JSON object or an HTML form)", field="body") from None
     if not isinstance(data, dict):
@@ -334,9 +378,9 @@ def _libre_routes(app: FastAPI, srv: Server) -> None:
         except ValidationError as e:
             return _invalid(e.errors())
         _check_pair(srv, req.source, req.target)
-        if req.alternatives > srv.limits.beam - 1:
-            raise ApiError(422, f"alternatives: at most {srv.limits.beam - 1} with beam {srv.limits.beam}",
-                           field="alternatives")
+        if req.alternatives > min(srv.limits.beam, srv.limits.max_nbest) - 1:
+            raise ApiError(422, f"alternatives: at most {min(srv.limits.beam, srv.limits.max_nbest) - 1} with beam "
+                                f"{srv.limits.beam} and --max-nbest {srv.limits.max_nbest}", field="alternatives")
         texts = [req.q] if isinstance(req.q, str) else req.q
         split = [t.replace("\r\n", "\n").split("\n") for t in texts]  # a text's lines, translated one by one
         key = Key(srv.limits.beam, DEFAULT_ALPHA, req.alternatives + 1, False)
@@ -367,8 +411,11 @@ def _v1_routes(app: FastAPI, srv: Server) -> None:
         """Per line: the n-best translations with scores, the subwords on both sides and, with
         `attention`, each hypothesis's cross-attention (per layer, target x source subwords)."""
         beam = req.beam or srv.limits.beam
-        if req.nbest > beam:
-            raise ApiError(422, f"nbest: at most the beam size ({beam}), got {req.nbest}", field="nbest")
+        if beam > srv.limits.max_beam:
+            raise ApiError(422, f"beam: at most --max-beam {srv.limits.max_beam}, got {beam}", field="beam")
+        if req.nbest > min(beam, srv.limits.max_nbest):
+            raise ApiError(422, f"nbest: at most the beam size ({beam}) and --max-nbest {srv.limits.max_nbest}, "
+                                f"got {req.nbest}", field="nbest")
         ids, results = await srv.translate(request, req.text, Key(beam, req.alpha, req.nbest, req.attention))
         piece = srv.translator.tokenizers.src.id_to_piece
         lines = [{"source_tokens": [piece(i) for i in src], "hypotheses": hyps} for src, hyps in zip(ids, results)]

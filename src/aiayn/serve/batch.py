@@ -17,7 +17,7 @@ import torch
 
 from aiayn.errors import AiaynError
 from aiayn.tokenizer import BOS_ID, PAD_ID
-from aiayn.translate import one_line
+from aiayn.translate import Settings, one_line
 
 DEFAULT_ALPHA = 0.6
 
@@ -38,6 +38,20 @@ class LineTooLong(AiaynError):
 def refuse_long(message: str) -> None:
     """`Translator.note` for the server: a line the translator would truncate is refused instead."""
     raise LineTooLong(message)
+
+
+def price(src_len: int, key: Key, layers: int) -> int:
+    """The work one line asks for, in token slots: its `beam` hypotheses over the source and the
+    longest output the search allows (`Settings.max_len_a/b`, EOS included) and, with attention,
+    one slot per weight returned (nbest x decoder layers x output x source), a blank line none.
+
+    The server refuses a request whose lines cost more than `--max-work` before it queues them:
+    the bytes of a request say little of its work (one line at beam 16 with attention weighs what
+    thousands of lines at beam 1 do)."""
+    if not src_len:
+        return 0
+    out = math.floor(src_len * Settings.max_len_a + Settings.max_len_b) + 1
+    return key.beam * (src_len + out) + (key.nbest * layers * out * src_len if key.attention else 0)
 
 
 def _score(x: float) -> float | None:

@@ -34,23 +34,52 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-wait-ms", type=float, default=d.max_wait_ms,
                    help="how long a batch may wait for more lines, after its oldest line arrived or the previous batch "
                         "ended (0: batches only what is waiting)")
-    p.add_argument("--max-queue", type=int, default=d.max_queue,
-                   help="lines that may wait for a batch (more: 503); also the most lines per request")
-    p.add_argument("--max-chars", type=int, default=d.max_chars, help="characters per line (more: 413)")
+    g = p.add_argument_group("limits", "what one request may ask for, and what the server holds at once "
+                                       "(docs/serving.md, Limits)")
+    g.add_argument("--max-queue", type=int, default=d.max_queue, help="lines of all requests waiting for a batch "
+                                                                      "(more: 503 with Retry-After)")
+    g.add_argument("--max-lines", type=int, default=d.max_lines, help="lines in one request (more: 413)")
+    g.add_argument("--max-chars", type=int, default=d.max_chars, help="characters per line (more: 413)")
+    g.add_argument("--max-beam", type=int, default=d.max_beam, help="the largest beam a request may ask for (more: 422)")
+    g.add_argument("--max-nbest", type=int, default=d.max_nbest,
+                   help="the most hypotheses per line (n-best, LibreTranslate alternatives + 1) a request may ask for")
+    g.add_argument("--max-work", type=int, default=d.max_work,
+                   help="work one request may ask for, in token slots: per line beam x (source + longest output "
+                        "tokens), plus with attention nbest x layers x output x source (more: 413)")
+    g.add_argument("--max-share", type=float, default=d.max_share,
+                   help="while other requests wait, the most of a batch's source tokens one request takes (0-1]")
+    g.add_argument("--max-connections", type=int, default=d.max_connections,
+                   help="open connections and requests in flight (more: 503)")
+    g.add_argument("--body-timeout", type=float, default=d.body_timeout_s,
+                   help="seconds a client has to send a request body (more: 408, the connection is closed)")
+    g.add_argument("--shutdown-timeout", type=int, default=d.shutdown_timeout_s,
+                   help="on SIGINT/SIGTERM, seconds the requests in flight have to finish before they are cancelled")
 
 
 def _limits(args: argparse.Namespace) -> Limits:
     if not 0 <= args.port <= 65535:
         raise AiaynError(f"--port must be between 0 and 65535, got {args.port}")
-    if not 1 <= args.beam <= Limits().max_beam:
-        raise AiaynError(f"--beam must be between 1 and {Limits().max_beam}, got {args.beam}")
-    for flag in ("max_batch_tokens", "max_queue", "max_chars"):
+    for flag in ("max_batch_tokens", "max_queue", "max_lines", "max_chars", "max_beam", "max_nbest", "max_work",
+                 "max_connections"):
         if getattr(args, flag) < 1:
             raise AiaynError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    if not 1 <= args.beam <= args.max_beam:
+        raise AiaynError(f"--beam must be between 1 and --max-beam ({args.max_beam}), got {args.beam}")
+    if args.max_lines > args.max_queue:
+        raise AiaynError(f"--max-lines ({args.max_lines}) must be at most --max-queue ({args.max_queue}): "
+                         "a request must fit in the queue")
     if not 0 <= args.max_wait_ms < 60_000:
         raise AiaynError(f"--max-wait-ms must be between 0 and 60000, got {args.max_wait_ms}")
+    if not 0 < args.max_share <= 1:
+        raise AiaynError(f"--max-share must be in (0, 1], got {args.max_share}")
+    for flag in ("body_timeout", "shutdown_timeout"):
+        if not 0 < getattr(args, flag) <= 3600:
+            raise AiaynError(f"--{flag.replace('_', '-')} must be between 0 and 3600 seconds, got {getattr(args, flag)}")
     return Limits(beam=args.beam, max_batch_tokens=args.max_batch_tokens, max_wait_ms=args.max_wait_ms,
-                  max_queue=args.max_queue, max_chars=args.max_chars)
+                  max_queue=args.max_queue, max_lines=args.max_lines, max_chars=args.max_chars,
+                  max_beam=args.max_beam, max_nbest=args.max_nbest, max_work=args.max_work,
+                  max_share=args.max_share, max_connections=args.max_connections,
+                  body_timeout_s=args.body_timeout, shutdown_timeout_s=args.shutdown_timeout)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -115,7 +144,11 @@ def run(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     print(f"aiayn serve: {src}->{tgt} on http://{host}:{port}/ (ready once /health says so); "
           "Ctrl-C or SIGTERM stops after the requests in flight", file=sys.stderr, flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
+    # limit_concurrency: past it uvicorn answers 503 before the app runs; timeout_graceful_shutdown:
+    # a request still in flight then (a stalled upload, say) is cancelled, so SIGTERM always ends
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                                           limit_concurrency=limits.max_connections,
+                                           timeout_graceful_shutdown=limits.shutdown_timeout_s))
     with _signals_end_quietly():
         server.run(sockets=[sock])
     print("aiayn serve: stopped", file=sys.stderr, flush=True)

@@ -7,12 +7,20 @@ is never used by two batches at once (the CPU workers of `aiayn.translate.map_ba
 batch further inside that thread).
 
 A batch holds lines that share one `key` (the search settings): lines with other settings wait for
-a batch of their own, so every line is searched exactly as `aiayn translate` would search it. The
-scheduler takes lines oldest first until `max_batch_tokens` source tokens. A line is answered as
-soon as the search is done with it (`run` calls `early`), while the longer lines of its batch go
-on; a request's future is answered once all its lines are (they may be cut across batches).
+a batch of their own, so every line is searched exactly as `aiayn translate` would search it. A line
+is answered as soon as the search is done with it (`run` calls `early`), while the longer lines of
+its batch go on; a request's future is answered once all its lines are (they may be cut across
+batches).
 
-A batch waits to fill at most `max_wait` seconds after the oldest line arrived or, under the key of
+Fairness: no request holds the model from the others. The next batch is for the request served
+least recently (its arrival, or the last batch that took its lines), under that request's key; the
+batch takes one line from each request of that key in turn (that request first, then by the same
+order) until `max_batch_tokens` source tokens; and while other requests wait, one request takes at
+most `max_share` of those tokens (at least one line). So a one-line request that arrives behind a
+1,024-line one waits for the batch that is running, then rides in a small batch: a long request
+alone fills every batch, a long request among others gets a share of each.
+
+A batch waits to fill at most `max_wait` seconds after the next request arrived or, under the key of
 the previous batch, after that batch ended (whichever is later), and no longer than it takes for
 the clients that batch answered to come back: the lines of the requests it completed, plus those of
 its key that were waiting, where lines that arrived during the batch count first as the clients it
@@ -23,7 +31,8 @@ whose previous batch was one line, never waits; neither do the rest of a request
 batch, nor lines with other settings than the previous batch (no client it answered will join them).
 
 Limits are data: `max_queue` lines may wait (not yet in a batch); beyond that `submit` raises
-`QueueFull`. A cancelled request (its client went away) loses its lines that have not started.
+`QueueFull` (the most lines of one request, `Limits.max_lines`, is the app's check). A cancelled
+request (its client went away) loses its lines that have not started.
 """
 
 from __future__ import annotations
@@ -50,9 +59,16 @@ class Limits:
     beam: int = 4  # default beam size
     max_batch_tokens: int = 2048  # source tokens per batch
     max_wait_ms: float = 5.0  # how long a batch may wait to fill, after its oldest line or the last batch
-    max_queue: int = 1024  # lines waiting for a batch; also the most lines one request may hold
+    max_queue: int = 4096  # lines waiting for a batch (of all requests)
+    max_lines: int = 1024  # lines in one request
     max_chars: int = 2000  # characters per line
     max_beam: int = 16  # the largest beam a request may ask for
+    max_nbest: int = 16  # the most hypotheses per line a request may ask for
+    max_work: int = 2_000_000  # work one request may ask for, in token slots (`aiayn.serve.batch.price`)
+    max_share: float = 0.25  # of a batch's source tokens, the most one request takes while others wait
+    max_connections: int = 512  # open connections and requests in flight (more: 503, by uvicorn)
+    body_timeout_s: float = 30.0  # time to send a request body (more: 408)
+    shutdown_timeout_s: int = 30  # on SIGTERM, how long requests in flight may finish
 
 
 class QueueFull(Exception):
@@ -71,9 +87,11 @@ class Job:
     taken: int = 0  # lines already put in a batch (they are taken in order)
     results: list[Any] = field(default_factory=list)
     returned: int = 0
+    turn: float = 0.0  # when the last batch with its lines ended (before: its arrival); least recent first
 
     def __post_init__(self) -> None:
         self.results = [None] * len(self.lines)
+        self.turn = self.arrived
 
 
 @dataclass
@@ -91,9 +109,10 @@ class Scheduler:
     """Merges the lines of concurrent jobs into batches and runs them one at a time in a model thread."""
 
     def __init__(self, run: RunBatch, max_batch_tokens: int = 2048, max_wait: float = 0.005,
-                 max_queue: int = 1024) -> None:
+                 max_queue: int = 4096, max_share: float = 0.25) -> None:
         self.run = run
         self.max_batch_tokens, self.max_wait, self.max_queue = max_batch_tokens, max_wait, max_queue
+        self.max_share = max_share
         self.queue: deque[Job] = deque()
         self.waiting = 0  # lines in the queue not yet taken into a batch
         self.stats = Stats()
@@ -171,14 +190,18 @@ class Scheduler:
         jobs = [j for j in self.queue if j.key == key and j.arrived > after]
         return sum(len(j.lines) - j.taken for j in jobs), sum(sum(j.costs[j.taken:]) for j in jobs)
 
+    def _next(self) -> Job:
+        """The job the next batch is for: the one served least recently (the oldest, first)."""
+        return min(self.queue, key=lambda j: j.turn)
+
     async def _fill(self) -> None:
-        """Waits until the oldest job's batch is full, holds `expect` lines, or has waited
+        """Waits until the next job's batch is full, holds `expect` lines, or has waited
         `max_wait` seconds since that job arrived or the previous batch (of its key) ended."""
         assert self._wake is not None
         while self.queue:
-            head = self.queue[0]
+            head = self._next()
             same = head.key == self.last_key  # only the clients of that batch are coming back
-            left = max(head.arrived, self.ended if same else 0.0) + self.max_wait - time.monotonic()
+            left = max(head.turn, self.ended if same else 0.0) + self.max_wait - time.monotonic()
             lines, tokens = self._ready(head.key)
             if left <= 0 or tokens >= self.max_batch_tokens or lines >= (self.expect if same else 1):
                 return
@@ -189,23 +212,26 @@ class Scheduler:
                 return
 
     def _cut(self) -> list[tuple[Job, int]]:
-        """Takes (job, line index) pairs, oldest first, under the oldest job's key, up to
-        `max_batch_tokens` source tokens (a first line longer than that still goes, alone)."""
-        key = self.queue[0].key
+        """Takes (job, line index) pairs under the next job's key, one line of each job in turn
+        (least recently served first), up to `max_batch_tokens` source tokens (a first line longer
+        than that still goes, alone); while other jobs wait, a job takes at most `max_share` of them."""
+        jobs = sorted(self.queue, key=lambda j: j.turn)
+        jobs = [j for j in jobs if j.key == jobs[0].key]
+        share = self.max_batch_tokens if len(self.queue) == 1 else self.max_batch_tokens * self.max_share
         batch: list[tuple[Job, int]] = []
-        tokens = 0
-        for job in list(self.queue):
-            if job.key != key:
-                continue
-            while job.taken < len(job.lines):
+        tokens, took = 0, dict.fromkeys(jobs, 0)
+        while jobs:
+            for job in list(jobs):  # one line of each, in turn
                 cost = job.costs[job.taken]
-                if batch and tokens + cost > self.max_batch_tokens:
-                    return batch
+                if (batch and tokens + cost > self.max_batch_tokens) or (took[job] and took[job] + cost > share):
+                    jobs.remove(job)  # full, or its share is: the others may still fit a line
+                    continue
                 batch.append((job, job.taken))
-                job.taken += 1
-                tokens += cost
+                job.taken, tokens, took[job] = job.taken + 1, tokens + cost, took[job] + cost
                 self.waiting -= 1
-            self.queue.remove(job)  # all its lines are taken
+                if job.taken == len(job.lines):
+                    jobs.remove(job)
+                    self.queue.remove(job)  # all its lines are taken
         return batch
 
     async def _loop(self) -> None:
@@ -255,6 +281,8 @@ class Scheduler:
         for n, result in enumerate(results):  # the lines not given early (blank ones, or all)
             answers.give(n, result, False)
         self.last_key, self.ended = key, time.monotonic()
+        for job, _ in batch:  # served now: the requests that waited during the batch go first
+            job.turn = self.ended
         self.expect = self._expect(key, began, answers)
 
     def _expect(self, key: Hashable, began: float, answers: "Answers") -> int:
