@@ -175,7 +175,9 @@ def fairness(server: Server, lines: list[str], clients: int, requests: int) -> d
     long = json.dumps({"text": (lines * (1024 // len(lines) + 1))[:1024]})
     short = lines[:requests]
     before = batch_seconds(server.url)
-    httpx.post(f"{server.url}/v1/translate", content=long, headers={"Content-Type": "application/json"}, timeout=600)
+    r = httpx.post(f"{server.url}/v1/translate", content=long, headers={"Content-Type": "application/json"}, timeout=600)
+    if r.status_code != 200:
+        raise SystemExit(f"the 1,024-line request: HTTP {r.status_code}: {r.text[:200]}")
     after = batch_seconds(server.url)
     batch = (after[0] - before[0]) / max(1.0, after[1] - before[1])
     idle = load(server.url, short, clients)[1]
@@ -187,8 +189,9 @@ def fairness(server: Server, lines: list[str], clients: int, requests: int) -> d
         try:
             while not stop.is_set():
                 conn.request("POST", "/v1/translate", long, {"Content-Type": "application/json"})
-                conn.getresponse().read()
-                sent[0] += 1
+                r = conn.getresponse()
+                r.read()
+                sent[0] += r.status == 200
         except OSError:
             pass
 

@@ -12,8 +12,8 @@ pair the model does not serve or JSON nested too deeply, 408 a body not sent wit
 411/413 a body without length or too large, 413 a line over --max-chars or the model's length, more
 lines than --max-lines or more work than --max-work, 422 a malformed body (naming the field) or a
 beam / n-best over --max-beam / --max-nbest, 503 a full queue or a model still warming up (both with
-Retry-After). The body is read, and the lines tokenized, off the event loop's critical path: /health
-answers while a long request is read or tokenized.
+Retry-After). Lines are tokenized in a worker thread, not on the event loop: /health answers while
+a long request is read or tokenized.
 """
 
 from __future__ import annotations
@@ -161,7 +161,8 @@ class _Middleware:
     async def _read_body(self, receive: Any) -> tuple[Response | None, Any]:
         """The whole body within `body_timeout` seconds, and a `receive` that gives it to the app
         (then passes on to the connection's, for the disconnect); else a 408 that closes it."""
-        chunks, end = [], time.monotonic() + self.body_timeout
+        chunks: list[bytes] = []
+        end = time.monotonic() + self.body_timeout
         while True:
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, end - time.monotonic()))
@@ -175,7 +176,7 @@ class _Middleware:
                 break
         replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
-        async def replayed() -> dict:
+        async def replayed() -> dict[str, Any]:
             return replay.pop() if replay else await receive()
 
         return None, replayed
