@@ -322,7 +322,7 @@ def test_health_answers_while_a_long_request_is_tokenized(ckpt):
     (held here until /health has answered, at most 10 s), /health answers."""
     import anyio
 
-    app = make_app(ckpt, max_work=1000)
+    app = make_app(ckpt)
     srv = app.state.server
     encode, release, started = srv.translator.encode, threading.Event(), threading.Event()
 
@@ -332,10 +332,11 @@ def test_health_answers_while_a_long_request_is_tokenized(ckpt):
             release.wait(10)
         return encode(lines, *a, **k)
 
-    async def main():  # the long request is refused once tokenized (over --max-work): it needs no search
+    text = [f"lang {i}" for i in range(1023)] + [" ".join(["rot"] * 70)]  # the last line: over the model's length
+
+    async def main():  # so the long request is refused once tokenized: it needs no search
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-            long = asyncio.ensure_future(c.post("/v1/translate", json={"text": [f"lang {i}" for i in range(1024)]},
-                                                timeout=60))
+            long = asyncio.ensure_future(c.post("/v1/translate", json={"text": text}, timeout=60))
             await anyio.to_thread.run_sync(started.wait, 10)
             start = time.monotonic()
             health = await asyncio.wait_for(c.get("/health"), 20)
@@ -666,7 +667,7 @@ def test_scheduler_interleaves_a_long_request_with_short_ones_and_caps_its_share
             time.sleep(0.05)
             return lines
 
-        s = Scheduler(run, max_wait=0.0, max_batch_tokens=8, max_share=0.25)
+        s = Scheduler(run, max_wait=0.0, max_batch_tokens=8)  # max_share: 0.25 by default
         try:
             long = s.submit("k", [f"L{i}" for i in range(40)], [1] * 40)
             await asyncio.sleep(0.02)  # the first batch of 8 runs
@@ -683,3 +684,30 @@ def test_scheduler_interleaves_a_long_request_with_short_ones_and_caps_its_share
     assert calls[2] == ("k2", ["o"])
     assert all(len(lines) == 8 for _, lines in calls[3:-1])  # alone again: full batches
     assert [line for _, lines in calls for line in lines if line.startswith("L")] == [f"L{i}" for i in range(40)]
+
+
+def test_scheduler_waits_for_the_short_client_it_answered_before_a_long_request_fills_a_batch():
+    """Alone for a moment after a batch that answered a short request, a long request does not fill
+    the next batch: that batch waits (at most max_wait) for the short client to come back."""
+    async def main():
+        calls = []
+
+        def run(key, lines, early):
+            calls.append(list(lines))
+            time.sleep(0.05)
+            return lines
+
+        s = Scheduler(run, max_wait=0.5, max_batch_tokens=8)
+        try:
+            long = s.submit("k", [f"L{i}" for i in range(40)], [1] * 40)
+            await asyncio.sleep(0.02)
+            await s.submit("k", ["s1"], [1]).future
+            await s.submit("k", ["s2"], [1]).future  # the client sends again at once
+            await long.future
+            return calls
+        finally:
+            await s.close()
+
+    calls = asyncio.run(main())
+    assert calls[:3] == [[f"L{i}" for i in range(8)], ["s1", "L8", "L9"], ["L10", "s2", "L11"]]
+    assert all(len(lines) == 8 for lines in calls[3:-1])

@@ -122,6 +122,7 @@ class Scheduler:
         self.last_key: Hashable = None
         self.ended = 0.0
         self.expect = 1
+        self.answered = 0  # lines of the requests the previous batch completed (their clients may come back)
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="aiayn-model")  # the one thread that owns the model
@@ -194,6 +195,14 @@ class Scheduler:
         """The job the next batch is for: the one served least recently (the oldest, first)."""
         return min(self.queue, key=lambda j: j.turn)
 
+    def _takes(self, key: Hashable, capped: bool) -> float:
+        """Source tokens the next batch under `key` could take now: each job's waiting tokens, at most
+        its share (but a line) while others wait or, `capped`, the clients just answered may come back
+        (so that a long request, alone for a moment after a batch, does not fill the next one)."""
+        jobs = [j for j in self.queue if j.key == key]
+        cap = self.max_batch_tokens * self.max_share if capped or len(self.queue) > 1 else float("inf")
+        return sum(min(sum(j.costs[j.taken:]), max(cap, j.costs[j.taken])) for j in jobs)
+
     async def _fill(self) -> None:
         """Waits until the next job's batch is full, holds `expect` lines, or has waited
         `max_wait` seconds since that job arrived or the previous batch (of its key) ended."""
@@ -202,8 +211,9 @@ class Scheduler:
             head = self._next()
             same = head.key == self.last_key  # only the clients of that batch are coming back
             left = max(head.turn, self.ended if same else 0.0) + self.max_wait - time.monotonic()
-            lines, tokens = self._ready(head.key)
-            if left <= 0 or tokens >= self.max_batch_tokens or lines >= (self.expect if same else 1):
+            lines = self._ready(head.key)[0]
+            full = self._takes(head.key, capped=same and self.answered > 0) >= self.max_batch_tokens
+            if left <= 0 or full or lines >= (self.expect if same else 1):
                 return
             self._wake.clear()
             try:
@@ -283,7 +293,7 @@ class Scheduler:
         self.last_key, self.ended = key, time.monotonic()
         for job, _ in batch:  # served now: the requests that waited during the batch go first
             job.turn = self.ended
-        self.expect = self._expect(key, began, answers)
+        self.expect, self.answered = self._expect(key, began, answers), answers.all
 
     def _expect(self, key: Hashable, began: float, answers: "Answers") -> int:
         """The lines the next batch under `key` waits for: those of the clients this batch answered,
