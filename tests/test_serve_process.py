@@ -150,8 +150,11 @@ def test_bad_flags_and_checkpoints_are_one_line_errors(ckpt, tmp_path):
         return subprocess.run([sys.executable, "-m", "aiayn", "serve", *argv], capture_output=True, text=True,
                               env=_env(), timeout=120)
 
-    for argv, words in [(["--checkpoint", str(ckpt), "--beam", "0"], "--beam must be between 1 and 16"),
+    for argv, words in [(["--checkpoint", str(ckpt), "--beam", "0"], "--beam must be between 1 and --max-beam (16)"),
                         (["--checkpoint", str(ckpt), "--max-queue", "0"], "--max-queue must be positive"),
+                        (["--checkpoint", str(ckpt), "--max-lines", "5000"], "--max-lines (5000) must be at most"),
+                        (["--checkpoint", str(ckpt), "--max-share", "0"], "--max-share must be in (0, 1]"),
+                        (["--checkpoint", str(ckpt), "--body-timeout", "nan"], "--body-timeout must be between"),
                         (["--checkpoint", str(ckpt), "--port", "70000"], "--port must be between"),
                         (["--checkpoint", str(tmp_path / "none")], "does not exist")]:
         r = serve(*argv)
