@@ -24,8 +24,6 @@ from aiayn.cache import DecoderCache, LayerCache, ungroup
 from aiayn.config import ModelConfig
 from aiayn.kernels import Layers, Linear, Packed
 
-ATTENTION_KINDS = ("encoder", "decoder_self", "cross")  # what `attention_weights` can compute
-
 
 def sinusoidal_table(max_len: int, d_model: int) -> Tensor:
     """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(...) (Section 3.5).
@@ -440,12 +438,12 @@ class Transformer(nn.Module):
             raise ValueError(f"reduction must be 'mean', 'sum' or 'none', not {reduction!r}")
         return reduce[reduction](losses)
 
-    def attention_weights(self, src: Tensor, tgt_in: Tensor, kinds: Sequence[str] = ATTENTION_KINDS) -> dict[str, list]:
-        """Attention probabilities of every layer and head, lists over layers of (B, H, T_q, T_k): encoder
-        self-, decoder self- and cross-attention; only the `kinds` asked for are computed (the server: cross)."""
+    def attention_weights(self, src: Tensor, tgt_in: Tensor, kinds: Sequence[str] = ("encoder", "decoder_self", "cross")
+                          ) -> dict[str, list]:
+        """Attention probabilities per kind, lists over layers of (B, H, T_q, T_k); only `kinds` are computed."""
         src_keep = src.ne(self.cfg.pad_id)
         enc: list[Tensor] = []
-        dec: dict[str, list] = {k: [] for k, kind in zip(("self", "cross"), ATTENTION_KINDS[1:]) if kind in kinds}
+        dec: dict[str, list] = {k: [] for k, kind in (("self", "decoder_self"), ("cross", "cross")) if kind in kinds}
         memory = self.encode(src, src_keep, weights=enc if "encoder" in kinds else None)
         self.decode(tgt_in, memory, src_keep, tgt_keep=tgt_in.ne(self.cfg.pad_id), weights=dec)
         return {"encoder": enc, "decoder_self": dec.get("self", []), "cross": dec.get("cross", [])}
