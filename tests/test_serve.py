@@ -372,8 +372,9 @@ def test_concurrent_requests_share_batches_and_match_translator(ckpt, reference)
             assert [h["text"] for h in r.json()["translations"][0]["hypotheses"]] == [t for t, _ in want]
         batches = app.state.server.scheduler.stats.batches - before
         assert 2 <= batches < len(jobs) // 2  # lines of different clients were merged
-        metrics = c.get("/metrics").text
-    assert "aiayn_batch_lines_count" in metrics
+        metrics = _samples(c.get("/metrics").text)
+    # /metrics counts the same batches and lines (the warm-up is not a batch)
+    assert metrics["aiayn_batch_lines_count"] == batches and metrics["aiayn_batch_lines_sum"] == len(jobs)
 
 
 # ------------------------------------------------------------------------------ the other endpoints
@@ -404,17 +405,47 @@ def test_the_model_thread_cuts_a_batch_into_one_part_per_torch_thread(reference,
     assert all(out[i] == hyps for i, hyps in early)
 
 
-def test_info_metrics_docs_and_page(client):
-    info = client.get("/v1/info").json()
-    assert info["languages"] == {"source": "de", "target": "en"} and info["model"]["d_model"] == 32
-    assert info["limits"]["beam"] == 4 and info["limits"]["max_chars"] == 300 and "torch" in info["versions"]
-    client.post("/v1/translate", json={"text": ["rot"]})
-    metrics = client.get("/metrics")
+def _samples(text):
+    """/metrics as {name or name{labels}: value} (labels sorted, as `name{k="v",...}`)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k != "le")
+            if "le" not in s.labels:
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def test_info_and_metrics_count_what_was_done(ckpt, reference):
+    """The metrics' values after known requests, not only their names (they print 0.0 from the start)."""
+    lines = ["ein Mann läuft auf der Straße", "rot blau", ""]
+    with TestClient(make_app(ckpt, max_wait_ms=20, max_chars=300)) as client:
+        info = ready(client).get("/v1/info").json()
+        assert info["languages"] == {"source": "de", "target": "en"} and info["model"]["d_model"] == 32
+        assert info["limits"]["beam"] == 4 and info["limits"]["max_chars"] == 300 and "torch" in info["versions"]
+        before = _samples(client.get("/metrics").text)
+        r = client.post("/v1/translate", json={"text": lines})  # one request: one batch
+        assert r.status_code == 200
+        assert client.post("/v1/translate", json={"text": ["x" * 301]}).status_code == 413
+        metrics = client.get("/metrics")
     assert metrics.headers["content-type"].startswith("text/plain")
-    for name in ('aiayn_requests_total{path="/v1/translate",status="200"}', "aiayn_request_seconds_bucket",
-                 "aiayn_batch_lines_bucket", "aiayn_batch_source_tokens_bucket", "aiayn_queue_lines 0.0",
-                 "aiayn_tokens_per_second", "aiayn_target_tokens_total", "aiayn_dropped_lines_total"):
-        assert name in metrics.text, name
+    got = _samples(metrics.text)
+    best = [t["hypotheses"][0]["tokens"] for t in r.json()["translations"]]
+    assert got["aiayn_target_tokens_total"] - before["aiayn_target_tokens_total"] == sum(map(len, best)) > 0
+    assert got["aiayn_batch_source_tokens_sum"] == sum(len(ids) for ids in reference.encode(lines[:2])) > 0
+    assert got["aiayn_batch_lines_count"] == got["aiayn_batch_source_tokens_count"] == 1  # warm-up not counted
+    assert got["aiayn_batch_lines_sum"] == 3  # the blank line rides along (it is answered without a search)
+    assert got["aiayn_batch_seconds_count"] == 1 and 0 < got["aiayn_batch_seconds_sum"] < 60
+    assert got["aiayn_tokens_per_second"] > 0 and got["aiayn_queue_lines"] == 0
+    assert got["aiayn_dropped_lines_total"] == 0
+    assert got['aiayn_requests_total{path="/v1/translate",status="200"}'] == 1
+    assert got['aiayn_requests_total{path="/v1/translate",status="413"}'] == 1
+    assert got['aiayn_request_seconds_count{path="/v1/translate"}'] == 2
+
+
+def test_docs_and_page(client):
     assert client.get("/docs").status_code == 200
     paths = client.get("/openapi.json").json()["paths"]
     assert {"/translate", "/v1/translate", "/languages", "/health", "/v1/info", "/metrics"} <= set(paths)
