@@ -113,13 +113,28 @@ def test_burst_of_clients_matches_aiayn_translate_then_sigterm_drains(ckpt, serv
             assert time.monotonic() < end
             time.sleep(0.01)
         s.proc.send_signal(signal.SIGTERM)
+        _wait_until_refused(s.port)  # it stops listening at once ...
+        with pytest.raises(httpx.ConnectError):  # ... so new work is refused
+            _post(s.url, ["ein Mann"])
+        # ... while the lines in flight still wait for their batch (not refused only once they were answered)
+        assert not any(f.done() for f in inflight), "new connections were refused only after the drain"
         answers = [f.result() for f in inflight]
     assert [r.status_code for r in answers] == [200] * 8
     assert [r.json()["translations"][0]["hypotheses"][0]["text"] for r in answers] == want[:8]
     assert s.proc.wait(60) == 0
     assert "stopped" in s.proc.stderr.read()
-    with pytest.raises(httpx.TransportError):  # new work is refused: nothing listens any more
-        _post(s.url, ["ein Mann"])
+
+
+def _wait_until_refused(port, timeout=30.0):
+    """Until a connection to `port` is refused (a socket still listening, even unserved, accepts it)."""
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        except ConnectionRefusedError:
+            return
+        assert time.monotonic() < end, f"port {port} still accepts connections {timeout:.0f} s after SIGTERM"
+        time.sleep(0.01)
 
 
 def test_ctrl_c_exits_0_libretranslate_form_and_capped_kernel_caches(ckpt, served):
@@ -129,20 +144,38 @@ def test_ctrl_c_exits_0_libretranslate_form_and_capped_kernel_caches(ckpt, serve
     r = httpx.post(f"{s.url}/translate", data={"q": "ein Mann läuft", "source": "de", "target": "en"})
     want = Translator.from_checkpoint(ckpt).translate(["ein Mann läuft"], beam=4)[0]  # the server's default beam
     assert r.status_code == 200 and r.json() == {"translatedText": want} and want.startswith("a man")
-    # kept-alive connections answer at once: no 40 ms stall of Nagle's algorithm and delayed ACKs
-    conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=30)
-    conn.connect()
-    conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    # kept-alive connections answer as fast as fresh ones: no 40 ms stall of Nagle's algorithm and
+    # delayed ACKs (a fresh connection starts in quick-ACK mode, so it is the stall-free baseline,
+    # measured here on the same loaded machine)
+    kept, fresh = _health_times(s.port, keep_alive=True), _health_times(s.port, keep_alive=False)
+    assert _median(kept) < 3 * _median(fresh) + 0.010, (kept, fresh)
+    s.proc.send_signal(signal.SIGINT)
+    assert s.proc.wait(60) == 0
+
+
+def _health_times(port, keep_alive, n=21):
+    """Seconds per GET /health, over one kept-alive connection or a new connection each."""
     took = []
-    for _ in range(20):
+    conn = None
+    for _ in range(n):
         start = time.perf_counter()
+        if conn is None:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            conn.connect()
+            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn.request("GET", "/health")
         assert conn.getresponse().read() == b'{"status":"ok"}'
         took.append(time.perf_counter() - start)
-    conn.close()
-    assert sorted(took)[10] < 0.025, took
-    s.proc.send_signal(signal.SIGINT)
-    assert s.proc.wait(60) == 0
+        if not keep_alive:
+            conn.close()
+            conn = None
+    if conn is not None:
+        conn.close()
+    return took
+
+
+def _median(xs):
+    return sorted(xs)[len(xs) // 2]
 
 
 def test_bad_flags_and_checkpoints_are_one_line_errors(ckpt, tmp_path):
