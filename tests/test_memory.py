@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from aiayn import memory
 from test_train import make_corpus, tiny_args, train_cli
 
@@ -77,3 +79,45 @@ def test_training_caps_the_caches_and_gives_the_heap_back_as_it_grows(tmp_path, 
     train_cli(tiny_args(paths, tmp_path / "run", "--max-steps", "4"))
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == os.environ["LRU_CACHE_CAPACITY"] == "64"
     assert trims == [0, 0]  # a doubling size every step: steps 2 and 4 trim, 1 and 3 follow a trim
+
+
+class _Built(Exception):
+    """Raised by the spy once the model is being built: the test has what it needs."""
+
+
+def _caps_when_the_model_is_built(monkeypatch) -> list[dict[str, str | None]]:
+    """oneDNN reads its cache capacities once, at its first kernel, so reading the environment back
+    afterwards proves nothing: this records them when a Transformer is built (before any kernel
+    runs) and stops the command there."""
+    from aiayn.model import Transformer
+
+    seen: list[dict[str, str | None]] = []
+
+    def spy(self, *args, **kwargs):
+        seen.append({k: os.environ.get(k) for k in memory.ONEDNN_CACHES})
+        raise _Built
+
+    monkeypatch.setattr(Transformer, "__init__", spy)
+    return seen
+
+
+def test_training_caps_the_caches_before_it_builds_the_model(tmp_path, monkeypatch):
+    seen = _caps_when_the_model_is_built(monkeypatch)
+    paths = make_corpus(tmp_path / "data")
+    with pytest.raises(_Built):
+        train_cli(tiny_args(paths, tmp_path / "run", "--max-steps", "1"))
+    assert seen == [memory.ONEDNN_CACHES]
+
+
+def test_the_server_caps_the_caches_before_it_loads_the_model(tmp_path_factory, monkeypatch):
+    pytest.importorskip("fastapi")
+    from serve_model import tiny_checkpoint
+
+    from aiayn.cli import build_parser
+    from aiayn.serve import run
+
+    ckpt = tiny_checkpoint(tmp_path_factory.getbasetemp())  # shared with the serve tests
+    seen = _caps_when_the_model_is_built(monkeypatch)
+    with pytest.raises(_Built):
+        run(build_parser("serve").parse_args(["serve", "--checkpoint", str(ckpt), "--port", "0"]))
+    assert seen == [memory.ONEDNN_CACHES]
