@@ -81,10 +81,15 @@ def test_collate_from_the_memory_map_equals_data_collate(tmp_path, corpus):
     assert c.src.shape[1] <= 2 and c.tgt_out.shape[1] <= 3
 
 
-def test_twice_gives_byte_identical_output_whatever_the_worker_count(tmp_path, corpus):
+def test_twice_gives_byte_identical_output_whatever_the_worker_count(tmp_path, corpus, monkeypatch):
+    monkeypatch.setattr(P, "CHUNK_PAIRS", 7)  # 300 pairs: 43 chunks, so order and offset joins count
     a = _tree(_prep(corpus, tmp_path / "a", workers=1))
-    b = _tree(_prep(corpus, tmp_path / "elsewhere" / "b", workers=2))
+    b = _tree(_prep(corpus, tmp_path / "elsewhere" / "b", workers=3))
     assert a == b
+    d = open_prepared(tmp_path / "elsewhere" / "b")  # every pair, those across chunk borders too, as encoded alone
+    src, tgt = read_parallel(corpus["train_src"], corpus["train_tgt"])
+    want = [(d.tokenizers.src.encode(s), d.tokenizers.tgt.encode(t)) for s, t in zip(src, tgt)]
+    assert [d.train.pair(i) for i in range(len(d.train))] == [p for p in want if max(map(len, p)) <= 20]
     gz = {k: v for k, v in corpus.items()}
     for k in ("train_src", "train_tgt"):
         gz[k] = str(tmp_path / f"{k}.gz")
