@@ -173,3 +173,21 @@ def test_a_garbled_content_length_or_a_bad_mirror_url(served: _Server, tmp_path:
     monkeypatch.setenv("AIAYN_MULTI30K_URL", "http://[::1/x")
     with pytest.raises(AiaynError, match=r"could not download http://\[::1/x/val\.de\.gz \(Invalid IPv6 URL\)"):
         data.download_multi30k("val", "de", tmp_path / "elsewhere")
+
+
+def test_no_network_is_one_clear_line(served: _Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """A connection refused (nothing listens: as offline as a test may be), not only a 404."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/task1/raw"
+    monkeypatch.setenv("AIAYN_MULTI30K_URL", url)
+    assert cli.main(["download", "--splits", "val"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert (f"could not download {url}/val.de.gz ([Errno 111] Connection refused); check the connection, or get "
+            "the files another way and pass --data-dir or set $AIAYN_DATA") in err, err
+    assert list((tmp_path / "cache" / "aiayn" / "multi30k").iterdir()) == []  # no temporary left behind
