@@ -412,6 +412,44 @@ def test_a_full_disk_is_a_one_line_error(ckpt, to_stdout):
     assert err.count("\n") == 1 and "cannot write (No space left on device)" in err, err
 
 
+class _FillsUp:
+    """An output file on a disk that fills up at the write number `full` (1-based)."""
+
+    def __init__(self, full):
+        self.full, self.writes, self.data = full, 0, b""
+
+    def write(self, data):
+        import errno
+
+        self.writes += 1
+        if self.writes >= self.full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.data += data
+        return len(data)
+
+    def flush(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_a_disk_full_after_some_chunks_says_how_many_lines_are_written(ckpt, tmp_path, monkeypatch, capsys):
+    import aiayn.translate
+
+    lines = ["a man runs", "the dog", "a woman sits", "", "the red ball", "a dog plays", "the man"]
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    full = _FillsUp(3)  # chunks of 2 lines: the third write fails
+    monkeypatch.setattr(aiayn.translate, "_open_output", lambda name: (full, True))
+    argv = ["translate", "--checkpoint", str(ckpt), "--input", str(src), "--output", "out.txt", "--chunk-lines", "2"]
+    assert cli.main(argv + FAST_FLAGS) == 2
+    assert capsys.readouterr().err == ("aiayn translate: error: out.txt: cannot write (No space left on device); "
+                                       "the first 4 input line(s) are translated and written\n")
+    want = Translator.from_checkpoint(ckpt).translate(lines[:4], beam=4, max_len_a=0, max_len_b=4)
+    assert full.data.decode("utf-8").splitlines() == want  # the 4 lines it names, exactly
+
+
 def test_closed_standard_streams_are_one_line_errors(ckpt):
     for closed, words in ((1, "standard output is closed"), (0, "standard input is closed")):
         r = subprocess.run([sys.executable, "-m", "aiayn", "translate", "--checkpoint", str(ckpt)],
