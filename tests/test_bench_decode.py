@@ -10,7 +10,7 @@ import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "decode.py"
 DATA = os.environ.get("AIAYN_DATA")
-pytestmark = pytest.mark.skipif(
+needs_data = pytest.mark.skipif(  # the bench reads Multi30k sentences; the work counter needs none
     not DATA or not Path(DATA, "multi30k").is_dir(), reason="AIAYN_DATA (Multi30k) not set")
 
 
@@ -21,6 +21,7 @@ def _bench():
     return bench
 
 
+@needs_data
 def test_tiny_run_prints_every_system_and_the_ratios(capsys, monkeypatch):
     pytest.importorskip("transformers")
     bench = _bench()
@@ -49,6 +50,7 @@ def test_tiny_run_prints_every_system_and_the_ratios(capsys, monkeypatch):
     assert re.search(r"^  HF Marian beam 4: \d+\.\d G, \d+\.\d\dx aiayn's$", out, re.M)
 
 
+@needs_data
 def test_bf16_is_skipped_where_the_cpu_has_no_bf16_kernels(capsys, monkeypatch):
     bench = _bench()
     monkeypatch.setattr(bench, "cpu_has_fast_bf16", lambda: False)  # an AVX2-only CPU: bf16 is 100x slower
