@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from aiayn import kernels
 from aiayn.config import preset
 from aiayn.kernels import inference_linear
 from aiayn.model import Transformer
@@ -84,9 +85,15 @@ def test_inference_linear_packs_frozen_weights_only_and_follows_their_updates():
         model.loss(sources(), sources(), sources()).backward()
         opt.step()
         model.eval()
+    assert id(lin.weight) not in kernels._PACKED  # trainable: never packed
     model.requires_grad_(False)
     with torch.no_grad():
         before = lin(x)
+        if kernels._PACKING[torch.float32]:  # a frozen weight is packed (where oneDNN can), once
+            assert id(lin.weight) in kernels._PACKED, "a frozen weight took the unpacked path"
+            packed = kernels._PACKED[id(lin.weight)][2]
+            lin(x)
+            assert kernels._PACKED[id(lin.weight)][2] is packed
         assert torch.allclose(before, F.linear(x, lin.weight, lin.bias), atol=1e-5)
         assert torch.allclose(model.project(x[:, :32]), x[:, :32] @ model.output_weight.t(), atol=1e-5)
         fused = inference_linear(x - 0.5, lin.weight, lin.bias, relu=True)
@@ -95,6 +102,8 @@ def test_inference_linear_packs_frozen_weights_only_and_follows_their_updates():
     model.load_state_dict(tiny(seed=5).state_dict())  # in place: the packed copy is rebuilt
     with torch.no_grad():
         after = lin(x)
+        if kernels._PACKING[torch.float32]:
+            assert kernels._PACKED[id(lin.weight)][2] is not packed
         assert not torch.allclose(before, after)
         assert torch.allclose(after, F.linear(x, lin.weight, lin.bias), atol=1e-5)
         with torch.autocast("cpu", dtype=torch.bfloat16):  # computes in the autocast dtype

@@ -119,7 +119,14 @@ def test_an_all_empty_hypothesis_file_is_scored(tmp_path, capsys):
     assert "file is empty" in capsys.readouterr().err
 
 
-def test_save_hyps_is_checked_before_translating(ckpt, tmp_path, capsys):
+def test_save_hyps_is_checked_before_translating(ckpt, tmp_path, capsys, monkeypatch):
+    from aiayn.translate import Translator
+
+    searched = []
+    for name in ("translate", "search"):  # a spy: nothing may be translated before the error
+        real = getattr(Translator, name)
+        monkeypatch.setattr(Translator, name, lambda self, *a, _real=real, _name=name, **k:
+                            searched.append(_name) or _real(self, *a, **k))
     s, r = write(tmp_path / "s.txt", ["ein Mann"]), write(tmp_path / "r.txt", ["a man"])
     for target, words in ((r, "is also an input file"), (s, "is also an input file"),
                           (str(tmp_path), "is a directory"), (str(tmp_path / "no" / "h.txt"), "no such directory")):
@@ -127,4 +134,8 @@ def test_save_hyps_is_checked_before_translating(ckpt, tmp_path, capsys):
                          "--save-hyps", target, *FAST]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and words in err, err
+    assert searched == []
     assert Path(r).read_text() == "a man\n" and Path(s).read_text() == "ein Mann\n"
+    assert cli.main(["evaluate", "--checkpoint", str(ckpt), "--src-file", s, "--ref-file", r, "--save-hyps",
+                     str(tmp_path / "h.txt"), *FAST]) == 0
+    assert searched  # the spy sees a translation when there is one
