@@ -197,6 +197,35 @@ def test_update_freq_two_half_batches_equal_one_big_batch():
     assert 0 < g.abs().max() < 1
 
 
+def test_clip_norm_clips_the_mean_gradient_the_optimizer_steps_with():
+    """--clip-norm bounds the global norm of the per-token mean gradient (after the token scaling), and
+    leaves a gradient within the bound alone."""
+    ex = _examples(16)
+    cfg = preset("tiny", src_vocab_size=40, tgt_vocab_size=40, dropout=0.0)
+
+    def step(clip: float) -> tuple[torch.Tensor, float]:
+        torch.manual_seed(3)
+        tr = T.Trainer(Transformer(cfg), TrainConfig(warmup=10, clip_norm=clip), T.Dist(), "fp32")
+        tr.train_step([collate(ex, list(range(16)))])
+        flat = torch.cat([p.grad.flatten() for p in tr.base.parameters() if p.grad is not None])
+        return flat, float(torch.linalg.vector_norm(flat))
+
+    free, norm = step(0.0)
+    assert 0.1 < norm < 100  # the mean over tokens, not the sum (~n times larger)
+    clipped, got = step(norm / 4)
+    assert got == pytest.approx(norm / 4, rel=1e-4)
+    torch.testing.assert_close(clipped, free / 4, rtol=1e-4, atol=1e-8)  # scaled as a whole, direction kept
+    loose, got = step(norm * 4)
+    assert got == pytest.approx(norm, rel=1e-6) and torch.equal(loose, free)
+
+
+def test_fp16_on_a_cpu_is_refused_with_its_message(tmp_path, corpus, capsys):
+    argv = tiny_args(corpus, tmp_path / "run", "--max-steps", "1", "--precision", "fp16", "--device", "cpu")
+    assert cli_main(argv) == 2
+    assert capsys.readouterr().err == ("aiayn train: error: --precision fp16 needs a CUDA device; "
+                                       "use bf16 or fp32 on the CPU\n")
+
+
 def test_optimizer_and_schedule_settings():
     tc = TrainConfig(warmup=7, lr_factor=0.5, adam_beta1=0.8, adam_beta2=0.95, adam_eps=1e-8)
     tr = T.Trainer(Transformer(preset("tiny", src_vocab_size=40, tgt_vocab_size=40)), tc, T.Dist(), "fp32")
