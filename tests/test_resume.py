@@ -158,3 +158,71 @@ def test_signal_finishes_the_step_saves_and_says_how_to_resume(tmp_path, sig):
     assert proc.wait(timeout=RUN_S) == 0, (tmp_path / "log2.txt").read_text()
     assert f"resuming from {run / f'step_{step}'}" in (tmp_path / "log2.txt").read_text()
     assert sorted(_train_losses(run)) == list(range(1, step + 4))
+
+
+# Run as `python KILLER WHERE N aiayn-args...`: `aiayn` that SIGKILLs itself inside its N-th step checkpoint
+# write, at WHERE: "fill" (after the weights, before the trainer state and config.json) or "fsync" (every
+# file written and synced, the temporary directory not yet renamed into place).
+KILLER = '''
+import os, signal, sys
+from pathlib import Path
+import aiayn.checkpoint as C
+from aiayn.cli import main
+
+where, n, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+seen = [0]
+
+def die_at(k):
+    seen[0] += 1
+    if seen[0] == k:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+if where == "fill":
+    real_save = C.save_file
+    def save_file(tensors, path, *a, **kw):
+        real_save(tensors, path, *a, **kw)
+        if "step_" in Path(path).parent.name:  # a step checkpoint's weights, wherever they are written
+            die_at(n)
+    C.save_file = save_file
+else:
+    real_fsync = C.fsync_path
+    def fsync_path(path):
+        real_fsync(path)
+        if "step_" in Path(path).name:  # a step checkpoint's folder, synced once its files are
+            die_at(n)
+    C.fsync_path = fsync_path
+sys.exit(main(argv))
+'''
+
+
+def test_sigkill_inside_a_checkpoint_write_then_resume_equals_an_uninterrupted_run(tmp_path):
+    """The random kills above land in a write only by chance; these two land inside one on purpose."""
+    corpus = make_corpus(tmp_path / "data", n_train=120)
+    steps = 8
+    extra = ["--max-steps", str(steps), "--save-every", "1", "--keep-last", "2", "--dropout", "0.1", "--log-every", "1"]
+    env = _env(tmp_path)
+    ref = tmp_path / "ref"
+    train_cli(tiny_args(corpus, ref, *extra))
+    killer = tmp_path / "killer.py"
+    killer.write_text(KILLER)
+    run = tmp_path / "run"
+    argv = tiny_args(corpus, run, *extra, "--resume")
+    for where, n, written in (("fill", 3, 2), ("fsync", 2, 3)):  # the 3rd write of a fresh run; the 2nd after resuming
+        log = tmp_path / f"{where}.txt"
+        with open(log, "w") as f:
+            rc = subprocess.run([sys.executable, str(killer), where, str(n), *argv], stdout=f, stderr=subprocess.STDOUT,
+                                env=env, timeout=RUN_S).returncode
+        assert rc == -signal.SIGKILL, log.read_text()
+        torn = [p.name for p in run.glob(".tmp-step_*")]
+        assert len(torn) == 1 and torn[0].startswith(f".tmp-step_{written + 1}-"), torn  # killed inside that write
+        kept = [p.name for p in run.glob(".tmp-step_*/*")]
+        assert ("config.json" in kept) == (where == "fsync") and "model.safetensors" in kept, kept
+        assert max(int(p.name[5:]) for p in run.glob("step_*")) == written
+    log = tmp_path / "final.txt"
+    proc = _start(argv, log, env)
+    assert proc.wait(timeout=RUN_S) == 0, log.read_text()
+    a = load_file(str(ref / f"step_{steps}" / "model.safetensors"))
+    b = load_file(str(run / f"step_{steps}" / "model.safetensors"))
+    assert _same(a, b)
+    assert _train_losses(run) == _train_losses(ref)
+    assert not list(run.glob(".tmp-*"))  # the torn writes were cleared away
