@@ -114,7 +114,7 @@ def test_the_server_caps_the_caches_before_it_loads_the_model(tmp_path_factory, 
     from serve_model import tiny_checkpoint
 
     from aiayn.cli import build_parser
-    from aiayn.serve import run
+    from aiayn.serve.cli import run
 
     ckpt = tiny_checkpoint(tmp_path_factory.getbasetemp())  # shared with the serve tests
     seen = _caps_when_the_model_is_built(monkeypatch)
