@@ -186,7 +186,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=1,
                     help="rounds over all systems; each system's fastest round is reported (default 1)")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--isolated", action="store_true",
+                    help="instead: aiayn fp32/int8 and CTranslate2 fp32/int8, each engine in its own process, with "
+                         "BLEU and peak RSS, under each --isa (bench/isolated.py); needs --checkpoint")
+    ap.add_argument("--isa", default="native,avx2", help="with --isolated: native and/or avx2 (all libraries restricted)")
+    ap.add_argument("--int8-output", choices=("int8", "fp32"), default="int8",
+                    help="with --isolated: aiayn int8's projection to the vocabulary in int8 or fp32")
     args = ap.parse_args(argv)
+    if args.isolated:
+        return isolated(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     skip = set(filter(None, args.skip.split(",")))
@@ -339,6 +347,35 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "rounds": rounds, "n": n, "model": what,
                                                "linear_macs": work}, indent=2))
+    return 0
+
+
+def isolated(args: argparse.Namespace) -> int:
+    """`--isolated`: the four-engine table of bench/isolated.py on the test set with its references."""
+    from isolated import ISA_ENV, compare
+
+    from aiayn.checkpoint import load_checkpoint
+
+    if not args.checkpoint:
+        sys.exit("--isolated needs --checkpoint (a trained model: BLEU is part of the table)")
+    isas = [x for x in args.isa.split(",") if x]
+    if not isas or any(x not in ISA_ENV for x in isas):
+        sys.exit(f"--isa: a comma-separated list of {', '.join(ISA_ENV)}")
+    ck = load_checkpoint(args.checkpoint)
+    src_path, ref_path = multi30k_paths("test_2016_flickr", args.src, args.tgt, args.data_dir)
+    lines, refs = read_lines(src_path), read_lines(ref_path)
+    n = 48 if args.quick else (args.n or len(lines))
+    eos = [EOS_ID] if ck.model.cfg.source_eos else []
+    encoded = [(ck.tokenizers.src.encode(line) or ck.tokenizers.src.encode("."))[: ck.model.cfg.max_positions - len(eos)]
+               + eos for line in lines[:n]]
+    groups = batches(encoded, args.max_tokens, args.batch_size)
+    print(f"checkpoint {ck.path}; {n} sentences of {src_path.name}, {len(groups)} batches; {args.threads or 1} "
+          f"thread(s) per engine; {platform.processor() or platform.machine()}; rounds: {args.repeat}", flush=True)
+    del ck
+    out = compare(args.checkpoint, encoded, groups, refs[:n], args.beam, args.alpha, args.threads or 1, args.repeat,
+                  isas, args.int8_output == "int8")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
     return 0
 
 

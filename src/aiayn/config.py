@@ -165,7 +165,7 @@ def learning_rate(step: int, d_model: int, warmup: int, factor: float = 1.0, coo
 
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # training: autocast dtypes (`TrainConfig.precision`)
-INFERENCE_PRECISIONS = ("fp32", "bf16")  # search: the weights' dtype (`Translator`, `CT2Translator`)
+INFERENCE_PRECISIONS = ("fp32", "bf16", "int8")  # search: the weights' dtype (`Translator`, `CT2Translator`)
 
 
 @dataclass(frozen=True)
@@ -243,6 +243,8 @@ class TrainConfig:
         need(self.adam_eps > 0, "adam_eps", "must be positive")
         need(0.0 <= self.label_smoothing < 1.0, "label_smoothing", "must be in [0, 1)")
         need(self.clip_norm >= 0, "clip_norm", "must be 0 (off) or positive")
+        need(self.precision != "int8", "precision", "int8 is for decoding only (translate, evaluate, serve); train "
+             f"in one of {', '.join(PRECISIONS)}")
         need(self.precision in PRECISIONS, "precision", f"must be one of {', '.join(PRECISIONS)}")
         need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device",
              "must be auto, cpu or cuda[:N]")

@@ -18,6 +18,7 @@ moves by at most 2^-17).
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -70,10 +71,15 @@ _PACKING = {dt: _packing_works(dt) for dt in (torch.float32, torch.bfloat16)}
 
 def inference_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, relu: bool = False) -> Tensor:
     """`F.linear(x, weight, bias)` (then ReLU if `relu`); for a frozen weight on the CPU, on a packed
-    copy of it (faster), with the ReLU fused into the GEMM.
+    copy of it (faster), with the ReLU fused into the GEMM; for a weight that `quantize_int8` chose,
+    in int8 (see there).
 
     Under autocast, computes in the autocast dtype like `F.linear` would. Shape: (..., in) -> (..., out).
     """
+    q = _INT8.get(id(weight))
+    if q is not None and q[0]() is weight:
+        op = torch.ops.quantized.linear_relu_dynamic if relu else torch.ops.quantized.linear_dynamic
+        return op(x.float(), q[1], _INT8_REDUCE_RANGE)  # float32 out
     dev = x.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
     if dev != "cpu" or weight.requires_grad or (x.requires_grad and torch.is_grad_enabled()) \
@@ -90,6 +96,76 @@ def inference_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, relu
         _PACKED[id(weight)] = entry
     return torch.ops.mkldnn._linear_pointwise(x.to(dtype).contiguous(), entry[2], entry[3], "relu" if relu else "none",
                                               [], "")
+
+
+# ------------------------------------------------------------------ int8 decoding on the CPU
+# `Translator(precision="int8")`: the linear layers of a frozen copy of the model run on PyTorch's
+# own dynamically quantized GEMMs (`torch.ops.quantized.linear_dynamic`, FBGEMM): each weight is
+# quantized once, per output row, to int8; each call quantizes its input to 8 bits per tensor from
+# the input's own range, multiplies in integers and returns float32. The int8 weights live beside
+# the model, keyed by the float weight like the packed ones above, so the model, its state_dict
+# and checkpoints are untouched; every other operation (attention over the cache, softmax, layer
+# norm, embeddings) stays in float32, where int8 would not pay: they are a small part of a step
+# and the most sensitive to rounding. FBGEMM has no VNNI on an AVX2-only CPU and adds adjacent
+# u8 x s8 products in saturating 16 bits there; 7-bit inputs (`reduce_range`, torch's own default
+# for this backend) keep those sums exact on every CPU.
+# FBGEMM, not oneDNN: torch's oneDNN dynamic linear returned wrong values on some inputs in
+# torch 2.13 (max error 6.8 where FBGEMM's was 0.09, an (8 -> 16) layer); FBGEMM follows
+# FBGEMM_ENABLE_INSTRUCTIONS=AVX2 where a CPU must be treated as AVX2-only.
+_INT8: dict[int, tuple[weakref.ref, object]] = {}  # id(float weight) -> (ref, FBGEMM packed int8 weight and bias)
+_INT8_REDUCE_RANGE = True
+INT8_ENGINE = "fbgemm"
+
+
+def int8_unavailable() -> str | None:
+    """Why `--precision int8` cannot run in this torch, or None if it can."""
+    if INT8_ENGINE not in torch.backends.quantized.supported_engines:
+        return f"this torch has no {INT8_ENGINE} quantized engine (x86 CPUs only); use --precision fp32"
+    if not hasattr(torch.ops.quantized, "linear_dynamic"):
+        return "this torch has no quantized.linear_dynamic kernel; use --precision fp32"
+    return None
+
+
+def _pack_int8(weight: Tensor, bias: Tensor | None) -> object:
+    """FBGEMM's packed int8 copy of a float weight (N, K): symmetric, one scale per output row."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(1) / 127).clamp_min(1e-12).double()  # (N,)
+    with warnings.catch_warnings():  # torch 2.13 marks quantized tensors deprecated; the kernels are its own
+        warnings.simplefilter("ignore", UserWarning)
+        qw = torch.quantize_per_channel(w, scale, torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8)
+        saved = torch.backends.quantized.engine
+        torch.backends.quantized.engine = INT8_ENGINE  # packing picks the engine that runs the weight
+        try:
+            return torch.ops.quantized.linear_prepack(qw, None if bias is None else bias.detach().float())
+        finally:
+            torch.backends.quantized.engine = saved
+
+
+def quantize_int8(model: nn.Module, output: bool = True) -> nn.Module:
+    """Run `model`'s linear layers (and, if `output`, its projection to the vocabulary) in int8 from
+    now on, on the CPU; the model must be frozen and stay so (its float weights are kept, for the
+    embeddings and for reference, and must not change: the int8 copies would not follow). Returns
+    `model`. The caller owns the model: `Translator` passes a copy of its own."""
+    if (why := int8_unavailable()) is not None:
+        raise RuntimeError(why)
+    pairs = [(m.weight, m.bias) for m in model.modules() if isinstance(m, nn.Linear)]
+    out_w = getattr(model, "output_weight", None)
+    if output and isinstance(out_w, Tensor):
+        pairs.append((out_w, None))
+    for w, b in pairs:
+        if w.requires_grad or w.device.type != "cpu":
+            raise ValueError("quantize_int8 takes a frozen model on the CPU")
+        ref = weakref.ref(w, lambda _, i=id(w): _INT8.pop(i, None))  # dropped with the weight
+        _INT8[id(w)] = (ref, _pack_int8(w, b))
+    return model
+
+
+def is_int8(x: Tensor | nn.Module) -> bool:
+    """Whether `inference_linear` runs this weight in int8 (for a module: any of its linear layers)."""
+    if isinstance(x, nn.Module):
+        return any(is_int8(m.weight) for m in x.modules() if isinstance(m, nn.Linear))
+    q = _INT8.get(id(x))
+    return q is not None and q[0]() is x
 
 
 class Linear(nn.Linear):

@@ -228,6 +228,20 @@ def inference_view(model: M, device: torch.device | str | None = None) -> M:
     return view.to(device) if elsewhere else view  # moves the view's own parameter objects only
 
 
+def int8_model(model: torch.nn.Module, device: torch.device | str = "cpu", own: bool = False) -> torch.nn.Module:
+    """`model` with its linear layers in int8 (`kernels.quantize_int8`): a frozen float32 copy, or,
+    if the caller hands it over (`own`), the model itself, frozen (no second copy of the weights in
+    memory). CPU only: PyTorch's int8 kernels are FBGEMM's."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        raise AiaynError(f"--precision int8 runs on the CPU only (PyTorch's FBGEMM kernels), not on {device}; "
+                         "use fp32 or bf16 there")
+    if (why := aiayn.kernels.int8_unavailable()) is not None:
+        raise AiaynError(f"--precision int8: {why}")
+    model = model if own else copy.deepcopy(model)
+    return aiayn.kernels.quantize_int8(model.float().requires_grad_(False).to(device).eval())
+
+
 class BaseTranslator:
     """The interface of both translators, `Translator` (torch) and `CT2Translator` (CTranslate2):
     `search` gives each input line its n-best (translation, score) list, `translate` the texts."""
@@ -255,6 +269,8 @@ class Translator(BaseTranslator):
         if precision not in INFERENCE_PRECISIONS:
             raise AiaynError(f"--precision must be one of {', '.join(INFERENCE_PRECISIONS)}, got {precision!r}")
         self.device = torch.device(device)
+        if precision == "int8" and not aiayn.kernels.is_int8(model):  # checked before asking CUDA anything
+            model = int8_model(model, self.device)
         if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current one, as .to() takes it
             self.device = torch.device("cuda", torch.cuda.current_device())
         if precision == "bf16" and next(model.parameters()).dtype != torch.bfloat16:
@@ -284,7 +300,8 @@ class Translator(BaseTranslator):
         """A translator that owns a loaded checkpoint's model: frozen once, so every search runs it as
         it is on weights packed once, not on a fresh view whose weights are packed anew (which made a
         one-line request of `aiayn serve` a third slower; docs/serving.md)."""
-        model = ckpt.model.requires_grad_(False).to(device)
+        model = ckpt.model.requires_grad_(False)
+        model = int8_model(model, device, own=True) if precision == "int8" else model.to(device)
         return cls(model, ckpt.tokenizers, precision=precision, device=device, **kwargs)
 
     def encode(self, lines: Sequence[str], first_line: int = 1) -> list[list[int]]:
@@ -353,7 +370,8 @@ class CT2Translator(BaseTranslator):
     generated. Greedy search gives aiayn's translations; CTranslate2's beam search divides scores by
     len**alpha where aiayn divides by ((5 + len) / 6)**alpha, and it stops a hypothesis at the
     batch's longest length limit (cut to the sentence's own limit afterwards) instead of forcing EOS.
-    `precision` "fp32" computes in the export's own weight type (float32 or int8); "bf16" in bfloat16.
+    `precision` "fp32" computes in the export's own weight type (float32 or int8); "bf16" in bfloat16;
+    "int8" quantizes a float export to int8 as it loads.
     """
 
     def __init__(self, path: str | Path, precision: str = "fp32", threads: int = 0,
@@ -377,7 +395,7 @@ class CT2Translator(BaseTranslator):
         except (OSError, ValueError, KeyError, TypeError):
             raise AiaynError(f"{path}/aiayn.json is missing or damaged; export the checkpoint again") from None
         self.note = note or _stderr_note
-        compute = "default" if precision == "fp32" else "bfloat16"
+        compute = {"fp32": "default", "bf16": "bfloat16", "int8": "int8"}[precision]
         try:
             self.engine = ct2.Translator(str(path), device="cpu", compute_type=compute, intra_threads=threads)
         except (RuntimeError, ValueError) as e:
@@ -509,7 +527,8 @@ def add_search_arguments(p: argparse.ArgumentParser) -> None:
                    help="batches searched at once on the CPU, each on its share of the threads (0: one per thread); "
                         "translate takes them from one --chunk-lines chunk at a time; the torch engine only")
     p.add_argument("--precision", choices=INFERENCE_PRECISIONS, default="fp32",
-                   help="bf16: a bfloat16 copy of the model, faster on CPUs with AVX512-BF16 (docs/speed.md)")
+                   help="bf16: a bfloat16 copy of the model, faster on CPUs with AVX512-BF16; int8: linear layers "
+                        "on int8 weights (CPU only) (docs/speed.md)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

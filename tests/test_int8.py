@@ -1,0 +1,177 @@
+"""`--precision int8`: linear layers on PyTorch's int8 kernels (`aiayn.kernels.quantize_int8`).
+
+A small model trained here (a word-for-word lexicon, reversed) so that its translations are
+confident, as a real model's are: int8 must then choose the tokens fp32 chooses. Speed is measured
+by bench/decode.py --isolated, not here."""
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from aiayn import cli, kernels
+from aiayn.data import collate
+from aiayn.checkpoint import load_checkpoint, save_checkpoint
+from aiayn.config import preset
+from aiayn.errors import AiaynError
+from aiayn.model import Transformer
+from aiayn.tokenizer import EOS_ID, PAD_ID, Tokenizer, TokenizerPair
+from aiayn.translate import Translator, int8_model
+
+pytestmark = pytest.mark.skipif(kernels.int8_unavailable() is not None, reason="no FBGEMM int8 kernels in this torch")
+
+SRC = "a dog cat man woman runs jumps red blue big small the in on park street ball plays with girl boy sits".split()
+TGT = "ein hund katze mann frau rennt springt rot blau gross klein der im auf park strasse ball spielt mit maedchen junge sitzt".split()
+LEXICON = dict(zip(SRC, TGT))
+
+
+def _pairs(rng: random.Random, n: int) -> list[tuple[str, str]]:
+    out = []
+    for _ in range(n):
+        s = [rng.choice(SRC) for _ in range(rng.randint(2, 9))]
+        out.append((" ".join(s), " ".join(LEXICON[w] for w in reversed(s))))
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(checkpoint dir, model, tokenizers, test lines): a d_model 64 model, ~15 s on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        rng = random.Random(0)
+        data = _pairs(rng, 3000)
+        tok = Tokenizer.train([s for s, _ in data] + [t for _, t in data], 400)
+        pair = TokenizerPair(tok, tok, joint=True)
+        V = tok.vocab_size
+        examples = [(tok.encode(s) + [EOS_ID], tok.encode(t)) for s, t in data]
+        cfg = preset("tiny", src_vocab_size=V, tgt_vocab_size=V, d_model=64, d_ff=128, max_positions=128)
+        model = Transformer(cfg)
+        opt = torch.optim.Adam(model.parameters(), lr=5e-3)
+        for _ in range(200):
+            b = collate(examples, rng.sample(range(len(examples)), 64))
+            loss = F.cross_entropy(model(b.src, b.tgt_in).flatten(0, 1), b.tgt_out.flatten(), ignore_index=PAD_ID)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        model.eval()
+        ckpt = tmp_path_factory.mktemp("int8") / "ckpt"
+        save_checkpoint(ckpt, model, pair, {"train": {"src": "de", "tgt": "en"}, "step": 200})
+        lines = [s for s, _ in _pairs(random.Random(1), 60)]
+        yield ckpt, model, pair, lines
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_int8_linear_is_close_to_float(trained):
+    """Each int8 layer computes F.linear within int8 rounding, ReLU fused or not."""
+    _, model, _, _ = trained
+    q = int8_model(model)
+    layer = q.decoder.layers[0].ff.w1
+    x = torch.randn(7, 3, layer.in_features)
+    with torch.inference_mode():
+        want = F.linear(x, layer.weight, layer.bias)
+        got = kernels.inference_linear(x, layer.weight, layer.bias)
+        relu = kernels.inference_linear(x, layer.weight, layer.bias, relu=True)
+    assert kernels.is_int8(layer.weight) and got.dtype == torch.float32 and got.shape == want.shape
+    err = (got - want).abs().max() / want.abs().max()
+    assert 0 < err < 0.03  # int8, not float: some rounding, and not much
+    assert torch.equal(relu, got.clamp_min(0))
+
+
+def test_int8_translations_match_fp32(trained):
+    """On a trained model int8 picks the tokens fp32 picks: greedy and beam 4, ids compared."""
+    _, model, toks, lines = trained
+    fp32, int8 = Translator(model, toks), Translator(model, toks, precision="int8")
+    for beam in (1, 4):
+        want = [nb[0][0] for nb in fp32.search_ids(lines, beam=beam)]
+        got = [nb[0][0] for nb in int8.search_ids(lines, beam=beam)]
+        same = sum(a == b for a, b in zip(want, got))
+        assert same >= len(lines) - 1, (beam, same)
+        assert sum(map(len, want)) > 3 * len(lines)  # real translations, not empty ones
+
+
+def test_int8_leaves_the_callers_model_and_checkpoints_alone(trained):
+    ckpt, model, toks, lines = trained
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.inference_mode():
+        src = torch.tensor([toks.src.encode(lines[0]) + [EOS_ID]])
+        logits = model(src, src[:, :3])
+    Translator(model, toks, precision="int8").translate(lines[:4])
+    assert not kernels.is_int8(model) and all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    with torch.inference_mode():
+        assert torch.equal(model(src, src[:, :3]), logits)
+    loaded = load_checkpoint(ckpt).model  # a checkpoint loads as it always did: float32, no int8 anywhere
+    assert not kernels.is_int8(loaded) and loaded.state_dict().keys() == model.state_dict().keys()
+    t = Translator.from_checkpoint(ckpt, precision="int8")  # owns its model: quantized in place, not copied
+    assert kernels.is_int8(t.model)
+
+
+def test_int8_weights_go_with_their_model(trained):
+    _, model, _, _ = trained
+    q = int8_model(model)
+    n = len(kernels._INT8)
+    assert n >= sum(1 for m in q.modules() if isinstance(m, torch.nn.Linear))
+    del q
+    import gc
+
+    gc.collect()
+    assert len(kernels._INT8) < n  # dropped with the weights they copy
+
+
+def test_int8_is_refused_off_the_cpu_and_without_kernels(trained, monkeypatch):
+    _, model, toks, _ = trained
+    with pytest.raises(AiaynError, match="--precision int8 runs on the CPU only") as e:
+        Translator(model, toks, precision="int8", device="cuda:0")
+    assert "\n" not in str(e.value)
+    monkeypatch.setattr(kernels, "int8_unavailable", lambda: "this torch has no fbgemm quantized engine")
+    with pytest.raises(AiaynError, match="--precision int8: this torch has no fbgemm"):
+        Translator(model, toks, precision="int8")
+
+
+def test_cli_translate_and_evaluate_take_int8(trained, tmp_path, capsys):
+    ckpt, model, toks, lines = trained
+    src, ref, out = tmp_path / "src.txt", tmp_path / "ref.txt", tmp_path / "out.txt"
+    src.write_text("\n".join(lines[:8]) + "\n")
+    ref.write_text("\n".join(" ".join(LEXICON[w] for w in reversed(s.split())) for s in lines[:8]) + "\n")
+    assert cli.main(["translate", "--checkpoint", str(ckpt), "--input", str(src), "--output", str(out),
+                     "--precision", "int8"]) == 0
+    assert out.read_text().splitlines() == Translator(model, toks).translate(lines[:8])
+    assert cli.main(["evaluate", "--checkpoint", str(ckpt), "--src-file", str(src), "--ref-file", str(ref),
+                     "--precision", "int8", "--json"]) == 0
+    scores = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert scores["precision"] == "int8" and scores["bleu"] > 50
+
+
+def test_serve_loads_int8(trained):
+    from aiayn.serve import load
+
+    ckpt, _, _, lines = trained
+    translator, pair, _ = load(str(ckpt), "int8")
+    assert pair == ("de", "en") and translator.precision == "int8" and kernels.is_int8(translator.model)
+    assert translator.translate(lines[:2])[0]
+
+
+def test_train_refuses_int8_in_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "aiayn", "train", "--precision", "int8", "--out", str(tmp_path / "r")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert "int8 is for decoding only (translate, evaluate, serve)" in r.stderr
+
+
+def test_ctranslate2_engine_takes_int8(trained, tmp_path):
+    pytest.importorskip("ctranslate2")
+    from aiayn.export import export_ctranslate2
+    from aiayn.translate import CT2Translator
+
+    ckpt, model, toks, lines = trained
+    path = export_ctranslate2(ckpt, tmp_path / "ct2")
+    want = Translator(model, toks).translate(lines[:16], beam=1)
+    got = CT2Translator(path, precision="int8").translate(lines[:16], beam=1)
+    assert sum(a == b for a, b in zip(want, got)) >= 15
