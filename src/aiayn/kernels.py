@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Generic, TypeVar, cast
 
@@ -141,6 +141,12 @@ def _pack_int8(weight: Tensor, bias: Tensor | None) -> object:
             torch.backends.quantized.engine = saved
 
 
+def _forget_int8(key: int) -> Callable[[weakref.ref], None]:
+    def forget(_: weakref.ref) -> None:
+        _INT8.pop(key, None)
+    return forget
+
+
 def quantize_int8(model: nn.Module, output: bool = True) -> nn.Module:
     """Run `model`'s linear layers (and, if `output`, its projection to the vocabulary) in int8 from
     now on, on the CPU; the model must be frozen and stay so (its float weights are kept, for the
@@ -148,15 +154,15 @@ def quantize_int8(model: nn.Module, output: bool = True) -> nn.Module:
     `model`. The caller owns the model: `Translator` passes a copy of its own."""
     if (why := int8_unavailable()) is not None:
         raise RuntimeError(why)
-    pairs = [(m.weight, m.bias) for m in model.modules() if isinstance(m, nn.Linear)]
+    pairs: list[tuple[Tensor, Tensor | None]] = [(m.weight, m.bias) for m in model.modules()
+                                                 if isinstance(m, nn.Linear)]
     out_w = getattr(model, "output_weight", None)
     if output and isinstance(out_w, Tensor):
         pairs.append((out_w, None))
     for w, b in pairs:
         if w.requires_grad or w.device.type != "cpu":
             raise ValueError("quantize_int8 takes a frozen model on the CPU")
-        ref = weakref.ref(w, lambda _, i=id(w): _INT8.pop(i, None))  # dropped with the weight
-        _INT8[id(w)] = (ref, _pack_int8(w, b))
+        _INT8[id(w)] = (weakref.ref(w, _forget_int8(id(w))), _pack_int8(w, b))  # dropped with the weight
     return model
 
 

@@ -44,6 +44,7 @@ from typing import Protocol, TypeVar, runtime_checkable
 import torch
 from torch import Tensor
 
+from aiayn import kernels
 from aiayn.errors import AiaynError
 
 ScoredIds = tuple[list[int], float]  # a finished hypothesis: (token ids without BOS/EOS, score)
@@ -171,6 +172,11 @@ class _RowTopk:
 
     def __init__(self, model: SearchModel[C], width: int, beam: int, banned: tuple[int, ...], eos_id: int) -> None:
         self.project = model.project
+        # An int8 projection is projected block by block too: its float32 output (rows x V) is what
+        # costs there, and a block's logits are still in the cache when log-softmax reads them
+        # (1024 x 8000 at once: int8 1.2x faster than fp32; 256 rows at a time: 2x, measured on 1 thread).
+        out_w = getattr(model, "output_weight", None)
+        self.by_block = out_w.size(0) if isinstance(out_w, Tensor) and kernels.is_int8(out_w) else 0  # V, or 0
         self.width, self.beam, self.banned, self.eos = width, beam, banned, eos_id
         self.buf: tuple[Tensor, Tensor] | None = None
 
@@ -183,14 +189,19 @@ class _RowTopk:
     def __call__(self, hidden: Tensor, forced: Tensor | None, no_eos: bool) -> tuple[Tensor, Tensor]:
         """Shape: hidden (n, d), forced (n,) bool or None -> values, ids (n, width)."""
         n = hidden.size(0)
-        logits = self.project(hidden)  # (n, V), one GEMM
-        V = logits.size(-1)
+        if self.by_block:
+            logits, V = hidden, self.by_block  # projected below, block by block
+        else:
+            logits = self.project(hidden)  # (n, V), one GEMM
+            V = logits.size(-1)
         if V < self.beam:
             raise AiaynError(f"--beam {self.beam} is larger than the target vocabulary ({V} tokens)")
         raw, lp = self._buffers(n, V, logits)
         vals, ids = [], []
         for i in range(0, n, raw.size(0)):
             blk = logits[i:i + raw.size(0)]
+            if self.by_block:
+                blk = self.project(blk)  # (m, V)
             m = blk.size(0)
             x = blk if blk.dtype == torch.float32 else raw[:m].copy_(blk)  # upcast in place
             lprobs = torch.log_softmax(x, dim=-1, out=lp[:m])  # (m, V) token log-probabilities
