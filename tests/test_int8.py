@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from aiayn import cli, kernels
-from aiayn.data import collate
+from aiayn.data.text import collate
 from aiayn.checkpoint import load_checkpoint, save_checkpoint
 from aiayn.config import preset
 from aiayn.errors import AiaynError
@@ -150,7 +150,7 @@ def test_cli_translate_and_evaluate_take_int8(trained, tmp_path, capsys):
 
 
 def test_serve_loads_int8(trained):
-    from aiayn.serve import load
+    from aiayn.serve.cli import load
 
     ckpt, _, _, lines = trained
     translator, pair, _ = load(str(ckpt), "int8")

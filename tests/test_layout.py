@@ -152,5 +152,5 @@ def test_the_duplicate_finder_finds_duplicates(tmp_path):
 
 def test_one_definition_of_the_special_ids_and_precisions():
     assert ModelConfig().pad_id == PAD_ID  # config stands below tokenizer: its literal default is pinned here
-    assert set(INFERENCE_PRECISIONS) <= set(PRECISIONS)
+    assert set(INFERENCE_PRECISIONS) - {"int8"} <= set(PRECISIONS)  # int8: decoding only (train refuses it)
     assert duplicated_definitions() == []

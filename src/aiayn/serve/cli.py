@@ -29,7 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback by default)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on; 0: any free port (printed)")
     p.add_argument("--beam", type=int, default=d.beam, help="default beam size (1 = greedy)")
-    p.add_argument("--precision", choices=INFERENCE_PRECISIONS, default="fp32", help="bf16: a bfloat16 copy of the model; int8: linear layers on int8 weights (CPU only)")
+    p.add_argument("--precision", choices=INFERENCE_PRECISIONS, default="fp32",
+                   help="bf16: a bfloat16 copy of the model; int8: linear layers on int8 weights (CPU only)")
     p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens, help="source tokens per batch")
     p.add_argument("--max-wait-ms", type=float, default=d.max_wait_ms,
                    help="how long a batch may wait for more lines, after its oldest line arrived or the previous batch "
