@@ -109,9 +109,9 @@ def inference_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, relu
 # and the most sensitive to rounding. FBGEMM has no VNNI on an AVX2-only CPU and adds adjacent
 # u8 x s8 products in saturating 16 bits there; 7-bit inputs (`reduce_range`, torch's own default
 # for this backend) keep those sums exact on every CPU.
-# FBGEMM, not oneDNN: torch's oneDNN dynamic linear returned wrong values on some inputs in
-# torch 2.13 (max error 6.8 where FBGEMM's was 0.09, an (8 -> 16) layer); FBGEMM follows
-# FBGEMM_ENABLE_INSTRUCTIONS=AVX2 where a CPU must be treated as AVX2-only.
+# FBGEMM, not oneDNN: a oneDNN-packed weight kept the ReLU of its first call for later calls
+# without it (docs/speed.md); FBGEMM follows FBGEMM_ENABLE_INSTRUCTIONS=AVX2 where a CPU must be
+# treated as AVX2-only.
 _INT8: dict[int, tuple[weakref.ref, object]] = {}  # id(float weight) -> (ref, FBGEMM packed int8 weight and bias)
 _INT8_REDUCE_RANGE = True
 INT8_ENGINE = "fbgemm"

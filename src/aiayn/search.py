@@ -174,7 +174,7 @@ class _RowTopk:
         self.project = model.project
         # An int8 projection is projected block by block too: its float32 output (rows x V) is what
         # costs there, and a block's logits are still in the cache when log-softmax reads them
-        # (1024 x 8000 at once: int8 1.2x faster than fp32; 256 rows at a time: 2x, measured on 1 thread).
+        # (docs/speed.md, "Figures behind choices in the code").
         out_w = getattr(model, "output_weight", None)
         self.by_block = out_w.size(0) if isinstance(out_w, Tensor) and kernels.is_int8(out_w) else 0  # V, or 0
         self.width, self.beam, self.banned, self.eos = width, beam, banned, eos_id
