@@ -114,6 +114,7 @@ def inference_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, relu
 # treated as AVX2-only.
 _INT8: dict[int, tuple[weakref.ref, object]] = {}  # id(float weight) -> (ref, FBGEMM packed int8 weight and bias)
 _INT8_REDUCE_RANGE = True
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
 INT8_ENGINE = "fbgemm"
 
 
@@ -147,7 +148,7 @@ def _forget_int8(key: int) -> Callable[[weakref.ref], None]:
     return forget
 
 
-def quantize_int8(model: nn.Module, output: bool = True) -> nn.Module:
+def quantize_int8(model: ModuleT, output: bool = True) -> ModuleT:
     """Run `model`'s linear layers (and, if `output`, its projection to the vocabulary) in int8 from
     now on, on the CPU; the model must be frozen and stay so (its float weights are kept, for the
     embeddings and for reference, and must not change: the int8 copies would not follow). Returns

@@ -41,6 +41,7 @@ import torch
 
 import aiayn.kernels
 from aiayn.config import INFERENCE_PRECISIONS
+from aiayn.kernels import ModuleT
 from aiayn.errors import AiaynError, require
 from aiayn.files import silence_stdout
 from aiayn.search import ScoredIds, beam_search, greedy_search
@@ -228,7 +229,7 @@ def inference_view(model: M, device: torch.device | str | None = None) -> M:
     return view.to(device) if elsewhere else view  # moves the view's own parameter objects only
 
 
-def int8_model(model: torch.nn.Module, device: torch.device | str = "cpu", own: bool = False) -> torch.nn.Module:
+def int8_model(model: ModuleT, device: torch.device | str = "cpu", own: bool = False) -> ModuleT:
     """`model` with its linear layers in int8 (`kernels.quantize_int8`): a frozen float32 copy, or,
     if the caller hands it over (`own`), the model itself, frozen (no second copy of the weights in
     memory). CPU only: PyTorch's int8 kernels are FBGEMM's."""
