@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plot": ("aiayn.plot", "draw positional encodings, attention maps, learning curves, LR schedules"),
     "serve": ("aiayn.serve.cli", "serve a model over HTTP (LibreTranslate-compatible API, batching, attention page)"),
     "export": ("aiayn.export", "export a model to Hugging Face (Marian) or CTranslate2"),
+    "import": ("aiayn.importer", "import a Hugging Face Marian model (OPUS-MT) as an aiayn checkpoint"),
     "download": ("aiayn.data.download", "download Multi30k or WMT14 into the cache (sha256-checked)"),
     "demo": ("aiayn.copytask", "train a tiny model on the copy task and show its output"),
 }

@@ -34,6 +34,7 @@ def _from_dict(cls: type[T], data: dict[str, Any]) -> T:
     return cls(**data)
 
 
+ACTIVATIONS = ("relu", "gelu", "swish")  # of the feed-forward network; swish is SiLU
 MAX_POSITIONS_LIMIT = 100_000  # a sinusoid table of max_positions x d_model floats is built up front
 
 _KINDS = {bool: "true or false", int: "a whole number", float: "a finite number", str: "a string"}
@@ -82,7 +83,7 @@ class ModelConfig:
     dropout: float = 0.1  # residual and embedding dropout, P_drop (Section 5.4)
     attention_dropout: float = 0.0  # on attention weights; not in the paper, off by default
     activation_dropout: float = 0.0  # inside the feed-forward network; not in the paper, off by default
-    activation: str = "relu"  # "relu" (the paper) or "gelu"
+    activation: str = "relu"  # "relu" (the paper), "gelu" or "swish" (x * sigmoid(x), Marian's)
     norm_first: bool = False  # False: post-norm as in the paper; True: pre-norm
     share_embeddings: bool = True
     tie_output: bool = True
@@ -92,6 +93,10 @@ class ModelConfig:
     # The source ends with EOS, as fairseq and Marian (and every Hugging Face pipeline) feed it. A
     # config without this field is from a model trained on bare sources: `from_dict` gives it False.
     source_eos: bool = True
+    # Two variations of Marian (OPUS-MT) models, for `aiayn import`: embeddings not scaled by
+    # sqrt(d_model), and a bias on the pre-softmax projection (Marian's final_logits_bias).
+    scale_embedding: bool = True
+    output_bias: bool = False
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -111,7 +116,7 @@ class ModelConfig:
         need(self.d_model % 2 == 0, f"d_model must be even for the sinusoidal encoding, got {self.d_model}")
         for name in ("dropout", "attention_dropout", "activation_dropout"):
             need(0.0 <= getattr(self, name) < 1.0, f"{name} must be in [0, 1), got {getattr(self, name)}")
-        need(self.activation in ("relu", "gelu"), f"activation must be 'relu' or 'gelu', got {self.activation!r}")
+        need(self.activation in ACTIVATIONS, f"activation must be one of {', '.join(ACTIVATIONS)}, got {self.activation!r}")
         need(
             not self.share_embeddings or self.src_vocab_size == self.tgt_vocab_size,
             "share_embeddings needs a joint vocabulary (src_vocab_size == tgt_vocab_size)",

@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
 
         settings = Settings(beam=args.beam, alpha=args.alpha, max_tokens=args.max_tokens, batch_size=args.batch_size,
                             max_len_a=args.max_len_a, max_len_b=args.max_len_b, min_len=args.min_len,
-                            workers=args.workers)
+                            workers=args.workers, stop_rule=args.stop_rule)
         settings.check()
         translator = Translator.from_checkpoint(args.checkpoint, precision=args.precision)
         hyps = translator.translate(lines, **vars(settings))

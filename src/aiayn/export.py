@@ -76,12 +76,12 @@ def marian_config(model: Transformer) -> Any:
         decoder_attention_heads=cfg.n_heads,
         encoder_ffn_dim=cfg.d_ff,
         decoder_ffn_dim=cfg.d_ff,
-        activation_function=cfg.activation,  # both "gelu"s are the exact erf form
+        activation_function=cfg.activation,  # both "gelu"s are the exact erf form; "swish" is SiLU in both
         dropout=cfg.dropout,
         attention_dropout=cfg.attention_dropout,
         activation_dropout=cfg.activation_dropout,
         max_position_embeddings=cfg.max_positions,
-        scale_embedding=True,  # embeddings times sqrt(d_model), Section 3.4
+        scale_embedding=cfg.scale_embedding,  # embeddings times sqrt(d_model), Section 3.4
         pad_token_id=PAD_ID,
         eos_token_id=EOS_ID,
         bos_token_id=BOS_ID,
@@ -136,7 +136,7 @@ def marian_state_dict(model: Transformer) -> dict[str, Tensor]:
     if cfg.share_embeddings:
         sd["model.shared.weight"] = model.tgt_embed.weight[:, p]
     sd["lm_head.weight"] = model.output_weight[:, p]
-    sd["final_logits_bias"] = torch.zeros(1, cfg.tgt_vocab_size)
+    sd["final_logits_bias"] = (torch.zeros(cfg.tgt_vocab_size) if model.out_bias is None else model.out_bias)[None]
     return {name: t.detach().float().contiguous() for name, t in sd.items()}
 
 
@@ -252,7 +252,8 @@ def ct2_spec(model: Transformer, tokenizers: TokenizerPair) -> Any:
     from ctranslate2.specs import common_spec, transformer_spec
 
     cfg = model.cfg
-    act = common_spec.Activation.RELU if cfg.activation == "relu" else common_spec.Activation.GELU
+    act = {"relu": common_spec.Activation.RELU, "gelu": common_spec.Activation.GELU,
+           "swish": common_spec.Activation.SWISH}[cfg.activation]
     spec = transformer_spec.TransformerSpec.from_config(
         (cfg.encoder_layers, cfg.decoder_layers), cfg.n_heads, pre_norm=cfg.norm_first, activation=act
     )
@@ -268,7 +269,7 @@ def ct2_spec(model: Transformer, tokenizers: TokenizerPair) -> Any:
     table = _np(sinusoidal_table(cfg.max_positions, cfg.d_model))  # ours, unpermuted
     enc, dec = spec.encoder, spec.decoder
     enc.embeddings[0].weight = _np(model.src_embed.weight)
-    enc.scale_embeddings = True  # times sqrt(d_model)
+    enc.scale_embeddings = cfg.scale_embedding  # times sqrt(d_model)
     enc.position_encodings.encodings = table
     for s, layer in zip(enc.layer, model.encoder.layers):
         linear(s.self_attention.linear[0], layer.self_attn.qkv_proj)  # fused q, k, v: the same layout as ours
@@ -278,9 +279,11 @@ def ct2_spec(model: Transformer, tokenizers: TokenizerPair) -> Any:
         linear(s.ffn.linear_1, layer.ff.w2)
         norm(s.ffn.layer_norm, layer.norm2)
     dec.embeddings.weight = _np(model.tgt_embed.weight)
-    dec.scale_embeddings = True
+    dec.scale_embeddings = cfg.scale_embedding
     dec.position_encodings.encodings = table
     dec.projection.weight = _np(model.output_weight)
+    if model.out_bias is not None:
+        dec.projection.bias = _np(model.out_bias)
     for s, layer in zip(dec.layer, model.decoder.layers):
         linear(s.self_attention.linear[0], layer.self_attn.qkv_proj)
         linear(s.self_attention.linear[1], layer.self_attn.out_proj)

@@ -59,13 +59,13 @@ class PositionalEncoding(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Token embedding multiplied by sqrt(d_model) (Section 3.4)."""
+    """Token embedding multiplied by sqrt(d_model) (Section 3.4; `scale=False`: by 1, as some Marian models)."""
 
-    def __init__(self, vocab_size: int, d_model: int, pad_id: int) -> None:
+    def __init__(self, vocab_size: int, d_model: int, pad_id: int, scale: bool = True) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, d_model))
         self.pad_id = pad_id
-        self.scale = math.sqrt(d_model)
+        self.scale = math.sqrt(d_model) if scale else 1.0
         # N(0, d^-1/2): unit-variance inputs after scaling, and unit-scale logits when tied.
         nn.init.normal_(self.weight, mean=0.0, std=d_model**-0.5)
         with torch.no_grad():
@@ -154,12 +154,12 @@ class MultiHeadAttention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """FFN(x) = max(0, x W1 + b1) W2 + b2 (Section 3.3); GELU as an option."""
+    """FFN(x) = max(0, x W1 + b1) W2 + b2 (Section 3.3); GELU or swish (Marian's) as an option."""
 
     def __init__(self, d_model: int, d_ff: int, dropout: float, activation: str) -> None:
         super().__init__()
         self.w1, self.w2 = Linear(d_model, d_ff), Linear(d_ff, d_model)
-        self.act = F.relu if activation == "relu" else F.gelu
+        self.act = {"relu": F.relu, "gelu": F.gelu, "swish": F.silu}[activation]
         self.dropout = dropout
 
     def forward(self, x: Tensor) -> Tensor:
@@ -296,12 +296,14 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.tgt_embed = Embedding(cfg.tgt_vocab_size, cfg.d_model, cfg.pad_id)
-        self.src_embed = self.tgt_embed if cfg.share_embeddings else Embedding(cfg.src_vocab_size, cfg.d_model, cfg.pad_id)
+        self.tgt_embed = Embedding(cfg.tgt_vocab_size, cfg.d_model, cfg.pad_id, cfg.scale_embedding)
+        self.src_embed = self.tgt_embed if cfg.share_embeddings else Embedding(
+            cfg.src_vocab_size, cfg.d_model, cfg.pad_id, cfg.scale_embedding)
         self.pos = PositionalEncoding(cfg.d_model, cfg.max_positions)
         self.encoder = Encoder(cfg)
         self.decoder = Decoder(cfg)
         self.out_proj = None if cfg.tie_output else Linear(cfg.d_model, cfg.tgt_vocab_size, bias=False)
+        self.out_bias = nn.Parameter(torch.zeros(cfg.tgt_vocab_size)) if cfg.output_bias else None  # Marian's
         self._init_linear()
 
     def _init_linear(self) -> None:
@@ -398,7 +400,7 @@ class Transformer(nn.Module):
 
     def project(self, h: Tensor) -> Tensor:
         """Pre-softmax linear transformation (tied to the target embedding by default)."""
-        return kernels.inference_linear(h, self.output_weight)
+        return kernels.inference_linear(h, self.output_weight, self.out_bias)
 
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         """Shape: src (B, S), tgt_in (B, T) -> logits (B, T, tgt_vocab)."""

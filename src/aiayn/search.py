@@ -28,8 +28,12 @@ Conventions, pinned by tests/test_search.py:
   generated tokens including EOS (BOS excluded). alpha = 0 gives raw log-probabilities.
 - Beam search (as fairseq's): each step takes the best 2*beam continuations of the live hypotheses;
   an EOS continuation ranked within the best `beam` finishes a hypothesis, and the best `beam`
-  non-EOS continuations live on. A sentence is done once `beam` hypotheses have finished (or the
-  maximum length is reached); its n-best list is the finished hypotheses sorted by score.
+  non-EOS continuations live on. When a sentence is done is the stopping rule (`stop`, STOP_RULES):
+  "first" (fairseq's): once `beam` hypotheses have finished. "best" (transformers' `generate` with
+  early_stopping=False, and CTranslate2): it searches on while the best live hypothesis, scored at
+  its current length, beats the worst of the `beam` best finished ones; a later, better hypothesis
+  takes that one's place. Either way the maximum length ends it; its n-best list is the finished
+  hypotheses sorted by score.
 
 `use_cache=False` re-runs the decoder on the whole prefix at every step: the same search, slower
 (kept for tests and for the benchmark).
@@ -98,7 +102,14 @@ def length_penalty(length: int, alpha: float) -> float:
     return ((5.0 + length) / 6.0) ** alpha
 
 
-def _check(beam: int, nbest: int, alpha: float, max_len_a: float, max_len_b: float, min_len: int) -> None:
+STOP_RULES = ("first", "best")  # when a beam search sentence is done: see the module docstring
+DEFAULT_STOP_RULE = "first"  # what `aiayn translate`, `evaluate` and `serve` use unless told
+
+
+def _check(beam: int, nbest: int, alpha: float, max_len_a: float, max_len_b: float, min_len: int,
+           stop: str = DEFAULT_STOP_RULE) -> None:
+    if stop not in STOP_RULES:
+        raise AiaynError(f"--stop-rule must be one of {', '.join(STOP_RULES)}, got {stop!r}")
     if int(beam) < 1:
         raise AiaynError(f"--beam must be at least 1, got {beam}")
     if not 1 <= int(nbest) <= int(beam):
@@ -271,14 +282,15 @@ def greedy_search(model: SearchModel[C], src: Tensor, bos_id: int, eos_id: int, 
 @torch.inference_mode()  # no autograd bookkeeping at all (a few % per step over no_grad)
 def beam_search(model: SearchModel[C], src: Tensor, bos_id: int, eos_id: int, beam: int = 4, alpha: float = 0.6,
                 max_len_a: float = 1.0, max_len_b: int = 50, min_len: int = 0, nbest: int = 1,
-                use_cache: bool = True,
-                on_done: Callable[[int, list[ScoredIds]], None] | None = None) -> list[list[ScoredIds]]:
+                use_cache: bool = True, on_done: Callable[[int, list[ScoredIds]], None] | None = None,
+                stop: str = DEFAULT_STOP_RULE) -> list[list[ScoredIds]]:
     """Batched beam search; returns, per sentence, up to `nbest` (tokens, score) pairs, best first.
-    `on_done(row, n-best)` (if given) as soon as a sentence is done, as `greedy_search`'s.
+    `on_done(row, n-best)` (if given) as soon as a sentence is done, as `greedy_search`'s; `stop`
+    is the stopping rule ("first" or "best", see the module docstring).
 
     Shape: src (B, S) right-padded -> B lists of (ids without BOS/EOS, score).
     """
-    _check(beam, nbest, alpha, max_len_a, max_len_b, min_len)
+    _check(beam, nbest, alpha, max_len_a, max_len_b, min_len, stop)
     pad, K, dev = int(model.cfg.pad_id), int(beam), src.device
     B = src.size(0)
     src_keep = src.ne(pad)  # (B, S)
@@ -292,6 +304,7 @@ def beam_search(model: SearchModel[C], src: Tensor, bos_id: int, eos_id: int, be
     tokens = torch.full((B, 1), bos_id, dtype=torch.long, device=dev)  # (b*R, 1 + t)
     scores = torch.zeros(B, 1, device=dev)  # (b, R) summed log-probs
     n_final = torch.zeros(B, dtype=torch.long, device=dev)  # (b,)
+    worst = torch.full((B,), float("-inf"), device=dev)  # (b,) "best": the K-th best finished score
     finals: list[list[ScoredIds]] = [[] for _ in range(B)]
     neg_inf = float("-inf")
     row_topk = _RowTopk(model, 2 * K, K, (pad, bos_id), eos_id)
@@ -309,17 +322,28 @@ def beam_search(model: SearchModel[C], src: Tensor, bos_id: int, eos_id: int, be
         is_eos = top_tok.eq(eos_id) & top_scores.gt(neg_inf)  # (b, 2K)
         fin = is_eos.clone()
         fin[:, K:] = False  # only an EOS among the best K candidates ends a hypothesis
+        lp = length_penalty(step + 1, alpha)  # every hypothesis finishing now has step + 1 tokens
         if bool(fin.any()):
-            fin &= (n_final.unsqueeze(1) + fin.long().cumsum(1)).le(K)  # at most K finished per sentence
+            if stop == "first":
+                fin &= (n_final.unsqueeze(1) + fin.long().cumsum(1)).le(K)  # at most K finished per sentence
             n_final = n_final + fin.sum(1)
-            lp = length_penalty(step + 1, alpha)  # every hypothesis finishing now has step + 1 tokens
             fin_i, fin_j = fin.nonzero(as_tuple=True)
             hyp_rows = fin_i * R + top_beam[fin_i, fin_j]
             for s, ids, sc in zip(sent[fin_i].tolist(), tokens[hyp_rows, 1:].tolist(),
                                   top_scores[fin_i, fin_j].tolist()):
                 finals[s].append((ids, sc / lp))
+            if stop == "best":  # keep the K best; the K-th is the score to beat
+                for i in set(fin_i.tolist()):
+                    s = int(sent[i])
+                    finals[s] = _best(finals[s], K)
+                    if len(finals[s]) == K:
+                        worst[i] = finals[s][-1][1]
         cont_scores, cont_pos = top_scores.masked_fill(is_eos, neg_inf).topk(K, dim=1)  # (b, K)
-        done = n_final.ge(K) | at_limit | cont_scores[:, 0].eq(neg_inf)  # (b,)
+        if stop == "first":
+            full = n_final.ge(K)
+        else:  # nothing live can still beat the K-th best finished (at the live hypotheses' length)
+            full = (cont_scores[:, 0] / lp).le(worst)
+        done = full | at_limit | cont_scores[:, 0].eq(neg_inf)  # (b,)
         if on_done is not None and bool(done.any()):
             for s in sent[done].tolist():
                 on_done(s, _best(finals[s], nbest))
@@ -327,7 +351,7 @@ def beam_search(model: SearchModel[C], src: Tensor, bos_id: int, eos_id: int, be
         if keep is not None:
             if keep.numel() == 0:
                 break
-            sent, max_len, n_final = sent[keep], max_len[keep], n_final[keep]
+            sent, max_len, n_final, worst = sent[keep], max_len[keep], n_final[keep], worst[keep]
             cont_scores, cont_pos, top_beam, top_tok = cont_scores[keep], cont_pos[keep], top_beam[keep], top_tok[keep]
             base = keep * R
         else:

@@ -44,7 +44,7 @@ from aiayn.config import INFERENCE_PRECISIONS
 from aiayn.kernels import ModuleT
 from aiayn.errors import AiaynError, require
 from aiayn.files import silence_stdout
-from aiayn.search import ScoredIds, beam_search, greedy_search
+from aiayn.search import DEFAULT_STOP_RULE, STOP_RULES, ScoredIds, beam_search, greedy_search
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, PIECES, TokenizerPair, vocabulary
 
 # Characters that `str.splitlines` treats as line ends: an output line must never contain one.
@@ -69,6 +69,7 @@ class Settings:
     max_len_b: int = 50
     min_len: int = 0
     workers: int = 0  # batches searched at once on the CPU; 0: one per torch thread (see `map_batches`)
+    stop_rule: str | None = None  # beam search's stopping rule (`aiayn.search.STOP_RULES`); None: the translator's
 
     def check(self) -> None:
         if self.beam < 1:
@@ -88,6 +89,8 @@ class Settings:
             raise AiaynError(f"--min-len must be >= 0, got {self.min_len}")
         if self.workers < 0:
             raise AiaynError(f"--workers must be >= 0 (0: one per CPU thread), got {self.workers}")
+        if self.stop_rule is not None and self.stop_rule not in STOP_RULES:
+            raise AiaynError(f"--stop-rule must be one of {', '.join(STOP_RULES)}, got {self.stop_rule!r}")
 
 
 _INVISIBLE = frozenset(("Cc", "Cf", "Zs", "Zl", "Zp"))  # controls, format marks (ZWSP, BOM), spaces
@@ -266,7 +269,8 @@ class Translator(BaseTranslator):
     """
 
     def __init__(self, model: Any, tokenizers: Any, precision: str = "fp32", device: str | torch.device = "cpu",
-                 max_src_tokens: int | None = None, note: Callable[[str], None] | None = None) -> None:
+                 max_src_tokens: int | None = None, note: Callable[[str], None] | None = None,
+                 stop_rule: str = DEFAULT_STOP_RULE) -> None:
         if precision not in INFERENCE_PRECISIONS:
             raise AiaynError(f"--precision must be one of {', '.join(INFERENCE_PRECISIONS)}, got {precision!r}")
         self.device = torch.device(device)
@@ -284,6 +288,7 @@ class Translator(BaseTranslator):
         self.precision = precision
         self.max_src_tokens = int(max_src_tokens or model.cfg.max_positions)
         self.note = note or _stderr_note
+        self.stop_rule = stop_rule  # what a search that names none uses (`aiayn serve --stop-rule`)
         if precision == "bf16" and aiayn.kernels.slow_bf16_on(self.device):
             # on stderr, not through `note`: that is for lines (the server's refuses them)
             print(f"aiayn: warning: {aiayn.kernels.SLOW_BF16}; --precision fp32 is faster here", file=sys.stderr, flush=True)
@@ -350,7 +355,8 @@ class Translator(BaseTranslator):
                 return [[(ids, float("nan"))] for ids in greedy_search(
                     model, src, BOS_ID, EOS_ID, s.max_len_a, s.max_len_b, s.min_len, on_done=greedy_done)]
             return beam_search(model, src, BOS_ID, EOS_ID, beam=s.beam, alpha=s.alpha, max_len_a=s.max_len_a,
-                               max_len_b=s.max_len_b, min_len=s.min_len, nbest=s.nbest, on_done=done)
+                               max_len_b=s.max_len_b, min_len=s.min_len, nbest=s.nbest, on_done=done,
+                               stop=s.stop_rule or self.stop_rule)
 
         batches = list(length_batches(encoded, s.max_tokens, s.batch_size))
         with evaluating(model):
@@ -396,6 +402,7 @@ class CT2Translator(BaseTranslator):
         except (OSError, ValueError, KeyError, TypeError):
             raise AiaynError(f"{path}/aiayn.json is missing or damaged; export the checkpoint again") from None
         self.note = note or _stderr_note
+        self.stop_rule = stop_rule  # what a search that names none uses (`aiayn serve --stop-rule`)
         compute = {"fp32": "default", "bf16": "bfloat16", "int8": "int8"}[precision]
         try:
             self.engine = ct2.Translator(str(path), device="cpu", compute_type=compute, intra_threads=threads)
@@ -524,12 +531,19 @@ def add_search_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-len-a", type=float, default=1.0, help="output length limit a*source_length+b: a")
     p.add_argument("--max-len-b", type=int, default=50, help="output length limit a*source_length+b: b")
     p.add_argument("--min-len", type=int, default=0, help="minimum output length in tokens")
+    add_stop_rule_argument(p)
     p.add_argument("--workers", type=int, default=0,
                    help="batches searched at once on the CPU, each on its share of the threads (0: one per thread); "
                         "translate takes them from one --chunk-lines chunk at a time; the torch engine only")
     p.add_argument("--precision", choices=INFERENCE_PRECISIONS, default="fp32",
                    help="bf16: a bfloat16 copy of the model, faster on CPUs with AVX512-BF16; int8: linear layers "
                         "on int8 weights (CPU only) (docs/speed.md)")
+
+
+def add_stop_rule_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stop-rule", choices=STOP_RULES, default=DEFAULT_STOP_RULE,
+                   help="when beam search ends a sentence: first = once --beam hypotheses have finished (fairseq); "
+                        "best = while a live one could still beat them (transformers, CTranslate2); torch engine only")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -547,7 +561,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _settings(args: argparse.Namespace) -> Settings:
     s = Settings(beam=args.beam, alpha=args.alpha, nbest=args.nbest, max_tokens=args.max_tokens,
                  batch_size=args.batch_size, max_len_a=args.max_len_a, max_len_b=args.max_len_b, min_len=args.min_len,
-                 workers=args.workers)
+                 workers=args.workers, stop_rule=args.stop_rule)
     s.check()
     if args.chunk_lines < 1:
         raise AiaynError(f"--chunk-lines must be positive, got {args.chunk_lines}")

@@ -31,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--beam", type=int, default=d.beam, help="default beam size (1 = greedy)")
     p.add_argument("--precision", choices=INFERENCE_PRECISIONS, default="fp32",
                    help="bf16: a bfloat16 copy of the model; int8: linear layers on int8 weights (CPU only)")
+    from aiayn.translate import add_stop_rule_argument  # here: torch is imported only when serve runs
+
+    add_stop_rule_argument(p)
     p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens, help="source tokens per batch")
     p.add_argument("--max-wait-ms", type=float, default=d.max_wait_ms,
                    help="how long a batch may wait for more lines, after its oldest line arrived or the previous batch "
@@ -114,7 +117,7 @@ def _signals_end_quietly() -> Iterator[None]:
             signal.signal(s, handler)
 
 
-def load(checkpoint: str, precision: str) -> tuple[Any, tuple[str, str], str]:
+def load(checkpoint: str, precision: str, stop_rule: str | None = None) -> tuple[Any, tuple[str, str], str]:
     """The server's translator (its own model, frozen once), the language pair and the checkpoint path."""
     from aiayn.checkpoint import load_checkpoint, resolve_checkpoint
     from aiayn.serve.batch import refuse_long
@@ -124,7 +127,7 @@ def load(checkpoint: str, precision: str) -> tuple[Any, tuple[str, str], str]:
     train = ckpt.config.get("train") or {}
     if not (isinstance(train.get("src"), str) and isinstance(train.get("tgt"), str)):
         raise AiaynError(f"{ckpt.path}/config.json names no source and target language (train.src, train.tgt)")
-    translator = Translator.from_loaded(ckpt, precision=precision, note=refuse_long)
+    translator = Translator.from_loaded(ckpt, precision=precision, note=refuse_long, **({"stop_rule": stop_rule} if stop_rule else {}))
     return translator, (train["src"], train["tgt"]), str(ckpt.path)
 
 
@@ -139,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         from aiayn.serve.app import create_app
     except ImportError as e:
         raise AiaynError(f"aiayn serve needs {e.name}: pip install 'aiayn[serve]'") from None
-    translator, (src, tgt), path = load(args.checkpoint, args.precision)
+    translator, (src, tgt), path = load(args.checkpoint, args.precision, args.stop_rule)
     app = create_app(translator, limits, (src, tgt), checkpoint=path)
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
