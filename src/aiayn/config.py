@@ -193,6 +193,7 @@ class TrainConfig:
     valid_src: str | None = None
     valid_tgt: str | None = None
     data_bin: str | None = None  # a directory written by `aiayn prepare` (instead of the above)
+    init_from: str | None = None  # fine-tuning: a checkpoint whose weights, tokenizer and shape the run starts from
     # tokenizer
     vocab_size: int = 8000
     joint_vocab: bool = True

@@ -96,6 +96,8 @@ _HELP = {
     "valid_src": "validation source file",
     "valid_tgt": "validation target file",
     "data_bin": "a directory written by `aiayn prepare` (instead of the data flags above)",
+    "init_from": "fine-tune: start from this checkpoint's weights, tokenizer and model shape (an imported one too); "
+                 "only the dropout options may differ from it",
     "vocab_size": "SentencePiece vocabulary size (an upper bound)",
     "joint_vocab": "one vocabulary for both languages (lets all embeddings be tied)",
     "spm_model_type": "SentencePiece model: bpe or unigram",
@@ -337,14 +339,18 @@ class Stopper:
 
 
 def load_corpus(tc: TrainConfig, loaded: ckpt.Checkpoint | None, run_dir: Path, d: Dist, source_eos: bool,
-                log: Log = print) -> Corpus:
+                log: Log = print, tokenizers: TokenizerPair | None = None) -> Corpus:
     """The run's prepared data (--data-bin, or the raw text prepared into the run directory by rank 0)
     with its batch plans (aiayn.data.corpus; sources ending with EOS if `source_eos`). A run resumed from
-    checkpoint `loaded` needs the same data (manifest sha256) and tokenizer as before."""
+    checkpoint `loaded` needs the same data (manifest sha256) and tokenizer as before. `tokenizers`
+    (fine-tuning) are those the text is encoded with instead of new ones."""
     from aiayn.data.corpus import open_corpus, prepared_path
 
-    path = prepared_path(tc, run_dir, d.main, d.barrier, log, resuming=loaded is not None)
+    path = prepared_path(tc, run_dir, d.main, d.barrier, log, resuming=loaded is not None, tokenizers=tokenizers)
     corpus = open_corpus(path, tc, source_eos)
+    if tokenizers is not None and (tokenizers.src, tokenizers.tgt) != (corpus.tokenizers.src, corpus.tokenizers.tgt):
+        raise AiaynError(f"--data-bin {path}: its tokenizer is not the one of --init-from {tc.init_from}; prepare the "
+                         "text with that checkpoint's tokenizer, or pass the raw text (--train-src ...) instead")
     if loaded is None:
         return corpus
     if (loaded.trainer_state or {}).get("data_sha256", corpus.digest) != corpus.digest:
@@ -800,14 +806,23 @@ def _set_up(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, loade
             info: Log) -> Run:
     """Data, model, trainer and metrics, restored from `loaded` when resuming; writes train.json."""
     out = Path(tc.out)
-    source_eos = loaded.model_config.source_eos if loaded else model_over.get("source_eos", ModelConfig.source_eos)
-    corpus = load_corpus(tc, loaded, out, d, source_eos, info)
-    mcfg = loaded.model_config if loaded else _new_model_config(preset_name, model_over, tc, corpus.tokenizers)
+    init = ckpt.load_checkpoint(tc.init_from) if tc.init_from and not loaded else None
+    start = loaded or init
+    source_eos = start.model_config.source_eos if start else model_over.get("source_eos", ModelConfig.source_eos)
+    corpus = load_corpus(tc, loaded, out, d, source_eos, info, start.tokenizers if tc.init_from and start else None)
+    if loaded:
+        mcfg = loaded.model_config
+    elif init:
+        mcfg = fine_tuned_config(init, model_over)
+    else:
+        mcfg = _new_model_config(preset_name, model_over, tc, corpus.tokenizers)
     torch.manual_seed(tc.seed)
     random.seed(tc.seed)
     model = Transformer(mcfg)
-    if loaded:
-        model.load_state_dict(loaded.model.state_dict())
+    if start:
+        model.load_state_dict(start.model.state_dict())
+    if init:
+        info(f"fine-tuning from {init.path}")
     if d.rank:  # other ranks draw their own dropout masks
         torch.manual_seed(tc.seed + 1000 * d.rank)
         random.seed(tc.seed + 1000 * d.rank)
@@ -842,6 +857,22 @@ def _precision(tc: TrainConfig, loaded: ckpt.Checkpoint | None, d: Dist) -> str:
         # a run moved from CUDA to a CPU (--device may change) cannot go on in fp16: auto decides anew
         return st["precision"] if st["precision"] != "fp16" or d.device.type == "cuda" else "auto"
     return "bf16" if d.device.type == "cpu" and "data_sha256" not in st else "auto"
+
+
+FINE_TUNE_FREE = ("dropout", "attention_dropout", "activation_dropout")  # what --init-from may change
+
+
+def fine_tuned_config(init: ckpt.Checkpoint, model_over: dict[str, Any]) -> ModelConfig:
+    """The --init-from checkpoint's model shape, with new dropout rates if given; any other model
+    option given must equal the checkpoint's (one error names it)."""
+    for k, v in sorted(model_over.items()):
+        if k not in FINE_TUNE_FREE and v != getattr(init.model_config, k):
+            raise AiaynError(f"--{k.replace('_', '-')} {v} differs from --init-from {init.path}'s "
+                             f"{getattr(init.model_config, k)}: a fine-tuned model keeps its shape; drop the option")
+    try:
+        return init.model_config.replace(**{k: v for k, v in model_over.items() if k in FINE_TUNE_FREE})
+    except ConfigError as e:
+        raise AiaynError(str(e)) from e
 
 
 def _new_model_config(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, tok: TokenizerPair) -> ModelConfig:

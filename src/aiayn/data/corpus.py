@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -69,17 +69,19 @@ class Corpus:
 
 
 def prepared_path(tc: TrainConfig, run_dir: Path, is_main: bool, barrier: Callable[[], None],
-                  log: Callable[[str], None] = print, resuming: bool = False) -> Path:
+                  log: Callable[[str], None] = print, resuming: bool = False, tokenizers: Any = None) -> Path:
     """The prepared directory of this run: --data-bin, else the raw text prepared into RUN_DIR/data
-    by rank 0. A resumed run finds it up to date (or missing, and prepares it again byte for byte);
-    if the text changed it is refused, never replaced, since the run was trained on it."""
+    by rank 0 (with `tokenizers` if given, else new ones). A resumed run finds it up to date (or
+    missing, and prepares it again byte for byte); if the text changed it is refused, never
+    replaced, since the run was trained on it."""
     if tc.data_bin:
         return Path(tc.data_bin)
     path = run_dir / RUN_DATA
     if is_main:
         settings = prepare.Settings(vocab_size=tc.vocab_size, joint_vocab=tc.joint_vocab,
                                     spm_model_type=tc.spm_model_type, max_len=tc.max_len, long=tc.long)
-        prepare.prepare(_raw_inputs(tc), path, settings, workers=1, log=log, replace=not resuming)
+        prepare.prepare(_raw_inputs(tc), path, settings, workers=1, log=log, replace=not resuming,
+                        tokenizers=tokenizers)
     barrier()
     return path
 

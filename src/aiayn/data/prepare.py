@@ -228,16 +228,19 @@ def encode_split(split: str, src_path: Path, tgt_path: Path, tok: TokenizerPair,
 
 
 def prepare(inputs: Inputs, out: str | os.PathLike[str], settings: Settings = Settings(), workers: int = 0,
-            log: Callable[[str], None] = lambda m: print(m, file=sys.stderr), replace: bool = True) -> Path:
+            log: Callable[[str], None] = lambda m: print(m, file=sys.stderr), replace: bool = True,
+            tokenizers: TokenizerPair | None = None) -> Path:
     """Write the prepared directory `out`; returns it. Does nothing if `out` already holds the output
     of these inputs and settings (restart after an interruption costs only the hashing). An earlier
-    output of other inputs or settings is replaced, or with `replace=False` refused."""
+    output of other inputs or settings is replaced, or with `replace=False` refused. `tokenizers`
+    (fine-tuning) encode the text instead of new ones trained on it (the vocabulary settings are
+    then unused)."""
     inputs.check()
     settings.check()
     out = Path(out)
     _check_out(out)
     digests = inputs.digests()
-    if _up_to_date(out, digests, settings):
+    if _up_to_date(out, digests, settings, tokenizers):
         log(f"{out}: already prepared from these files and settings")
         return out
     if not replace and (out / bindata.MANIFEST).is_file():
@@ -249,7 +252,7 @@ def prepare(inputs: Inputs, out: str | os.PathLike[str], settings: Settings = Se
     tmp.mkdir(parents=True)
     (tmp / TMP_MARK).touch()
     try:
-        manifest = _write(inputs, tmp, settings, digests, workers, log)
+        manifest = _write(inputs, tmp, settings, digests, workers, log, tokenizers)
         (tmp / TMP_MARK).unlink()
         atomic_write_bytes(tmp / bindata.MANIFEST, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
         fsync_path(tmp)
@@ -261,12 +264,13 @@ def prepare(inputs: Inputs, out: str | os.PathLike[str], settings: Settings = Se
 
 
 def _write(inputs: Inputs, tmp: Path, settings: Settings, digests: dict[str, Any], workers: int,
-           log: Callable[[str], None]) -> dict[str, Any]:
+           log: Callable[[str], None], tokenizers: TokenizerPair | None = None) -> dict[str, Any]:
     t0 = time.time()
     scan = scan_parallel(inputs.train_src, inputs.train_tgt, settings.spm_sample, settings.seed)
-    log(f"checked {scan.lines:,} training pairs in {time.time() - t0:.0f}s; training SentencePiece on "
-        f"{len(scan.sample):,} of them")
-    tok = train_tokenizers(scan.sample, settings)
+    log(f"checked {scan.lines:,} training pairs in {time.time() - t0:.0f}s; " + (
+        "encoding them with the given tokenizer" if tokenizers else
+        f"training SentencePiece on {len(scan.sample):,} of them"))
+    tok = tokenizers if tokenizers is not None else train_tokenizers(scan.sample, settings)
     del scan.sample[:]  # the workers are forked next: do not copy the sample into each
     tok.save(tmp)
     log(f"tokenizer: vocabulary {tok.src.vocab_size:,} ({time.time() - t0:.0f}s); encoding with {workers} processes")
@@ -312,13 +316,14 @@ def _changed(out: Path, inputs: Inputs, digests: dict[str, Any]) -> str:
     return "--vocab-size/--joint-vocab/--spm-model-type/--max-len/--long"
 
 
-def _up_to_date(out: Path, digests: dict[str, Any], settings: Settings) -> bool:
+def _up_to_date(out: Path, digests: dict[str, Any], settings: Settings, tokenizers: TokenizerPair | None = None) -> bool:
     try:
         m = json.loads((out / bindata.MANIFEST).read_text(encoding="utf-8"))
         bindata.open_prepared(out)
     except (OSError, ValueError, AiaynError):
         return False
-    return m.get("inputs") == digests and m.get("settings") == asdict(settings)
+    same_tok = tokenizers is None or all(m.get("tokenizer", {}).get(k) == v for k, v in tokenizers.describe().items())
+    return m.get("inputs") == digests and m.get("settings") == asdict(settings) and same_tok
 
 
 def _replace(tmp: Path, out: Path) -> None:
