@@ -192,9 +192,10 @@ def generation_config(model: Transformer) -> Any:
     )
 
 
-def save_hf_tokenizer(tokenizers: TokenizerPair, out: Path) -> None:
+def save_hf_tokenizer(tokenizers: TokenizerPair, out: Path, langs: tuple[str | None, str | None] = (None, None)) -> None:
     """source.spm, target.spm, vocab.json (and target_vocab.json when the vocabularies are separate)
-    and the tokenizer config, so that MarianTokenizer / AutoTokenizer load them offline."""
+    and the tokenizer config (with the language pair `langs` if known), so that MarianTokenizer /
+    AutoTokenizer load them offline."""
     transformers = require("transformers")
     with tempfile.TemporaryDirectory() as tmp:
         t = Path(tmp)
@@ -210,7 +211,7 @@ def save_hf_tokenizer(tokenizers: TokenizerPair, out: Path) -> None:
         tok = transformers.MarianTokenizer(
             source_spm=str(t / "source.spm"), target_spm=str(t / "target.spm"), vocab=str(t / "vocab.json"),
             unk_token=PIECES[UNK_ID], eos_token=PIECES[EOS_ID], pad_token=PIECES[PAD_ID], bos_token=PIECES[BOS_ID],
-            model_max_length=1024, **kwargs,
+            model_max_length=1024, source_lang=langs[0], target_lang=langs[1], **kwargs,
         )
         tok.save_pretrained(str(out))
 
@@ -227,7 +228,8 @@ def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
     tmp = _fresh_dir(out)
     try:
         hf.save_pretrained(str(tmp), safe_serialization=True)
-        save_hf_tokenizer(ck.tokenizers, tmp)
+        train = ck.config.get("train") or {}
+        save_hf_tokenizer(ck.tokenizers, tmp, (train.get("src"), train.get("tgt")))
         info = {"format": "hf", "aiayn_checkpoint": str(ck.path), "model": ck.model.cfg.to_dict(),
                 "tokenizer": ck.tokenizers.describe()}
         (tmp / MARKER).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n", encoding="utf-8")

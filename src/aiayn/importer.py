@@ -452,7 +452,9 @@ def convert(d: Path, warn: Any = print) -> tuple[Transformer, TokenizerPair]:
     if not 0 <= start < V_tgt:
         raise AiaynError(f"config.json: decoder_start_token_id {start} is outside the target vocabulary")
     tgt = _side(tgt_pieces, tgt_file, names, None if start == pad else start, V_tgt)
-    src = tgt if not separate else _side(src_pieces, "vocab.json", names, None, V)
+    start_piece = {i: p for p, i in tgt_pieces.items()}[start]
+    src = tgt if not separate else _side(src_pieces, "vocab.json", names,  # BOS as the target's, if it has one
+                                         None if start == pad else src_pieces.get(start_piece), V)
     if start in (tgt_pieces[names["unk"]], eos):
         raise AiaynError(f"config.json: decoder_start_token_id {start} is the unk or eos token; aiayn needs a "
                          "start token of its own (pad, as Marian, or a bos)")
