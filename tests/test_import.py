@@ -96,17 +96,22 @@ def test_greedy_and_beam_equal_transformers_generate(kind, dirs, sentences, monk
     want_ids, want_text = _generate(hf, tok, sentences, num_beams=1)
     got = greedy_search(model, src, BOS_ID, EOS_ID, 0.0, MAX_B)
     assert [_to_marian(ids, toks.tgt, vocab) for ids in got] == want_ids
-    assert [toks.tgt.decode(ids) for ids in got] == want_text
-    assert sum(len(i) < MAX_B for i in want_ids) >= 90  # the model ends its sentences itself
+    assert [toks.tgt.decode(ids).strip() for ids in got] == want_text  # MarianTokenizer strips a final "▁"
+    # the model ends its sentences itself (less often with an activation it was not trained with)
+    assert sum(len(i) < MAX_B for i in want_ids) >= (60 if kind in ("gelu", "relu") else 90)
     if kind not in ("base", "bias"):
         return  # the beam rules read the same logits: checked on two of the models, for time
-    # transformers divides by len**alpha, aiayn by ((5 + len) / 6)**alpha: compare on the former
+    # transformers divides by len**alpha, aiayn by ((5 + len) / 6)**alpha: compare on the former, with
+    # alpha 1, under which the two rules disagree (alpha 0.6 with this model: never)
     monkeypatch.setattr(search, "length_penalty", lambda n, a: float(n) ** a)
+    outputs = []
     for stop, early in (("first", True), ("best", False)):
         want_ids, want_text = _generate(hf, tok, sentences, num_beams=4, length_penalty=1.0, early_stopping=early)
         got_b = beam_search(model, src, BOS_ID, EOS_ID, beam=4, alpha=1.0, max_len_a=0.0, max_len_b=MAX_B, stop=stop)
         assert [_to_marian(h[0][0], toks.tgt, vocab) for h in got_b] == want_ids, stop
-        assert [toks.tgt.decode(h[0][0]) for h in got_b] == want_text, stop
+        assert [toks.tgt.decode(h[0][0]).strip() for h in got_b] == want_text, stop
+        outputs.append(want_ids)
+    assert kind != "base" or outputs[0] != outputs[1]  # the rules were told apart (on 1 sentence of base's)
 
 
 def test_stop_rules_differ_where_a_longer_hypothesis_wins(dirs, sentences):
@@ -114,8 +119,8 @@ def test_stop_rules_differ_where_a_longer_hypothesis_wins(dirs, sentences):
     a worse one (its n-best holds the first rule's whenever the search went no further)."""
     model, toks = convert(dirs["base"], warn=pytest.fail)
     src = _src_batch(Translator(model, toks), sentences)
-    first = beam_search(model, src, BOS_ID, EOS_ID, beam=4, alpha=0.6, stop="first")
-    best = beam_search(model, src, BOS_ID, EOS_ID, beam=4, alpha=0.6, stop="best")
+    first = beam_search(model, src, BOS_ID, EOS_ID, beam=4, alpha=2.0, stop="first")
+    best = beam_search(model, src, BOS_ID, EOS_ID, beam=4, alpha=2.0, stop="best")
     assert all(b[0][1] >= f[0][1] for f, b in zip(first, best))
     assert any(b[0][1] > f[0][1] for f, b in zip(first, best))
 

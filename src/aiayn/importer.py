@@ -335,7 +335,9 @@ def load_marian_weights(model: Transformer, sd: dict[str, Tensor], src: Side, tg
         ln.weight[p], ln.bias[p] = get(f"{name}.weight", (d,)), get(f"{name}.bias", (d,))
 
     q, k, v = slice(0, d), slice(d, 2 * d), slice(2 * d, 3 * d)
-    for i, layer in enumerate(model.encoder.layers):
+    enc_layers: list[Any] = list(model.encoder.layers)  # EncoderLayer (nn.ModuleList items are untyped)
+    dec_layers: list[Any] = list(model.decoder.layers)
+    for i, layer in enumerate(enc_layers):
         pre = f"model.encoder.layers.{i}"
         for proj, rows in (("q", q), ("k", k), ("v", v)):
             reads(f"{pre}.self_attn.{proj}_proj", layer.self_attn.qkv_proj, rows)
@@ -344,7 +346,7 @@ def load_marian_weights(model: Transformer, sd: dict[str, Tensor], src: Side, tg
         reads(f"{pre}.fc1", layer.ff.w1)
         writes(f"{pre}.fc2", layer.ff.w2)
         norm(f"{pre}.final_layer_norm", layer.norm2)
-    for i, layer in enumerate(model.decoder.layers):
+    for i, layer in enumerate(dec_layers):
         pre = f"model.decoder.layers.{i}"
         for proj, rows in (("q", q), ("k", k), ("v", v)):
             reads(f"{pre}.self_attn.{proj}_proj", layer.self_attn.qkv_proj, rows)
