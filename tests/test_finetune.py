@@ -40,9 +40,9 @@ def imported(tmp_path_factory) -> Path:
 
 @pytest.fixture()
 def slice_files(tmp_path) -> dict[str, str]:
-    """400 training pairs the fixture never saw (it was trained on the first 10,000) and 100 of val."""
+    """800 training pairs the fixture never saw (it was trained on the first 10,000) and 100 of val."""
     paths = {}
-    for split, name, start, n in (("train", "train", 20000, 400), ("val", "valid", 0, 100)):
+    for split, name, start, n in (("train", "train", 20000, 800), ("val", "valid", 0, 100)):
         for side, lang in (("src", "de"), ("tgt", "en")):
             p = tmp_path / f"{name}.{lang}"
             p.write_text("\n".join(mm.multi30k(split, lang, start + n)[start:]) + "\n", encoding="utf-8")
@@ -53,7 +53,7 @@ def slice_files(tmp_path) -> dict[str, str]:
 def _args(imported: Path, files: dict[str, str], out: Path, *extra: str) -> list[str]:
     return ["train", "--init-from", str(imported), "--train-src", files["train_src"], "--train-tgt",
             files["train_tgt"], "--valid-src", files["valid_src"], "--valid-tgt", files["valid_tgt"],
-            "--max-tokens", "1200", "--warmup", "20", "--lr-factor", "0.5", "--precision", "fp32", "--threads", "1",
+            "--max-tokens", "1200", "--warmup", "20", "--lr-factor", "0.05", "--precision", "fp32", "--threads", "1",
             "--valid-bleu", "0", "--out", str(out), *extra]
 
 
@@ -74,7 +74,7 @@ def _nll(ckpt: Path, files: dict[str, str]) -> float:
 
 def test_fine_tuning_keeps_the_tokenizer_and_lowers_validation_loss(imported, slice_files, tmp_path):
     out = tmp_path / "run"
-    summary = train_cli(_args(imported, slice_files, out, "--max-epochs", "2", "--dropout", "0.1"))
+    summary = train_cli(_args(imported, slice_files, out, "--max-epochs", "3", "--dropout", "0.1"))
     ft, start = load_checkpoint(summary["checkpoint"]), load_checkpoint(imported)
     assert ft.model_config == start.model_config.replace(dropout=0.1)
     assert (ft.tokenizers.src, ft.tokenizers.tgt) == (start.tokenizers.src, start.tokenizers.tgt)
