@@ -437,8 +437,9 @@ def convert(d: Path, warn: Any = print) -> tuple[Transformer, TokenizerPair]:
     """The model (eval mode) and tokenizers of a Marian directory."""
     hf = _read_json(d / "config.json")
     tk = _read_json(d / "tokenizer_config.json") if (d / "tokenizer_config.json").is_file() else {}
-    names = {"pad": _special_name(tk.get("pad_token"), "<pad>"), "unk": _special_name(tk.get("unk_token"), "<unk>"),
-             "eos": _special_name(tk.get("eos_token"), "</s>")}
+    # MarianTokenizer's default names are ours
+    names = {role: _special_name(tk.get(f"{role}_token"), PIECES[i]) for role, i in
+             (("pad", PAD_ID), ("unk", UNK_ID), ("eos", EOS_ID))}
     share = bool(hf.get("share_encoder_decoder_embeddings", True))
     separate = bool(tk.get("separate_vocabs", False)) or (d / "target_vocab.json").is_file() and not share
     V = int(_field(hf, "vocab_size"))

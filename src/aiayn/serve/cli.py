@@ -127,7 +127,8 @@ def load(checkpoint: str, precision: str, stop_rule: str | None = None) -> tuple
     train = ckpt.config.get("train") or {}
     if not (isinstance(train.get("src"), str) and isinstance(train.get("tgt"), str)):
         raise AiaynError(f"{ckpt.path}/config.json names no source and target language (train.src, train.tgt)")
-    translator = Translator.from_loaded(ckpt, precision=precision, note=refuse_long, **({"stop_rule": stop_rule} if stop_rule else {}))
+    rule = {"stop_rule": stop_rule} if stop_rule else {}
+    translator = Translator.from_loaded(ckpt, precision=precision, note=refuse_long, **rule)
     return translator, (train["src"], train["tgt"]), str(ckpt.path)
 
 
