@@ -103,7 +103,7 @@ def length_penalty(length: int, alpha: float) -> float:
 
 
 STOP_RULES = ("first", "best")  # when a beam search sentence is done: see the module docstring
-DEFAULT_STOP_RULE = "first"  # what `aiayn translate`, `evaluate` and `serve` use unless told
+DEFAULT_STOP_RULE = "best"  # measured on Multi30k val (docs/import.md): 35.43 BLEU against first's 35.40
 
 
 def _check(beam: int, nbest: int, alpha: float, max_len_a: float, max_len_b: float, min_len: int,

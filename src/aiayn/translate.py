@@ -402,7 +402,6 @@ class CT2Translator(BaseTranslator):
         except (OSError, ValueError, KeyError, TypeError):
             raise AiaynError(f"{path}/aiayn.json is missing or damaged; export the checkpoint again") from None
         self.note = note or _stderr_note
-        self.stop_rule = stop_rule  # what a search that names none uses (`aiayn serve --stop-rule`)
         compute = {"fp32": "default", "bf16": "bfloat16", "int8": "int8"}[precision]
         try:
             self.engine = ct2.Translator(str(path), device="cpu", compute_type=compute, intra_threads=threads)
