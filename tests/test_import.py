@@ -194,3 +194,16 @@ def test_a_missing_directory_without_a_network_is_one_line(tmp_path, capsys, mon
     assert main(["import", "--from", "marian", str(tmp_path / "no-such-model"), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "hub" in err
+
+
+@pytest.mark.parametrize("kind", ["bias", "noscale"])
+def test_an_imported_model_exports_to_ctranslate2(kind, dirs, sentences, tmp_path):
+    """swish, final_logits_bias and unscaled embeddings reach CTranslate2: its greedy output is ours."""
+    pytest.importorskip("ctranslate2")
+    from aiayn.export import export_ctranslate2
+    from aiayn.translate import CT2Translator
+
+    ck = import_marian(dirs[kind], tmp_path / "imported", warn=pytest.fail)
+    export_ctranslate2(ck, tmp_path / "ct2")
+    ours = Translator.from_checkpoint(ck).translate(sentences[:30], beam=1)
+    assert CT2Translator(tmp_path / "ct2", threads=1).translate(sentences[:30], beam=1) == ours
