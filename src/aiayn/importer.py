@@ -185,14 +185,19 @@ def _fields(buf: bytes) -> Iterator[tuple[int, int, bytes]]:
         yield key >> 3, wire, buf[start:pos]
 
 
-def _payload(wire: int, raw: bytes) -> bytes | int:
+def _payload(wire: int, raw: bytes) -> bytes:
+    """A field's value as bytes: a length-delimited one's content, a fixed-size one's bytes."""
     _, pos = _read_varint(raw, 0)
-    if wire == 0:
-        return _read_varint(raw, pos)[0]
     if wire == 2:
         size, pos = _read_varint(raw, pos)
         return raw[pos:pos + size]
     return raw[pos:]
+
+
+def _payload_int(raw: bytes) -> int:
+    """A varint field's value."""
+    _, pos = _read_varint(raw, 0)
+    return _read_varint(raw, pos)[0]
 
 
 def _bytes_field(number: int, data: bytes) -> bytes:
@@ -219,14 +224,13 @@ def rewrite_spm(model: bytes, side: Side, file: str) -> tuple[bytes, int]:
         for number, wire, raw in fields:
             if number == 1:
                 name, score, kind = "", 0.0, NORMAL
-                for n, w, r in _fields(_payload(wire, raw)):  # type: ignore[arg-type]
-                    value = _payload(w, r)
+                for n, w, r in _fields(_payload(wire, raw)):
                     if n == 1:
-                        name = value.decode("utf-8")  # type: ignore[union-attr]
+                        name = _payload(w, r).decode("utf-8")
                     elif n == 2:
-                        score = struct.unpack("<f", value)[0]  # type: ignore[arg-type]
+                        score = struct.unpack("<f", _payload(w, r))[0]
                     elif n == 3:
-                        kind = int(value)  # type: ignore[arg-type]
+                        kind = _payload_int(r)
                 own[name] = (score, kind)
     except (ValueError, IndexError, UnicodeDecodeError, struct.error):
         raise AiaynError(f"{file}: not a SentencePiece model") from None
@@ -251,7 +255,7 @@ def rewrite_spm(model: bytes, side: Side, file: str) -> tuple[bytes, int]:
     out = b"".join(_bytes_field(1, p) for p in pieces)
     for number, wire, raw in fields:
         if number == 2:  # TrainerSpec: our special ids and names
-            spec = b"".join(r for n, _, r in _fields(_payload(wire, raw)) if n not in _SPECIAL_IDS  # type: ignore[arg-type]
+            spec = b"".join(r for n, _, r in _fields(_payload(wire, raw)) if n not in _SPECIAL_IDS
                             and n not in _SPECIAL_PIECES)
             spec += b"".join(_varint(n << 3) + _varint(i) for n, i in _SPECIAL_IDS.items())
             spec += b"".join(_bytes_field(n, PIECES[i].encode()) for n, i in _SPECIAL_PIECES.items())

@@ -59,17 +59,16 @@ class PositionalEncoding(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Token embedding multiplied by sqrt(d_model) (Section 3.4; `scale=False`: by 1, as some Marian models)."""
+    """Token embedding multiplied by sqrt(d_model) (Section 3.4; by 1 without `cfg.scale_embedding`, as Marian can)."""
 
-    def __init__(self, vocab_size: int, d_model: int, pad_id: int, scale: bool = True) -> None:
+    def __init__(self, vocab_size: int, cfg: ModelConfig) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, d_model))
-        self.pad_id = pad_id
-        self.scale = math.sqrt(d_model) if scale else 1.0
+        self.weight = nn.Parameter(torch.empty(vocab_size, cfg.d_model))
+        self.pad_id, self.scale = cfg.pad_id, math.sqrt(cfg.d_model) if cfg.scale_embedding else 1.0
         # N(0, d^-1/2): unit-variance inputs after scaling, and unit-scale logits when tied.
-        nn.init.normal_(self.weight, mean=0.0, std=d_model**-0.5)
+        nn.init.normal_(self.weight, mean=0.0, std=cfg.d_model**-0.5)
         with torch.no_grad():
-            self.weight[pad_id].zero_()
+            self.weight[cfg.pad_id].zero_()
 
     def forward(self, tokens: Tensor) -> Tensor:
         """Shape: tokens (B, T) -> (B, T, d_model)."""
@@ -159,7 +158,7 @@ class FeedForward(nn.Module):
     def __init__(self, d_model: int, d_ff: int, dropout: float, activation: str) -> None:
         super().__init__()
         self.w1, self.w2 = Linear(d_model, d_ff), Linear(d_ff, d_model)
-        self.act = {"relu": F.relu, "gelu": F.gelu, "swish": F.silu}[activation]
+        self.act = F.relu if activation == "relu" else F.gelu if activation == "gelu" else F.silu  # silu: swish
         self.dropout = dropout
 
     def forward(self, x: Tensor) -> Tensor:
@@ -296,9 +295,8 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.tgt_embed = Embedding(cfg.tgt_vocab_size, cfg.d_model, cfg.pad_id, cfg.scale_embedding)
-        self.src_embed = self.tgt_embed if cfg.share_embeddings else Embedding(
-            cfg.src_vocab_size, cfg.d_model, cfg.pad_id, cfg.scale_embedding)
+        self.tgt_embed = Embedding(cfg.tgt_vocab_size, cfg)
+        self.src_embed = self.tgt_embed if cfg.share_embeddings else Embedding(cfg.src_vocab_size, cfg)
         self.pos = PositionalEncoding(cfg.d_model, cfg.max_positions)
         self.encoder = Encoder(cfg)
         self.decoder = Decoder(cfg)
