@@ -138,3 +138,59 @@ def test_fewer_batches_than_ranks_is_a_clear_error_not_a_hang(tmp_path):
     res = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert res.returncode != 0
     assert "the data makes 1 batches, fewer than the 2 processes; lower --max-tokens or use fewer processes" in res.stderr
+
+
+def _two_machines(tmp_path: Path, outs: list[Path], extra: list[str], name: str, timeout: float = 300) -> list[str]:
+    """Two torchrun agents (--nnodes 2, one process each) on 127.0.0.1, machine i writing to outs[i];
+    returns what each printed. Bounded: a hang kills both and fails."""
+    corpus = make_corpus(tmp_path / "data", n_train=120)
+    rdzv = ["--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint",
+            f"127.0.0.1:{_free_port()}", "--rdzv_id", f"aiayn-{name}"]
+    procs = []
+    for i in range(2):
+        log = open(tmp_path / f"{name}{i}.log", "w")
+        cmd = _torchrun(*rdzv) + tiny_args(corpus, outs[i], *extra)
+        procs.append((subprocess.Popen(cmd, env=_env(tmp_path), stdout=log, stderr=subprocess.STDOUT), log))
+    try:
+        for proc, _ in procs:
+            proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for proc, _ in procs:
+            proc.kill()
+        raise AssertionError(f"{name}: hung; " + "".join((tmp_path / f"{name}{i}.log").read_text()[-2000:] for i in range(2)))
+    finally:
+        for _, log in procs:
+            log.close()
+    return [(tmp_path / f"{name}{i}.log").read_text() for i in range(2)]
+
+
+def test_two_machines_with_their_own_out_prepare_train_and_resume_together(tmp_path):
+    """Machines that share no --out: each prepares the raw text itself, only rank 0's --out holds
+    checkpoints, and --resume continues from rank 0's newest on both (the state reaches rank 1):
+    the same losses and weights as one process that never stopped."""
+    corpus = make_corpus(tmp_path / "data", n_train=120)
+    one = tmp_path / "one"
+    train_cli(tiny_args(corpus, one, *EXTRA, "--update-freq", "2"))
+
+    outs = [tmp_path / "machine0" / "run", tmp_path / "machine1" / "run"]
+    half = ["--max-steps", str(STEPS // 2), "--log-every", "1", "--save-every", "0"]
+    first = _two_machines(tmp_path, outs, half, "first")
+    assert all("error" not in p and "Traceback" not in p for p in first), "".join(p[-3000:] for p in first)
+    assert (outs[0] / f"step_{STEPS // 2}").is_dir() and not (outs[1] / f"step_{STEPS // 2}").exists()
+    again = _two_machines(tmp_path, outs, [*EXTRA, "--resume"], "again")
+    assert all("Traceback" not in p for p in again), "".join(p[-3000:] for p in again)
+    assert f"resuming from {outs[0] / f'step_{STEPS // 2}'}" in again[0]
+    _assert_same_training(one, outs[0])
+
+
+def test_two_machines_that_cannot_resume_together_refuse_on_every_rank_in_one_line(tmp_path):
+    """Rank 0 decides what to resume from; a refusal there is one line on every rank, never a hang."""
+    outs = [tmp_path / "machine0" / "run", tmp_path / "machine1" / "run"]
+    half = ["--max-steps", "2", "--log-every", "1", "--save-every", "0"]
+    _two_machines(tmp_path, outs, half, "first")
+    (outs[0] / "step_2" / "trainer_state.pt").write_bytes(b"not a trainer state")
+    again = _two_machines(tmp_path, outs, [*EXTRA, "--resume"], "again")
+    for printed in again:  # (torchrun's own agent reports a failed child with a traceback of its own)
+        assert not [x for x in printed.splitlines() if x.strip().startswith("File ") and "/aiayn/" in x], printed[-3000:]
+        errors = [line for line in printed.splitlines() if "aiayn train: error:" in line]
+        assert len(errors) == 1 and "trainer_state.pt" in errors[0], printed[-3000:]

@@ -35,7 +35,7 @@ import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator, NamedTuple, Protocol, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -57,6 +57,7 @@ if TYPE_CHECKING:  # for the checker only: train imports the data path where it 
 
 Log = Callable[[str], None]
 Autocast = Callable[[], contextlib.AbstractContextManager[Any]]  # a fresh autocast (or no-op) context
+T = TypeVar("T")
 
 # ------------------------------------------------------------------------------------ the recipe
 
@@ -236,6 +237,7 @@ class Dist:
     rank: int = 0
     world: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    local: int = 0  # rank on this machine (torchrun's LOCAL_RANK): 0 is the machine's first process
 
     @property
     def main(self) -> bool:
@@ -260,6 +262,41 @@ class Dist:
         dist.all_reduce(t)
         return float(t.item())
 
+    def agree(self, fn: Callable[[], T]) -> T:
+        """fn() on every rank; if it raises AiaynError on any rank, every rank raises that one line
+        (a check that fails on one machine only must not leave the others waiting in a collective).
+        `fn` itself must hold no collective."""
+        result: T | None = None
+        error = None
+        try:
+            result = fn()
+        except AiaynError as e:
+            error = str(e)
+        if self.world > 1:
+            errors: list[str | None] = [None] * self.world
+            dist.all_gather_object(errors, error)
+            rank, error = next(((r, e) for r, e in enumerate(errors) if e), (self.rank, None))
+            if error and rank != self.rank:
+                error = f"rank {rank}: {error}"
+        if error:
+            raise AiaynError(error)
+        return cast(T, result)
+
+    def from_main(self, fn: Callable[[], T]) -> T:
+        """fn() run by rank 0 alone, its result (pickled) or its AiaynError on every rank."""
+        payload: list[Any] = [None]
+        if self.main:
+            try:
+                payload = [(fn(), None)]
+            except AiaynError as e:
+                payload = [(None, str(e))]
+        if self.world > 1:
+            dist.broadcast_object_list(payload, src=0, device=self.device)
+        result, error = payload[0]
+        if error:
+            raise AiaynError(error if self.main else f"rank 0: {error}")
+        return cast(T, result)
+
 
 def setup_distributed(device_pref: str) -> Dist:
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -277,7 +314,7 @@ def setup_distributed(device_pref: str) -> Dist:
         dev = torch.device("cpu")
     if not dist.is_initialized():
         dist.init_process_group("nccl" if want_cuda else "gloo")
-    return Dist(rank, world, dev)
+    return Dist(rank, world, dev, local)
 
 
 def precision_context(precision: str, device: torch.device) -> tuple[Autocast, bool, str]:
@@ -340,17 +377,28 @@ class Stopper:
 
 def load_corpus(tc: TrainConfig, loaded: ckpt.Checkpoint | None, run_dir: Path, d: Dist, source_eos: bool,
                 log: Log = print, tokenizers: TokenizerPair | None = None) -> Corpus:
-    """The run's prepared data (--data-bin, or the raw text prepared into the run directory by rank 0)
-    with its batch plans (aiayn.data.corpus; sources ending with EOS if `source_eos`). A run resumed from
-    checkpoint `loaded` needs the same data (manifest sha256) and tokenizer as before. `tokenizers`
-    (fine-tuning) are those the text is encoded with instead of new ones."""
-    from aiayn.data.corpus import open_corpus, prepared_path
+    """The run's prepared data (--data-bin, or the raw text prepared into the run directory) with its
+    batch plans (aiayn.data.corpus; sources ending with EOS if `source_eos`). Every rank opens the same
+    data (manifest sha256), and a run resumed from checkpoint `loaded` needs the data and tokenizer it
+    had. `tokenizers` (fine-tuning) are those the text is encoded with instead of new ones. A failure
+    on one rank is one line on every rank."""
+    from aiayn.data.corpus import open_corpus, prepare_run_data, prepared_path
 
-    path = prepared_path(tc, run_dir, d.main, d.barrier, log, resuming=loaded is not None, tokenizers=tokenizers)
-    corpus = open_corpus(path, tc, source_eos)
+    resuming = loaded is not None
+
+    def prepare_here(now: bool, say: Log, replace: bool) -> None:
+        if now:
+            prepare_run_data(tc, run_dir, say, resuming, replace, tokenizers)
+
+    if not tc.data_bin:  # rank 0 first; then each other machine's first process (a shared --out: done)
+        d.agree(lambda: prepare_here(d.main, log, True))
+        d.agree(lambda: prepare_here(d.local == 0 and not d.main, lambda m: None, False))
+    corpus = d.agree(lambda: open_corpus(prepared_path(tc, run_dir), tc, source_eos))
+    digest = d.from_main(lambda: corpus.digest)
+    d.agree(lambda: _same_data(corpus, digest, d.rank))
     if tokenizers is not None and (tokenizers.src, tokenizers.tgt) != (corpus.tokenizers.src, corpus.tokenizers.tgt):
-        raise AiaynError(f"--data-bin {path}: its tokenizer is not the one of --init-from {tc.init_from}; prepare the "
-                         "text with that checkpoint's tokenizer, or pass the raw text (--train-src ...) instead")
+        raise AiaynError(f"--data-bin {corpus.data.path}: its tokenizer is not the one of --init-from {tc.init_from}; "
+                         "prepare the text with that checkpoint's tokenizer, or pass the raw text (--train-src ...) instead")
     if loaded is None:
         return corpus
     if (loaded.trainer_state or {}).get("data_sha256", corpus.digest) != corpus.digest:
@@ -361,6 +409,12 @@ def load_corpus(tc: TrainConfig, loaded: ckpt.Checkpoint | None, run_dir: Path, 
         raise AiaynError(f"{corpus.data.path}: its tokenizer is not the one {loaded.path} was trained with; resume "
                          "with the data the run started from")
     return corpus
+
+
+def _same_data(corpus: Corpus, digest: str, rank: int) -> None:
+    if corpus.digest != digest:
+        raise AiaynError(f"{corpus.data.path} (rank {rank}) differs from rank 0's prepared data (manifest sha256); "
+                         "give every machine the same --data-bin, or the same text and settings")
 
 
 def rank_batches(corpus: Corpus, tc: TrainConfig, epoch: int, d: Dist) -> Batches:
@@ -641,8 +695,10 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
         tc = tc.replace(device=_saved_device(Path(tc.out)) or tc.device)
     d = setup_distributed(tc.device)
     info = (lambda msg: log(msg)) if d.main else (lambda msg: None)
-    existing = _open_run_dir(Path(tc.out), resume, d)
-    loaded = _load_newest(existing, info) if resume and existing else None
+    existing = d.agree(lambda: _open_run_dir(Path(tc.out), resume, d))
+    # Rank 0 decides what the run resumes from and sends it to every rank: the machines may not share
+    # --out, and only rank 0 writes checkpoints (DDP then copies rank 0's weights at start-up anyway).
+    loaded = d.from_main(lambda: _load_newest(existing, info) if resume and existing else None)
     if loaded:
         preset_name, tc = resumed_settings(loaded, preset_name, model_over, tc, given)
         info(f"resuming from {loaded.path}")
@@ -694,13 +750,13 @@ def _open_run_dir(out: Path, resume: bool, d: Dist) -> list[tuple[int, Path]]:
                          "choose another --out")
     if held:
         _check_early_files(out, held)
-    if d.main:
+    if d.local == 0:  # each machine's first process: --out may be a folder of every machine's own
         try:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise AiaynError(f"--out {out}: cannot make the run directory ({e.strerror or e}); choose another --out") from None
+    if d.main:
         ckpt.remove_stale_temporaries(out)
-    d.barrier()
     return existing
 
 

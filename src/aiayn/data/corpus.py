@@ -68,21 +68,23 @@ class Corpus:
                 f"validation pairs, from {self.data.path}")
 
 
-def prepared_path(tc: TrainConfig, run_dir: Path, is_main: bool, barrier: Callable[[], None],
-                  log: Callable[[str], None] = print, resuming: bool = False, tokenizers: Any = None) -> Path:
-    """The prepared directory of this run: --data-bin, else the raw text prepared into RUN_DIR/data
-    by rank 0 (with `tokenizers` if given, else new ones). A resumed run finds it up to date (or
-    missing, and prepares it again byte for byte); if the text changed it is refused, never
-    replaced, since the run was trained on it."""
-    if tc.data_bin:
-        return Path(tc.data_bin)
+def prepared_path(tc: TrainConfig, run_dir: Path) -> Path:
+    """The prepared directory of this run: --data-bin, else RUN_DIR/data (`prepare_run_data`)."""
+    return Path(tc.data_bin) if tc.data_bin else run_dir / RUN_DATA
+
+
+def prepare_run_data(tc: TrainConfig, run_dir: Path, log: Callable[[str], None] = print,
+                     resuming: bool = False, replace: bool = True, tokenizers: Any = None) -> Path:
+    """The raw text prepared into RUN_DIR/data (with `tokenizers` if given, else new ones). Train
+    calls it on rank 0, then on the first process of every other machine (whose --out may be its own;
+    with a shared one it finds the work done). A resumed run finds it up to date (or missing, and
+    prepares it again byte for byte); if the text changed it is refused, never replaced, since the
+    run was trained on it."""
     path = run_dir / RUN_DATA
-    if is_main:
-        settings = prepare.Settings(vocab_size=tc.vocab_size, joint_vocab=tc.joint_vocab,
-                                    spm_model_type=tc.spm_model_type, max_len=tc.max_len, long=tc.long)
-        prepare.prepare(_raw_inputs(tc), path, settings, workers=1, log=log, replace=not resuming,
-                        tokenizers=tokenizers)
-    barrier()
+    settings = prepare.Settings(vocab_size=tc.vocab_size, joint_vocab=tc.joint_vocab,
+                                spm_model_type=tc.spm_model_type, max_len=tc.max_len, long=tc.long)
+    prepare.prepare(_raw_inputs(tc), path, settings, workers=1, log=log, replace=replace and not resuming,
+                    tokenizers=tokenizers)
     return path
 
 
