@@ -9,8 +9,11 @@
 # One machine: NPROC GPUs (default: all). N machines: run it on each with the same MASTER and
 #   NNODES=N NODE_RANK=i MASTER=host0:29500 bench/wmt14.sh base
 # Every machine downloads and prepares its own copy (byte-identical, so the manifests agree); DATA
-# may also be a shared folder. Checkpoints, averaging and scoring happen on NODE_RANK 0. Re-running
-# the script resumes: finished steps are skipped and training continues from the newest checkpoint.
+# may also be one folder shared by all: the machines take turns on it (a lock with a heartbeat that
+# needs no common process table), and each finds done work done. RUN need not be shared: rank 0
+# decides what to resume from and sends it to the others. Checkpoints, averaging and scoring happen
+# on NODE_RANK 0. Re-running the script resumes: download and prepare skip what is done (no second
+# unpacking) and training continues from the newest checkpoint.
 set -euo pipefail
 
 MODEL=${1:-base}

@@ -100,7 +100,7 @@ def test_the_paper_depends_only_on_what_lies_below_it():
 def test_the_data_path_imports_only_what_lies_before_it():
     """download -> prepare -> bindata -> batching -> corpus, as the subpackage's docstring draws it."""
     graph = import_graph()
-    order = ["data.text", "data.wmt14", "data.download", "data.bindata", "data.prepare", "data.batching",
+    order = ["data.lock", "data.text", "data.wmt14", "data.download", "data.bindata", "data.prepare", "data.batching",
              "data.corpus"]
     for i, m in enumerate(order):
         later = {d for d in graph[m] if d.startswith("data")} - set(order[:i])

@@ -252,3 +252,38 @@ def test_scan_reports_blank_lines_as_read_parallel_does(tmp_path):
     tgt.write_text("\n \n")
     with pytest.raises(AiaynError, match=r"t: file is empty"):
         P.scan_parallel(src, tgt, 10, 1)
+
+
+def test_a_temporary_of_another_machine_is_left_alone_unless_abandoned(tmp_path, corpus):
+    """A process id means nothing on another machine sharing the folder: its live work in progress
+    stays; work whose mark nobody touched for an hour is removed."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()  # a pid dead here, maybe alive on the machine that wrote the name
+    live = tmp_path / f".bin.prepare-{proc.pid}"
+    gone = tmp_path / ".bin.prepare-othermachine-4242-0a1b2c3d"
+    for d in (live, gone):
+        d.mkdir()
+        (d / P.TMP_MARK).touch()
+        (d / "train.src.tokens").write_bytes(b"\0\0")
+    old = os.path.getmtime(gone / P.TMP_MARK) - 3600
+    os.utime(gone / P.TMP_MARK, (old, old))
+    _prep(corpus, tmp_path / "bin")
+    assert (live / "train.src.tokens").is_file()
+    assert not gone.exists()
+
+
+def test_two_prepares_at_once_on_one_folder_give_one_result(tmp_path, corpus):
+    """The same command on two machines against one shared folder: one prepares, the other waits and
+    finds it done; nothing is replaced under it, nothing is left behind."""
+    out = tmp_path / "shared" / "bin"
+    argv = ["-m", "aiayn", "prepare", "--train-src", corpus["train_src"], "--train-tgt", corpus["train_tgt"],
+            "--valid-src", corpus["valid_src"], "--valid-tgt", corpus["valid_tgt"], "--out", str(out),
+            "--vocab-size", "300", "--max-len", "20", "--workers", "1"]
+    procs = [subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], results
+    said = [err for _, err in results]
+    assert sum("prepared meanwhile by another process" in e or "already prepared" in e for e in said) == 1, said
+    assert sorted(p.name for p in out.parent.iterdir()) == ["bin"]
+    assert _tree(out) == _tree(_prep(corpus, tmp_path / "clean"))

@@ -109,3 +109,18 @@ def test_cli_download_then_prepare(served, tmp_path, capsys):
     assert len(prepared.train) == 5 and prepared.valid_text()[0] == ["Hello.", "Good bye."]
     assert cli.main(["download", "--data", "wmt14", "--src", "en", "--tgt", "fr"]) == 2
     assert "WMT14 here is English-German" in capsys.readouterr().err
+
+
+def test_a_second_download_neither_downloads_nor_unpacks_again(served, tmp_path, monkeypatch, capsys):
+    """The same command on every machine of a job (bench/wmt14.sh) finds the work done."""
+    d = tmp_path / "d"
+    assert cli.main(["download", "--data", "wmt14", "--src", "en", "--tgt", "de", "--data-dir", str(d)]) == 0
+    n = len(served.requests)
+
+    def unpack(*a: object) -> None:
+        raise AssertionError("unpacked again")
+
+    monkeypatch.setattr(wmt14, "unpack", unpack)
+    assert cli.main(["download", "--data", "wmt14", "--src", "en", "--tgt", "de", "--data-dir", str(d)]) == 0
+    assert len(served.requests) == n
+    assert not [p.name for p in d.iterdir() if p.name.startswith(".")]  # no lock left behind

@@ -9,7 +9,8 @@
 - `prepare`   `aiayn prepare`: text -> SentencePiece on a sample -> memory-mapped token arrays;
 - `bindata`   that format on disk (flat tokens, offsets, lengths, manifest) and its reader;
 - `batching`  token buckets cut from the length arrays (numpy), each rank's share of a step;
-- `corpus`    what `aiayn train` opens: `--data-bin`, or raw text prepared into the run first.
+- `corpus`    what `aiayn train` opens: `--data-bin`, or raw text prepared into the run first;
+- `lock`      one data folder shared by several machines (wmt14 and prepare take turns on it).
 
 Data flows down this list; imports follow the layers (text, wmt14 < download, bindata < prepare <
 corpus; batching stands alone), and nothing here imports train or the CLI.

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import hashlib
 import itertools
 import json
@@ -32,6 +33,7 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 
 from aiayn.data import bindata
+from aiayn.data.lock import FolderLock, parse_work_name, stale, work_name
 from aiayn.data.text import blank_line_error, line_count_error, read_parallel
 from aiayn.files import iter_lines
 from aiayn.errors import AiaynError
@@ -243,23 +245,29 @@ def prepare(inputs: Inputs, out: str | os.PathLike[str], settings: Settings = Se
     if _up_to_date(out, digests, settings, tokenizers):
         log(f"{out}: already prepared from these files and settings")
         return out
-    if not replace and (out / bindata.MANIFEST).is_file():
-        raise AiaynError(f"{_changed(out, inputs, digests)} is not what {out} was prepared from (the data changed "
-                         "since the run started); resume with the run's data, or start a new run with another --out")
-    workers = workers or len(os.sched_getaffinity(0))
-    _remove_stale_temporaries(out)
-    tmp = out.parent / f".{out.name}.prepare-{os.getpid()}"
-    tmp.mkdir(parents=True)
-    (tmp / TMP_MARK).touch()
-    try:
-        manifest = _write(inputs, tmp, settings, digests, workers, log, tokenizers)
-        (tmp / TMP_MARK).unlink()
-        atomic_write_bytes(tmp / bindata.MANIFEST, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
-        fsync_path(tmp)
-        _replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+    # Several machines may run this on one shared folder: one prepares, the others wait and find it done.
+    with FolderLock(out.parent / f".{out.name}.lock", log) as lock:
+        if _up_to_date(out, digests, settings, tokenizers):
+            log(f"{out}: prepared meanwhile by another process from these files and settings")
+            return out
+        if not replace and (out / bindata.MANIFEST).is_file():
+            raise AiaynError(f"{_changed(out, inputs, digests)} is not what {out} was prepared from (the data changed "
+                             "since the run started); resume with the run's data, or start a new run with another --out")
+        workers = workers or len(os.sched_getaffinity(0))
+        _remove_stale_temporaries(out)
+        tmp = out.parent / work_name(f".{out.name}.prepare")
+        tmp.mkdir(parents=True)
+        (tmp / TMP_MARK).touch()
+        lock.marks.append(tmp / TMP_MARK)  # the heartbeat shows the other machines it is alive
+        try:
+            manifest = _write(inputs, tmp, settings, digests, workers, log, tokenizers)
+            (tmp / TMP_MARK).unlink()
+            atomic_write_bytes(tmp / bindata.MANIFEST, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
+            fsync_path(tmp)
+            _replace(tmp, out, digests, settings, tokenizers)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp)
     return out
 
 
@@ -326,38 +334,37 @@ def _up_to_date(out: Path, digests: dict[str, Any], settings: Settings, tokenize
     return m.get("inputs") == digests and m.get("settings") == asdict(settings) and same_tok
 
 
-def _replace(tmp: Path, out: Path) -> None:
+def _replace(tmp: Path, out: Path, digests: dict[str, Any], settings: Settings,
+             tokenizers: TokenizerPair | None = None) -> None:
     """Rename `tmp` to `out`; an existing `out` (empty, or an earlier output) is moved aside first
-    and removed only after the new one is in place."""
+    and removed only after the new one is in place. An `out` of these very inputs that another
+    process put there meanwhile is kept (and `tmp` dropped): readers may have it open."""
     _check_out(out)  # again: something may have appeared meanwhile
     if out.is_dir() and not any(out.iterdir()):
-        out.rmdir()
+        with contextlib.suppress(OSError):  # another process may have just filled it
+            out.rmdir()
     if not out.exists():
-        os.rename(tmp, out)
+        try:
+            os.rename(tmp, out)
+            return
+        except OSError:  # another process renamed its own into place first
+            pass
+    if _up_to_date(out, digests, settings, tokenizers):
         return
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    old = out.parent / work_name(f".{out.name}.old")
     os.rename(out, old)
     os.rename(tmp, out)
     shutil.rmtree(old)
 
 
 def _remove_stale_temporaries(out: Path) -> None:
-    """Temporary directories of earlier, killed runs for the same --out (only those we marked, and
-    only if the process that made them is gone)."""
+    """Temporary directories of earlier, killed runs for the same --out: only those we marked, and
+    only if abandoned (a dead process of this host, or a mark untouched for `lock.STALE` seconds:
+    the directory may be the work of a live process on another machine that shares the folder)."""
     for p in out.parent.glob(f".{out.name}.prepare-*"):
-        pid = p.name.rsplit("-", 1)[-1]
-        if (p / TMP_MARK).is_file() and pid.isdigit() and not _alive(int(pid)):
+        host, pid = parse_work_name(p.name)
+        if (p / TMP_MARK).is_file() and stale(p / TMP_MARK, host, pid):
             shutil.rmtree(p, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
 
 
 # ------------------------------------------------------------------------------------------- CLI

@@ -17,11 +17,13 @@ import json
 import os
 import re
 import shutil
+import sys
 import tarfile
 import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from aiayn.data.lock import FolderLock
 from aiayn.data.text import DATA_ENV, download_file
 from aiayn.errors import AiaynError
 from aiayn.files import atomic_write_bytes, default_cache_dir
@@ -64,8 +66,7 @@ def wmt14_paths(src: str, tgt: str, data_dir: str | Path | None = None) -> tuple
     """((train src, train tgt), (newstest2013 src, tgt)), downloading and unpacking them once."""
     check_pair(src, tgt)
     folder = wmt14_folder(data_dir)
-    if not (folder / DONE).is_file():
-        download_wmt14(folder)
+    download_wmt14(folder)  # returns at once where it is done
     return (folder / f"train.{src}", folder / f"train.{tgt}"), (folder / f"newstest2013.{src}", folder / f"newstest2013.{tgt}")
 
 
@@ -75,14 +76,28 @@ def check_pair(src: str, tgt: str) -> None:
 
 
 def download_wmt14(folder: Path, timeout: float = 120.0) -> Path:
-    """Download the archives into `folder/archives` (sha256-checked, kept for a later run) and unpack."""
-    base = os.environ.get(URL_ENV)
-    archives = folder / "archives"
-    for name, (url, sha) in ARCHIVES.items():
-        download_file(f"{base.rstrip('/')}/{name}" if base else url, archives / name, sha, URL_ENV, timeout)
-    counts = unpack(archives, folder)
-    atomic_write_bytes(folder / DONE, (json.dumps(counts, indent=2, sort_keys=True) + "\n").encode())
+    """Download the archives into `folder/archives` (sha256-checked, kept for a later run) and unpack,
+    once: a folder with `wmt14.json` and its text is done. Machines that share the folder take turns
+    (`FolderLock`), so the same command on each downloads and unpacks once."""
+    if _unpacked(folder):
+        return folder
+    with FolderLock(folder.parent / f".{folder.name}.lock", lambda m: print(m, file=sys.stderr)):
+        if _unpacked(folder):  # another machine finished while this one waited
+            return folder
+        base = os.environ.get(URL_ENV)
+        archives = folder / "archives"
+        for name, (url, sha) in ARCHIVES.items():
+            download_file(f"{base.rstrip('/')}/{name}" if base else url, archives / name, sha, URL_ENV, timeout)
+        counts = unpack(archives, folder)
+        atomic_write_bytes(folder / DONE, (json.dumps(counts, indent=2, sort_keys=True) + "\n").encode())
     return folder
+
+
+def _unpacked(folder: Path) -> bool:
+    """`wmt14.json` (written last) and every text file `unpack` writes are there."""
+    texts = [f"train.{x}" for x in LANGS] + [f"newstest2013.{x}" for x in LANGS]
+    texts += [f"newstest2014.{s}-{t}.{x}" for s, t in (("en", "de"), ("de", "en")) for x in LANGS]
+    return all((folder / name).is_file() for name in [DONE, *texts])
 
 
 def unpack(archives: Path, folder: Path) -> dict[str, int]:
