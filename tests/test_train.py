@@ -235,6 +235,29 @@ def test_optimizer_and_schedule_settings():
     assert tr.step == 1 and g["lr"] == pytest.approx(0.5 * 32**-0.5 * 7**-1.5)
 
 
+def _fp16_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp16 autocast and GradScaler("cpu") run on a CPU too: the Trainer's fp16 mechanism, tested here
+    (`train` itself refuses fp16 without CUDA, where it would only be slow)."""
+    monkeypatch.setattr(T, "precision_context",
+                        lambda p, d: ((lambda: torch.autocast("cpu", dtype=torch.float16)), True, "fp16"))
+
+
+def test_fp16_counts_only_the_updates_it_applies(monkeypatch):
+    """An update the scaler skips (gradients overflowed) advances neither the step nor the schedule."""
+    _fp16_on_the_cpu(monkeypatch)
+    tc = TrainConfig(warmup=7)
+    tr = T.Trainer(Transformer(preset("tiny", src_vocab_size=40, tgt_vocab_size=40)), tc, T.Dist(), "fp16")
+    assert tr.scaler is not None and tr.scaler.get_scale() == T.FP16_INIT_SCALE == 2.0**7  # summed losses
+    tr.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**30)  # overflows, halving each time, then fits
+    batch = [collate(_examples(4), [0, 1, 2, 3])]
+    applied = [tr.train_step(batch) and tr.applied for _ in range(24)]
+    assert 0 < tr.skipped == applied.count(False) < 24 and not any(applied[:tr.skipped]) and all(applied[tr.skipped:])
+    assert tr.step == 24 - tr.skipped
+    assert tr.opt.param_groups[0]["lr"] == pytest.approx(tr.lr(tr.step))  # the schedule of the applied steps
+    assert int(next(iter(tr.opt.state.values()))["step"]) == tr.step  # Adam counted the same updates
+    assert tr.state()["skipped"] == tr.skipped
+
+
 # ------------------------------------------------------------------------------------ the loop
 
 

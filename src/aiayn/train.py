@@ -445,8 +445,16 @@ class _Pairs(NamedTuple):
 
 
 
+# fp16's first loss scale. The loss here is a sum over an update's target tokens (thousands), not a
+# mean, so its gradients start ~10^3-10^4 times larger than a mean's: PyTorch's 2^16 overflows the
+# first updates. 2^7 leaves them that much headroom (fairseq, which also sums, starts at 2^7 too).
+FP16_INIT_SCALE = 2.0**7
+
+
 class Trainer:
-    """Holds the model, optimizer and position; `train_step` is one optimizer update."""
+    """Holds the model, optimizer and position; `train_step` is one optimizer update. `step` counts
+    the updates applied: an fp16 update whose gradients overflowed is skipped by the scaler, and it
+    advances neither `step` nor the learning-rate schedule (it counts in `skipped`)."""
 
     def __init__(self, model: Transformer, tc: TrainConfig, d: Dist, precision: str = "fp32") -> None:
         self.tc, self.d = tc, d
@@ -464,8 +472,10 @@ class Trainer:
         self.opt = torch.optim.Adam(self.base.parameters(), lr=0.0, betas=(tc.adam_beta1, tc.adam_beta2), eps=tc.adam_eps,
                                     fused=d.device.type in ("cpu", "cuda"))
         self.autocast, use_scaler, self.precision = precision_context(precision, d.device)
-        self.scaler = torch.amp.GradScaler(d.device.type) if use_scaler else None
+        self.scaler = torch.amp.GradScaler(d.device.type, init_scale=FP16_INIT_SCALE) if use_scaler else None
         self.step = 0
+        self.skipped = 0  # fp16 updates skipped for overflowed gradients
+        self.applied = True  # whether the last train_step updated the weights
 
     def lr(self, step: int) -> float:
         tc = self.tc
@@ -489,9 +499,8 @@ class Trainer:
             total_loss += float(loss.detach())
             tokens += int(batch.n_tgt_tokens)
         total_loss, all_tokens = self.d.sum(total_loss), int(self.d.sum(float(tokens)))
-        self.step += 1
         for g in self.opt.param_groups:
-            g["lr"] = self.lr(self.step)
+            g["lr"] = self.lr(self.step + 1)
         if self.scaler:
             self.scaler.unscale_(self.opt)
         # DDP averaged the gradient sums over ranks; turn them into the mean over all target tokens.
@@ -502,22 +511,30 @@ class Trainer:
         if self.tc.clip_norm > 0:
             torch.nn.utils.clip_grad_norm_(self.base.parameters(), self.tc.clip_norm)
         if self.scaler:
-            self.scaler.step(self.opt)
-            self.scaler.update()
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.opt)  # skipped if the gradients hold an inf or NaN
+            self.scaler.update()  # which then lowers the scale: that is how a skip shows
+            self.applied = self.scaler.get_scale() >= scale
         else:
             self.opt.step()
+            self.applied = True
+        if self.applied:
+            self.step += 1
+        else:
+            self.skipped += 1
         self.heap.step()
         return total_loss / max(all_tokens, 1), all_tokens
 
     def state(self) -> dict[str, Any]:
         return {"optimizer": self.opt.state_dict(), "scaler": self.scaler.state_dict() if self.scaler else None,
-                "step": self.step}
+                "step": self.step, "skipped": self.skipped}
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.opt.load_state_dict(state["optimizer"])
         if self.scaler and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.step = int(state["step"])
+        self.skipped = int(state.get("skipped", 0))
 
 
 # ------------------------------------------------------------------------------------- validation
@@ -720,7 +737,8 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
     summary = {"step": run.trainer.step, "epoch": run.epoch, "best_bleu": run.best_bleu if run.best_bleu >= 0 else None,
                "stop": run.stop_reason, "checkpoint": str(run.last_saved) if run.last_saved else None,
                "elapsed_s": run.seconds(), "signal": stopper.signum}
-    info(f"stopped: {run.stop_reason}; step {run.trainer.step}; last checkpoint {run.last_saved}")
+    skipped = f" ({run.trainer.skipped} fp16 updates skipped for overflow)" if run.trainer.skipped else ""
+    info(f"stopped: {run.stop_reason}; step {run.trainer.step}{skipped}; last checkpoint {run.last_saved}")
     if stopper.signum is not None:
         info(f"to resume, run: {resume_command(run.out, d.world)}")
     if d.world > 1:
@@ -990,18 +1008,24 @@ def _train_epoch(run: Run, stopper: Stopper, bar: Any) -> None:
         window_tokens += ntok
         tps = window_tokens / max(now - window_t, 1e-9)
         run.window = (0, now) if now - window_t > 10 else (window_tokens, window_t)
-        bar.update(1)
+        if trainer.applied:
+            bar.update(1)
+        elif d.main and trainer.scaler:
+            bar.write(f"step {trainer.step + 1}: fp16 gradients overflowed, update skipped (loss scale now "
+                      f"{trainer.scaler.get_scale():g}; {trainer.skipped} skipped in all)")
         bar.set_postfix(epoch=run.epoch, loss=f"{loss:.3f}", lr=f"{trainer.lr(trainer.step):.2e}",
                         tok_s=f"{tps:,.0f}", refresh=False)
-        if tc.log_every and trainer.step % tc.log_every == 0:
+        if tc.log_every and trainer.applied and trainer.step % tc.log_every == 0:
+            skipped = {"skipped": trainer.skipped} if trainer.scaler else {}  # fp16 updates skipped so far
             run.metrics.write({"kind": "train", "step": trainer.step, "epoch": run.epoch, "loss": round(loss, 5),
                                "lr": trainer.lr(trainer.step), "tokens_per_s": round(tps, 1),
-                               "elapsed_s": round(run.seconds(), 2)})
+                               "elapsed_s": round(run.seconds(), 2), **skipped})
         if not math.isfinite(loss):
             raise AiaynError(f"the loss became {loss} at step {trainer.step}; lower --lr-factor or use "
                              "--precision fp32, and resume from an earlier checkpoint")
         run.stop_reason = _stop_reason_after_step(run, stopper)
-        if run.pos < len(mine) and (run.stop_reason or (tc.save_every and trainer.step % tc.save_every == 0)):
+        periodic = trainer.applied and tc.save_every and trainer.step % tc.save_every == 0
+        if run.pos < len(mine) and (run.stop_reason or periodic):
             # a run stopped by a limit ends with the model it translates with: score that one too
             run.save(best=run.stop_reason.startswith("reached") and _validate(run, bar, epoch_end=False))
     if run.pos >= len(mine):
