@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import sacrebleu
 
 from aiayn import train as T
 from aiayn.cli import build_parser
@@ -37,6 +38,26 @@ def test_compound_splitting_and_tokenized_bleu():
     # a hypothesis that gets the compound's parts right but not the hyphenation scores higher once split
     hyps = ["Der Ost-West Konflikt ist vorbei.", "Ein Hund läuft."]
     assert pb.tokenized_bleu(hyps, refs) > pb.sacre_bleu(hyps, refs).score
+
+
+def test_the_papers_bleu_tokenizes_as_moses_does():
+    """tokenizer.perl -l de splits German quotes, the ellipsis and the dash off the words and escapes
+    apostrophes; 13a (the stand-in before) left „…“ and ’s attached, so those words never matched."""
+    pb = _load("paper_bleu")
+    lines = ["„Das ist gut“, sagte er.", "Er sagte: “Nein” … und ging.", "Berlin – die Stadt.",
+             "Geht’s dir gut? Ich hab's.", "Die Ost-West-Beziehung kostet 5,5 Mio. Euro & mehr."]
+    assert pb.moses_tokenize(lines) == [
+        "„ Das ist gut “ , sagte er .", "Er sagte : “ Nein ” … und ging .", "Berlin – die Stadt .",
+        "Geht ’ s dir gut ? Ich hab &apos; s.", "Die Ost-West-Beziehung kostet 5,5 Mio. Euro &amp; mehr ."]
+    # the score is multi-bleu's over those tokens (13a saw „Das and Haus“ as words of their own)
+    refs, hyps = ["„Das Haus“ ist gut, sagte er."], ["Das Ost-Haus ist gut, sagte er."]
+    by_hand = ["„ Das Haus “ ist gut , sagte er ."], ["Das Ost ##AT##-##AT## Haus ist gut , sagte er ."]
+    want = sacrebleu.corpus_bleu(by_hand[1], [by_hand[0]], tokenize="none", force=True).score
+    assert pb.tokenized_bleu(hyps, refs) == pytest.approx(want)
+    assert want != pytest.approx(pb.sacre_bleu(hyps, refs).score)
+    out = pb.report(lines, lines).splitlines()
+    assert out[0].startswith("sacreBLEU (detokenized, 13a): 100.00  nrefs:1|case:mixed|eff:no|tok:13a|")
+    assert out[1] == "tokenized BLEU, Moses -l de, compounds split (the paper's): 100.00"
 
 
 @pytest.mark.parametrize("size, dropout, steps, keep", [("base", 0.1, 100_000, 5), ("big", 0.3, 300_000, 20)])
