@@ -391,3 +391,26 @@ def test_checkpoint_files_get_the_usual_modes(tmp_path, tok):
     os.umask(umask)
     for f in (tmp_path / "c").iterdir():  # safetensors alone would make model.safetensors 0600
         assert stat.S_IMODE(f.stat().st_mode) == 0o666 & ~umask, f.name
+
+
+def test_average_holds_one_checkpoint_at_a_time(tmp_path, tok, monkeypatch):
+    """20 big checkpoints are ~17 GB: averaging keeps a running sum and one loaded checkpoint."""
+    import gc
+    import weakref
+
+    for i in range(4):
+        _save(tmp_path / f"step_{i + 1}", _model(tok, i), tok, step=i + 1)
+    alive: list[weakref.ref[Transformer]] = []
+    most: list[int] = []
+    real = ckpt.load_checkpoint
+
+    def counting(path: Path, *a: bool, **kw: bool) -> ckpt.Checkpoint:
+        gc.collect()
+        most.append(sum(r() is not None for r in alive))  # models still held when the next one loads
+        c = real(path, *a, **kw)
+        alive.append(weakref.ref(c.model))
+        return c
+
+    monkeypatch.setattr(ckpt, "load_checkpoint", counting)
+    ckpt.average_checkpoints([tmp_path / f"step_{i + 1}" for i in range(4)], tmp_path / "avg")
+    assert len(most) == 4 and max(most) == 0, most

@@ -87,6 +87,20 @@ def test_training_is_deterministic() -> None:
     assert a.sha256() == b.sha256() and a == b
 
 
+def test_training_uses_many_threads_and_the_model_does_not_depend_on_the_machine(monkeypatch) -> None:
+    """SentencePiece's merges depend on its thread count, so the count is a constant above one: a
+    prepare on a 2-core and on a 64-core machine gives the same model (and so the same data digest)."""
+    import aiayn.tokenizer as T
+
+    models = []
+    for cores in (1, 64):
+        monkeypatch.setattr(os, "cpu_count", lambda: cores)
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+        assert T._trainer_options(350, "bpe")["num_threads"] == T.SPM_THREADS > 1
+        models.append(Tokenizer.train(CORPUS, vocab_size=350).sha256())
+    assert models[0] == models[1]
+
+
 def test_vocab_size_is_an_upper_bound_and_too_small_is_clear(tok: Tokenizer) -> None:
     assert tok.vocab_size == 400
     assert Tokenizer.train(CORPUS, vocab_size=8000).vocab_size < 8000  # small corpus, smaller vocabulary

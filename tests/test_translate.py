@@ -612,3 +612,35 @@ def test_a_checkpoint_from_before_source_eos_translates_as_before(parts, tmp_pat
     with torch.no_grad():
         bare = greedy_search(old.model, torch.tensor([toks.src.encode(line)]), BOS_ID, EOS_ID, 0.0, 4)
     assert old.translate([line], beam=1, **FAST) == [toks.tgt.decode(bare[0])]
+
+
+def test_device_flag_picks_the_gpu_where_there_is_one_and_refuses_one_that_is_missing(monkeypatch):
+    from aiayn.translate import inference_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert inference_device("auto") == inference_device("cpu") == torch.device("cpu")
+    with pytest.raises(AiaynError, match=r"^--device cuda:1: no CUDA device is available; use --device cpu$"):
+        inference_device("cuda:1")
+    with pytest.raises(AiaynError, match=r"^--device tpu: expected auto, cpu, cuda or cuda:N$"):
+        inference_device("tpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert inference_device("auto") == torch.device("cuda")
+    assert inference_device("auto", "int8") == torch.device("cpu")  # int8 runs on the CPU only
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+@pytest.mark.parametrize("command", [
+    ["translate", "--checkpoint", "CKPT", "--input", "IN"],
+    ["evaluate", "--checkpoint", "CKPT", "--src-file", "IN", "--ref-file", "IN"],
+    ["serve", "--checkpoint", "CKPT", "--port", "0"],
+])
+def test_translate_evaluate_and_serve_take_device(ckpt, tmp_path, capsys, command):
+    src = tmp_path / "in.txt"
+    src.write_text("a man runs\n")
+    argv = [str(ckpt) if a == "CKPT" else str(src) if a == "IN" else a for a in command]
+    assert cli.main([*argv, "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith("error: --device cuda: no CUDA device is available; use --device cpu\n") and err.count("\n") == 1
+    if command[0] == "translate":  # and on the CPU, as asked
+        assert cli.main([*argv, *FAST_FLAGS, "--device", "cpu", "--output", str(tmp_path / "out.txt")]) == 0
+        assert len((tmp_path / "out.txt").read_text().splitlines()) == 1

@@ -120,7 +120,9 @@ def _check_save_path(path: str, inputs: Sequence[str]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from aiayn.files import read_lines
+    from aiayn.translate import inference_device
 
+    device = inference_device(args.device, args.precision)  # a flag error first, before any file is read
     mode, first, ref_path = _inputs(args)
     if args.save_hyps and mode == "translate":
         _check_save_path(args.save_hyps, [first, ref_path])
@@ -140,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
                             max_len_a=args.max_len_a, max_len_b=args.max_len_b, min_len=args.min_len,
                             workers=args.workers, stop_rule=args.stop_rule)
         settings.check()
-        translator = Translator.from_checkpoint(args.checkpoint, precision=args.precision)
+        translator = Translator.from_checkpoint(args.checkpoint, precision=args.precision, device=str(device))
         hyps = translator.translate(lines, **vars(settings))
         info.update(source=first, checkpoint=args.checkpoint, beam=args.beam, alpha=args.alpha,
                     precision=args.precision)

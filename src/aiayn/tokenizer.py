@@ -41,7 +41,8 @@ PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 PIECES = {PAD_ID: "<pad>", UNK_ID: "<unk>", BOS_ID: "<s>", EOS_ID: "</s>"}  # their fixed piece names
 MODEL_TYPES = ("bpe", "unigram")
 JOINT_FILE, SRC_FILE, TGT_FILE = "spm.model", "src.spm.model", "tgt.spm.model"
-_CACHE_VERSION = 1  # bump when the training options below change, so stale cache entries are not reused
+_CACHE_VERSION = 2  # bump when the training options below change, so stale cache entries are not reused
+SPM_THREADS = 16  # SentencePiece training threads: a constant, since the model depends on it
 
 
 def _trainer_options(vocab_size: int, model_type: str) -> dict[str, Any]:
@@ -62,7 +63,9 @@ def _trainer_options(vocab_size: int, model_type: str) -> dict[str, Any]:
         remove_extra_whitespaces=True,
         hard_vocab_limit=False,
         input_sentence_size=0,  # use every sentence: sampling would make the model depend on a seed
-        num_threads=1,
+        # Threads change the merges SentencePiece picks (BPE: each count gives another model), so the
+        # count is fixed, not the machine's: every machine trains the same model, on all its cores up to 16.
+        num_threads=SPM_THREADS,
         minloglevel=2,  # SentencePiece logs every step to stderr otherwise
     )
 

@@ -521,6 +521,30 @@ class LineChunks:
                 return
 
 
+def inference_device(name: str, precision: str = "fp32", flag: str = "--device") -> torch.device:
+    """`--device`: auto (the GPU where there is one, else the CPU; the CPU for int8, which runs only
+    there), cpu, cuda or cuda:N; a device this machine lacks is one line, before any model is loaded."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() and precision != "int8" else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise AiaynError(f"{flag} {name}: expected auto, cpu, cuda or cuda:N")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise AiaynError(f"{flag} {name}: no CUDA device is available; use {flag} cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise AiaynError(f"{flag} {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+def add_device_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto",
+                   help="auto (a GPU where there is one), cpu, cuda or cuda:N; the torch engine only")
+
+
 def add_search_arguments(p: argparse.ArgumentParser) -> None:
     """The search flags shared by `aiayn translate` and `aiayn evaluate`."""
     p.add_argument("--beam", type=int, default=4, help="beam size (1 = greedy)")
@@ -537,6 +561,7 @@ def add_search_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=INFERENCE_PRECISIONS, default="fp32",
                    help="bf16: a bfloat16 copy of the model, faster on CPUs with AVX512-BF16; int8: linear layers "
                         "on int8 weights (CPU only) (docs/speed.md)")
+    add_device_argument(p)
 
 
 def add_stop_rule_argument(p: argparse.ArgumentParser) -> None:
@@ -631,19 +656,23 @@ def _sigint_deferred() -> Iterator[None]:
 
 def run(args: argparse.Namespace) -> int:
     s = _settings(args)  # flags are checked before the model is loaded
+    ct2_engine = getattr(args, "engine", "torch") == "ctranslate2"
+    if ct2_engine and args.device not in ("auto", "cpu"):
+        raise AiaynError(f"--device {args.device}: the ctranslate2 engine runs on the CPU here; use --engine torch")
+    device = inference_device(args.device, args.precision)
     src, close_in = _open_input(args.input)
     out: IO[bytes] | None = None
     close_out = False
     done = 0
     try:
         _check_output(args.output, src)
-        if getattr(args, "engine", "torch") == "ctranslate2":
+        if ct2_engine:
             translator: Any = CT2Translator.from_path(args.checkpoint, precision=args.precision)
         else:
             if all(os.path.isfile(os.path.join(args.checkpoint, f)) for f in ("model.bin", "aiayn.json")):
                 raise AiaynError(f"{args.checkpoint} is a CTranslate2 export (aiayn export --to ctranslate2); "
                                  "add --engine ctranslate2")
-            translator = Translator.from_checkpoint(args.checkpoint, precision=args.precision)
+            translator = Translator.from_checkpoint(args.checkpoint, precision=args.precision, device=str(device))
         out, close_out = _open_output(args.output)  # only now: a failed start leaves an old file as it was
         name = "<stdin>" if args.input == "-" else args.input
         for chunk in LineChunks(src, name, args.chunk_lines):

@@ -34,6 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from aiayn.translate import add_stop_rule_argument  # here: torch is imported only when serve runs
 
     add_stop_rule_argument(p)
+    p.add_argument("--device", default="auto", help="auto (a GPU where there is one), cpu, cuda or cuda:N")
     p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens, help="source tokens per batch")
     p.add_argument("--max-wait-ms", type=float, default=d.max_wait_ms,
                    help="how long a batch may wait for more lines, after its oldest line arrived or the previous batch "
@@ -117,8 +118,10 @@ def _signals_end_quietly() -> Iterator[None]:
             signal.signal(s, handler)
 
 
-def load(checkpoint: str, precision: str, stop_rule: str | None = None) -> tuple[Any, tuple[str, str], str]:
-    """The server's translator (its own model, frozen once), the language pair and the checkpoint path."""
+def load(checkpoint: str, precision: str, stop_rule: str | None = None,
+         device: str = "cpu") -> tuple[Any, tuple[str, str], str]:
+    """The server's translator (its own model, frozen once, on `device`), the language pair and the
+    checkpoint path."""
     from aiayn.checkpoint import load_checkpoint, resolve_checkpoint
     from aiayn.serve.batch import refuse_long
     from aiayn.translate import Translator
@@ -128,12 +131,15 @@ def load(checkpoint: str, precision: str, stop_rule: str | None = None) -> tuple
     if not (isinstance(train.get("src"), str) and isinstance(train.get("tgt"), str)):
         raise AiaynError(f"{ckpt.path}/config.json names no source and target language (train.src, train.tgt)")
     rule = {"stop_rule": stop_rule} if stop_rule else {}
-    translator = Translator.from_loaded(ckpt, precision=precision, note=refuse_long, **rule)
+    translator = Translator.from_loaded(ckpt, precision=precision, device=device, note=refuse_long, **rule)
     return translator, (train["src"], train["tgt"]), str(ckpt.path)
 
 
 def run(args: argparse.Namespace) -> int:
+    from aiayn.translate import inference_device
+
     limits = _limits(args)
+    device = inference_device(args.device, args.precision)
     # Decoding meets new shapes at nearly every step (rows = live sentences x beams): uncapped,
     # a server grows steadily; capped it stays flat at the same speed (docs/serving.md).
     memory.cap_onednn_caches()
@@ -143,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
         from aiayn.serve.app import create_app
     except ImportError as e:
         raise AiaynError(f"aiayn serve needs {e.name}: pip install 'aiayn[serve]'") from None
-    translator, (src, tgt), path = load(args.checkpoint, args.precision, args.stop_rule)
+    translator, (src, tgt), path = load(args.checkpoint, args.precision, args.stop_rule, str(device))
     app = create_app(translator, limits, (src, tgt), checkpoint=path)
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
