@@ -27,10 +27,9 @@ NODE_RANK=${NODE_RANK:-0}
 MASTER=${MASTER:-127.0.0.1:29500}
 NPROC=${NPROC:-$(nvidia-smi -L 2>/dev/null | wc -l)}
 [ "$NPROC" -ge 1 ] || { echo "no GPU found; set NPROC" >&2; exit 2; }
-# The configs hold 3,500 padded positions x 8 GPUs (~25k tokens a side per step, as in the paper):
-# fewer GPUs accumulate more batches per step.
-GPUS=$((NNODES * NPROC))
-UPDATE_FREQ=${UPDATE_FREQ:-$(( GPUS >= 8 ? 1 : (8 + GPUS - 1) / GPUS ))}
+# The configs hold tokens_per_update = 28,000 (~25k tokens a side per step, as in the paper): train
+# derives --update-freq from it for NNODES x NPROC GPUs. MAX_TOKENS: padded positions per batch per GPU.
+MAX_TOKENS=${MAX_TOKENS:-3500}
 
 echo "== 1. download WMT14 en-de into $DATA/wmt14"
 $AIAYN download --data wmt14 --src en --tgt de --data-dir "$DATA"
@@ -38,11 +37,11 @@ $AIAYN download --data wmt14 --src en --tgt de --data-dir "$DATA"
 echo "== 2. prepare $BIN"
 $AIAYN prepare --data wmt14 --src en --tgt de --data-dir "$DATA" --vocab-size 37000 --max-len 256 --out "$BIN"
 
-echo "== 3. train $MODEL on $NNODES x $NPROC GPUs, --update-freq $UPDATE_FREQ"
+echo "== 3. train $MODEL on $NNODES x $NPROC GPUs, --max-tokens $MAX_TOKENS per GPU"
 python -m torch.distributed.run --nnodes "$NNODES" --nproc_per_node "$NPROC" --node_rank "$NODE_RANK" \
   --rdzv_backend c10d --rdzv_endpoint "$MASTER" --rdzv_id "aiayn-wmt14-$MODEL" \
   -m aiayn train --config "configs/wmt14-en-de-$MODEL.toml" --data-bin "$BIN" --out "$RUN" \
-  --update-freq "$UPDATE_FREQ" --resume
+  --max-tokens "$MAX_TOKENS" --resume
 
 [ "$NODE_RANK" = 0 ] || exit 0
 

@@ -203,6 +203,7 @@ class TrainConfig:
     max_len: int = 256  # subword tokens per side; longer pairs are skipped or truncated
     long: str = "skip"
     update_freq: int = 1  # batches accumulated per optimizer step
+    tokens_per_update: int = 0  # padded positions per step over all processes; sets update_freq (0: off)
     # the recipe
     lr_factor: float = 1.0
     warmup: int = 4000
@@ -241,6 +242,7 @@ class TrainConfig:
         need(self.max_len >= 1, "max_len", "must be at least 1")
         need(self.long in ("skip", "truncate"), "long", "must be 'skip' or 'truncate'")
         need(self.update_freq >= 1, "update_freq", "must be at least 1")
+        need(self.tokens_per_update >= 0, "tokens_per_update", "must be 0 (off) or positive")
         need(self.lr_factor > 0, "lr_factor", "must be positive")
         need(self.warmup >= 1, "warmup", "must be a positive number of steps")
         need(self.warmup <= 10**12, "warmup", "must be at most 10^12 steps")

@@ -106,6 +106,8 @@ _HELP = {
     "max_len": "longest pair in subword tokens per side",
     "long": "what to do with longer pairs: skip or truncate",
     "update_freq": "batches accumulated per optimizer step",
+    "tokens_per_update": "padded positions per optimizer step over all processes: sets --update-freq to "
+                         "N / (--max-tokens x processes), rounded: the same step on any number of GPUs (0: off)",
     "lr_factor": "factor in lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)",
     "warmup": "warm-up steps of the learning-rate schedule",
     "cooldown": "the last N steps up to --max-steps ramp the learning rate linearly down (to 1/N of it on the "
@@ -723,6 +725,7 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
         info(f"nothing to resume in {tc.out}; starting a new run")
     if resume:
         tc.check_cooldown()  # on the settings the run continues with (a fresh run was checked above)
+    tc = with_update_freq(tc, d.world)
     if tc.threads:
         torch.set_num_threads(tc.threads)
     run = _set_up(preset_name, model_over, tc, loaded, d, info)
@@ -917,6 +920,21 @@ def _set_up(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, loade
                                                    indent=2) + "\n", encoding="utf-8")
     _describe(run, info)
     return run
+
+
+def with_update_freq(tc: TrainConfig, world: int) -> TrainConfig:
+    """--tokens-per-update N: update_freq = N / (max_tokens x world) to the nearest whole number (at
+    least 1), so a step holds about N padded positions on any number of processes. Where one batch
+    per process already holds more than N, the step would grow with the world: refused, naming the
+    --max-tokens that fits."""
+    if not tc.tokens_per_update:
+        return tc
+    per_round = tc.max_tokens * world
+    if per_round > tc.tokens_per_update:
+        raise AiaynError(f"--tokens-per-update {tc.tokens_per_update}: {world} processes x --max-tokens "
+                         f"{tc.max_tokens} already take {per_round} per step; use --max-tokens "
+                         f"{max(2, tc.tokens_per_update // world)} or less (or a larger --tokens-per-update)")
+    return tc.replace(update_freq=max(1, math.floor(tc.tokens_per_update / per_round + 0.5)))
 
 
 def _precision(tc: TrainConfig, loaded: ckpt.Checkpoint | None, d: Dist) -> str:
