@@ -7,6 +7,7 @@ import json
 import random
 import shutil
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -256,6 +257,76 @@ def test_fp16_counts_only_the_updates_it_applies(monkeypatch):
     assert tr.opt.param_groups[0]["lr"] == pytest.approx(tr.lr(tr.step))  # the schedule of the applied steps
     assert int(next(iter(tr.opt.state.values()))["step"]) == tr.step  # Adam counted the same updates
     assert tr.state()["skipped"] == tr.skipped
+
+
+def _step_as_before(tr: T.Trainer, batches: list[Batch]) -> tuple[float, int]:
+    """train_step as it was before the host syncs went (a float() per batch, a per-parameter scale loop)."""
+    tr.model.train()
+    tr.opt.zero_grad(set_to_none=True)
+    total, tokens = 0.0, 0
+    for batch in batches:
+        loss = tr.model(batch.src, batch.tgt_in, batch.tgt_out)
+        loss.backward()
+        total += float(loss.detach())
+        tokens += int(batch.n_tgt_tokens)
+    tr.step += 1
+    for g in tr.opt.param_groups:
+        g["lr"] = tr.lr(tr.step)
+    for p in tr.base.parameters():
+        if p.grad is not None:
+            p.grad.mul_(1 / max(tokens, 1))
+    tr.opt.step()
+    return total / max(tokens, 1), tokens
+
+
+def test_one_host_read_per_update_and_bitwise_the_same_update(monkeypatch):
+    """The loss is summed on the device and read once per update; the weights, the loss and the token
+    count are bitwise what the per-batch reads gave."""
+    ex = _examples(24)
+    cfg = preset("tiny", src_vocab_size=40, tgt_vocab_size=40, dropout=0.0)
+    steps = [[collate(ex, list(range(s + i * 3, s + i * 3 + 3))) for i in range(2)] for s in (0, 6, 12, 18)]
+    trainers, results = [], []
+    for how in ("now", "before"):
+        torch.manual_seed(3)
+        tr = T.Trainer(Transformer(cfg), TrainConfig(update_freq=2, warmup=4), T.Dist(), "fp32")
+        results.append([tr.train_step(b) if how == "now" else _step_as_before(tr, b) for b in steps[:3]])
+        trainers.append(tr)
+    assert results[0] == results[1]
+    w = [tr.base.state_dict() for tr in trainers]
+    assert all(torch.equal(w[0][k], w[1][k]) for k in w[0])
+    reads = []
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _r=real, _n=name: reads.append(_n) or _r(self, *a))
+    trainers[0].train_step(steps[3])
+    assert reads == ["tolist"]  # before: a float() per batch, and more
+
+
+def test_prefetch_keeps_order_hands_over_errors_and_stops_early():
+    feed = T.Prefetch(iter([[1], [2], [3]]), pin=False)
+    assert list(feed) == [[1], [2], [3]]
+    feed.close()
+
+    def failing() -> Iterator[list[int]]:
+        yield [1]
+        raise AiaynError("bad batch")
+
+    feed = T.Prefetch(failing(), pin=False)
+    assert next(feed) == [1]
+    with pytest.raises(AiaynError, match="bad batch"):
+        next(feed)
+    feed.close()
+    made = []
+
+    def endless() -> Iterator[list[int]]:
+        while True:
+            made.append(1)
+            yield [len(made)]
+
+    feed = T.Prefetch(endless(), pin=False, ahead=2)
+    assert next(feed) == [1]
+    feed.close()  # the thread ends although items remain
+    assert len(made) <= 5
 
 
 # ------------------------------------------------------------------------------------ the loop

@@ -27,10 +27,12 @@ import dataclasses
 import json
 import math
 import os
+import queue
 import random
 import shlex
 import signal
 import sys
+import threading
 import time
 import tomllib
 from dataclasses import dataclass, field
@@ -264,6 +266,12 @@ class Dist:
         dist.all_reduce(t)
         return float(t.item())
 
+    def sum_(self, t: Tensor) -> Tensor:
+        """`t` summed over the ranks, in place (one all-reduce, no host read)."""
+        if self.world > 1:
+            dist.all_reduce(t)
+        return t
+
     def agree(self, fn: Callable[[], T]) -> T:
         """fn() on every rank; if it raises AiaynError on any rank, every rank raises that one line
         (a check that fails on one machine only must not leave the others waiting in a collective).
@@ -426,6 +434,53 @@ def rank_batches(corpus: Corpus, tc: TrainConfig, epoch: int, d: Dist) -> Batche
     return for_rank(corpus, tc, epoch, d.rank, d.world)
 
 
+class Prefetch:
+    """The items of `items` built up to `ahead` in advance on a background thread: collating from the
+    memory maps is host work the device need not wait for. With `pin`, each batch is put in
+    page-locked memory, so that `Batch.to(cuda, non_blocking=True)` overlaps the copy with compute."""
+
+    _END = object()
+
+    def __init__(self, items: Iterator[list[Any]], pin: bool, ahead: int = 2) -> None:
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=ahead)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._fill, args=(items, pin), daemon=True)
+        self._thread.start()
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _fill(self, items: Iterator[list[Any]], pin: bool) -> None:
+        try:
+            for item in items:
+                if not self._put([b.pin_memory() for b in item] if pin else item):
+                    return
+            self._put(self._END)
+        except BaseException as e:  # handed to the consumer, raised there
+            self._put(e)
+
+    def __iter__(self) -> "Prefetch":
+        return self
+
+    def __next__(self) -> list[Any]:
+        item = self._queue.get()
+        if item is self._END:
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        return cast(list[Any], item)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 # ---------------------------------------------------------------------------------------- trainer
 
 
@@ -485,12 +540,15 @@ class Trainer:
 
     def train_step(self, batches: list[Batch]) -> tuple[float, int]:
         """One update from `batches` (this rank's share); returns (loss per target token, tokens) of the
-        whole update over all ranks."""
+        whole update over all ranks. The host waits for the device once per update, not per batch:
+        the loss is summed on the device (in float64, as Python's float summed it before) and read,
+        with the token count, after one all-reduce."""
         self.model.train()
         self.opt.zero_grad(set_to_none=True)
-        total_loss, tokens = 0.0, 0
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.d.device)
+        tokens = 0
         for i, batch in enumerate(batches):
-            batch = batch.to(self.d.device)
+            batch = batch.to(self.d.device, non_blocking=True)  # from pinned memory on CUDA (`Prefetch`)
             sync = i == len(batches) - 1 or self.d.world == 1
             no_sync = getattr(self.model, "no_sync", None)  # DistributedDataParallel's
             ctx = no_sync() if not sync and no_sync is not None else contextlib.nullcontext()
@@ -498,18 +556,19 @@ class Trainer:
                 with self.autocast():
                     loss = self.model(batch.src, batch.tgt_in, batch.tgt_out)
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
-            total_loss += float(loss.detach())
-            tokens += int(batch.n_tgt_tokens)
-        total_loss, all_tokens = self.d.sum(total_loss), int(self.d.sum(float(tokens)))
+            loss_sum += loss.detach().double()
+            tokens += int(batch.n_tgt_tokens)  # counted on the host by collate: no device read
+        # a fill, not a copy from the host (which would wait for the device)
+        count = torch.full((), float(tokens), dtype=torch.float64, device=self.d.device)
+        total_loss, all_tokens_f = self.d.sum_(torch.stack([loss_sum, count])).tolist()  # the one host read
+        all_tokens = int(all_tokens_f)
         for g in self.opt.param_groups:
             g["lr"] = self.lr(self.step + 1)
         if self.scaler:
             self.scaler.unscale_(self.opt)
         # DDP averaged the gradient sums over ranks; turn them into the mean over all target tokens.
         scale = self.d.world / max(all_tokens, 1)
-        for p in self.base.parameters():
-            if p.grad is not None:
-                p.grad.mul_(scale)
+        torch._foreach_mul_([p.grad for p in self.base.parameters() if p.grad is not None], scale)  # one launch
         if self.tc.clip_norm > 0:
             torch.nn.utils.clip_grad_norm_(self.base.parameters(), self.tc.clip_norm)
         if self.scaler:
@@ -1017,10 +1076,26 @@ def _train_epoch(run: Run, stopper: Stopper, bar: Any) -> None:
     tc, trainer, d = run.tc, run.trainer, run.d
     mine = rank_batches(run.corpus, tc, run.epoch, d)
     source_eos = run.model.cfg.source_eos
+    groups = (mine[p : p + tc.update_freq] for p in range(run.pos, len(mine), tc.update_freq))
+    feed = Prefetch(([run.corpus.train.collate(idx, tc.max_len, source_eos) for idx in g] for g in groups),
+                    pin=d.device.type == "cuda")
+    try:
+        _take_steps(run, stopper, bar, mine, feed)
+    finally:
+        feed.close()
+    if run.pos >= len(mine):
+        _end_epoch(run, bar)
+        # time may run out while validating: stop with the model just scored, not one step after it
+        run.stop_reason = run.stop_reason or _stop_reason_after_step(run, stopper)
+
+
+def _take_steps(run: Run, stopper: Stopper, bar: Any, mine: Batches, feed: Prefetch) -> None:
+    """Steps on the prefetched batch groups of the epoch until it ends or a limit is met."""
+    tc, trainer, d = run.tc, run.trainer, run.d
     while run.pos < len(mine) and not run.stop_reason:
-        group = mine[run.pos : run.pos + tc.update_freq]
-        loss, ntok = trainer.train_step([run.corpus.train.collate(idx, tc.max_len, source_eos) for idx in group])
-        run.pos += len(group)
+        batches = next(feed)
+        loss, ntok = trainer.train_step(batches)
+        run.pos += len(batches)
         run.tokens_seen += ntok
         now, (window_tokens, window_t) = time.time(), run.window
         window_tokens += ntok
@@ -1046,10 +1121,6 @@ def _train_epoch(run: Run, stopper: Stopper, bar: Any) -> None:
         if run.pos < len(mine) and (run.stop_reason or periodic):
             # a run stopped by a limit ends with the model it translates with: score that one too
             run.save(best=run.stop_reason.startswith("reached") and _validate(run, bar, epoch_end=False))
-    if run.pos >= len(mine):
-        _end_epoch(run, bar)
-        # time may run out while validating: stop with the model just scored, not one step after it
-        run.stop_reason = run.stop_reason or _stop_reason_after_step(run, stopper)
 
 
 def _stop_reason_after_step(run: Run, stopper: Stopper) -> str:

@@ -238,6 +238,11 @@ class Batch:
             self.n_tgt_tokens,
         )
 
+    def pin_memory(self) -> "Batch":
+        """The batch in page-locked memory, so that a copy to a GPU can run beside the compute."""
+        return Batch(self.src.pin_memory(), self.tgt_in.pin_memory(), self.tgt_out.pin_memory(), self.indices,
+                     self.n_tgt_tokens)
+
     def __len__(self) -> int:
         return int(self.src.size(0))
 
