@@ -173,7 +173,7 @@ def test_two_machines_with_their_own_out_prepare_train_and_resume_together(tmp_p
     train_cli(tiny_args(corpus, one, *EXTRA, "--update-freq", "2"))
 
     outs = [tmp_path / "machine0" / "run", tmp_path / "machine1" / "run"]
-    half = ["--max-steps", str(STEPS // 2), "--log-every", "1", "--save-every", "0"]
+    half = ["--max-steps", str(STEPS // 2), *EXTRA[2:]]  # the run's own settings, a shorter stop
     first = _two_machines(tmp_path, outs, half, "first")
     assert all("error" not in p and "Traceback" not in p for p in first), "".join(p[-3000:] for p in first)
     assert (outs[0] / f"step_{STEPS // 2}").is_dir() and not (outs[1] / f"step_{STEPS // 2}").exists()
