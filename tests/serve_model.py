@@ -38,9 +38,12 @@ def _batch(pairs: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torc
     return src, tgt_in, tgt_out
 
 
-def train_tiny(path: Path, steps: int = 600) -> Path:
+def train_tiny(path: Path, steps: int = 600, reverse: bool = False) -> Path:
+    """de->en, or en->de with `reverse` (a second pair for the servers of several models)."""
     rng = random.Random(0)
     corpus = [sentence(rng) for _ in range(2000)]
+    if reverse:
+        corpus = [(t, s) for s, t in corpus]
     tok = Tokenizer.train([s for pair in corpus for s in pair], 360)
     torch.manual_seed(0)
     cfg = preset("tiny", src_vocab_size=tok.vocab_size, tgt_vocab_size=tok.vocab_size, max_positions=64)
@@ -59,13 +62,13 @@ def train_tiny(path: Path, steps: int = 600) -> Path:
     finally:
         torch.set_num_threads(threads)
     save_checkpoint(path, model.eval(), TokenizerPair(tok, tok, joint=True),
-                    {"train": {"src": "de", "tgt": "en"}, "step": steps})
+                    {"train": {"src": "en" if reverse else "de", "tgt": "de" if reverse else "en"}, "step": steps})
     return path
 
 
-def tiny_checkpoint(base: Path) -> Path:
-    """The session's checkpoint (trained on first use)."""
-    path = base / "serve-tiny" / "best"
+def tiny_checkpoint(base: Path, reverse: bool = False) -> Path:
+    """The session's de->en checkpoint, or its en->de twin (each trained on first use)."""
+    path = base / ("serve-tiny-en-de" if reverse else "serve-tiny") / "best"
     if not (path / "config.json").is_file():
-        train_tiny(path)
+        train_tiny(path, reverse=reverse)
     return path

@@ -164,7 +164,8 @@ def test_libre_string_list_and_alternatives(client, reference):
     body = r.json()
     nbest = reference.search(["rot blau", "eine Frau sitzt"], beam=4, nbest=3)
     assert body["translatedText"] == [nb[0][0] for nb in nbest]
-    assert body["alternatives"] == [[text for text, _ in nb[1:]] for nb in nbest]
+    # distinct, and never a copy of the translation itself
+    assert body["alternatives"] == [list(dict.fromkeys(t for t, _ in nb[1:] if t != nb[0][0])) for nb in nbest]
     r = client.post("/translate", json={"q": "ein Mann läuft\nrot blau", "source": "de", "target": "en",
                                         "api_key": "ignored", "alternatives": 1})
     assert r.json()["translatedText"] == "\n".join(reference.translate(["ein Mann läuft", "rot blau"]))
@@ -186,8 +187,9 @@ def test_libre_languages(client):
 
 def test_libre_wrong_pair_is_400_naming_the_served_pair(client):
     r = client.post("/translate", json={"q": "hallo", "source": "en", "target": "fr"})
-    assert r.status_code == 400
-    assert "translates de to en only" in r.json()["error"] and "'fr'" in r.json()["error"]
+    assert r.status_code == 400 and r.json() == {"error": "fr is not supported; it translates de to en"}
+    r = client.post("/translate", json={"q": "hallo", "source": "en", "target": "de"})
+    assert r.status_code == 400 and r.json()["error"].endswith("; it translates de to en")
 
 
 # ------------------------------------------------------------------------------------ errors
@@ -202,12 +204,6 @@ def test_libre_wrong_pair_is_400_naming_the_served_pair(client):
     ("/v1/translate", {"text": ["a"], "beam": 2, "nbest": 3}, "nbest"),
     ("/v1/translate", {"text": ["a"], "alpha": -1}, "alpha"),
     ("/v1/translate", {"text": ["a"], "colour": "red"}, "colour"),
-    ("/translate", {"source": "de", "target": "en"}, "q"),
-    ("/translate", {"q": "a", "source": "de", "target": "en", "format": "html"}, "format"),
-    ("/translate", {"q": "a", "source": "de", "target": "en", "alternatives": 9}, "alternatives"),
-    ("/translate", {"q": 3, "source": "de", "target": "en"}, "q"),
-    ("/translate", b"[1, 2", "body"),
-    ("/translate", b'["q"]', "body"),
 ])
 def test_422_names_the_field(client, path, body, field):
     kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
@@ -222,7 +218,7 @@ def test_413_for_long_lines_and_bodies_411_without_length(client, ckpt):
     r = client.post("/v1/translate", json={"text": [" ".join(["rot"] * 70)]})  # max_positions is 64
     assert r.status_code == 413 and "more source tokens than the model takes (64)" in r.json()["error"]
     r = client.post("/translate", json={"q": " ".join(["rot"] * 70), "source": "de", "target": "en"})
-    assert r.status_code == 413
+    assert r.status_code == 400 and r.json()["error"].startswith("Invalid request: sentence 0: more source tokens")
     with TestClient(make_app(ckpt, max_lines=3)) as c:
         r = ready(c).post("/v1/translate", json={"text": ["a"] * 4})
         assert r.status_code == 413 and "more than --max-lines 3" in r.json()["error"]

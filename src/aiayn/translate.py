@@ -250,6 +250,8 @@ class BaseTranslator:
     """The interface of both translators, `Translator` (torch) and `CT2Translator` (CTranslate2):
     `search` gives each input line its n-best (translation, score) list, `translate` the texts."""
 
+    note: Callable[[str], None]  # told about each line longer than the model takes
+
     def search(self, lines: Sequence[str], first_line: int = 1, **settings: Any) -> list[list[tuple[str, float]]]:
         raise NotImplementedError
 
@@ -577,6 +579,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_search_arguments(p)
     p.add_argument("--nbest", type=int, default=1, help="print N hypotheses per line as 'i ||| hyp ||| score'")
     p.add_argument("--chunk-lines", type=int, default=500, help="lines read, translated and flushed at a time")
+    p.add_argument("--split-sentences", nargs="?", const="", default=None, metavar="LANG",
+                   help="a line may be a paragraph: translate its sentences (split for language LANG, by default "
+                        "the checkpoint's source language) as one batch and join them with the line's own spacing")
     p.add_argument("--engine", choices=("torch", "ctranslate2"), default="torch",
                    help="ctranslate2: --checkpoint is a directory from `aiayn export --to ctranslate2` "
                         "(needs pip install 'aiayn[export]')")
@@ -589,7 +594,57 @@ def _settings(args: argparse.Namespace) -> Settings:
     s.check()
     if args.chunk_lines < 1:
         raise AiaynError(f"--chunk-lines must be positive, got {args.chunk_lines}")
+    if getattr(args, "split_sentences", None) is not None and s.nbest != 1:
+        raise AiaynError("--split-sentences gives one translation per line; use it with --nbest 1")
     return s
+
+
+def _source_language(args: argparse.Namespace) -> str:
+    """The language `--split-sentences` splits for: its LANG, else the checkpoint's source language."""
+    if args.split_sentences:
+        return str(args.split_sentences)
+    from aiayn.checkpoint import read_config, resolve_checkpoint
+
+    with contextlib.suppress(AiaynError, OSError, ValueError):
+        path = Path(args.checkpoint)
+        if (path / "aiayn.json").is_file():  # a CTranslate2 export: what it was made from
+            cfg = json.loads((path / "aiayn.json").read_text(encoding="utf-8"))
+        else:
+            cfg = read_config(resolve_checkpoint(path))
+        src = (cfg.get("train") or {}).get("src")
+        if isinstance(src, str) and src:
+            return src
+    raise AiaynError(f"{args.checkpoint} names no source language; give it: --split-sentences LANG (e.g. de)")
+
+
+def search_paragraphs(translator: BaseTranslator, lines: Sequence[str], language: str, first_line: int = 1,
+                      **settings: Any) -> list[str]:
+    """One translation per line, where a line may hold a paragraph: its sentences are translated as one
+    batch (so a line of 40 sentences is not cut at the model's length) and joined with the line's own
+    spacing. A note about a sentence names its input line."""
+    from aiayn.sentences import split
+
+    paragraphs = [split(line, language) for line in lines]
+    owner = [first_line + k for k, p in enumerate(paragraphs) for _ in p.sentences]  # sentence -> input line
+    note = translator.note
+    translator.note = lambda msg: note(_renumbered(msg, owner))
+    try:
+        found = translator.search([s for p in paragraphs for s in p.sentences], **settings)
+    finally:
+        translator.note = note
+    out, at = [], 0
+    for p in paragraphs:
+        out.append(one_line(p.join([nb[0][0] for nb in found[at:at + len(p.sentences)]])))
+        at += len(p.sentences)
+    return out
+
+
+def _renumbered(message: str, owner: Sequence[int]) -> str:
+    """A note about sentence k ("line k: ...", counted from 1) as one about its input line."""
+    head, sep, rest = message.partition(": ")
+    if sep and head.startswith("line ") and head[5:].isdigit() and 1 <= int(head[5:]) <= len(owner):
+        return f"line {owner[int(head[5:]) - 1]} (a sentence of it): {rest}"
+    return message
 
 
 def _open_input(name: str) -> tuple[BinaryIO, bool]:
@@ -675,9 +730,14 @@ def run(args: argparse.Namespace) -> int:
             translator = Translator.from_checkpoint(args.checkpoint, precision=args.precision, device=str(device))
         out, close_out = _open_output(args.output)  # only now: a failed start leaves an old file as it was
         name = "<stdin>" if args.input == "-" else args.input
+        language = _source_language(args) if getattr(args, "split_sentences", None) is not None else None
         for chunk in LineChunks(src, name, args.chunk_lines):
-            results = translator.search(chunk, first_line=done + 1, **vars(s))
-            text = b"".join(_format(done + k, nb, s.nbest) for k, nb in enumerate(results))
+            if language is not None:
+                paragraphs = search_paragraphs(translator, chunk, language, done + 1, **vars(s))
+                text = "".join(p + "\n" for p in paragraphs).encode("utf-8")
+            else:
+                results = translator.search(chunk, first_line=done + 1, **vars(s))
+                text = b"".join(_format(done + k, nb, s.nbest) for k, nb in enumerate(results))
             with _sigint_deferred():  # a chunk is written and counted whole, so the Ctrl-C message is exact
                 try:
                     out.write(text)

@@ -1,72 +1,73 @@
 """The HTTP app of `aiayn serve` (FastAPI): validate, count tokens, enqueue, answer.
 
-Endpoints: LibreTranslate's `POST /translate` (JSON or an HTML form) and `GET /languages`, so its
+Endpoints: LibreTranslate's (`aiayn.serve.libre`: /translate, /detect, /languages, ...), so its
 clients work unchanged; `POST /v1/translate` (n-best lists with scores, subword tokens on both sides,
 cross-attention on request); `GET /health` (200 once the model is warmed up), `GET /v1/info`,
 `GET /metrics` (Prometheus), `/docs` (OpenAPI) and `GET /`, the page in src/aiayn/serve/static/.
 
 Handlers never touch the model: lines go to `aiayn.serve.scheduler.Scheduler`, whose model thread runs
 `aiayn.serve.batch.run_batch` on `Translator.search`, so a line gets the translation `aiayn translate` gives it with the
-same settings, whatever shares its batch. Errors are JSON bodies `{"error": message}`: 400 a language
-pair the model does not serve or JSON nested too deeply, 408 a body not sent within --body-timeout,
-411/413 a body without length or too large, 413 a line over --max-chars or the model's length, more
-lines than --max-lines or more work than --max-work, 422 a malformed body (naming the field) or a
-beam / n-best over --max-beam / --max-nbest, 503 a full queue or a model still warming up (both with
-Retry-After). Lines are tokenized in a worker thread, not on the event loop: /health answers while
-a long request is read or tokenized.
+same settings, whatever shares its batch. One server may hold several models, one per language pair
+(`Model`); a request goes to the model of its pair (the first is the default of /v1). Errors are JSON
+bodies `{"error": message}` (LibreTranslate's endpoints use its codes, `aiayn.serve.libre`): 400 a
+language pair not served or JSON nested too deeply, 403 a bad API key (with --api-keys), 408 a body
+not sent within --body-timeout, 411/413 a body without length or too large, 413 a line over
+--max-chars or the model's length, more lines than --max-lines or more work than --max-work, 422 a
+malformed body (naming the field) or a beam / n-best over --max-beam / --max-nbest, 503 a full
+queue or a model still warming up (both with Retry-After). Lines are tokenized in a worker thread,
+not on the event loop: /health answers while a long request is read or tokenized.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import platform
 import time
 from collections.abc import AsyncIterator, Callable, Hashable, Mapping, MutableMapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from importlib import resources
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from aiayn import __version__, memory
+from aiayn.serve import libre
 from aiayn.serve.batch import DEFAULT_ALPHA, Key, LineTooLong, price, refuse_long, run_batch, warm_up
+from aiayn.serve.detect import Detector
+from aiayn.serve.errors import ApiError, Busy
+from aiayn.serve.libre import LANGUAGE_NAMES
 from aiayn.serve.scheduler import Limits, QueueFull, Scheduler
 
-LANGUAGE_NAMES = {"en": "English", "de": "German", "fr": "French", "cs": "Czech"}
-PATHS = ("/", "/translate", "/languages", "/v1/translate", "/v1/info", "/health", "/metrics", "/docs")
+__all__ = ["ApiError", "Busy", "LANGUAGE_NAMES", "Model", "create_app"]
+PATHS = ("/", "/translate", "/detect", "/languages", "/frontend/settings", "/spec", "/suggest", "/translate_file",
+         "/v1/translate", "/v1/info", "/health", "/metrics", "/docs")
 log = logging.getLogger("aiayn.serve")
 
 
-class ApiError(Exception):
-    """An error answered as `{"error": message}` (and `"field"` for a 422)."""
+@dataclass(frozen=True)
+class Model:
+    """One served model: its translator (`aiayn.translate.Translator`), language pair and checkpoint."""
 
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None, field: str = "") -> None:
-        super().__init__(message)
-        self.status, self.message, self.headers, self.field = status, message, headers, field
+    translator: Any
+    source: str
+    target: str
+    checkpoint: str = ""
+
+    @property
+    def pair(self) -> tuple[str, str]:
+        return self.source, self.target
 
 
 # ------------------------------------------------------------------------------------ schemas
-
-
-class LibreRequest(BaseModel):
-    """LibreTranslate's /translate fields (JSON or form); unknown fields are ignored, as there."""
-
-    q: str | list[str] = Field(description="text (lines are translated one by one) or a list of texts")
-    source: str = Field(description="source language code; must be the model's")
-    target: str = Field(description="target language code; must be the model's")
-    format: Literal["text"] = Field("text", description="only plain text is supported")
-    alternatives: int = Field(0, ge=0, le=15, description="alternative translations (n-best) to add")
-    api_key: str | None = Field(None, description="accepted and ignored")
 
 
 class TranslateRequest(BaseModel):
@@ -76,6 +77,8 @@ class TranslateRequest(BaseModel):
     alpha: float = Field(DEFAULT_ALPHA, ge=0, le=10, allow_inf_nan=False, description="length penalty")
     nbest: int = Field(1, ge=1, description="hypotheses per line, at most beam and the server's --max-nbest")
     attention: bool = Field(False, description="add each hypothesis's cross-attention (layers x target x source)")
+    source: str | None = Field(None, description="source language (default: the first model's)")
+    target: str | None = Field(None, description="target language (default: the first model's)")
 
 
 class Hypothesis(BaseModel):
@@ -214,11 +217,16 @@ def _invalid(errors: Sequence[Any]) -> JSONResponse:
 
 
 class Server:
-    """What the handlers share: the translator (read-only here), limits, scheduler and metrics."""
+    """What the handlers share: the models (read-only here), limits, keys, scheduler and metrics."""
 
-    def __init__(self, translator: Any, limits: Limits, languages: tuple[str, str], checkpoint: str) -> None:
-        translator.note = refuse_long  # the server refuses a line the translator would truncate
-        self.translator, self.limits, self.languages, self.checkpoint = translator, limits, languages, checkpoint
+    def __init__(self, models: Sequence[Model], limits: Limits, api_keys: frozenset[str] | None = None) -> None:
+        self.pairs = {m.pair: m for m in models}
+        for m in models:
+            m.translator.note = refuse_long  # the server refuses a line the translator would truncate
+        first = models[0]
+        self.translator, self.languages, self.checkpoint = first.translator, first.pair, first.checkpoint
+        self.limits, self.api_keys = limits, api_keys
+        self.detector = Detector([m.source for m in models])
         self.scheduler = Scheduler(self._work, limits.max_batch_tokens, limits.max_wait_ms / 1000, limits.max_queue,
                                    limits.max_share)
         self.metrics = Metrics(self.scheduler)
@@ -227,10 +235,39 @@ class Server:
         self.ready = False
         self.failure = ""
 
+    def model(self, pair: tuple[str, str] | None) -> Model:
+        """The model of `pair` (None: the first one); 400 naming the served pairs for another."""
+        if pair is None:
+            return self.pairs[self.languages]
+        if pair not in self.pairs:
+            raise ApiError(400, f"this server does not translate {pair[0]} to {pair[1]}; {self.served_pairs()}")
+        return self.pairs[pair]
+
+    def served_pairs(self) -> str:
+        return "it translates " + ", ".join(f"{s} to {t}" for s, t in self.pairs)
+
+    def targets(self) -> dict[str, list[str]]:
+        """Every served language -> the languages it translates to (sources first, then target-only ones)."""
+        out: dict[str, list[str]] = {}
+        for s, t in self.pairs:
+            out.setdefault(s, []).append(t)
+        for _, t in self.pairs:
+            out.setdefault(t, [])
+        return {lang: sorted(targets) for lang, targets in out.items()}
+
+    def check_key(self, key: Any) -> None:
+        """With --api-keys: 400 without a key, 403 with one not in the file (LibreTranslate's answers)."""
+        if self.api_keys is None:
+            return
+        if not key:
+            raise ApiError(400, "Please contact the server operator to get an API key")
+        if not isinstance(key, str) or key not in self.api_keys:
+            raise ApiError(403, "Invalid API key")
+
     def _work(self, key: Hashable, lines: list[str], early: Callable[[int, Any], None]) -> list[list[dict[str, Any]]]:
         assert isinstance(key, Key)  # the scheduler hands back the keys the handlers submitted
         start = time.perf_counter()
-        out = run_batch(self.translator, key, lines, early)
+        out = run_batch(self.pairs.get(key.pair, self.pairs[self.languages]).translator, key, lines, early)
         n = sum(len(nb[0]["tokens"]) for nb in out if nb)
         self.metrics.target_tokens.inc(n)
         self.metrics.tokens_per_s.set(n / max(time.perf_counter() - start, 1e-9))
@@ -243,28 +280,30 @@ class Server:
 
     async def warm_up(self) -> None:
         try:
-            await self.scheduler.call(warm_up, self.translator, self.limits.beam)
+            for m in self.pairs.values():
+                await self.scheduler.call(warm_up, m.translator, self.limits.beam)
             self.ready = True
         except Exception as e:  # reported by /health; the process stays up to say so
             log.exception("warm-up failed")
             self.failure = f"warm-up failed: {type(e).__name__}: {e}"
 
-    def source_ids(self, lines: Sequence[str]) -> list[list[int]]:
+    def source_ids(self, lines: Sequence[str], translator: Any = None) -> list[list[int]]:
         """Source ids per line; 413 for a line over --max-chars or the model's length."""
+        translator = translator or self.translator
         out = []
         for i, line in enumerate(lines):
             if len(line) > self.limits.max_chars:
                 raise ApiError(413, f"line {i}: {len(line)} characters, more than --max-chars {self.limits.max_chars}")
             try:
-                out.append(self.translator.encode([line])[0])
+                out.append(translator.encode([line])[0])
             except LineTooLong:
                 raise ApiError(413, f"line {i}: more source tokens than the model takes "
-                                    f"({self.translator.max_src_tokens})") from None
+                                    f"({translator.max_src_tokens})") from None
         return out
 
-    def check_work(self, ids: Sequence[list[int]], key: Key) -> None:
+    def check_work(self, ids: Sequence[list[int]], key: Key, translator: Any = None) -> None:
         """413 for a request that asks for more work than --max-work (`aiayn.serve.batch.price`)."""
-        layers = self.translator.model.cfg.decoder_layers
+        layers = (translator or self.translator).model.cfg.decoder_layers
         work = sum(price(len(x), key, layers) for x in ids)
         if work > self.limits.max_work:
             raise ApiError(413, f"the request asks for {work} token slots of work, more than --max-work "
@@ -278,12 +317,13 @@ class Server:
             raise ApiError(503, self.failure or "the model is warming up; retry shortly", {"Retry-After": "1"})
         if len(lines) > self.limits.max_lines:
             raise ApiError(413, f"{len(lines)} lines in one request, more than --max-lines {self.limits.max_lines}")
-        ids = await asyncio.to_thread(self.source_ids, lines)  # a long request's tokenization: not on the loop
-        self.check_work(ids, key)
+        translator = self.model(key.pair).translator
+        ids = await asyncio.to_thread(self.source_ids, lines, translator)  # a long request's tokenization: not on the loop
+        self.check_work(ids, key, translator)
         try:
             job = self.scheduler.submit(key, lines, [len(x) for x in ids])
         except QueueFull as e:
-            raise ApiError(503, f"the server is busy ({e}); retry shortly", {"Retry-After": "1"}) from None
+            raise Busy(f"the server is busy ({e}); retry shortly") from None
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({job.future, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -304,9 +344,16 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def create_app(translator: Any, limits: Limits, languages: tuple[str, str], checkpoint: str = "") -> FastAPI:
-    """The app serving `translator` (a `aiayn.translate.Translator`) for the pair `languages`."""
-    srv = Server(translator, limits, languages, checkpoint)
+def create_app(models: Any, limits: Limits, languages: tuple[str, str] | None = None, checkpoint: str = "", *,
+               api_keys: frozenset[str] | None = None, cors_origins: Sequence[str] = ()) -> FastAPI:
+    """The app serving `models` (`Model`s, one per language pair), or one translator (a
+    `aiayn.translate.Translator`) for the pair `languages`. `api_keys`: the keys a request must
+    name (None: none asked); `cors_origins`: the web origins whose pages may call the API."""
+    if not isinstance(models, (list, tuple)):
+        if languages is None:
+            raise ValueError("create_app(translator, ...) needs the pair it translates: languages=(source, target)")
+        models = [Model(models, languages[0], languages[1], checkpoint)]
+    srv = Server(models, limits, api_keys)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -315,13 +362,19 @@ def create_app(translator: Any, limits: Limits, languages: tuple[str, str], chec
         await asyncio.gather(warming, return_exceptions=True)
         await srv.scheduler.close()  # uvicorn has drained the requests in flight by now
 
+    pairs = ", ".join(f"{s}->{t}" for s, t in srv.pairs)
     app = FastAPI(title="aiayn", version=__version__, lifespan=lifespan,
-                  description=f"Translation {languages[0]}->{languages[1]} with a Transformer; batches across clients.")
+                  description=f"Translation {pairs} with a Transformer; batches across clients.")
     app.state.server = srv
     max_body = limits.max_lines * limits.max_chars * 4 + (1 << 16)  # UTF-8 and JSON overhead
     app.add_middleware(_Middleware, metrics=srv.metrics, max_body=max_body, body_timeout=limits.body_timeout_s)
+    if cors_origins:  # off by default: a page of another origin may not call the API
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"], max_age=600)
     _handlers(app)
-    _libre_routes(app, srv)
+    libre.routes(app, srv)
     _v1_routes(app, srv)
     _info_routes(app, srv)
     return app
@@ -341,95 +394,46 @@ def _handlers(app: FastAPI) -> None:
         return _error(e.status_code, str(e.detail), e.headers)
 
 
-def _check_pair(srv: Server, source: str, target: str) -> None:
-    src, tgt = srv.languages
-    if (source, target) != (src, tgt):
-        raise ApiError(400, f"this server translates {src} to {tgt} only (source={src!r}, target={tgt!r}); "
-                            f"got source={source!r}, target={target!r}")
-
-
-async def _libre_fields(request: Request) -> dict[str, Any]:
-    """The request's fields from an HTML form or a JSON object (LibreTranslate takes both)."""
-    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if kind in ("application/x-www-form-urlencoded", "multipart/form-data"):
-        form = await request.form()
-        return {k: (v[0] if len(v) == 1 else v) for k in form.keys() for v in [form.getlist(k)]}
-    try:
-        data = json.loads(await request.body())
-    except RecursionError:
-        raise ApiError(400, "body: JSON nested too deeply", field="body") from None
-    except ValueError:
-        raise ApiError(422, "body: not valid JSON (send a JSON object or an HTML form)", field="body") from None
-    if not isinstance(data, dict):
-        raise ApiError(422, "body: must be a JSON object", field="body")
-    return data
-
-
-_LIBRE_BODY = {"requestBody": {"required": True, "content": {
-    "application/json": {"schema": LibreRequest.model_json_schema()},
-    "application/x-www-form-urlencoded": {"schema": LibreRequest.model_json_schema()}}}}
-
-
-def _libre_routes(app: FastAPI, srv: Server) -> None:
-    @app.post("/translate", openapi_extra=_LIBRE_BODY, tags=["LibreTranslate"])
-    async def libre_translate(request: Request) -> JSONResponse:
-        """LibreTranslate's API: `{"translatedText": ..., "alternatives": [...]}` for `q` a string or a list."""
-        try:
-            req = LibreRequest.model_validate(await _libre_fields(request))
-        except ValidationError as e:
-            return _invalid(e.errors())
-        _check_pair(srv, req.source, req.target)
-        if req.alternatives > min(srv.limits.beam, srv.limits.max_nbest) - 1:
-            raise ApiError(422, f"alternatives: at most {min(srv.limits.beam, srv.limits.max_nbest) - 1} with beam "
-                                f"{srv.limits.beam} and --max-nbest {srv.limits.max_nbest}", field="alternatives")
-        texts = [req.q] if isinstance(req.q, str) else req.q
-        split = [t.replace("\r\n", "\n").split("\n") for t in texts]  # a text's lines, translated one by one
-        key = Key(srv.limits.beam, DEFAULT_ALPHA, req.alternatives + 1, False)
-        _, results = await srv.translate(request, [line for lines in split for line in lines], key)
-        best, alts, at = [], [], 0
-        for lines in split:
-            nbests = results[at:at + len(lines)]
-            at += len(lines)
-            best.append("\n".join(nb[0]["text"] for nb in nbests))
-            k_max = min(len(nb) for nb in nbests) if nbests else 1
-            alts.append(["\n".join(nb[k]["text"] for nb in nbests) for k in range(1, min(k_max, req.alternatives + 1))])
-        body: dict[str, Any] = {"translatedText": best[0] if isinstance(req.q, str) else best}
-        if req.alternatives:
-            body["alternatives"] = alts[0] if isinstance(req.q, str) else alts
-        return JSONResponse(body)
-
-    @app.get("/languages", tags=["LibreTranslate"])
-    async def languages() -> list[dict[str, Any]]:
-        """The languages as LibreTranslate lists them: the source with its one target, then the target."""
-        src, tgt = srv.languages
-        return [{"code": src, "name": LANGUAGE_NAMES.get(src, src), "targets": [tgt]},
-                {"code": tgt, "name": LANGUAGE_NAMES.get(tgt, tgt), "targets": []}]
-
-
 def _v1_routes(app: FastAPI, srv: Server) -> None:
     @app.post("/v1/translate", response_model=None, responses={200: {"model": TranslateResponse}})
     async def translate(req: TranslateRequest, request: Request) -> JSONResponse:
         """Per line: the n-best translations with scores, the subwords on both sides and, with
         `attention`, each hypothesis's cross-attention (per layer, target x source subwords)."""
+        srv.check_key(_bearer(request))
         beam = req.beam or srv.limits.beam
         if beam > srv.limits.max_beam:
             raise ApiError(422, f"beam: at most --max-beam {srv.limits.max_beam}, got {beam}", field="beam")
         if req.nbest > min(beam, srv.limits.max_nbest):
             raise ApiError(422, f"nbest: at most the beam size ({beam}) and --max-nbest {srv.limits.max_nbest}, "
                                 f"got {req.nbest}", field="nbest")
-        ids, results = await srv.translate(request, req.text, Key(beam, req.alpha, req.nbest, req.attention))
-        piece = srv.translator.tokenizers.src.id_to_piece
+        model = srv.model((req.source or srv.languages[0], req.target or srv.languages[1]))
+        key = Key(beam, req.alpha, req.nbest, req.attention, model.pair)
+        ids, results = await srv.translate(request, req.text, key)
+        piece = model.translator.tokenizers.src.id_to_piece
         lines = [{"source_tokens": [piece(i) for i in src], "hypotheses": hyps} for src, hyps in zip(ids, results)]
         return JSONResponse({"translations": lines, "beam": beam, "alpha": req.alpha})
+
+
+def _bearer(request: Request) -> str | None:
+    """The API key of an aiayn API request: `Authorization: Bearer KEY`, else `?api_key=KEY`."""
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    return key.strip() if scheme.lower() == "bearer" and key.strip() else request.query_params.get("api_key")
+
+
+def _describe(m: Model) -> dict[str, Any]:
+    """A served model for /v1/info: its pair, checkpoint, shape, precision and memory."""
+    model = m.translator.model
+    tensors = [*model.parameters(), *model.buffers()]
+    return {"languages": {"source": m.source, "target": m.target}, "checkpoint": m.checkpoint,
+            "model": {**asdict(model.cfg), "parameters": model.num_parameters()}, "precision": m.translator.precision,
+            "memory_mib": round(sum(t.numel() * t.element_size() for t in tensors) / 2**20, 2)}
 
 
 def _info_routes(app: FastAPI, srv: Server) -> None:
     import torch
 
-    model = srv.translator.model
-    info = {"languages": {"source": srv.languages[0], "target": srv.languages[1]}, "checkpoint": srv.checkpoint,
-            "model": {**asdict(model.cfg), "parameters": model.num_parameters()},
-            "precision": srv.translator.precision, "limits": asdict(srv.limits),
+    models = [_describe(m) for m in srv.pairs.values()]
+    info = {**models[0], "models": models, "limits": asdict(srv.limits),
             "versions": {"aiayn": __version__, "torch": torch.__version__, "python": platform.python_version()},
             "runtime": {"torch_threads": torch.get_num_threads(),
                         **{k.lower(): os.environ.get(k) for k in memory.ONEDNN_CACHES}}}

@@ -29,6 +29,7 @@ class Key(NamedTuple):
     alpha: float
     nbest: int
     attention: bool
+    pair: tuple[str, str] = ("", "")  # (source, target): the model that searches it (several may be served)
 
 
 class LineTooLong(AiaynError):

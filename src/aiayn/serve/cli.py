@@ -25,7 +25,9 @@ from aiayn.serve.scheduler import Limits
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = Limits()
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory, or a run directory (uses best/)")
+    p.add_argument("--checkpoint", required=True, action="append",
+                   help="checkpoint directory, or a run directory (uses best/); give it once per language pair to serve "
+                        "several (the first is the default of /v1 and of the page)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback by default)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on; 0: any free port (printed)")
     p.add_argument("--beam", type=int, default=d.beam, help="default beam size (1 = greedy)")
@@ -59,6 +61,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a client has to send a request body (more: 408, the connection is closed)")
     g.add_argument("--shutdown-timeout", type=int, default=d.shutdown_timeout_s,
                    help="on SIGINT/SIGTERM, seconds the requests in flight have to finish before they are cancelled")
+    p.add_argument("--api-keys", metavar="FILE", default=None,
+                   help="a file of API keys, one a line (# comments): every translation request must name one "
+                        "(LibreTranslate's api_key field; on /v1, Authorization: Bearer KEY). Default: no key asked")
+    p.add_argument("--cors-origins", default="", metavar="ORIGINS",
+                   help="comma-separated web origins (https://example.org, or *) whose pages may call the API from a "
+                        "browser; default: none (CORS off)")
 
 
 def _limits(args: argparse.Namespace) -> Limits:
@@ -118,6 +126,38 @@ def _signals_end_quietly() -> Iterator[None]:
             signal.signal(s, handler)
 
 
+def read_api_keys(path: str | None) -> frozenset[str] | None:
+    """The keys of --api-keys FILE: one a line, blank lines and # comments skipped; None without the flag."""
+    if path is None:
+        return None
+    try:
+        text = open(path, encoding="utf-8").read()
+    except OSError as e:
+        raise AiaynError(f"--api-keys {path}: cannot read ({e.strerror or e})") from None
+    except UnicodeDecodeError:
+        raise AiaynError(f"--api-keys {path}: not UTF-8 text; write one key a line") from None
+    keys = frozenset(k for k in (line.split("#", 1)[0].strip() for line in text.splitlines()) if k)
+    if not keys:
+        raise AiaynError(f"--api-keys {path}: no key in it; write one key a line")
+    return keys
+
+
+def load_models(checkpoints: list[str], precision: str, stop_rule: str | None = None,
+                device: str = "cpu") -> list[Any]:
+    """One `aiayn.serve.app.Model` per --checkpoint; two for one language pair are an error."""
+    from aiayn.serve.app import Model
+
+    models: list[Model] = []
+    for path in checkpoints:
+        translator, (src, tgt), where = load(path, precision, stop_rule, device)
+        same = [m.checkpoint for m in models if m.pair == (src, tgt)]
+        if same:
+            raise AiaynError(f"--checkpoint {path} translates {src} to {tgt}, as --checkpoint {same[0]} does; "
+                             "serve one model per language pair")
+        models.append(Model(translator, src, tgt, where))
+    return models
+
+
 def load(checkpoint: str, precision: str, stop_rule: str | None = None,
          device: str = "cpu") -> tuple[Any, tuple[str, str], str]:
     """The server's translator (its own model, frozen once, on `device`), the language pair and the
@@ -149,11 +189,14 @@ def run(args: argparse.Namespace) -> int:
         from aiayn.serve.app import create_app
     except ImportError as e:
         raise AiaynError(f"aiayn serve needs {e.name}: pip install 'aiayn[serve]'") from None
-    translator, (src, tgt), path = load(args.checkpoint, args.precision, args.stop_rule, str(device))
-    app = create_app(translator, limits, (src, tgt), checkpoint=path)
+    keys = read_api_keys(args.api_keys)
+    origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()]
+    models = load_models(args.checkpoint, args.precision, args.stop_rule, str(device))
+    app = create_app(models, limits, api_keys=keys, cors_origins=origins)
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
-    print(f"aiayn serve: {src}->{tgt} on http://{host}:{port}/ (ready once /health says so); "
+    pairs = ", ".join(f"{m.source}->{m.target}" for m in models)
+    print(f"aiayn serve: {pairs} on http://{host}:{port}/ (ready once /health says so); "
           "Ctrl-C or SIGTERM stops after the requests in flight", file=sys.stderr, flush=True)
     # limit_concurrency: past it uvicorn answers 503 before the app runs; timeout_graceful_shutdown:
     # a request still in flight then (a stalled upload, say) is cancelled, so SIGTERM always ends

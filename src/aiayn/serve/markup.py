@@ -1,0 +1,146 @@
+"""HTML in, HTML out: the text nodes of a fragment are translated, its markup is kept byte for byte.
+
+LibreTranslate's `format: "html"` (Mastodon sends every post so). The fragment is read with the
+standard library's `html.parser`, an HTML5-tolerant tokenizer (unclosed tags, bare `&`, attributes
+without quotes), chosen over lxml or BeautifulSoup because they re-serialize the tree (quotes,
+entity spellings and void tags come back rewritten) while the positions of the tokenizer's events
+let every tag, attribute, comment and entity be copied from the source as written.
+
+A text node is a run of text and character references between two tags. It is translated unless
+it has no letter, or lies inside an element whose text is not prose: `script`, `style`, `code`,
+`pre` (and the like), `translate="no"`, `class="notranslate"`, or the link parts Mastodon marks
+(`mention`, `hashtag`, `invisible`, `ellipsis`). Its translation is escaped back, each character that
+the source wrote as an entity (`&nbsp;`, `&#8217;`) written the same way again.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+from dataclasses import dataclass
+from html.parser import HTMLParser
+
+SKIP_TAGS = frozenset({"script", "style", "code", "pre", "kbd", "samp", "var", "template", "textarea", "svg", "math"})
+SKIP_CLASSES = frozenset({"notranslate", "mention", "hashtag", "invisible", "ellipsis"})
+VOID_TAGS = frozenset({"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source",
+                       "track", "wbr"})
+_ENTITY = re.compile(r"&(#[0-9]+;?|#[xX][0-9a-fA-F]+;?|[A-Za-z][A-Za-z0-9]*;?)")
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """An HTML fragment cut into raw pieces; the pieces at `slots` are text nodes to translate."""
+
+    pieces: tuple[str, ...]
+    slots: tuple[int, ...]
+    texts: tuple[str, ...]  # the decoded text of each slot's piece (entities resolved)
+
+    def render(self, translations: list[str]) -> str:
+        """The fragment with each text node replaced by its translation, the markup as it was."""
+        if len(translations) != len(self.slots):
+            raise ValueError(f"{len(translations)} translations for {len(self.slots)} text nodes")
+        out = list(self.pieces)
+        for slot, text in zip(self.slots, translations):
+            out[slot] = escape_like(text, self.pieces[slot])
+        return "".join(out)
+
+
+def escape_like(text: str, source: str) -> str:
+    """`text` escaped for HTML text, each character that `source` wrote as an entity written so again."""
+    spelled = {"&": "&amp;", "<": "&lt;", ">": "&gt;"}
+    for m in _ENTITY.finditer(source):
+        char = html.unescape(m.group(0))
+        if len(char) == 1 and char != m.group(0):
+            spelled[char] = m.group(0) if m.group(0).endswith(";") else m.group(0) + ";"
+    return "".join(spelled.get(c, c) for c in text)
+
+
+class _Events(HTMLParser):
+    """Records where each tokenizer event starts and whether text there is to be translated."""
+
+    def __init__(self, source: str) -> None:
+        super().__init__(convert_charrefs=False)
+        self.line_starts = [0] + [m.end() for m in re.finditer(r"\r\n|\r|\n", source)]
+        self.events: list[tuple[int, bool]] = []  # (offset, is translatable text)
+        self.open: list[tuple[str, bool]] = []  # (tag, its text is not prose)
+
+    def _at(self) -> int:
+        line, col = self.getpos()
+        return self.line_starts[line - 1] + col
+
+    def _skipping(self) -> bool:
+        return any(skip for _, skip in self.open)
+
+    def _mark(self, text: bool) -> None:
+        self.events.append((self._at(), text and not self._skipping()))
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self._mark(False)
+        if tag in VOID_TAGS:
+            return
+        a = dict(attrs)
+        classes = set((a.get("class") or "").split())
+        skip = tag in SKIP_TAGS or (a.get("translate") or "").lower() == "no" or bool(classes & SKIP_CLASSES)
+        self.open.append((tag, skip))
+
+    def handle_startendtag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self._mark(False)
+
+    def handle_endtag(self, tag: str) -> None:
+        self._mark(False)
+        for k in range(len(self.open) - 1, -1, -1):  # close up to the matching open tag, if any
+            if self.open[k][0] == tag:
+                del self.open[k:]
+                break
+
+    def handle_data(self, data: str) -> None:
+        self._mark(True)
+
+    def handle_entityref(self, name: str) -> None:
+        self._mark(True)
+
+    def handle_charref(self, name: str) -> None:
+        self._mark(True)
+
+    def handle_comment(self, data: str) -> None:
+        self._mark(False)
+
+    def handle_decl(self, decl: str) -> None:
+        self._mark(False)
+
+    def handle_pi(self, data: str) -> None:
+        self._mark(False)
+
+    def unknown_decl(self, data: str) -> None:
+        self._mark(False)
+
+
+def parse(source: str) -> Fragment:
+    """`source` cut into markup and text nodes; the pieces joined give `source` back exactly."""
+    parser = _Events(source)
+    parser.feed(source)
+    parser.close()
+    starts = [(0, False)] + parser.events + [(len(source), False)]
+    pieces: list[str] = []
+    slots: list[int] = []
+    texts: list[str] = []
+    run_start = None  # where the current run of text events began
+    for (start, text), (end, _) in zip(starts, starts[1:]):
+        if text and run_start is None:
+            run_start = start
+        if not text and run_start is not None:  # a run of text ends where markup begins
+            _add_text(source[run_start:start], pieces, slots, texts)
+            run_start = None
+        if not text and end > start:
+            pieces.append(source[start:end])
+    if run_start is not None:
+        _add_text(source[run_start:], pieces, slots, texts)
+    return Fragment(tuple(pieces), tuple(slots), tuple(texts))
+
+
+def _add_text(raw: str, pieces: list[str], slots: list[int], texts: list[str]) -> None:
+    decoded = html.unescape(raw)
+    if any(c.isalpha() for c in decoded):
+        slots.append(len(pieces))
+        texts.append(decoded)
+    pieces.append(raw)
