@@ -156,7 +156,7 @@ def test_a_paragraph_is_translated_sentence_by_sentence_with_its_own_spacing(cli
 
 def test_a_line_of_40_sentences_is_not_cut_at_the_models_length(client, de_en):
     line = " ".join(FORTY)  # 40 sentences, ~300 tokens; the model takes 64
-    assert len(de_en.encode([line])[0]) > de_en.max_src_tokens
+    assert len(de_en.tokenizers.src.encode(line)) > 4 * de_en.max_src_tokens
     r = post(client, {"q": line, "source": "de", "target": "en"})
     assert r.status_code == 200
     got = r.json()["translatedText"]
@@ -199,8 +199,10 @@ def test_html_keeps_the_markup_and_translates_the_text_nodes(client, de_en):
     def t(text):
         return de_en.translate([text])[0]
 
+    NBSP = "rot\xa0blau"  # &nbsp; read as the character it stands for
+
     want = (f'<p class="x">{t("ein Mann läuft & der Hund spielt").replace("&", "&amp;")}</p>'
-            f'<p>{t("rot blau").replace(" ", "&nbsp;")} <a href="https://e.org/@a" class="u-url mention">@<span>Hund'
+            f'<p>{t(NBSP)} <a href="https://e.org/@a" class="u-url mention">@<span>Hund'
             f'</span></a> <b>{t("eine Frau")}</b> {t("sitzt")}<br/></p><code>der Hund</code>')
     assert got == want
 
@@ -290,3 +292,56 @@ def test_frontend_settings_spec_and_disabled_endpoints(client):
     assert client.post("/suggest", data={"q": "a", "s": "b"}).json() == {"error": "Suggestions are disabled on this server."}
     r = client.post("/translate_file", data={"source": "de"})
     assert r.status_code == 403 and r.json() == {"error": "Files translation are disabled on this server."}
+
+
+# ------------------------------------------------------------------------------ the real process
+
+
+def test_a_real_server_of_two_pairs_with_keys_answers_libretranslates_clients(ckpts, tmp_path, de_en, en_de):
+    """`aiayn serve --checkpoint A --checkpoint B --api-keys FILE --cors-origins ...` on a free port, called
+    as libretranslatepy calls it (urllib, a urlencoded form) and as Mastodon does (JSON)."""
+    import urllib.parse
+    import urllib.request
+
+    from test_serve_process import Served
+
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# operators' keys\nsecret-1\n\nsecret-2  # the page\n", encoding="utf-8")
+    server = Served(ckpts[0], "--checkpoint", str(ckpts[1]), "--api-keys", str(keys),
+                    "--cors-origins", "https://a.example, https://b.example")
+    try:
+        server.wait_ready()
+        form = urllib.parse.urlencode({"q": "ein Mann läuft", "source": "de", "target": "en", "api_key": "secret-2"})
+        with urllib.request.urlopen(urllib.request.Request(server.url + "/translate", data=form.encode())) as r:
+            assert json.loads(r.read()) == {"translatedText": de_en.translate(["ein Mann läuft"])[0]}
+        import httpx
+
+        r = httpx.post(server.url + "/translate", json={"q": ["<p>a man runs</p>"], "source": "auto", "target": "de",
+                                                        "format": "html", "api_key": "secret-1"},
+                       headers={"Origin": "https://b.example"})
+        assert r.json() == {"translatedText": [f"<p>{en_de.translate(['a man runs'])[0]}</p>"],
+                            "detectedLanguage": [{"confidence": 100.0, "language": "en"}]}
+        assert r.headers["access-control-allow-origin"] == "https://b.example"
+        r = httpx.post(server.url + "/translate", json={"q": "a", "source": "en", "target": "de", "api_key": "x"})
+        assert r.status_code == 403
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--checkpoint", "{0}"], "translates de to en, as --checkpoint {0} does; serve one model per language pair"),
+    (["--api-keys", "{tmp}/none.txt"], "--api-keys {tmp}/none.txt: cannot read"),
+    (["--api-keys", "{tmp}/empty.txt"], "--api-keys {tmp}/empty.txt: no key in it"),
+])
+def test_bad_flags_are_one_line_errors(ckpts, tmp_path, flags, message):
+    import subprocess
+    import sys
+
+    from test_serve_process import _env
+
+    (tmp_path / "empty.txt").write_text("# nothing\n\n", encoding="utf-8")
+    fill = {"tmp": tmp_path}
+    args = [f.format(str(ckpts[0]), **fill) for f in flags]
+    p = subprocess.run([sys.executable, "-m", "aiayn", "serve", "--checkpoint", str(ckpts[0]), "--port", "0", *args],
+                       capture_output=True, text=True, env=_env(), timeout=120)
+    assert p.returncode == 2 and message.format(str(ckpts[0]), **fill) in p.stderr and "Traceback" not in p.stderr

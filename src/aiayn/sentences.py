@@ -57,7 +57,7 @@ def split(text: str, language: str) -> Paragraph:
     `language` is an ISO 639 code (`de`, `en`, ...); one the splitter does not know gets its
     generic rules. Every character of `text` is either in a sentence or in the whitespace kept
     around it: a sentence the splitter would have changed (it never should) is taken whole."""
-    lead, sentences, gaps = "", [], []
+    lead, sentences, gaps = "", list[str](), list[str]()
     for line in text.splitlines(keepends=True):
         at = 0
         for s in _sentences_of_line(line, language):
