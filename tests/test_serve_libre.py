@@ -49,7 +49,7 @@ def en_de(ckpts):
 def two_pair_app(ckpts, **kw):
     models = [Model(Translator.from_checkpoint(ckpts[0]), "de", "en", str(ckpts[0])),
               Model(Translator.from_checkpoint(ckpts[1]), "en", "de", str(ckpts[1]))]
-    return create_app(models, Limits(max_wait_ms=5, max_chars=kw.pop("max_chars", 3000), max_queue=200), **kw)
+    return create_app(models, Limits(max_wait_ms=5, max_chars=kw.pop("max_chars", 3000), max_queue=200, beam=kw.pop("beam", 4)), **kw)
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +124,17 @@ def test_alternatives_are_distinct_and_never_the_translation(client, de_en):
         assert best not in alts and len(set(alts)) == len(alts) and 1 <= len(alts) <= 3
         nbest = [t for t, _ in de_en.search([line], beam=4, nbest=4)[0]]
         assert alts == [t for t in dict.fromkeys(nbest[1:]) if t != best]
+
+
+def test_the_pages_three_alternatives_on_a_narrow_beam(ckpts, de_en):
+    """LibreTranslate's page always asks for 3: a beam of 2 gives what it has, not a 400."""
+    with TestClient(two_pair_app(ckpts, beam=2)) as c:
+        r = ready(c).post("/translate", data={"q": DE, "source": "de", "target": "en", "alternatives": "3"})
+        body = r.json()
+        assert r.status_code == 200 and body["translatedText"] == de_en.translate([DE], beam=2)[0]
+        assert len(body["alternatives"]) <= 1 and body["translatedText"] not in body["alternatives"]
+        r = c.post("/translate", json={"q": DE, "source": "de", "target": "en", "alternatives": 4})
+        assert r.status_code == 400 and r.json() == {"error": "Invalid request: alternatives parameter must be <= 3"}
 
 
 def test_a_full_queue_is_429_with_retry_after_and_a_long_sentence_400(ckpts, monkeypatch):

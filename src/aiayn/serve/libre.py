@@ -38,6 +38,7 @@ from aiayn.serve.detect import Detector, as_libre, detect_texts
 from aiayn.serve.errors import ApiError, Busy
 from aiayn.serve.scheduler import Limits
 
+ALTERNATIVES = 3  # LibreTranslate's default --alternatives-limit
 FRONTEND_TIMEOUT_MS = 500  # how long LibreTranslate's page waits after a key press before it translates
 LANGUAGE_NAMES = {"en": "English", "de": "German", "fr": "French", "cs": "Czech", "es": "Spanish", "it": "Italian",
                   "nl": "Dutch", "pt": "Portuguese", "ru": "Russian", "ro": "Romanian", "zh": "Chinese",
@@ -217,12 +218,16 @@ def routes(app: FastAPI, srv: Served) -> None:
         for t in texts:
             if len(t) > srv.limits.max_chars:
                 raise _bad(f"Invalid request: request ({len(t)}) exceeds text limit ({srv.limits.max_chars})")
-        alternatives = _alternatives(f, srv.limits.beam - 1)
+        # LibreTranslate's limit is 3 (its page always asks for 3); a beam of b has b - 1 to give
+        asked = _alternatives(f, max(ALTERNATIVES, srv.limits.beam - 1))
+        alternatives = min(asked, srv.limits.beam - 1)
         form = _text(f.get("format"), "format") or "text"
         if form not in ("text", "html"):
             raise _bad(f"{form} format is not supported")
         detected = await _sources(srv, texts, source, target)
-        pieces = [piece(t, (lang, target), form == "html") for t, (lang, _) in zip(texts, detected)]
+        html = form == "html"  # parsing and splitting a large request is work: off the event loop
+        pieces = await asyncio.to_thread(
+            lambda: [piece(t, (lang, target), html) for t, (lang, _) in zip(texts, detected)])
         try:
             found = await translate_pieces(srv, request, pieces, alternatives + 1)
         except Exception as e:
@@ -232,7 +237,7 @@ def routes(app: FastAPI, srv: Served) -> None:
         if source == "auto":
             langs = [{"confidence": round(100 * p, 1), "language": lang} for lang, p in detected]
             body["detectedLanguage"] = langs if isinstance(q, list) else langs[0]
-        if alternatives:
+        if asked:
             alts = [_unique(nb[1:], nb[0]) for nb in found]
             body["alternatives"] = alts if isinstance(q, list) else alts[0]
         return JSONResponse(body)
