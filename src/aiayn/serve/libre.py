@@ -85,8 +85,9 @@ async def fields(request: Request) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if kind in ("application/x-www-form-urlencoded", "multipart/form-data"):
         form = await request.form()
-        out = {k: form.get(k) for k in form.keys()}
-    out.update(request.query_params)  # the query string wins, as in Flask's request.values
+        out = {k: form.getlist(k)[0] for k in form.keys()}  # a field given twice: its first value, as Flask
+    query = request.query_params
+    out.update({k: query.getlist(k)[0] for k in query.keys()})  # the query string wins, as in request.values
     return out
 
 
