@@ -95,7 +95,7 @@ def test_bad_fields_are_400_in_libretranslates_words(client, body, message):
     assert r.status_code == 400 and r.json() == {"error": message}
 
 
-@pytest.mark.parametrize("raw", [b"[1, 2", b'["q"]', b'"text"'])
+@pytest.mark.parametrize("raw", [b"[1, 2", b'["q"]', b'"text"', b'{"q": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"])
 def test_a_body_that_is_not_a_json_object_is_400(client, raw):
     r = client.post("/translate", content=raw, headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json() == {"error": "Invalid JSON format"}

@@ -77,7 +77,7 @@ async def fields(request: Request) -> dict[str, Any]:
     if _is_json(request):
         try:
             data = json.loads(await request.body())
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deeply for the parser
             raise _bad("Invalid JSON format") from None
         if not isinstance(data, dict):
             raise _bad("Invalid JSON format")
