@@ -77,7 +77,7 @@ def test_make_demo_says_what_to_do_next_with_commands_that_parse(tmp_path):
     for c in commands:
         assert c[0] == stub
         args = build_parser(c[1]).parse_args(c[1:])  # the real command line takes them
-        assert args.checkpoint == "runs/demo"
+        assert args.checkpoint == (["runs/demo"] if c[1] == "serve" else "runs/demo")  # serve: once per pair
     assert any("pip install -e '.[serve]'" in line for line in nxt)  # serve's packages first
     assert any(line.strip().startswith("make multi30k") for line in nxt)
     assert "http://127.0.0.1:8000/" in log
