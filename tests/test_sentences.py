@@ -20,6 +20,7 @@ FORTY = ["Der Hund spielt mit dem Ball.", "Ein Mann läuft auf der Straße.", "E
     ("  Eins.\r\nZwei? \n\nDrei", ("Eins.", "Zwei?", "Drei"), "  ", ("\r\n", " \n\n", "")),
     ("z.B. ein Satz.", ("z.B. ein Satz.",), "", ("",)),  # an abbreviation does not end a sentence
     ("", (), "", ()),
+    ("Z\xa0.", ("Z\xa0.",), "", ("",)),  # the splitter panics here (found by the property below): one sentence
     (" \n ", (), " \n ", ()),
 ])
 def test_split_keeps_every_character_around_the_sentences(text, sentences, lead, gaps):

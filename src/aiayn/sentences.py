@@ -46,8 +46,10 @@ def _sentences_of_line(line: str, language: str) -> list[str]:
         return []
     try:
         parts = [p.strip() for p in _segmenter()(language, line)]
-    except Exception:  # a splitter fault must not fail a translation: the line is one sentence
-        parts = [line.strip()]
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException:  # a splitter fault must not fail a translation: the line is one sentence. A
+        parts = [line.strip()]  # Rust panic is a BaseException (sentencex 1.0.32 panics on "Z\xa0.")
     return [p for p in parts if p]
 
 
