@@ -49,7 +49,8 @@ def en_de(ckpts):
 def two_pair_app(ckpts, **kw):
     models = [Model(Translator.from_checkpoint(ckpts[0]), "de", "en", str(ckpts[0])),
               Model(Translator.from_checkpoint(ckpts[1]), "en", "de", str(ckpts[1]))]
-    return create_app(models, Limits(max_wait_ms=5, max_chars=kw.pop("max_chars", 3000), max_queue=200, beam=kw.pop("beam", 4)), **kw)
+    limits = Limits(max_wait_ms=5, max_chars=kw.pop("max_chars", 3000), max_lines=200, beam=kw.pop("beam", 4))
+    return create_app(models, limits, **kw)
 
 
 @pytest.fixture(scope="module")

@@ -221,7 +221,7 @@ def routes(app: FastAPI, srv: Served) -> None:
                 raise _bad(f"Invalid request: request ({len(t)}) exceeds text limit ({srv.limits.max_chars})")
         # LibreTranslate's limit is 3 (its page always asks for 3); a beam of b has b - 1 to give
         asked = _alternatives(f, max(ALTERNATIVES, srv.limits.beam - 1))
-        alternatives = min(asked, srv.limits.beam - 1)
+        alternatives = min(asked, srv.limits.beam - 1, srv.limits.max_nbest - 1)
         form = _text(f.get("format"), "format") or "text"
         if form not in ("text", "html"):
             raise _bad(f"{form} format is not supported")
