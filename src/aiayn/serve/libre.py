@@ -112,14 +112,15 @@ def _texts(f: dict[str, Any], is_json: bool) -> list[str] | str:
     return q if is_json else "\n".join(q.splitlines())  # a form's CRLF line ends count as one character
 
 
-def _alternatives(f: dict[str, Any], limit: int) -> int:
+def _alternatives(f: dict[str, Any], limit: int, flag: str = "") -> int:
     value = f.get("alternatives", 0)
     try:
         n = max(0, int(value if value not in (None, "") else 0))
     except (TypeError, ValueError):
         raise _bad("Invalid request: alternatives parameter is not a number") from None
     if n > limit:
-        raise _bad(f"Invalid request: alternatives parameter must be <= {limit}")
+        raise _bad(f"Invalid request: alternatives parameter must be <= {limit}"
+                   + (f" (--max-nbest {limit + 1})" if flag and limit < ALTERNATIVES else ""))
     return n
 
 
@@ -219,9 +220,10 @@ def routes(app: FastAPI, srv: Served) -> None:
         for t in texts:
             if len(t) > srv.limits.max_chars:
                 raise _bad(f"Invalid request: request ({len(t)}) exceeds text limit ({srv.limits.max_chars})")
-        # LibreTranslate's limit is 3 (its page always asks for 3); a beam of b has b - 1 to give
-        asked = _alternatives(f, max(ALTERNATIVES, srv.limits.beam - 1))
-        alternatives = min(asked, srv.limits.beam - 1, srv.limits.max_nbest - 1)
+        # LibreTranslate's limit is 3 (its page always asks for 3), --max-nbest's over it; a beam of b has
+        # b - 1 to give
+        asked = _alternatives(f, min(max(ALTERNATIVES, srv.limits.beam - 1), srv.limits.max_nbest - 1), "--max-nbest")
+        alternatives = min(asked, srv.limits.beam - 1)
         form = _text(f.get("format"), "format") or "text"
         if form not in ("text", "html"):
             raise _bad(f"{form} format is not supported")
