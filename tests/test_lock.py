@@ -68,3 +68,15 @@ def test_work_names_carry_host_and_pid():
     host, pid = parse_work_name(name)
     assert pid == os.getpid() and host and name.startswith(".bin.prepare-")
     assert parse_work_name(".bin.prepare-4242") == (None, 4242)  # an older name: its age decides
+
+
+def test_a_lock_left_under_our_own_pid_is_taken_over_at_once(tmp_path):
+    """A container restarted after a kill gets the same pids: the lock its last life left holds our
+    pid, alive because it is us, and must not be waited for until it is STALE."""
+    here = socket.gethostname().replace("-", "_")
+    lock = tmp_path / ".bin.lock"
+    _foreign_lock(lock, here, os.getpid())
+    t0 = time.monotonic()
+    with FolderLock(lock, poll=0.05):
+        assert time.monotonic() - t0 < 5
+    assert not lock.exists()

@@ -1,5 +1,7 @@
 """Paragraphs into sentences and back (aiayn.sentences) and `aiayn translate --split-sentences`."""
 
+from pathlib import Path
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -92,3 +94,34 @@ def test_split_sentences_with_nbest_is_refused(ckpt, tmp_path, capsys):
         from aiayn.translate import _source_language
 
         _source_language(Namespace(split_sentences="", checkpoint=str(tmp_path)))
+
+
+def test_a_start_refused_for_want_of_a_language_leaves_the_old_output(ckpt, tmp_path, capsys):
+    """--split-sentences without LANG on a checkpoint that names no source language: the one-line
+    error comes before the output is opened, so an old file there keeps its text."""
+    import json
+    import shutil
+
+    ck = Path(shutil.copytree(ckpt, tmp_path / "ck"))
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["train"] = {}
+    (ck / "config.json").write_text(json.dumps(cfg))
+    src, out = tmp_path / "in.txt", tmp_path / "out.txt"
+    src.write_text("Ein Satz. Noch einer.\n", encoding="utf-8")
+    out.write_text("OLD\n", encoding="utf-8")
+    assert main(["translate", "--checkpoint", str(ck), "--input", str(src), "--output", str(out),
+                 "--split-sentences"]) == 2
+    assert "names no source language" in capsys.readouterr().err
+    assert out.read_text(encoding="utf-8") == "OLD\n"
+
+
+def test_a_ctranslate2_export_names_its_source_language(ckpt, tmp_path):
+    """`translate --engine ctranslate2 --split-sentences` finds the language in the export."""
+    from argparse import Namespace
+
+    pytest.importorskip("ctranslate2")
+    from aiayn.export import export_ctranslate2
+    from aiayn.translate import _source_language
+
+    export_ctranslate2(str(ckpt), str(tmp_path / "ct2"))
+    assert _source_language(Namespace(split_sentences="", checkpoint=str(tmp_path / "ct2"))) == "de"

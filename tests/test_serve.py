@@ -736,3 +736,22 @@ def test_scheduler_waits_for_the_short_client_it_answered_before_a_long_request_
     calls = asyncio.run(main())
     assert calls[:3] == [[f"L{i}" for i in range(8)], ["s1", "L8", "L9"], ["L10", "s2", "L11"]]
     assert all(len(lines) == 8 for lines in calls[3:-1])
+
+
+def test_a_gpu_batch_is_not_cut_into_one_part_per_cpu_thread():
+    """On the CPU the model thread cuts a batch into one part per torch thread (searched side by side);
+    a GPU searches one part at a time, so there the batch stays whole, up to translate's 4096."""
+    from types import SimpleNamespace
+
+    from aiayn.serve.batch import _split_tokens
+
+    lines = ["ein Satz"] * 64
+    encode = lambda xs: [[5] * 10 for _ in xs]  # noqa: E731
+    on = lambda device: SimpleNamespace(model=torch.nn.Linear(2, 2, device=device), encode=encode)  # noqa: E731
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        assert _split_tokens(on("cpu"), lines) == math.ceil(64 * 10 * 1.05 / 4)
+        assert _split_tokens(on("meta"), lines) == 4096  # any device that is not the CPU
+    finally:
+        torch.set_num_threads(threads)

@@ -96,6 +96,14 @@ def test_bad_fields_are_400_in_libretranslates_words(client, body, message):
     assert r.status_code == 400 and r.json() == {"error": message}
 
 
+@pytest.mark.parametrize("value", [b"Infinity", b"-Infinity", b"NaN", b"1e999"])
+def test_alternatives_beyond_any_number_are_400_not_500(client, value):
+    """JSON as Python reads it takes Infinity and NaN: int() of them must not become a 500."""
+    raw = b'{"q": "ein Mann", "source": "de", "target": "en", "alternatives": ' + value + b"}"
+    r = client.post("/translate", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json() == {"error": "Invalid request: alternatives parameter is not a number"}
+
+
 @pytest.mark.parametrize("raw", [b"[1, 2", b'["q"]', b'"text"', b'{"q": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"])
 def test_a_body_that_is_not_a_json_object_is_400(client, raw):
     r = client.post("/translate", content=raw, headers={"content-type": "application/json"})

@@ -353,7 +353,9 @@ def export_ctranslate2(checkpoint: str | Path, out: str | Path, quantization: st
         raise AiaynError(f"--quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
     check_out(out, resolve_checkpoint(checkpoint))  # a run directory holds the checkpoint it resolves to
     ck = load_checkpoint(checkpoint)
-    return to_ctranslate2(ck.model, ck.tokenizers, out, quantization, {"aiayn_checkpoint": str(ck.path)})
+    train = ck.config.get("train") or {}
+    pair = {k: train[k] for k in ("src", "tgt") if isinstance(train.get(k), str)}  # `translate --split-sentences`
+    return to_ctranslate2(ck.model, ck.tokenizers, out, quantization, {"aiayn_checkpoint": str(ck.path), "train": pair})
 
 
 # ------------------------------------------------------------------------------------- helpers

@@ -728,9 +728,9 @@ def run(args: argparse.Namespace) -> int:
                 raise AiaynError(f"{args.checkpoint} is a CTranslate2 export (aiayn export --to ctranslate2); "
                                  "add --engine ctranslate2")
             translator = Translator.from_checkpoint(args.checkpoint, precision=args.precision, device=str(device))
+        language = _source_language(args) if getattr(args, "split_sentences", None) is not None else None
         out, close_out = _open_output(args.output)  # only now: a failed start leaves an old file as it was
         name = "<stdin>" if args.input == "-" else args.input
-        language = _source_language(args) if getattr(args, "split_sentences", None) is not None else None
         for chunk in LineChunks(src, name, args.chunk_lines):
             if language is not None:
                 paragraphs = search_paragraphs(translator, chunk, language, done + 1, **vars(s))

@@ -54,12 +54,14 @@ def _pid_alive(pid: int) -> bool:
 
 def stale(mark: Path, host: str | None, pid: int | None, max_age: float = STALE) -> bool:
     """Whether the work that `mark` (a file its writer keeps touching) belongs to is abandoned: its
-    writer is a dead process on this host, or `mark` was not touched for `max_age` seconds."""
+    writer is a dead process on this host, or `mark` was not touched for `max_age` seconds. A writer
+    of this host with our own pid is dead too: a restarted container reuses its pids (often 1), and
+    no lock or temporary of ours is older than this call."""
     try:
         age = time.time() - mark.stat().st_mtime
     except FileNotFoundError:
         return True
-    if host == _host() and pid is not None and not _pid_alive(pid):
+    if host == _host() and pid is not None and (pid == os.getpid() or not _pid_alive(pid)):
         return True
     return age > max_age
 

@@ -89,6 +89,8 @@ def _split_tokens(translator: Any, lines: list[str]) -> int:
     `max_tokens` counts padding (a part costs its lines times its longest), so the share does too:
     counted without it, one thread got three or four parts of a 64-line batch, each with its own
     tail of steps that decode a few rows, slower than one part (docs/serving.md). At most 4096, as `translate`."""
+    if model_device(translator.model).type != "cpu":
+        return 4096  # a GPU searches one batch at a time (`worker_count`): parts would run in a row
     lengths = [len(ids) for ids in translator.encode(lines) if ids]  # blank lines are not searched
     longest = max(lengths, default=1)
     share = math.ceil(len(lengths) * longest * 1.05 / torch.get_num_threads())

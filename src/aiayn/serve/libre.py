@@ -116,7 +116,7 @@ def _alternatives(f: dict[str, Any], limit: int, flag: str = "") -> int:
     value = f.get("alternatives", 0)
     try:
         n = max(0, int(value if value not in (None, "") else 0))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: JSON's Infinity
         raise _bad("Invalid request: alternatives parameter is not a number") from None
     if n > limit:
         raise _bad(f"Invalid request: alternatives parameter must be <= {limit}"
