@@ -365,3 +365,25 @@ def test_bad_flags_are_one_line_errors(ckpts, tmp_path, flags, message):
     p = subprocess.run([sys.executable, "-m", "aiayn", "serve", "--checkpoint", str(ckpts[0]), "--port", "0", *args],
                        capture_output=True, text=True, env=_env(), timeout=120)
     assert p.returncode == 2 and message.format(str(ckpts[0]), **fill) in p.stderr and "Traceback" not in p.stderr
+
+
+def test_one_request_over_several_pairs_is_bounded_as_a_whole():
+    """`source: auto` may send a request's texts to several models; --max-lines bounds the request,
+    not each pair's share of it (with P pairs it could queue P times the bound)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from aiayn.serve.errors import ApiError
+    from aiayn.serve.libre import piece, translate_pieces
+
+    asked: list[int] = []
+
+    async def translate(request, lines, key):  # must not be reached
+        asked.append(len(lines))
+        return [], [[{"text": s}] for s in lines]
+
+    srv = SimpleNamespace(limits=Limits(max_lines=3, beam=1), translate=translate)
+    pieces = [piece("Eins. Zwei.", ("de", "en"), False), piece("Un. Deux.", ("fr", "en"), False)]
+    with pytest.raises(ApiError, match="4 sentences in one request, more than --max-lines 3"):
+        asyncio.run(translate_pieces(srv, None, pieces, 1))
+    assert asked == []

@@ -157,6 +157,9 @@ def piece(text: str, pair: tuple[str, str], html: bool) -> Piece:
 async def translate_pieces(srv: Served, request: Request, pieces: list[Piece], nbest: int) -> list[list[str]]:
     """Per piece, its `nbest` renderings (best first; the k-th takes each sentence's k-th hypothesis,
     or its last when it has fewer). All the sentences of a language pair go to the scheduler at once."""
+    total = sum(len(p.sentences()) for p in pieces)  # one bound for the request, whatever pairs it spans
+    if total > srv.limits.max_lines:
+        raise ApiError(413, f"{total} sentences in one request, more than --max-lines {srv.limits.max_lines}")
     groups: dict[tuple[str, str], list[int]] = {}
     for i, p in enumerate(pieces):
         groups.setdefault(p.pair, []).append(i)
