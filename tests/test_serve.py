@@ -692,7 +692,7 @@ def test_scheduler_interleaves_a_long_request_with_short_ones_and_caps_its_share
             time.sleep(0.05)
             return lines
 
-        s = Scheduler(run, max_wait=0.0, max_batch_tokens=8)  # max_share: 0.25 by default
+        s = Scheduler(run, max_wait=0.0, max_batch_tokens=8, max_share=0.25)
         try:
             long = s.submit("k", [f"L{i}" for i in range(40)], [1] * 40)
             await asyncio.sleep(0.02)  # the first batch of 8 runs
@@ -722,7 +722,7 @@ def test_scheduler_waits_for_the_short_client_it_answered_before_a_long_request_
             time.sleep(0.05)
             return lines
 
-        s = Scheduler(run, max_wait=0.5, max_batch_tokens=8)
+        s = Scheduler(run, max_wait=0.5, max_batch_tokens=8, max_share=0.25)
         try:
             long = s.submit("k", [f"L{i}" for i in range(40)], [1] * 40)
             await asyncio.sleep(0.02)

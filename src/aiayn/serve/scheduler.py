@@ -65,7 +65,7 @@ class Limits:
     max_beam: int = 16  # the largest beam a request may ask for
     max_nbest: int = 16  # the most hypotheses per line a request may ask for
     max_work: int = 2_000_000  # work one request may ask for, in token slots (`aiayn.serve.batch.price`)
-    max_share: float = 0.25  # of a batch's source tokens, the most one request takes while others wait
+    max_share: float = 0.1  # of a batch's source tokens, the most one request takes while others wait
     max_connections: int = 512  # open connections and requests in flight (more: 503, by uvicorn)
     body_timeout_s: float = 30.0  # time to send a request body (more: 408)
     shutdown_timeout_s: int = 30  # on SIGTERM, how long requests in flight may finish
@@ -109,7 +109,7 @@ class Scheduler:
     """Merges the lines of concurrent jobs into batches and runs them one at a time in a model thread."""
 
     def __init__(self, run: RunBatch, max_batch_tokens: int = 2048, max_wait: float = 0.005,
-                 max_queue: int = 4096, max_share: float = 0.25) -> None:
+                 max_queue: int = 4096, max_share: float = 0.1) -> None:
         self.run = run
         self.max_batch_tokens, self.max_wait, self.max_queue = max_batch_tokens, max_wait, max_queue
         self.max_share = max_share
