@@ -42,7 +42,7 @@ from aiayn.config import ConfigError, ModelConfig
 from aiayn.errors import AiaynError, require
 from aiayn.export import feature_permutation
 from aiayn.model import Transformer
-from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, PIECES, UNK_ID, Tokenizer, TokenizerPair
+from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, PIECES, UNK_ID, Tokenizer, TokenizerPair, read_varint
 
 ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "swish": "swish", "silu": "swish"}  # Marian's name -> ours
 # Marian-family config fields that change the architecture in ways aiayn's model does not have
@@ -153,28 +153,17 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
-def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        b = buf[pos]
-        pos += 1
-        value |= (b & 0x7F) << shift
-        shift += 7
-        if not b & 0x80:
-            return value, pos
-
-
 def _fields(buf: bytes) -> Iterator[tuple[int, int, bytes]]:
     """(field number, wire type, the field's whole encoding) of a protobuf message, in order."""
     pos = 0
     while pos < len(buf):
         start = pos
-        key, pos = _read_varint(buf, pos)
+        key, pos = read_varint(buf, pos)
         wire = key & 7
         if wire == 0:
-            _, pos = _read_varint(buf, pos)
+            _, pos = read_varint(buf, pos)
         elif wire == 2:
-            size, pos = _read_varint(buf, pos)
+            size, pos = read_varint(buf, pos)
             pos += size
         elif wire in (1, 5):
             pos += 8 if wire == 1 else 4
@@ -187,17 +176,17 @@ def _fields(buf: bytes) -> Iterator[tuple[int, int, bytes]]:
 
 def _payload(wire: int, raw: bytes) -> bytes:
     """A field's value as bytes: a length-delimited one's content, a fixed-size one's bytes."""
-    _, pos = _read_varint(raw, 0)
+    _, pos = read_varint(raw, 0)
     if wire == 2:
-        size, pos = _read_varint(raw, pos)
+        size, pos = read_varint(raw, pos)
         return raw[pos:pos + size]
     return raw[pos:]
 
 
 def _payload_int(raw: bytes) -> int:
     """A varint field's value."""
-    _, pos = _read_varint(raw, 0)
-    return _read_varint(raw, pos)[0]
+    _, pos = read_varint(raw, 0)
+    return read_varint(raw, pos)[0]
 
 
 def _bytes_field(number: int, data: bytes) -> bytes:

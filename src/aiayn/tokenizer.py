@@ -290,7 +290,8 @@ def _short(e: BaseException) -> str:
     return text[:200]
 
 
-def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+def read_varint(buf: bytes, pos: int) -> tuple[int, int]:
+    """A protobuf varint at `pos` of `buf`: (value, the position after it)."""
     value = shift = 0
     while True:
         b = buf[pos]
@@ -306,14 +307,14 @@ def _proto_field(buf: bytes, number: int) -> bytes | int | None:
     pos = 0
     try:
         while pos < len(buf):
-            key, pos = _varint(buf, pos)
+            key, pos = read_varint(buf, pos)
             field, wire = key >> 3, key & 7
             if wire == 0:
-                value, pos = _varint(buf, pos)
+                value, pos = read_varint(buf, pos)
                 if field == number:
                     return value
             elif wire == 2:
-                size, pos = _varint(buf, pos)
+                size, pos = read_varint(buf, pos)
                 if field == number:
                     return buf[pos : pos + size]
                 pos += size
