@@ -34,7 +34,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -90,6 +90,41 @@ def marian_config(model: Transformer) -> Any:
     )
 
 
+def map_marian_layers(model: Transformer, reads: Callable[[str, torch.nn.Linear, slice], None],
+                      writes: Callable[[str, torch.nn.Linear], None],
+                      norm: Callable[[str, torch.nn.LayerNorm], None]) -> None:
+    """Every encoder and decoder layer's parameters under their MarianMTModel names: `reads` gets the
+    linear layers whose input side is the residual stream (with the rows of a fused projection),
+    `writes` those whose output side is, `norm` the LayerNorms. The exporter and the importer walk
+    this one map, in opposite directions."""
+    d = model.cfg.d_model
+    q, k, v = slice(0, d), slice(d, 2 * d), slice(2 * d, 3 * d)
+    every = slice(None)
+    for i, layer in enumerate(model.encoder.layers):
+        pre = f"model.encoder.layers.{i}"
+        for proj, rows in (("q", q), ("k", k), ("v", v)):
+            reads(f"{pre}.self_attn.{proj}_proj", layer.self_attn.qkv_proj, rows)
+        writes(f"{pre}.self_attn.out_proj", layer.self_attn.out_proj)
+        norm(f"{pre}.self_attn_layer_norm", layer.norm1)
+        reads(f"{pre}.fc1", layer.ff.w1, every)
+        writes(f"{pre}.fc2", layer.ff.w2)
+        norm(f"{pre}.final_layer_norm", layer.norm2)
+    for i, layer in enumerate(model.decoder.layers):
+        pre = f"model.decoder.layers.{i}"
+        for proj, rows in (("q", q), ("k", k), ("v", v)):
+            reads(f"{pre}.self_attn.{proj}_proj", layer.self_attn.qkv_proj, rows)
+        writes(f"{pre}.self_attn.out_proj", layer.self_attn.out_proj)
+        norm(f"{pre}.self_attn_layer_norm", layer.norm1)
+        reads(f"{pre}.encoder_attn.q_proj", layer.cross_attn.q_proj, every)
+        reads(f"{pre}.encoder_attn.k_proj", layer.cross_attn.kv_proj, slice(0, d))
+        reads(f"{pre}.encoder_attn.v_proj", layer.cross_attn.kv_proj, slice(d, 2 * d))
+        writes(f"{pre}.encoder_attn.out_proj", layer.cross_attn.out_proj)
+        norm(f"{pre}.encoder_attn_layer_norm", layer.norm2)
+        reads(f"{pre}.fc1", layer.ff.w1, every)
+        writes(f"{pre}.fc2", layer.ff.w2)
+        norm(f"{pre}.final_layer_norm", layer.norm3)
+
+
 def marian_state_dict(model: Transformer) -> dict[str, Tensor]:
     """Our weights under MarianMTModel's names, hidden features permuted (see the module docstring)."""
     cfg, d = model.cfg, model.cfg.d_model
@@ -107,30 +142,7 @@ def marian_state_dict(model: Transformer) -> dict[str, Tensor]:
     def norm(name: str, ln: torch.nn.LayerNorm) -> None:
         sd[f"{name}.weight"], sd[f"{name}.bias"] = ln.weight[p], ln.bias[p]
 
-    q, k, v = slice(0, d), slice(d, 2 * d), slice(2 * d, 3 * d)
-    for i, layer in enumerate(model.encoder.layers):
-        pre = f"model.encoder.layers.{i}"
-        for proj, rows in (("q", q), ("k", k), ("v", v)):
-            reads(f"{pre}.self_attn.{proj}_proj", layer.self_attn.qkv_proj, rows)
-        writes(f"{pre}.self_attn.out_proj", layer.self_attn.out_proj)
-        norm(f"{pre}.self_attn_layer_norm", layer.norm1)
-        reads(f"{pre}.fc1", layer.ff.w1)
-        writes(f"{pre}.fc2", layer.ff.w2)
-        norm(f"{pre}.final_layer_norm", layer.norm2)
-    for i, layer in enumerate(model.decoder.layers):
-        pre = f"model.decoder.layers.{i}"
-        for proj, rows in (("q", q), ("k", k), ("v", v)):
-            reads(f"{pre}.self_attn.{proj}_proj", layer.self_attn.qkv_proj, rows)
-        writes(f"{pre}.self_attn.out_proj", layer.self_attn.out_proj)
-        norm(f"{pre}.self_attn_layer_norm", layer.norm1)
-        reads(f"{pre}.encoder_attn.q_proj", layer.cross_attn.q_proj)
-        reads(f"{pre}.encoder_attn.k_proj", layer.cross_attn.kv_proj, slice(0, d))
-        reads(f"{pre}.encoder_attn.v_proj", layer.cross_attn.kv_proj, slice(d, 2 * d))
-        writes(f"{pre}.encoder_attn.out_proj", layer.cross_attn.out_proj)
-        norm(f"{pre}.encoder_attn_layer_norm", layer.norm2)
-        reads(f"{pre}.fc1", layer.ff.w1)
-        writes(f"{pre}.fc2", layer.ff.w2)
-        norm(f"{pre}.final_layer_norm", layer.norm3)
+    map_marian_layers(model, reads, writes, norm)
     sd["model.encoder.embed_tokens.weight"] = model.src_embed.weight[:, p]
     sd["model.decoder.embed_tokens.weight"] = model.tgt_embed.weight[:, p]
     if cfg.share_embeddings:

@@ -40,7 +40,7 @@ from torch import Tensor
 from aiayn.checkpoint import CONFIG, save_checkpoint
 from aiayn.config import ConfigError, ModelConfig
 from aiayn.errors import AiaynError, require
-from aiayn.export import feature_permutation
+from aiayn.export import feature_permutation, map_marian_layers
 from aiayn.model import Transformer
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, PIECES, UNK_ID, Tokenizer, TokenizerPair, read_varint
 
@@ -327,32 +327,7 @@ def load_marian_weights(model: Transformer, sd: dict[str, Tensor], src: Side, tg
     def norm(name: str, ln: torch.nn.LayerNorm) -> None:
         ln.weight[p], ln.bias[p] = get(f"{name}.weight", (d,)), get(f"{name}.bias", (d,))
 
-    q, k, v = slice(0, d), slice(d, 2 * d), slice(2 * d, 3 * d)
-    enc_layers: list[Any] = list(model.encoder.layers)  # EncoderLayer (nn.ModuleList items are untyped)
-    dec_layers: list[Any] = list(model.decoder.layers)
-    for i, layer in enumerate(enc_layers):
-        pre = f"model.encoder.layers.{i}"
-        for proj, rows in (("q", q), ("k", k), ("v", v)):
-            reads(f"{pre}.self_attn.{proj}_proj", layer.self_attn.qkv_proj, rows)
-        writes(f"{pre}.self_attn.out_proj", layer.self_attn.out_proj)
-        norm(f"{pre}.self_attn_layer_norm", layer.norm1)
-        reads(f"{pre}.fc1", layer.ff.w1)
-        writes(f"{pre}.fc2", layer.ff.w2)
-        norm(f"{pre}.final_layer_norm", layer.norm2)
-    for i, layer in enumerate(dec_layers):
-        pre = f"model.decoder.layers.{i}"
-        for proj, rows in (("q", q), ("k", k), ("v", v)):
-            reads(f"{pre}.self_attn.{proj}_proj", layer.self_attn.qkv_proj, rows)
-        writes(f"{pre}.self_attn.out_proj", layer.self_attn.out_proj)
-        norm(f"{pre}.self_attn_layer_norm", layer.norm1)
-        reads(f"{pre}.encoder_attn.q_proj", layer.cross_attn.q_proj)
-        reads(f"{pre}.encoder_attn.k_proj", layer.cross_attn.kv_proj, slice(0, d))
-        reads(f"{pre}.encoder_attn.v_proj", layer.cross_attn.kv_proj, slice(d, 2 * d))
-        writes(f"{pre}.encoder_attn.out_proj", layer.cross_attn.out_proj)
-        norm(f"{pre}.encoder_attn_layer_norm", layer.norm2)
-        reads(f"{pre}.fc1", layer.ff.w1)
-        writes(f"{pre}.fc2", layer.ff.w2)
-        norm(f"{pre}.final_layer_norm", layer.norm3)
+    map_marian_layers(model, reads, writes, norm)
 
     def table(names: list[str], rows: int) -> Tensor:
         """The first of `names` present (a tied matrix is saved under one of its names)."""
