@@ -73,3 +73,18 @@ class TorchReference(nn.Module):
             memory_key_padding_mask=src_pad, tgt_is_causal=True,
         )
         return m.project(h)
+
+
+def count_weight_requests(monkeypatch) -> list[bool]:
+    """From now on, `need_weights` of every `aiayn.kernels.attention` call, in order (a spy)."""
+    import aiayn.kernels
+
+    calls: list[bool] = []
+    attention = aiayn.kernels.attention
+
+    def counted(q, k, v, mask, is_causal, p, training, need_weights=False):
+        calls.append(need_weights)
+        return attention(q, k, v, mask, is_causal, p, training, need_weights)
+
+    monkeypatch.setattr(aiayn.kernels, "attention", counted)
+    return calls

@@ -13,7 +13,7 @@ from aiayn.config import PRESETS, ConfigError, ModelConfig, preset
 from aiayn.errors import AiaynError
 from aiayn.kernels import Packed
 from aiayn.model import PositionalEncoding, Transformer, sinusoidal_table
-from reference import TorchReference
+from reference import TorchReference, count_weight_requests
 
 V = 50
 
@@ -426,14 +426,7 @@ def test_attention_weights_computes_only_the_kinds_asked_for(monkeypatch):
     src, tgt = padded_batch()
     with torch.no_grad():
         full = model.attention_weights(src, tgt)
-        calls = []
-        attention = aiayn.kernels.attention
-
-        def counted(q, k, v, mask, is_causal, p, training, need_weights=False):
-            calls.append(need_weights)
-            return attention(q, k, v, mask, is_causal, p, training, need_weights)
-
-        monkeypatch.setattr(aiayn.kernels, "attention", counted)
+        calls = count_weight_requests(monkeypatch)
         w = model.attention_weights(src, tgt, kinds=("cross",))
     assert w["encoder"] == [] and w["decoder_self"] == [] and sum(calls) == model.cfg.decoder_layers
     for got, want in zip(w["cross"], full["cross"]):

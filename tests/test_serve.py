@@ -137,17 +137,10 @@ def test_v1_attention_is_target_by_source_per_layer(client):
 def test_v1_attention_builds_only_the_cross_attention_it_returns(reference, monkeypatch):
     """The maps are cross-attention only: the encoder and decoder self-attention weights were built
     too and thrown away (their `need_weights` calls are counted)."""
-    import aiayn.kernels
     from aiayn.serve.batch import cross_attention
+    from reference import count_weight_requests
 
-    calls = []
-    attention = aiayn.kernels.attention
-
-    def counted(q, k, v, mask, is_causal, p, training, need_weights=False):
-        calls.append(need_weights)
-        return attention(q, k, v, mask, is_causal, p, training, need_weights)
-
-    monkeypatch.setattr(aiayn.kernels, "attention", counted)
+    calls = count_weight_requests(monkeypatch)
     src, hyp = reference.encode(["ein Mann läuft"])[0], reference.search_ids(["ein Mann läuft"], beam=2)[0][0][0]
     maps = cross_attention(reference.model, src, [hyp])
     assert sum(calls) == reference.model.cfg.decoder_layers and len(maps[0]) == reference.model.cfg.decoder_layers
