@@ -10,7 +10,7 @@ ctranslate2 only (no torch: a CTranslate2 user does not pay torch's ~200 MB), bo
 rows run the same float32 export (`aiayn export --to ctranslate2`), int8 as its `compute_type`.
 
 Every worker gets the same length-sorted batches of the same source ids and the same length limits
-(floor(source length + 50)), runs greedy and beam search once each after a warm-up batch, on
+(floor(source length + 50)), runs greedy and beam search once each after an untimed pass of each, on
 `--threads` threads, and reports seconds, the ids it produced, and its peak RSS. The parent runs
 the workers `--repeat` times, interleaved (the order turns each round), and keeps each one's
 fastest round; the speed ratio of aiayn int8 to CTranslate2 int8 is also given per round.
@@ -92,7 +92,8 @@ def _ct2_worker(job: dict[str, Any], compute: str) -> tuple[dict[str, Any], floa
 def _timed(job: dict[str, Any], search: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for mode in job["modes"]:
-        search(mode, job["groups"][-1][:4])  # warm-up: lazy initialisation is not timed
+        for idx in job["groups"]:  # warm-up, one untimed pass: lazy initialisation and the first touch
+            search(mode, idx)  # of fresh memory are paid once by a long translation or a server, not per batch
         ids: list[list[int]] = [[] for _ in job["encoded"]]
         t0 = time.perf_counter()
         for idx in job["groups"]:

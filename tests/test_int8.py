@@ -84,6 +84,27 @@ def test_int8_linear_is_close_to_float(trained):
     assert torch.equal(relu, got.clamp_min(0))
 
 
+@pytest.mark.parametrize("rows", [4, 64])
+def test_wide_layers_agree_on_both_engines(monkeypatch, rows):
+    """A wide layer (the vocabulary's shape) keeps a oneDNN copy on AVX-512 and runs it on 32 rows
+    or more: it computes what the FBGEMM copy computes (the same int8 values), ReLU or not."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    if kernels.WIDE_ENGINE not in torch.backends.quantized.supported_engines:
+        pytest.skip("no oneDNN quantized engine in this torch")
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(32, 32 * kernels.WIDE_RATIO).requires_grad_(False)
+    kernels.quantize_int8(layer)
+    _, fbgemm, wide = kernels._INT8[id(layer.weight)]
+    assert wide is not None
+    x = torch.randn(rows, 32)
+    with torch.inference_mode():
+        want = torch.ops.quantized.linear_dynamic(x, fbgemm, True)
+        got = kernels.inference_linear(x, layer.weight, layer.bias)
+        relu = kernels.inference_linear(x, layer.weight, layer.bias, relu=True)
+    assert torch.allclose(got, want, atol=1e-5) and (want < 0).any()
+    assert torch.allclose(relu, want.clamp_min(0), atol=1e-5)
+
+
 def test_int8_translations_match_fp32(trained):
     """On a trained model int8 picks the tokens fp32 picks: greedy all but at most one sentence of
     60, beam 4 (where near-equal hypotheses can swap ranks) nine in ten; ids compared."""

@@ -78,8 +78,7 @@ def inference_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, relu
     """
     q = _INT8.get(id(weight))
     if q is not None and q[0]() is weight:
-        op = torch.ops.quantized.linear_relu_dynamic if relu else torch.ops.quantized.linear_dynamic
-        return op(x.float(), q[1], _INT8_REDUCE_RANGE)  # float32 out
+        return _int8_linear(x.float(), q[1], q[2], relu)
     dev = x.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
     if dev != "cpu" or weight.requires_grad or (x.requires_grad and torch.is_grad_enabled()) \
@@ -112,10 +111,32 @@ def inference_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, relu
 # FBGEMM, not oneDNN: a oneDNN-packed weight kept the ReLU of its first call for later calls
 # without it (docs/speed.md); FBGEMM follows FBGEMM_ENABLE_INSTRUCTIONS=AVX2 where a CPU must be
 # treated as AVX2-only.
-_INT8: dict[int, tuple[weakref.ref, object]] = {}  # id(float weight) -> (ref, FBGEMM packed int8 weight and bias)
+#
+# One exception, measured (docs/speed.md, "Figures behind choices in the code"): a wide layer (the
+# projection to the vocabulary) on 32 rows or more runs faster on oneDNN's int8 GEMM where ATen
+# runs AVX-512 (1.3-1.65x at 256 x 8000; FBGEMM is faster on fewer rows and on AVX2), so such a
+# weight keeps a oneDNN copy too. It is only ever called without a fused ReLU.
+_INT8: dict[int, tuple[weakref.ref, object, object | None]] = {}  # id(weight) -> (ref, FBGEMM pack, oneDNN pack)
 _INT8_REDUCE_RANGE = True
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 INT8_ENGINE = "fbgemm"
+WIDE_ENGINE = "onednn"
+WIDE_MIN_ROWS = 32  # below this FBGEMM is faster even on wide layers
+WIDE_RATIO = 8  # a layer is wide when it has at least this many outputs per input (not d_ff = 4 d_model)
+
+
+def _int8_linear(x: Tensor, fbgemm: object, wide: object | None, relu: bool) -> Tensor:
+    """x (..., in) float32 -> (..., out) float32 on the int8 weight; see the note above."""
+    if wide is not None and x.numel() >= WIDE_MIN_ROWS * x.size(-1):
+        y = torch.ops.quantized.linear_dynamic(x, wide, _INT8_REDUCE_RANGE)  # never a fused ReLU here
+        return y.relu_() if relu else y
+    op = torch.ops.quantized.linear_relu_dynamic if relu else torch.ops.quantized.linear_dynamic
+    return op(x, fbgemm, _INT8_REDUCE_RANGE)
+
+
+def _wide_engine_pays(weight: Tensor) -> bool:
+    return (weight.size(0) >= WIDE_RATIO * weight.size(1) and torch.backends.cpu.get_cpu_capability() == "AVX512"
+            and WIDE_ENGINE in torch.backends.quantized.supported_engines)
 
 
 def int8_unavailable() -> str | None:
@@ -127,15 +148,15 @@ def int8_unavailable() -> str | None:
     return None
 
 
-def _pack_int8(weight: Tensor, bias: Tensor | None) -> object:
-    """FBGEMM's packed int8 copy of a float weight (N, K): symmetric, one scale per output row."""
+def _pack_int8(weight: Tensor, bias: Tensor | None, engine: str = INT8_ENGINE) -> object:
+    """`engine`'s packed int8 copy of a float weight (N, K): symmetric, one scale per output row."""
     w = weight.detach().float()
     scale = (w.abs().amax(1) / 127).clamp_min(1e-12).double()  # (N,)
     with warnings.catch_warnings():  # torch 2.13 marks quantized tensors deprecated; the kernels are its own
         warnings.simplefilter("ignore", UserWarning)
         qw = torch.quantize_per_channel(w, scale, torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8)
         saved = torch.backends.quantized.engine
-        torch.backends.quantized.engine = INT8_ENGINE  # packing picks the engine that runs the weight
+        torch.backends.quantized.engine = engine  # packing picks the engine that runs the weight
         try:
             return torch.ops.quantized.linear_prepack(qw, None if bias is None else bias.detach().float())
         finally:
@@ -163,7 +184,8 @@ def quantize_int8(model: ModuleT, output: bool = True) -> ModuleT:
     for w, b in pairs:
         if w.requires_grad or w.device.type != "cpu":
             raise ValueError("quantize_int8 takes a frozen model on the CPU")
-        _INT8[id(w)] = (weakref.ref(w, _forget_int8(id(w))), _pack_int8(w, b))  # dropped with the weight
+        wide = _pack_int8(w, b, WIDE_ENGINE) if _wide_engine_pays(w) else None
+        _INT8[id(w)] = (weakref.ref(w, _forget_int8(id(w))), _pack_int8(w, b), wide)  # dropped with the weight
     return model
 
 
@@ -306,7 +328,7 @@ class Packed:
 
     def unpack(self, x: Tensor) -> Tensor:
         """(N, C) -> (B, T, C), zeros at the padding"""
-        return x.new_zeros(self.B * self.T, x.size(-1)).index_copy(0, self.idx, x).view(self.B, self.T, -1)
+        return x.new_zeros(self.B * self.T, x.size(-1)).index_copy_(0, self.idx, x).view(self.B, self.T, -1)
 
 
 # ----------------------------------------------------------------- the loss over the vocabulary

@@ -175,6 +175,26 @@ def _topk_rows(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return v, cand.gather(1, j)
 
 
+def _int8_vocabulary(model: SearchModel[C]) -> int:
+    """The vocabulary size if `model` projects to it in int8 (then block by block), else 0."""
+    out_w = getattr(model, "output_weight", None)
+    return out_w.size(0) if isinstance(out_w, Tensor) and kernels.is_int8(out_w) else 0
+
+
+def _best_tokens(model: SearchModel[C], hidden: Tensor, banned: tuple[int, ...]) -> Tensor:
+    """Each row's most likely token, `banned` ids never chosen; an int8 projection runs `ROW_BLOCK`
+    rows at a time, so that argmax reads its logits from the cache (as `_RowTopk`).
+
+    Shape: hidden (b, d) -> (b,)."""
+    step = ROW_BLOCK if _int8_vocabulary(model) else max(1, hidden.size(0))
+    best = []
+    for i in range(0, hidden.size(0), step):
+        logits = model.project(hidden[i:i + step])  # (m, V)
+        _forbid(logits, banned)
+        best.append(logits.argmax(-1))
+    return best[0] if len(best) == 1 else torch.cat(best)
+
+
 class _RowTopk:
     """log_softmax over the vocabulary, then the best `width` tokens of each row, block by block.
 
@@ -186,8 +206,7 @@ class _RowTopk:
         # An int8 projection is projected block by block too: its float32 output (rows x V) is what
         # costs there, and a block's logits are still in the cache when log-softmax reads them
         # (docs/speed.md, "Figures behind choices in the code").
-        out_w = getattr(model, "output_weight", None)
-        self.by_block = out_w.size(0) if isinstance(out_w, Tensor) and kernels.is_int8(out_w) else 0  # V, or 0
+        self.by_block = _int8_vocabulary(model)  # V, or 0
         self.width, self.beam, self.banned, self.eos = width, beam, banned, eos_id
         self.buf: tuple[Tensor, Tensor] | None = None
 
@@ -257,11 +276,8 @@ def greedy_search(model: SearchModel[C], src: Tensor, bos_id: int, eos_id: int, 
     step = 0
     while alive.numel():
         hidden = _hidden(model, tokens, memory, src_keep, cache)  # (b, d)
-        logits = model.project(hidden)  # (b, V)
-        _forbid(logits, (pad, bos_id))
-        if step < min_len:  # the limit is always above `step` here: greedy stops on reaching it
-            logits[:, eos_id] = float("-inf")
-        next_tok = logits.argmax(-1)  # (b,)
+        # before min_len, EOS is banned too (the limit is always above `step` here: greedy stops on reaching it)
+        next_tok = _best_tokens(model, hidden, (pad, bos_id, eos_id) if step < min_len else (pad, bos_id))  # (b,)
         tokens = torch.cat([tokens, next_tok[:, None]], dim=1)
         done = next_tok.eq(eos_id) | limit[alive].le(step + 1)  # (b,)
         step += 1
