@@ -79,3 +79,39 @@ def test_linear_work_counts_each_linear_once():
 
     assert aiayn.kernels.inference_linear is inference_linear  # put back afterwards
     assert torch.nn.functional.linear is torch._C._nn.linear
+
+
+@needs_data
+def test_isolated_run_prints_the_four_engines_with_memory(tmp_path, capsys, monkeypatch):
+    """`--isolated` on a small saved checkpoint: every engine in its own process, one row each per
+    search, peak RSS whole and above the engine's imports, and the int8 speed ratios."""
+    pytest.importorskip("ctranslate2")
+    import gzip
+
+    monkeypatch.syspath_prepend(str(BENCH.parent))  # as when run as a script: bench/isolated.py beside it
+
+    from aiayn.checkpoint import save_checkpoint
+    from aiayn.config import preset
+    from aiayn.model import Transformer
+    from aiayn.tokenizer import Tokenizer, TokenizerPair
+
+    m30k = Path(DATA, "multi30k")
+    lines = [x for lang in ("de", "en") for x in gzip.open(m30k / f"train.{lang}.gz", "rt").read().splitlines()[:500]]
+    tok = Tokenizer.train(lines, 500)
+    torch.manual_seed(0)
+    cfg = preset("tiny", src_vocab_size=tok.vocab_size, tgt_vocab_size=tok.vocab_size, max_positions=256)
+    save_checkpoint(tmp_path / "ckpt", Transformer(cfg).eval(), TokenizerPair(tok, tok, joint=True),
+                    {"train": {"src": "de", "tgt": "en"}, "step": 0})
+    assert _bench().main(["--isolated", "--checkpoint", str(tmp_path / "ckpt"), "--n", "6", "--repeat", "1",
+                          "--isa", "native", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    peak = {}
+    for engine in ("aiayn fp32", "aiayn int8", "ct2 fp32", "ct2 int8"):
+        for search in ("greedy", "beam 4"):
+            m = re.search(rf"^\| {engine} \| native \| {search} \|( [\d.]+ \|){{4}} \d+/6 \| (\d+) \| -?\d+ \|$",
+                          out, re.M)
+            assert m, (engine, search)
+            peak[engine] = int(m.group(2))
+    # each worker's own peak, not the parent's image it was forked from (torch alone is ~200 MB)
+    assert peak["ct2 int8"] < 150 < peak["aiayn int8"]
+    assert re.search(r"^  native beam 4  [\d.]+x  fastest: [\d.]+x$", out, re.M)
