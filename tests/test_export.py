@@ -20,61 +20,24 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from aiayn.checkpoint import save_checkpoint
 from aiayn.cli import main
 from aiayn.config import preset
-from aiayn.data.text import collate
 from aiayn.errors import AiaynError
 from aiayn.model import Transformer, sinusoidal_table
 from aiayn.search import beam_search, greedy_search
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, TokenizerPair
 from aiayn.translate import Translator
 
-SRC_WORDS = "a dog cat man woman runs jumps red blue big small the in on park street ball plays with girl boy sits".split()
-TGT_WORDS = ("ein hund katze mann frau rennt springt rot blau gross klein der im auf park strasse ball spielt mit "
-             "maedchen junge sitzt").split()
-LEXICON = dict(zip(SRC_WORDS, TGT_WORDS))
-
-
-def _pairs(rng: random.Random, n: int) -> list[tuple[str, str]]:
-    out = []
-    for _ in range(n):
-        s = [rng.choice(SRC_WORDS) for _ in range(rng.randint(2, 9))]
-        out.append((" ".join(s), " ".join(LEXICON[w] for w in reversed(s))))
-    return out
-
+import lexicon
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """(checkpoint dir, model, tokenizers, test source lines): about 10 s of training on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        torch.manual_seed(0)
-        rng = random.Random(0)
-        data = _pairs(rng, 3000)
-        tok = Tokenizer.train([s for s, _ in data] + [t for _, t in data], 400)
-        pair = TokenizerPair(tok, tok, joint=True)
-        V = tok.vocab_size
-        examples = [(tok.encode(s) + [EOS_ID], tok.encode(t)) for s, t in data]  # the source ends with EOS
-        cfg = preset("tiny", src_vocab_size=V, tgt_vocab_size=V, d_model=32, d_ff=64, max_positions=128)
-        model = Transformer(cfg)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-        for _ in range(150):
-            b = collate(examples, rng.sample(range(len(examples)), 64))
-            loss = F.cross_entropy(model(b.src, b.tgt_in).flatten(0, 1), b.tgt_out.flatten(), ignore_index=PAD_ID)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        model.eval()
-        ckpt = tmp_path_factory.mktemp("export") / "ckpt"
-        save_checkpoint(ckpt, model, pair, {"train": {}, "step": 150})
-        lines = [s for s, _ in _pairs(random.Random(1), 24)]
-        yield ckpt, model, pair, lines
-    finally:
-        torch.set_num_threads(threads)
+    ckpt = tmp_path_factory.mktemp("export") / "ckpt"
+    model, pair, lines = lexicon.train(ckpt, d_model=32, d_ff=64, steps=150, lr=1e-2, n_lines=24, train_meta={})
+    yield ckpt, model, pair, lines
 
 
 def _src(tok: Tokenizer, lines: list[str]) -> torch.Tensor:
@@ -235,8 +198,8 @@ def test_hf_tokenizer_with_separate_vocabularies(tmp_path, monkeypatch):
     from aiayn.export import save_hf_tokenizer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    src = Tokenizer.train([" ".join(SRC_WORDS[i:] + SRC_WORDS[:i]) for i in range(len(SRC_WORDS))], 300)
-    tgt = Tokenizer.train([" ".join(TGT_WORDS[i:] + TGT_WORDS[:i]) for i in range(len(TGT_WORDS))], 290)
+    src = Tokenizer.train([" ".join(lexicon.SRC[i:] + lexicon.SRC[:i]) for i in range(len(lexicon.SRC))], 300)
+    tgt = Tokenizer.train([" ".join(lexicon.TGT[i:] + lexicon.TGT[:i]) for i in range(len(lexicon.TGT))], 290)
     pair = TokenizerPair(src, tgt, joint=False)
     save_hf_tokenizer(pair, tmp_path)
     assert (tmp_path / "target_vocab.json").is_file()
@@ -330,7 +293,7 @@ def test_ctranslate2_int8_and_pre_norm(tmp_path):
     from aiayn.export import export_ctranslate2
     from aiayn.translate import CT2Translator
 
-    tok = Tokenizer.train([f"{w} {v}" for w in SRC_WORDS for v in TGT_WORDS], 300)
+    tok = Tokenizer.train([f"{w} {v}" for w in lexicon.SRC for v in lexicon.TGT], 300)
     pair = TokenizerPair(tok, tok, joint=True)
     cfg = preset("tiny", src_vocab_size=tok.vocab_size, tgt_vocab_size=tok.vocab_size, norm_first=True,
                  activation="gelu", max_positions=64)
@@ -381,7 +344,7 @@ def test_ctranslate2_output_stops_at_the_exports_last_position(tmp_path):
     from aiayn.export import export_ctranslate2
     from aiayn.translate import CT2Translator
 
-    tok = Tokenizer.train([f"{w} {v}" for w in SRC_WORDS for v in TGT_WORDS], 300)
+    tok = Tokenizer.train([f"{w} {v}" for w in lexicon.SRC for v in lexicon.TGT], 300)
     cfg = preset("tiny", src_vocab_size=tok.vocab_size, tgt_vocab_size=tok.vocab_size, max_positions=64)
     torch.manual_seed(0)
     save_checkpoint(tmp_path / "ckpt", Transformer(cfg).eval(), TokenizerPair(tok, tok, joint=True),
@@ -397,7 +360,7 @@ def test_ctranslate2_export_leaves_the_model_untouched(tmp_path):
     pytest.importorskip("ctranslate2")
     from aiayn.export import to_ctranslate2, to_marian
 
-    tok = Tokenizer.train([f"{w} {v}" for w in SRC_WORDS for v in TGT_WORDS], 300)
+    tok = Tokenizer.train([f"{w} {v}" for w in lexicon.SRC for v in lexicon.TGT], 300)
     model = Transformer(preset("tiny", src_vocab_size=tok.vocab_size, tgt_vocab_size=tok.vocab_size)).eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     to_ctranslate2(model, TokenizerPair(tok, tok, joint=True), tmp_path / "int8", quantization="int8")
@@ -414,7 +377,7 @@ def test_ctranslate2_export_of_a_model_on_bare_sources_says_so(tmp_path, capsys)
 
     from aiayn.translate import CT2Translator
 
-    tok = Tokenizer.train([f"{w} {v}" for w in SRC_WORDS for v in TGT_WORDS], 300)
+    tok = Tokenizer.train([f"{w} {v}" for w in lexicon.SRC for v in lexicon.TGT], 300)
     pair = TokenizerPair(tok, tok, joint=True)
     model = Transformer(preset("tiny", src_vocab_size=tok.vocab_size, tgt_vocab_size=tok.vocab_size)).eval()
     ckpt = tmp_path / "old"

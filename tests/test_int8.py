@@ -5,7 +5,6 @@ confident, as a real model's are: int8 must then choose the tokens fp32 chooses.
 by bench/decode.py --isolated, not here."""
 
 import json
-import random
 import subprocess
 import sys
 
@@ -14,58 +13,22 @@ import torch
 import torch.nn.functional as F
 
 from aiayn import cli, kernels
-from aiayn.data.text import collate
-from aiayn.checkpoint import load_checkpoint, save_checkpoint
-from aiayn.config import preset
+from aiayn.checkpoint import load_checkpoint
 from aiayn.errors import AiaynError
-from aiayn.model import Transformer
-from aiayn.tokenizer import EOS_ID, PAD_ID, Tokenizer, TokenizerPair
+from aiayn.tokenizer import EOS_ID
 from aiayn.translate import Translator, int8_model
 
+import lexicon
+
 pytestmark = pytest.mark.skipif(kernels.int8_unavailable() is not None, reason="no FBGEMM int8 kernels in this torch")
-
-SRC = "a dog cat man woman runs jumps red blue big small the in on park street ball plays with girl boy sits".split()
-TGT = "ein hund katze mann frau rennt springt rot blau gross klein der im auf park strasse ball spielt mit maedchen junge sitzt".split()
-LEXICON = dict(zip(SRC, TGT))
-
-
-def _pairs(rng: random.Random, n: int) -> list[tuple[str, str]]:
-    out = []
-    for _ in range(n):
-        s = [rng.choice(SRC) for _ in range(rng.randint(2, 9))]
-        out.append((" ".join(s), " ".join(LEXICON[w] for w in reversed(s))))
-    return out
-
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """(checkpoint dir, model, tokenizers, test lines): a d_model 64 model, ~15 s on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        torch.manual_seed(0)
-        rng = random.Random(0)
-        data = _pairs(rng, 3000)
-        tok = Tokenizer.train([s for s, _ in data] + [t for _, t in data], 400)
-        pair = TokenizerPair(tok, tok, joint=True)
-        V = tok.vocab_size
-        examples = [(tok.encode(s) + [EOS_ID], tok.encode(t)) for s, t in data]
-        cfg = preset("tiny", src_vocab_size=V, tgt_vocab_size=V, d_model=64, d_ff=128, max_positions=128)
-        model = Transformer(cfg)
-        opt = torch.optim.Adam(model.parameters(), lr=5e-3)
-        for _ in range(200):
-            b = collate(examples, rng.sample(range(len(examples)), 64))
-            loss = F.cross_entropy(model(b.src, b.tgt_in).flatten(0, 1), b.tgt_out.flatten(), ignore_index=PAD_ID)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        model.eval()
-        ckpt = tmp_path_factory.mktemp("int8") / "ckpt"
-        save_checkpoint(ckpt, model, pair, {"train": {"src": "de", "tgt": "en"}, "step": 200})
-        lines = [s for s, _ in _pairs(random.Random(1), 60)]
-        yield ckpt, model, pair, lines
-    finally:
-        torch.set_num_threads(threads)
+    ckpt = tmp_path_factory.mktemp("int8") / "ckpt"
+    model, pair, lines = lexicon.train(ckpt, d_model=64, d_ff=128, steps=200, lr=5e-3, n_lines=60,
+                                       train_meta={"src": "de", "tgt": "en"})
+    yield ckpt, model, pair, lines
 
 
 def test_int8_linear_is_close_to_float(trained):
@@ -160,7 +123,7 @@ def test_cli_translate_and_evaluate_take_int8(trained, tmp_path, capsys):
     ckpt, model, toks, lines = trained
     src, ref, out = tmp_path / "src.txt", tmp_path / "ref.txt", tmp_path / "out.txt"
     src.write_text("\n".join(lines[:8]) + "\n")
-    ref.write_text("\n".join(" ".join(LEXICON[w] for w in reversed(s.split())) for s in lines[:8]) + "\n")
+    ref.write_text("\n".join(lexicon.reference(s) for s in lines[:8]) + "\n")
     assert cli.main(["translate", "--checkpoint", str(ckpt), "--input", str(src), "--output", str(out),
                      "--precision", "int8"]) == 0
     assert out.read_text().splitlines() == Translator(model, toks, precision="int8").translate(lines[:8])
