@@ -16,7 +16,7 @@ import sacrebleu
 
 from aiayn import train as T
 from aiayn.cli import build_parser
-from aiayn.config import TrainConfig
+from aiayn.config import TrainConfig, learning_rate
 from aiayn.errors import AiaynError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,7 +88,7 @@ def test_the_large_batch_config_holds_ott_et_al_s_step_and_rate():
     args = build_parser("train").parse_args(["train", "--config", str(ROOT / "configs" / "wmt14-en-de-big-largebatch.toml")])
     name, over, tc = T.build_configs(args)
     assert name == "big" and tc.tokens_per_update == 8 * 16 * 3584
-    peak = T.learning_rate(tc.warmup, 1024, tc.warmup, tc.lr_factor)
+    peak = learning_rate(tc.warmup, 1024, tc.warmup, tc.lr_factor)
     assert peak == pytest.approx(0.001, rel=0.02)  # twice the base config's 0.0005
     assert [T.with_update_freq(tc, w).update_freq for w in (1, 8, 128)] == [131, 16, 1]
 

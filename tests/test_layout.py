@@ -112,6 +112,14 @@ def test_plot_does_not_import_train_for_one_formula():
     assert "train" not in import_graph()["plot"]
 
 
+def test_the_trainer_is_the_mechanism_below_the_run():
+    """trainer.py (the update, precision, DDP, validation, RNG state) knows nothing of the run that
+    drives it (flags, run directory, resume policy, the loop: train.py)."""
+    graph = import_graph()
+    assert "trainer" in graph["train"]
+    assert not graph["trainer"] & {"train", "checkpoint", "cli"}, graph["trainer"]
+
+
 def test_model_py_reads_in_one_sitting():
     lines = len((SRC / "model.py").read_text(encoding="utf-8").splitlines())
     assert lines < MODEL_MAX_LINES, f"model.py has {lines} lines; move what is not the paper out"

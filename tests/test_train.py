@@ -16,9 +16,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from aiayn import train as T
+from aiayn import trainer as TR
 from aiayn.cli import build_parser
 from aiayn.cli import main as cli_main
-from aiayn.config import ModelConfig, TrainConfig, preset
+from aiayn.config import ConfigError, ModelConfig, TrainConfig, learning_rate, preset
 from aiayn.data.text import Batch, collate
 from aiayn.errors import AiaynError
 from aiayn.data.bindata import open_prepared
@@ -80,17 +81,17 @@ def train_cli(args: list[str]) -> dict:
 def test_learning_rate_follows_the_paper():
     d, w = 512, 4000
     peak = d**-0.5 * w**-0.5
-    assert T.learning_rate(w, d, w) == pytest.approx(peak)
-    assert T.learning_rate(w // 2, d, w) == pytest.approx(peak / 2)  # linear warm-up
-    assert T.learning_rate(4 * w, d, w) == pytest.approx(peak / 2)  # inverse square root decay
-    assert T.learning_rate(0, d, w) == T.learning_rate(1, d, w) > 0
-    assert T.learning_rate(100, d, w, factor=2.0) == pytest.approx(2 * T.learning_rate(100, d, w))
+    assert learning_rate(w, d, w) == pytest.approx(peak)
+    assert learning_rate(w // 2, d, w) == pytest.approx(peak / 2)  # linear warm-up
+    assert learning_rate(4 * w, d, w) == pytest.approx(peak / 2)  # inverse square root decay
+    assert learning_rate(0, d, w) == learning_rate(1, d, w) > 0
+    assert learning_rate(100, d, w, factor=2.0) == pytest.approx(2 * learning_rate(100, d, w))
 
 
 def test_cooldown_ramps_the_paper_schedule_down_until_max_steps():
     d, w, n, c = 256, 100, 1000, 200
-    paper = lambda step: T.learning_rate(step, d, w)  # noqa: E731
-    cooled = lambda step: T.learning_rate(step, d, w, cooldown=c, max_steps=n)  # noqa: E731
+    paper = lambda step: learning_rate(step, d, w)  # noqa: E731
+    cooled = lambda step: learning_rate(step, d, w, cooldown=c, max_steps=n)  # noqa: E731
     assert [cooled(s) for s in (1, w, n - c + 1)] == [paper(s) for s in (1, w, n - c + 1)]  # untouched before
     assert cooled(n - c // 2 + 1) == pytest.approx(paper(n - c // 2 + 1) / 2)  # half way down the ramp
     assert cooled(n) == pytest.approx(paper(n) / c)  # the last step still moves the weights
@@ -98,11 +99,11 @@ def test_cooldown_ramps_the_paper_schedule_down_until_max_steps():
 
 
 def test_cooldown_needs_a_step_budget():
-    with pytest.raises(T.ConfigError, match="--cooldown 500 needs --max-steps of at least"):
-        T.TrainConfig(cooldown=500).check_cooldown()
-    with pytest.raises(T.ConfigError, match="--cooldown must be 0"):
-        T.TrainConfig(cooldown=-1, max_steps=10)
-    T.TrainConfig(cooldown=500, max_steps=500).check_cooldown()
+    with pytest.raises(ConfigError, match="--cooldown 500 needs --max-steps of at least"):
+        TrainConfig(cooldown=500).check_cooldown()
+    with pytest.raises(ConfigError, match="--cooldown must be 0"):
+        TrainConfig(cooldown=-1, max_steps=10)
+    TrainConfig(cooldown=500, max_steps=500).check_cooldown()
 
 
 def test_cooldown_is_checked_on_the_settings_a_run_ends_up_with(tmp_path, corpus, capsys):
@@ -122,7 +123,7 @@ def test_loss_is_label_smoothed_and_ignores_padding():
     src = torch.tensor([[5, 6, 7], [8, 9, 0]])
     tgt = torch.tensor([[4, 5, 3], [6, 3, 0]])  # the second row has one pad position
     batch = Batch(src, tgt, tgt, [0, 1], 5)
-    got = T.loss_sum(m, batch, eps)
+    got = TR.loss_sum(m, batch, eps)
     logp = m(src, tgt).float().log_softmax(-1)
     want = 0.0
     for b, t in [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]:  # every non-pad token once
@@ -131,7 +132,7 @@ def test_loss_is_label_smoothed_and_ignores_padding():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     # more padding (a wider batch) does not change the loss
     pad = lambda x: F.pad(x, (0, 2))  # noqa: E731
-    torch.testing.assert_close(T.loss_sum(m, Batch(pad(src), pad(tgt), pad(tgt), [0, 1], 5), eps), got,
+    torch.testing.assert_close(TR.loss_sum(m, Batch(pad(src), pad(tgt), pad(tgt), [0, 1], 5), eps), got,
                                rtol=1e-5, atol=1e-4)
 
 
@@ -141,7 +142,7 @@ def test_loss_of_the_model_equals_cross_entropy_of_its_logits():
     b = collate(_examples(6), list(range(6)))
     logits = m(b.src, b.tgt_in)
     want = F.cross_entropy(logits.flatten(0, 1), b.tgt_out.flatten(), ignore_index=0, label_smoothing=0.1, reduction="sum")
-    torch.testing.assert_close(T.loss_sum(m, b, 0.1), want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(TR.loss_sum(m, b, 0.1), want, rtol=1e-5, atol=1e-4)
 
 
 def test_label_smoothing_spreads_its_mass_over_every_class_pad_included():
@@ -157,7 +158,7 @@ def test_label_smoothing_spreads_its_mass_over_every_class_pad_included():
     onehot = F.one_hot(b.tgt_out, V).float()
     every = (1 - eps) * onehot + eps / V
     without_pad = (1 - eps) * onehot + eps / (V - 1) * (torch.arange(V) != 0)
-    got = T.loss_sum(m, b, eps)
+    got = TR.loss_sum(m, b, eps)
     torch.testing.assert_close(got, -(every * logp).sum(-1)[real].sum(), rtol=1e-5, atol=1e-4)
     assert not torch.allclose(got, -(without_pad * logp).sum(-1)[real].sum(), rtol=1e-5, atol=1e-4)
 
@@ -167,8 +168,8 @@ def test_auto_precision_takes_bf16_only_on_a_cpu_that_computes_it(monkeypatch, n
     import aiayn.kernels
 
     monkeypatch.setattr(aiayn.kernels, "cpu_has_fast_bf16", lambda: native)
-    assert T.precision_context("auto", torch.device("cpu"))[2] == want
-    assert T.precision_context("bf16", torch.device("cpu"))[2] == "bf16"  # asked for by name: as asked
+    assert TR.precision_context("auto", torch.device("cpu"))[2] == want
+    assert TR.precision_context("bf16", torch.device("cpu"))[2] == "bf16"  # asked for by name: as asked
 
 
 def _examples(n: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
@@ -184,7 +185,7 @@ def test_update_freq_two_half_batches_equal_one_big_batch():
     results = []
     for batches in ([collate(ex, list(range(16)))], [collate(ex, list(range(7))), collate(ex, list(range(7, 16)))]):
         torch.manual_seed(3)
-        tr = T.Trainer(Transformer(cfg), tc, T.Dist(), "fp32")
+        tr = TR.Trainer(Transformer(cfg), tc, TR.Dist(), "fp32")
         loss, ntok = tr.train_step(batches)
         # the gradient the optimizer used (Adam's first step is sign-like, so compare gradients, not weights)
         results.append((loss, ntok, {n: p.grad.clone() for n, p in tr.base.named_parameters()}))
@@ -206,7 +207,7 @@ def test_clip_norm_clips_the_mean_gradient_the_optimizer_steps_with():
 
     def step(clip: float) -> tuple[torch.Tensor, float]:
         torch.manual_seed(3)
-        tr = T.Trainer(Transformer(cfg), TrainConfig(warmup=10, clip_norm=clip), T.Dist(), "fp32")
+        tr = TR.Trainer(Transformer(cfg), TrainConfig(warmup=10, clip_norm=clip), TR.Dist(), "fp32")
         tr.train_step([collate(ex, list(range(16)))])
         flat = torch.cat([p.grad.flatten() for p in tr.base.parameters() if p.grad is not None])
         return flat, float(torch.linalg.vector_norm(flat))
@@ -229,7 +230,7 @@ def test_fp16_on_a_cpu_is_refused_with_its_message(tmp_path, corpus, capsys):
 
 def test_optimizer_and_schedule_settings():
     tc = TrainConfig(warmup=7, lr_factor=0.5, adam_beta1=0.8, adam_beta2=0.95, adam_eps=1e-8)
-    tr = T.Trainer(Transformer(preset("tiny", src_vocab_size=40, tgt_vocab_size=40)), tc, T.Dist(), "fp32")
+    tr = TR.Trainer(Transformer(preset("tiny", src_vocab_size=40, tgt_vocab_size=40)), tc, TR.Dist(), "fp32")
     g = tr.opt.param_groups[0]
     assert g["betas"] == (0.8, 0.95) and g["eps"] == 1e-8
     tr.train_step([collate(_examples(4), [0, 1, 2, 3])])
@@ -239,7 +240,7 @@ def test_optimizer_and_schedule_settings():
 def _fp16_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """fp16 autocast and GradScaler("cpu") run on a CPU too: the Trainer's fp16 mechanism, tested here
     (`train` itself refuses fp16 without CUDA, where it would only be slow)."""
-    monkeypatch.setattr(T, "precision_context",
+    monkeypatch.setattr(TR, "precision_context",
                         lambda p, d: ((lambda: torch.autocast("cpu", dtype=torch.float16)), True, "fp16"))
 
 
@@ -247,8 +248,8 @@ def test_fp16_counts_only_the_updates_it_applies(monkeypatch):
     """An update the scaler skips (gradients overflowed) advances neither the step nor the schedule."""
     _fp16_on_the_cpu(monkeypatch)
     tc = TrainConfig(warmup=7)
-    tr = T.Trainer(Transformer(preset("tiny", src_vocab_size=40, tgt_vocab_size=40)), tc, T.Dist(), "fp16")
-    assert tr.scaler is not None and tr.scaler.get_scale() == T.FP16_INIT_SCALE == 2.0**7  # summed losses
+    tr = TR.Trainer(Transformer(preset("tiny", src_vocab_size=40, tgt_vocab_size=40)), tc, TR.Dist(), "fp16")
+    assert tr.scaler is not None and tr.scaler.get_scale() == TR.FP16_INIT_SCALE == 2.0**7  # summed losses
     tr.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**30)  # overflows, halving each time, then fits
     batch = [collate(_examples(4), [0, 1, 2, 3])]
     applied = [tr.train_step(batch) and tr.applied for _ in range(24)]
@@ -259,7 +260,7 @@ def test_fp16_counts_only_the_updates_it_applies(monkeypatch):
     assert tr.state()["skipped"] == tr.skipped
 
 
-def _step_as_before(tr: T.Trainer, batches: list[Batch]) -> tuple[float, int]:
+def _step_as_before(tr: TR.Trainer, batches: list[Batch]) -> tuple[float, int]:
     """train_step as it was before the host syncs went (a float() per batch, a per-parameter scale loop)."""
     tr.model.train()
     tr.opt.zero_grad(set_to_none=True)
@@ -288,7 +289,7 @@ def test_one_host_read_per_update_and_bitwise_the_same_update(monkeypatch):
     trainers, results = [], []
     for how in ("now", "before"):
         torch.manual_seed(3)
-        tr = T.Trainer(Transformer(cfg), TrainConfig(update_freq=2, warmup=4), T.Dist(), "fp32")
+        tr = TR.Trainer(Transformer(cfg), TrainConfig(update_freq=2, warmup=4), TR.Dist(), "fp32")
         results.append([tr.train_step(b) if how == "now" else _step_as_before(tr, b) for b in steps[:3]])
         trainers.append(tr)
     assert results[0] == results[1]
@@ -303,7 +304,7 @@ def test_one_host_read_per_update_and_bitwise_the_same_update(monkeypatch):
 
 
 def test_prefetch_keeps_order_hands_over_errors_and_stops_early():
-    feed = T.Prefetch(iter([[1], [2], [3]]), pin=False)
+    feed = TR.Prefetch(iter([[1], [2], [3]]), pin=False)
     assert list(feed) == [[1], [2], [3]]
     feed.close()
 
@@ -311,7 +312,7 @@ def test_prefetch_keeps_order_hands_over_errors_and_stops_early():
         yield [1]
         raise AiaynError("bad batch")
 
-    feed = T.Prefetch(failing(), pin=False)
+    feed = TR.Prefetch(failing(), pin=False)
     assert next(feed) == [1]
     with pytest.raises(AiaynError, match="bad batch"):
         next(feed)
@@ -323,7 +324,7 @@ def test_prefetch_keeps_order_hands_over_errors_and_stops_early():
             made.append(1)
             yield [len(made)]
 
-    feed = T.Prefetch(endless(), pin=False, ahead=2)
+    feed = TR.Prefetch(endless(), pin=False, ahead=2)
     assert next(feed) == [1]
     feed.close()  # the thread ends although items remain
     assert len(made) <= 5
@@ -503,8 +504,8 @@ def test_new_runs_feed_the_source_ending_with_eos_and_old_runs_go_on_without(tmp
     train_cli(tiny_args(corpus, out, "--max-steps", "1", "--save-every", "1"))
     assert json.loads((out / "step_1" / "config.json").read_text())["model"]["source_eos"] is True
     tc = TrainConfig(**{k: v for k, v in corpus.items()}, max_tokens=160, out=str(out))
-    new = T.load_corpus(tc, None, tmp_path / "x", T.Dist(), source_eos=True)
-    bare = T.load_corpus(tc, None, tmp_path / "x", T.Dist(), source_eos=False)
+    new = T.load_corpus(tc, None, tmp_path / "x", TR.Dist(), source_eos=True)
+    bare = T.load_corpus(tc, None, tmp_path / "x", TR.Dist(), source_eos=False)
     for split in ("train", "valid"):
         rows = np.arange(len(getattr(new, split)))
         s_new = getattr(new, split).collate(rows, tc.max_len, True).src.tolist()
@@ -666,14 +667,14 @@ def test_validation_bleu_feeds_the_source_as_the_model_was_trained(tmp_path, cor
     from aiayn.tokenizer import EOS_ID, PAD_ID
 
     tc = TrainConfig(**corpus, vocab_size=300, max_tokens=160, valid_bleu=8, out=str(tmp_path / "r"))
-    data = T.load_corpus(tc, None, tmp_path / "r", T.Dist(), source_eos)
+    data = T.load_corpus(tc, None, tmp_path / "r", TR.Dist(), source_eos)
     tok = data.tokenizers
     model = Transformer(preset("tiny", src_vocab_size=tok.src.vocab_size, tgt_vocab_size=tok.tgt.vocab_size,
                                source_eos=source_eos))
     fed = []
     real = aiayn.search.greedy_search
     monkeypatch.setattr(aiayn.search, "greedy_search", lambda m, src, *a, **k: fed.append(src) or real(m, src, *a, **k))
-    T.validate(model, data, tc, contextlib.nullcontext, torch.device("cpu"))
+    TR.validate(model, data, tc, contextlib.nullcontext, torch.device("cpu"))
     rows = [[t for t in row if t != PAD_ID] for src in fed for row in src.tolist()]
     want = sorted(ids + ([EOS_ID] if source_eos else []) for ids in tok.src.encode_batch(data.valid_src[:8]))
     assert sorted(rows) == want
@@ -694,8 +695,8 @@ def test_resume_keeps_the_precision_that_auto_chose(tmp_path, corpus, monkeypatc
     assert cli_main(auto(out, "--max-steps", "1", "--save-every", "1")) == 0
     assert torch.load(out / "step_1" / "trainer_state.pt", weights_only=True)["precision"] == "bf16"
     used = []
-    real = T.Trainer.__init__
-    monkeypatch.setattr(T.Trainer, "__init__", lambda self, *a: real(self, *a) or used.append(self.precision))
+    real = TR.Trainer.__init__
+    monkeypatch.setattr(TR.Trainer, "__init__", lambda self, *a: real(self, *a) or used.append(self.precision))
     monkeypatch.setattr(aiayn.kernels, "cpu_has_fast_bf16", lambda: False)  # another machine
     capsys.readouterr()
     assert cli_main(["train", "--out", str(out), "--resume", "--max-steps", "2"]) == 0

@@ -1,11 +1,10 @@
-"""`aiayn train`: the paper's training recipe (Section 5) on parallel text.
+"""`aiayn train`: the paper's training recipe (Section 5) on parallel text, as a run.
 
 Section 5.1 data and token-bucketed batches, 5.3 Adam (0.9, 0.98, 1e-9) with the warm-up schedule
-lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5), 5.4 label smoothing 0.1.
-
-The loss of an update is the sum of label-smoothed token losses over all its batches (every
-accumulated batch and every rank) divided by the number of target tokens, so gradient accumulation
-and data parallelism give the same update as one big batch.
+lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5), 5.4 label smoothing 0.1. The
+mechanism of a step (loss, precision, DDP, validation, RNG state) is `aiayn.trainer`; this module
+is the run around it: flags and config files, the run directory, the resume policy, the loop and
+its logs.
 
 Exact resume: batches are a deterministic function of (seed, epoch), so the trainer state stores the
 epoch and the position in it together with the optimizer, the step and every RNG state; a resumed
@@ -16,75 +15,47 @@ Data: one path, memory-mapped arrays written by `aiayn prepare` (--data-bin, or 
 prepared into the run directory); batches are cut from their length arrays (aiayn.data.corpus).
 
 Distributed: under `torchrun`, each step's batches are shared out so that every rank takes as many
-and about as many tokens (aiayn.data.batching), DDP sums the gradients, and only rank 0 validates and writes.
+and about as many tokens (aiayn.data.batching), and only rank 0 validates and writes.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import math
 import os
-import queue
 import random
 import shlex
 import signal
 import sys
-import threading
 import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator, NamedTuple, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Callable, Collection
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import Tensor
 
 import aiayn.kernels
 from aiayn import checkpoint as ckpt
 from aiayn import memory
-from aiayn.config import PRECISIONS, PRESETS, ConfigError, ModelConfig, TrainConfig, learning_rate, preset
+from aiayn.config import PRECISIONS, PRESETS, ConfigError, ModelConfig, TrainConfig, preset
 from aiayn.errors import AiaynError
 from aiayn.model import Transformer
+from aiayn.trainer import Dist, Prefetch, Trainer, rng_state, set_rng_state, setup_distributed, validate
 
 if TYPE_CHECKING:  # for the checker only: train imports the data path where it uses it
     from aiayn.data.batching import Batches
     from aiayn.data.corpus import Corpus
-    from aiayn.data.text import Batch
     from aiayn.tokenizer import TokenizerPair
 
 Log = Callable[[str], None]
-Autocast = Callable[[], contextlib.AbstractContextManager[Any]]  # a fresh autocast (or no-op) context
-T = TypeVar("T")
-
-# ------------------------------------------------------------------------------------ the recipe
 
 
-class LossInputs(Protocol):
-    """What the loss reads of a batch: `aiayn.data.text.Batch`, or `_Pairs` inside DDP's forward."""
+# ------------------------------------------------------------------------------- configuration/CLI
 
-    @property
-    def src(self) -> Tensor: ...  # (B, S)
-    @property
-    def tgt_in(self) -> Tensor: ...  # (B, T)
-    @property
-    def tgt_out(self) -> Tensor: ...  # (B, T)
-
-
-def loss_sum(model: Transformer, batch: LossInputs, label_smoothing: float) -> Tensor:
-    """Sum of label-smoothed cross entropies over the non-pad target tokens of one batch (Section 5.4).
-
-    The one place the training loss is computed; the caller divides by the token count. The model
-    computes it itself (`Transformer.loss`: projection and softmax only at real target tokens).
-    """
-    return model.loss(batch.src, batch.tgt_in, batch.tgt_out, label_smoothing=label_smoothing, reduction="sum")
-
-
-# ----------------------------------------------------------------------------- configuration/CLI
 
 # Model fields the tokenizer decides; they are not flags.
 _MODEL_FROM_DATA = ("src_vocab_size", "tgt_vocab_size", "pad_id")
@@ -233,156 +204,191 @@ def given_options(args: argparse.Namespace) -> set[str]:
     return set(train_over) | ({"preset"} if name is not None else set())
 
 
-# ---------------------------------------------------------------------------------------- runtime
+def with_update_freq(tc: TrainConfig, world: int) -> TrainConfig:
+    """--tokens-per-update N: update_freq = N / (max_tokens x world) to the nearest whole number (at
+    least 1), so a step holds about N padded positions on any number of processes. Where one batch
+    per process already holds more than N, the step would grow with the world: refused, naming the
+    --max-tokens that fits."""
+    if not tc.tokens_per_update:
+        return tc
+    per_round = tc.max_tokens * world
+    if per_round > tc.tokens_per_update:
+        raise AiaynError(f"--tokens-per-update {tc.tokens_per_update}: {world} processes x --max-tokens "
+                         f"{tc.max_tokens} already take {per_round} per step; use --max-tokens "
+                         f"{max(2, tc.tokens_per_update // world)} or less (or a larger --tokens-per-update)")
+    return tc.replace(update_freq=max(1, math.floor(tc.tokens_per_update / per_round + 0.5)))
 
 
-@dataclass
-class Dist:
-    rank: int = 0
-    world: int = 1
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    local: int = 0  # rank on this machine (torchrun's LOCAL_RANK): 0 is the machine's first process
+# --------------------------------------------------- the run directory and what a run resumes from
 
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
 
-    def barrier(self) -> None:
-        if self.world > 1:
-            dist.barrier()
+# What a run leaves in --out before its first checkpoint: --resume starts such a run again.
+_EARLY_FILES = frozenset({"train.json", "metrics.jsonl", "metrics.jsonl.tmp", "tokenizer", "data"})  # data: corpus.RUN_DATA
 
-    def any(self, flag: bool) -> bool:
-        """True on every rank if it is True on any rank (stop decisions must agree)."""
-        if self.world == 1:
-            return flag
-        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item() > 0)
 
-    def sum(self, value: float) -> float:
-        if self.world == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
-        return float(t.item())
-
-    def sum_(self, t: Tensor) -> Tensor:
-        """`t` summed over the ranks, in place (one all-reduce, no host read)."""
-        if self.world > 1:
-            dist.all_reduce(t)
-        return t
-
-    def agree(self, fn: Callable[[], T]) -> T:
-        """fn() on every rank; if it raises AiaynError on any rank, every rank raises that one line
-        (a check that fails on one machine only must not leave the others waiting in a collective).
-        `fn` itself must hold no collective."""
-        result: T | None = None
-        error = None
+def _open_run_dir(out: Path, resume: bool, d: Dist) -> list[tuple[int, Path]]:
+    """Makes --out and returns its step checkpoints. A new run needs an empty or new --out, and
+    --resume one with a checkpoint or only what a run leaves before its first: a run never deletes
+    or rewrites what it did not write."""
+    existing = ckpt.step_checkpoints(out)
+    if existing and not resume:
+        raise AiaynError(f"--out {out} already holds checkpoints (newest {existing[-1][1].name}); add --resume to "
+                         "continue that run, or choose another --out")
+    held = sorted(p.name for p in out.iterdir()) if not existing and out.is_dir() else []
+    if held and not resume:
+        raise AiaynError(f"--out {out} is not empty (it holds {', '.join(held[:3])}{', ...' if len(held) > 3 else ''}); "
+                         "use --resume to continue the run there, or choose another --out")
+    others = [n for n in held if n not in _EARLY_FILES and not ckpt.is_own_temporary(n)]
+    if others:
+        raise AiaynError(f"--out {out} holds {', '.join(others[:3])} but no step_<N>/ checkpoint to resume from; "
+                         "choose another --out")
+    if held:
+        _check_early_files(out, held)
+    if d.local == 0:  # each machine's first process: --out may be a folder of every machine's own
         try:
-            result = fn()
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise AiaynError(f"--out {out}: cannot make the run directory ({e.strerror or e}); choose another --out") from None
+    if d.main:
+        ckpt.remove_stale_temporaries(out)
+    return existing
+
+
+# Fields every train.json holds ({"preset", "model", "train": TrainConfig.to_dict()}).
+_TRAIN_JSON_FIELDS = frozenset({"out", "seed", "max_tokens", "label_smoothing", "warmup"})
+
+
+def _check_early_files(out: Path, held: list[str]) -> None:
+    """Starting again rewrites train.json and metrics.jsonl: refuse unless both are recognisably a
+    run's own (train.json with its fields; metrics lines of kind train/valid with a step, the last
+    one possibly torn by a kill), so that a file aiayn did not write is never rewritten."""
+    def foreign(path: Path, why: str) -> AiaynError:
+        return AiaynError(f"{path} was not written by aiayn train ({why}); --resume would rewrite it: "
+                          "move it away or choose another --out")
+
+    train_json = out / "train.json"
+    if "train.json" in held or any(n.startswith("metrics.jsonl") for n in held):
+        try:
+            saved = json.loads(train_json.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise foreign(out / next(n for n in held if n.startswith("metrics.jsonl")), "no train.json beside it") from None
+        except (OSError, ValueError) as e:
+            raise foreign(train_json, f"not readable JSON: {e}") from None
+        settings = saved.get("train") if isinstance(saved, dict) else None
+        if not (isinstance(saved, dict) and isinstance(saved.get("preset"), str) and isinstance(saved.get("model"), dict)
+                and isinstance(settings, dict) and _TRAIN_JSON_FIELDS <= set(settings)):
+            raise foreign(train_json, "no preset, model and train settings")
+    for name in ("metrics.jsonl", "metrics.jsonl.tmp"):
+        if name not in held:
+            continue
+        try:
+            text = (out / name).read_text(encoding="utf-8")
+        except (OSError, ValueError) as e:
+            raise foreign(out / name, f"unreadable: {e}") from None
+        lines = text.split("\n")
+        for n, line in enumerate(lines[:-1], 1):  # the text after the last newline may be a torn line
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                rec = None
+            if not (isinstance(rec, dict) and rec.get("kind") in ("train", "valid") and type(rec.get("step")) is int):
+                raise foreign(out / name, f"line {n} is not a train or valid record")
+
+
+def _saved_device(out: Path) -> str | None:
+    """The --device of the run in `out` (its newest step checkpoint's), None if there is none to read:
+    the processes start on a device before the checkpoint is loaded."""
+    steps = ckpt.step_checkpoints(out)
+    try:
+        device = json.loads((steps[-1][1] / ckpt.CONFIG).read_text(encoding="utf-8"))["train"]["device"]
+    except (IndexError, OSError, ValueError, KeyError, TypeError):
+        return None
+    return device if isinstance(device, str) else None
+
+
+def _load_newest(existing: list[tuple[int, Path]], info: Log) -> ckpt.Checkpoint:
+    """The newest readable step checkpoint with a complete trainer state (an unreadable newest one
+    falls back to the one before); the first error if none is."""
+    first_error: AiaynError | None = None
+    for _, path in reversed(existing):
+        try:
+            loaded = ckpt.load_checkpoint(path, with_trainer_state=True)
+            missing = sorted(RESUME_KEYS - set(loaded.trainer_state or {}))
+            if missing:
+                raise AiaynError(f"{path / ckpt.TRAINER_STATE} lacks {', '.join(missing)}")
+            return loaded
         except AiaynError as e:
-            error = str(e)
-        if self.world > 1:
-            errors: list[str | None] = [None] * self.world
-            dist.all_gather_object(errors, error)
-            rank, error = next(((r, e) for r, e in enumerate(errors) if e), (self.rank, None))
-            if error and rank != self.rank:
-                error = f"rank {rank}: {error}"
-        if error:
-            raise AiaynError(error)
-        return cast(T, result)
-
-    def from_main(self, fn: Callable[[], T]) -> T:
-        """fn() run by rank 0 alone, its result (pickled) or its AiaynError on every rank."""
-        payload: list[Any] = [None]
-        if self.main:
-            try:
-                payload = [(fn(), None)]
-            except AiaynError as e:
-                payload = [(None, str(e))]
-        if self.world > 1:
-            dist.broadcast_object_list(payload, src=0, device=self.device)
-        result, error = payload[0]
-        if error:
-            raise AiaynError(error if self.main else f"rank 0: {error}")
-        return cast(T, result)
+            first_error = first_error or e
+            info(f"warning: cannot resume from {path}: {e}")
+    assert first_error is not None, "called with no checkpoints"
+    raise first_error
 
 
-def setup_distributed(device_pref: str) -> Dist:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    want_cuda = device_pref.startswith("cuda") or (device_pref == "auto" and torch.cuda.is_available())
-    if want_cuda and not torch.cuda.is_available():
-        raise AiaynError("--device cuda: no CUDA device is available; use --device cpu")
-    if world == 1:
-        dev = torch.device(device_pref if device_pref.startswith("cuda") else ("cuda" if want_cuda else "cpu"))
-        return Dist(0, 1, dev)
-    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    if want_cuda:
-        torch.cuda.set_device(local)
-        dev = torch.device("cuda", local)
-    else:
-        dev = torch.device("cpu")
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if want_cuda else "gloo")
-    return Dist(rank, world, dev, local)
+# Options that cannot change what a run has computed so far: a resumed run may take new values.
+# The data files may move (their sha256 is checked); `out` and `device` always come from the command.
+FREE_ON_RESUME = frozenset({"max_epochs", "max_steps", "cooldown", "max_minutes", "patience", "keep_last", "save_every",
+                            "valid_bleu", "log_every", "threads", "device", "out",
+                            "data_dir", "train_src", "train_tgt", "valid_src", "valid_tgt"})
 
 
-def precision_context(precision: str, device: torch.device) -> tuple[Autocast, bool, str]:
-    """(autocast context factory, use a GradScaler, resolved name). `auto` takes bf16 on the CPU only
-    where oneDNN has bf16 kernels for it (`cpu_has_fast_bf16`; elsewhere bf16 is slower than fp32)."""
-    if precision == "auto":
-        if device.type == "cuda":
-            precision = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-        else:
-            precision = "bf16" if aiayn.kernels.cpu_has_fast_bf16() else "fp32"
-    if precision == "fp32":
-        return contextlib.nullcontext, False, "fp32"
-    if precision == "fp16" and device.type != "cuda":
-        raise AiaynError("--precision fp16 needs a CUDA device; use bf16 or fp32 on the CPU")
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return (lambda: torch.autocast(device.type, dtype=dtype)), precision == "fp16", precision
+# what a trainer_state.pt must hold to resume from it (`Trainer.state` and the loop's position)
+RESUME_KEYS = frozenset({"optimizer", "step", "epoch", "position", "elapsed_s", "best_bleu", "bad_epochs",
+                         "tokens_seen", "rng"})
 
 
-def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+def resumed_settings(loaded: ckpt.Checkpoint, preset_name: str, model_over: dict[str, Any], tc: TrainConfig,
+                     given: Collection[str] | None) -> tuple[str, TrainConfig]:
+    """The run's saved settings, with the given values of FREE_ON_RESUME options; any other given
+    option (`given`: names set on the command line; None: every field of `tc`) must equal the saved
+    value, else one error names it."""
+    saved = loaded.config.get("train")
+    if not isinstance(saved, dict):
+        saved = {}
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    try:
+        base = TrainConfig.from_dict({k: v for k, v in saved.items() if k in names})
+    except (ConfigError, TypeError) as e:
+        raise AiaynError(f"{loaded.path / ckpt.CONFIG}: invalid train config ({e}); resume from another checkpoint") from e
+    typed = names | {"preset"} if given is None else set(given)
+    before = {"preset": loaded.config.get("preset", preset_name), **base.to_dict()}
+    now = {"preset": preset_name, **tc.to_dict()}
+    changed = [(k, now[k], before[k]) for k in sorted(typed - FREE_ON_RESUME) if now[k] != before[k]]
+    changed += [(k, v, getattr(loaded.model_config, k)) for k, v in sorted(model_over.items())
+                if v != getattr(loaded.model_config, k)]
+    if changed:
+        name, value, was = changed[0]
+        flag = "--" + name.replace("_", "-")
+        raise AiaynError(f"{flag} {value} differs from the run's {was}: --resume continues the run with its own "
+                         f"settings; drop {flag}, or start a new run with another --out")
+    keep = (typed & FREE_ON_RESUME) | {"out", "device"}
+    return before["preset"], base.replace(**{k: getattr(tc, k) for k in keep})
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    py = state["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+def _precision(tc: TrainConfig, loaded: ckpt.Checkpoint | None, d: Dist) -> str:
+    """--precision, with `auto` resolved as the run resolved it when it began (kept in its trainer
+    state): the machine or the version resuming it may choose otherwise. A trainer state without it
+    was trained by the `auto` of its time: with data digests (the same release), today's rule;
+    without, the rule before, bf16 autocast on every CPU."""
+    if tc.precision != "auto" or loaded is None:
+        return tc.precision
+    st = loaded.trainer_state or {}
+    if st.get("precision") in PRECISIONS and st["precision"] != "auto":
+        # a run moved from CUDA to a CPU (--device may change) cannot go on in fp16: auto decides anew
+        return st["precision"] if st["precision"] != "fp16" or d.device.type == "cuda" else "auto"
+    return "bf16" if d.device.type == "cpu" and "data_sha256" not in st else "auto"
 
 
-class Stopper:
-    """SIGINT/SIGTERM set a flag; the loop finishes its step, saves and exits. A second signal kills."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._old: dict[int, Any] = {}
-
-    def __enter__(self) -> "Stopper":
-        for s in (signal.SIGINT, signal.SIGTERM):
-            try:
-                self._old[s] = signal.signal(s, self._handle)
-            except ValueError:  # not the main thread
-                pass
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.signum = signum
-        signal.signal(signum, self._old.get(signum) or signal.SIG_DFL)
-
-    def __exit__(self, *exc: Any) -> None:
-        for s, h in self._old.items():
-            signal.signal(s, signal.SIG_DFL if h is None else h)  # None: a handler set from C, not restorable
+def resume_command(out: Path, world: int) -> str:
+    argv = sys.argv[1:]
+    if argv[:1] == ["train"]:
+        args = argv + ([] if "--resume" in argv else ["--resume"])
+    else:  # called as a library: the run directory's train.json has every option
+        args = ["train", "--config", str(out / "train.json"), "--resume"]
+    prefix = "aiayn" if world == 1 else f"torchrun --nproc_per_node {world} -m aiayn"
+    return f"{prefix} {shlex.join(args)}"
 
 
-# ------------------------------------------------------------------------------------------- data
+# -------------------------------------------------------------------------------------------- data
 
 
 def load_corpus(tc: TrainConfig, loaded: ckpt.Checkpoint | None, run_dir: Path, d: Dist, source_eos: bool,
@@ -434,220 +440,123 @@ def rank_batches(corpus: Corpus, tc: TrainConfig, epoch: int, d: Dist) -> Batche
     return for_rank(corpus, tc, epoch, d.rank, d.world)
 
 
-class Prefetch:
-    """The items of `items` built up to `ahead` in advance on a background thread: collating from the
-    memory maps is host work the device need not wait for. With `pin`, each batch is put in
-    page-locked memory, so that `Batch.to(cuda, non_blocking=True)` overlaps the copy with compute."""
+# ------------------------------------------------------------------------------------------ set-up
 
-    _END = object()
 
-    def __init__(self, items: Iterator[list[Any]], pin: bool, ahead: int = 2) -> None:
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=ahead)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._fill, args=(items, pin), daemon=True)
-        self._thread.start()
+def _set_up(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, loaded: ckpt.Checkpoint | None, d: Dist,
+            info: Log) -> Run:
+    """Data, model, trainer and metrics, restored from `loaded` when resuming; writes train.json."""
+    out = Path(tc.out)
+    init = ckpt.load_checkpoint(tc.init_from) if tc.init_from and not loaded else None
+    start = loaded or init
+    source_eos = start.model_config.source_eos if start else model_over.get("source_eos", ModelConfig.source_eos)
+    corpus = load_corpus(tc, loaded, out, d, source_eos, info, start.tokenizers if tc.init_from and start else None)
+    if loaded:
+        mcfg = loaded.model_config
+    elif init:
+        mcfg = fine_tuned_config(init, model_over)
+    else:
+        mcfg = _new_model_config(preset_name, model_over, tc, corpus.tokenizers)
+    torch.manual_seed(tc.seed)
+    random.seed(tc.seed)
+    model = Transformer(mcfg)
+    if start:
+        model.load_state_dict(start.model.state_dict())
+    if init:
+        info(f"fine-tuning from {init.path}")
+    if d.rank:  # other ranks draw their own dropout masks
+        torch.manual_seed(tc.seed + 1000 * d.rank)
+        random.seed(tc.seed + 1000 * d.rank)
+    run = Run(tc, preset_name, d, out, corpus, model, Trainer(model, tc, d, _precision(tc, loaded, d)),
+              TrainLog(out / "metrics.jsonl", d.main), last_saved=loaded.path if loaded else None)
+    if loaded:
+        st = loaded.trainer_state
+        assert st is not None
+        if int(st.get("world", 1)) != d.world:
+            raise AiaynError(f"{loaded.path} was written by {st.get('world')} processes; resume with the same number "
+                             f"(torchrun --nproc_per_node {st.get('world')})")
+        run.restore(st)
+    run.steps_per_epoch = max(1, math.ceil(len(rank_batches(corpus, tc, 1, d)) / tc.update_freq))
+    run.metrics.truncate_after(run.trainer.step)  # a fresh start (step 0) clears lines of a run killed before its first checkpoint
+    if d.main:
+        model_options = {k: v for k, v in mcfg.to_dict().items() if k not in _MODEL_FROM_DATA}  # the model it holds
+        (out / "train.json").write_text(json.dumps({"preset": preset_name, "model": model_options, "train": tc.to_dict()},
+                                                   indent=2) + "\n", encoding="utf-8")
+    _describe(run, info)
+    return run
 
-    def _put(self, item: Any) -> bool:
-        while not self._stop.is_set():
+
+FINE_TUNE_FREE = ("dropout", "attention_dropout", "activation_dropout")  # what --init-from may change
+
+
+def fine_tuned_config(init: ckpt.Checkpoint, model_over: dict[str, Any]) -> ModelConfig:
+    """The --init-from checkpoint's model shape, with new dropout rates if given; any other model
+    option given must equal the checkpoint's (one error names it)."""
+    for k, v in sorted(model_over.items()):
+        if k not in FINE_TUNE_FREE and v != getattr(init.model_config, k):
+            raise AiaynError(f"--{k.replace('_', '-')} {v} differs from --init-from {init.path}'s "
+                             f"{getattr(init.model_config, k)}: a fine-tuned model keeps its shape; drop the option")
+    try:
+        return init.model_config.replace(**{k: v for k, v in model_over.items() if k in FINE_TUNE_FREE})
+    except ConfigError as e:
+        raise AiaynError(str(e)) from e
+
+
+def _new_model_config(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, tok: TokenizerPair) -> ModelConfig:
+    over = dict(model_over)
+    if not tc.joint_vocab:
+        if over.get("share_embeddings"):
+            raise AiaynError("--share-embeddings needs a joint vocabulary; drop --no-joint-vocab")
+        over["share_embeddings"] = False
+    try:
+        return preset(preset_name, src_vocab_size=tok.src.vocab_size, tgt_vocab_size=tok.tgt.vocab_size, **over)
+    except ConfigError as e:
+        raise AiaynError(str(e)) from e
+
+
+def _describe(run: Run, info: Log) -> None:
+    tc, mcfg, corpus, tok = run.tc, run.model.cfg, run.corpus, run.corpus.tokenizers
+    info(f"model: {mcfg.encoder_layers}+{mcfg.decoder_layers} layers, d_model {mcfg.d_model}, "
+         f"{run.model.num_parameters():,} parameters; vocabulary {tok.src.vocab_size}"
+         f"{'' if tok.joint else '/' + str(tok.tgt.vocab_size)} ({'joint' if tok.joint else 'separate'})")
+    info(f"data: {corpus.describe(tc)}; ~{run.steps_per_epoch} steps/epoch")
+    info(f"device {run.d.device} x{run.d.world}, precision {run.trainer.precision}, max {tc.max_tokens} tokens x "
+         f"{tc.update_freq} batches x {run.d.world} ranks per step; output {run.out}")
+    if run.trainer.precision == "bf16" and aiayn.kernels.slow_bf16_on(run.d.device):
+        info(f"warning: {aiayn.kernels.SLOW_BF16}; fp32 trains faster here (start a run with --precision fp32 "
+             "or auto; --resume keeps the run's own precision)")
+
+
+def _total_steps(run: Run) -> int | None:
+    tc = run.tc
+    return tc.max_steps or (tc.max_epochs * run.steps_per_epoch if tc.max_epochs else None)
+
+
+# ---------------------------------------------------------------------------------------- the loop
+
+
+class Stopper:
+    """SIGINT/SIGTERM set a flag; the loop finishes its step, saves and exits. A second signal kills."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> "Stopper":
+        for s in (signal.SIGINT, signal.SIGTERM):
             try:
-                self._queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _fill(self, items: Iterator[list[Any]], pin: bool) -> None:
-        try:
-            for item in items:
-                if not self._put([b.pin_memory() for b in item] if pin else item):
-                    return
-            self._put(self._END)
-        except BaseException as e:  # handed to the consumer, raised there
-            self._put(e)
-
-    def __iter__(self) -> "Prefetch":
+                self._old[s] = signal.signal(s, self._handle)
+            except ValueError:  # not the main thread
+                pass
         return self
 
-    def __next__(self) -> list[Any]:
-        item = self._queue.get()
-        if item is self._END:
-            raise StopIteration
-        if isinstance(item, BaseException):
-            raise item
-        return cast(list[Any], item)
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+        signal.signal(signum, self._old.get(signum) or signal.SIG_DFL)
 
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-# ---------------------------------------------------------------------------------------- trainer
-
-
-class _LossModule(torch.nn.Module):
-    """The loss as `forward`: DDP synchronises gradients only for what runs through `forward`."""
-
-    def __init__(self, model: Transformer, label_smoothing: float) -> None:
-        super().__init__()
-        self.model, self.label_smoothing = model, label_smoothing
-
-    def forward(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor) -> Tensor:
-        return loss_sum(self.model, _Pairs(src, tgt_in, tgt_out), self.label_smoothing)
-
-
-class _Pairs(NamedTuple):
-    src: Tensor  # (B, S)
-    tgt_in: Tensor  # (B, T)
-    tgt_out: Tensor  # (B, T)
-
-
-
-# fp16's first loss scale. The loss here is a sum over an update's target tokens (thousands), not a
-# mean, so its gradients start ~10^3-10^4 times larger than a mean's: PyTorch's 2^16 overflows the
-# first updates. 2^7 leaves them that much headroom (fairseq, which also sums, starts at 2^7 too).
-FP16_INIT_SCALE = 2.0**7
-
-
-class Trainer:
-    """Holds the model, optimizer and position; `train_step` is one optimizer update. `step` counts
-    the updates applied: an fp16 update whose gradients overflowed is skipped by the scaler, and it
-    advances neither `step` nor the learning-rate schedule (it counts in `skipped`)."""
-
-    def __init__(self, model: Transformer, tc: TrainConfig, d: Dist, precision: str = "fp32") -> None:
-        self.tc, self.d = tc, d
-        self.heap = memory.HeapTrimmer()  # batches of ever-new shapes leave the heap in pieces
-        self.base = model.to(d.device)
-        self.model: torch.nn.Module = _LossModule(self.base, tc.label_smoothing)
-        if d.world > 1:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            # broadcast_buffers=False: the positional table is a buffer that grows per rank on demand.
-            self.model = DDP(self.model, broadcast_buffers=False,
-                             device_ids=[d.device.index] if d.device.type == "cuda" else None)
-        # fused: one kernel updates every parameter (faster than the per-tensor loop, and still
-        # elementwise, so bitwise deterministic on the CPU); available on CPU and CUDA.
-        self.opt = torch.optim.Adam(self.base.parameters(), lr=0.0, betas=(tc.adam_beta1, tc.adam_beta2), eps=tc.adam_eps,
-                                    fused=d.device.type in ("cpu", "cuda"))
-        self.autocast, use_scaler, self.precision = precision_context(precision, d.device)
-        self.scaler = torch.amp.GradScaler(d.device.type, init_scale=FP16_INIT_SCALE) if use_scaler else None
-        self.step = 0
-        self.skipped = 0  # fp16 updates skipped for overflowed gradients
-        self.applied = True  # whether the last train_step updated the weights
-
-    def lr(self, step: int) -> float:
-        tc = self.tc
-        return learning_rate(step, self.base.cfg.d_model, tc.warmup, tc.lr_factor, tc.cooldown, tc.max_steps)
-
-    def train_step(self, batches: list[Batch]) -> tuple[float, int]:
-        """One update from `batches` (this rank's share); returns (loss per target token, tokens) of the
-        whole update over all ranks. The host waits for the device once per update, not per batch:
-        the loss is summed on the device (in float64, as Python's float summed it before) and read,
-        with the token count, after one all-reduce."""
-        self.model.train()
-        self.opt.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.d.device)
-        tokens = 0
-        for i, batch in enumerate(batches):
-            batch = batch.to(self.d.device, non_blocking=True)  # from pinned memory on CUDA (`Prefetch`)
-            sync = i == len(batches) - 1 or self.d.world == 1
-            no_sync = getattr(self.model, "no_sync", None)  # DistributedDataParallel's
-            ctx = no_sync() if not sync and no_sync is not None else contextlib.nullcontext()
-            with ctx:
-                with self.autocast():
-                    loss = self.model(batch.src, batch.tgt_in, batch.tgt_out)
-                (self.scaler.scale(loss) if self.scaler else loss).backward()
-            loss_sum += loss.detach().double()
-            tokens += int(batch.n_tgt_tokens)  # counted on the host by collate: no device read
-        # a fill, not a copy from the host (which would wait for the device)
-        count = torch.full((), float(tokens), dtype=torch.float64, device=self.d.device)
-        total_loss, all_tokens_f = self.d.sum_(torch.stack([loss_sum, count])).tolist()  # the one host read
-        all_tokens = int(all_tokens_f)
-        for g in self.opt.param_groups:
-            g["lr"] = self.lr(self.step + 1)
-        if self.scaler:
-            self.scaler.unscale_(self.opt)
-        # DDP averaged the gradient sums over ranks; turn them into the mean over all target tokens.
-        scale = self.d.world / max(all_tokens, 1)
-        torch._foreach_mul_([p.grad for p in self.base.parameters() if p.grad is not None], scale)  # one launch
-        if self.tc.clip_norm > 0:
-            torch.nn.utils.clip_grad_norm_(self.base.parameters(), self.tc.clip_norm)
-        if self.scaler:
-            scale = self.scaler.get_scale()
-            self.scaler.step(self.opt)  # skipped if the gradients hold an inf or NaN
-            self.scaler.update()  # which then lowers the scale: that is how a skip shows
-            self.applied = self.scaler.get_scale() >= scale
-        else:
-            self.opt.step()
-            self.applied = True
-        if self.applied:
-            self.step += 1
-        else:
-            self.skipped += 1
-        self.heap.step()
-        return total_loss / max(all_tokens, 1), all_tokens
-
-    def state(self) -> dict[str, Any]:
-        return {"optimizer": self.opt.state_dict(), "scaler": self.scaler.state_dict() if self.scaler else None,
-                "step": self.step, "skipped": self.skipped}
-
-    def load_state(self, state: dict[str, Any]) -> None:
-        self.opt.load_state_dict(state["optimizer"])
-        if self.scaler and state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
-        self.step = int(state["step"])
-        self.skipped = int(state.get("skipped", 0))
-
-
-# ------------------------------------------------------------------------------------- validation
-
-
-@torch.no_grad()
-def validate(model: Transformer, corpus: Corpus, tc: TrainConfig, autocast: Autocast, device: torch.device) -> dict[str, float]:
-    """Validation loss (label-smoothed and plain, per token) and greedy BLEU/chrF on the first
-    `valid_bleu` validation sentences."""
-    from aiayn.data.corpus import valid_batches
-    from aiayn.evaluate import corpus_scores
-    from aiayn.search import greedy_search
-    from aiayn.tokenizer import BOS_ID, EOS_ID
-
-    model.eval()
-    out: dict[str, float] = {}
-    if corpus.valid:
-        loss = nll = 0.0
-        tokens = 0
-        for idx in valid_batches(corpus):
-            b = corpus.valid.collate(idx, tc.max_len, model.cfg.source_eos).to(device)
-            with autocast():
-                logits = model(b.src, b.tgt_in).float().flatten(0, 1)
-            tgt = b.tgt_out.flatten()
-            loss += float(F.cross_entropy(logits, tgt, ignore_index=model.cfg.pad_id,
-                                          label_smoothing=tc.label_smoothing, reduction="sum"))
-            nll += float(F.cross_entropy(logits, tgt, ignore_index=model.cfg.pad_id, reduction="sum"))
-            tokens += b.n_tgt_tokens
-        out["loss"], out["nll"] = loss / max(tokens, 1), nll / max(tokens, 1)
-    n = min(tc.valid_bleu, len(corpus.valid_src))
-    if n:
-        eos = [EOS_ID] if model.cfg.source_eos else []
-        src_ids = [ids[: tc.max_len] + eos for ids in corpus.tokenizers.src.encode_batch(corpus.valid_src[:n])]
-        order = sorted(range(n), key=lambda i: len(src_ids[i]))
-        hyps = [""] * n
-        step = 64
-        for start in range(0, n, step):
-            rows = order[start : start + step]
-            width = max(1, max(len(src_ids[i]) for i in rows))
-            src = torch.full((len(rows), width), model.cfg.pad_id, dtype=torch.long)
-            for j, i in enumerate(rows):
-                src[j, : len(src_ids[i])] = torch.tensor(src_ids[i], dtype=torch.long)
-            with autocast():
-                out_ids = greedy_search(model, src.to(device), BOS_ID, EOS_ID)
-            for i, ids in zip(rows, out_ids):
-                hyps[i] = corpus.tokenizers.tgt.decode(ids)
-        scores = corpus_scores(hyps, corpus.valid_tgt[:n])
-        out.update(bleu=scores["bleu"], bleu_lc=scores["bleu_lc"], chrf=scores["chrf"])
-    return out
-
-
-# ------------------------------------------------------------------------------------------- loop
+    def __exit__(self, *exc: Any) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, signal.SIG_DFL if h is None else h)  # None: a handler set from C, not restorable
 
 
 class TrainLog:
@@ -676,27 +585,6 @@ class TrainLog:
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(x + "\n" for x in keep), encoding="utf-8")
         os.replace(tmp, self.path)
-
-
-# Options that cannot change what a run has computed so far: a resumed run may take new values.
-# The data files may move (their sha256 is checked); `out` and `device` always come from the command.
-FREE_ON_RESUME = frozenset({"max_epochs", "max_steps", "cooldown", "max_minutes", "patience", "keep_last", "save_every",
-                            "valid_bleu", "log_every", "threads", "device", "out",
-                            "data_dir", "train_src", "train_tgt", "valid_src", "valid_tgt"})
-
-# what a trainer_state.pt must hold to resume from it (`Trainer.state` and the loop's position)
-RESUME_KEYS = frozenset({"optimizer", "step", "epoch", "position", "elapsed_s", "best_bleu", "bad_epochs",
-                         "tokens_seen", "rng"})
-
-
-def resume_command(out: Path, world: int) -> str:
-    argv = sys.argv[1:]
-    if argv[:1] == ["train"]:
-        args = argv + ([] if "--resume" in argv else ["--resume"])
-    else:  # called as a library: the run directory's train.json has every option
-        args = ["train", "--config", str(out / "train.json"), "--resume"]
-    prefix = "aiayn" if world == 1 else f"torchrun --nproc_per_node {world} -m aiayn"
-    return f"{prefix} {shlex.join(args)}"
 
 
 @dataclass
@@ -806,254 +694,6 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
     if d.world > 1:
         dist.destroy_process_group()
     return summary
-
-
-# What a run leaves in --out before its first checkpoint: --resume starts such a run again.
-_EARLY_FILES = frozenset({"train.json", "metrics.jsonl", "metrics.jsonl.tmp", "tokenizer", "data"})  # data: corpus.RUN_DATA
-
-
-def _open_run_dir(out: Path, resume: bool, d: Dist) -> list[tuple[int, Path]]:
-    """Makes --out and returns its step checkpoints. A new run needs an empty or new --out, and
-    --resume one with a checkpoint or only what a run leaves before its first: a run never deletes
-    or rewrites what it did not write."""
-    existing = ckpt.step_checkpoints(out)
-    if existing and not resume:
-        raise AiaynError(f"--out {out} already holds checkpoints (newest {existing[-1][1].name}); add --resume to "
-                         "continue that run, or choose another --out")
-    held = sorted(p.name for p in out.iterdir()) if not existing and out.is_dir() else []
-    if held and not resume:
-        raise AiaynError(f"--out {out} is not empty (it holds {', '.join(held[:3])}{', ...' if len(held) > 3 else ''}); "
-                         "use --resume to continue the run there, or choose another --out")
-    others = [n for n in held if n not in _EARLY_FILES and not ckpt.is_own_temporary(n)]
-    if others:
-        raise AiaynError(f"--out {out} holds {', '.join(others[:3])} but no step_<N>/ checkpoint to resume from; "
-                         "choose another --out")
-    if held:
-        _check_early_files(out, held)
-    if d.local == 0:  # each machine's first process: --out may be a folder of every machine's own
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise AiaynError(f"--out {out}: cannot make the run directory ({e.strerror or e}); choose another --out") from None
-    if d.main:
-        ckpt.remove_stale_temporaries(out)
-    return existing
-
-
-# Fields every train.json holds ({"preset", "model", "train": TrainConfig.to_dict()}).
-_TRAIN_JSON_FIELDS = frozenset({"out", "seed", "max_tokens", "label_smoothing", "warmup"})
-
-
-def _check_early_files(out: Path, held: list[str]) -> None:
-    """Starting again rewrites train.json and metrics.jsonl: refuse unless both are recognisably a
-    run's own (train.json with its fields; metrics lines of kind train/valid with a step, the last
-    one possibly torn by a kill), so that a file aiayn did not write is never rewritten."""
-    def foreign(path: Path, why: str) -> AiaynError:
-        return AiaynError(f"{path} was not written by aiayn train ({why}); --resume would rewrite it: "
-                          "move it away or choose another --out")
-
-    train_json = out / "train.json"
-    if "train.json" in held or any(n.startswith("metrics.jsonl") for n in held):
-        try:
-            saved = json.loads(train_json.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise foreign(out / next(n for n in held if n.startswith("metrics.jsonl")), "no train.json beside it") from None
-        except (OSError, ValueError) as e:
-            raise foreign(train_json, f"not readable JSON: {e}") from None
-        settings = saved.get("train") if isinstance(saved, dict) else None
-        if not (isinstance(saved, dict) and isinstance(saved.get("preset"), str) and isinstance(saved.get("model"), dict)
-                and isinstance(settings, dict) and _TRAIN_JSON_FIELDS <= set(settings)):
-            raise foreign(train_json, "no preset, model and train settings")
-    for name in ("metrics.jsonl", "metrics.jsonl.tmp"):
-        if name not in held:
-            continue
-        try:
-            text = (out / name).read_text(encoding="utf-8")
-        except (OSError, ValueError) as e:
-            raise foreign(out / name, f"unreadable: {e}") from None
-        lines = text.split("\n")
-        for n, line in enumerate(lines[:-1], 1):  # the text after the last newline may be a torn line
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                rec = None
-            if not (isinstance(rec, dict) and rec.get("kind") in ("train", "valid") and type(rec.get("step")) is int):
-                raise foreign(out / name, f"line {n} is not a train or valid record")
-
-
-def _saved_device(out: Path) -> str | None:
-    """The --device of the run in `out` (its newest step checkpoint's), None if there is none to read:
-    the processes start on a device before the checkpoint is loaded."""
-    steps = ckpt.step_checkpoints(out)
-    try:
-        device = json.loads((steps[-1][1] / ckpt.CONFIG).read_text(encoding="utf-8"))["train"]["device"]
-    except (IndexError, OSError, ValueError, KeyError, TypeError):
-        return None
-    return device if isinstance(device, str) else None
-
-
-def _load_newest(existing: list[tuple[int, Path]], info: Log) -> ckpt.Checkpoint:
-    """The newest readable step checkpoint with a complete trainer state (an unreadable newest one
-    falls back to the one before); the first error if none is."""
-    first_error: AiaynError | None = None
-    for _, path in reversed(existing):
-        try:
-            loaded = ckpt.load_checkpoint(path, with_trainer_state=True)
-            missing = sorted(RESUME_KEYS - set(loaded.trainer_state or {}))
-            if missing:
-                raise AiaynError(f"{path / ckpt.TRAINER_STATE} lacks {', '.join(missing)}")
-            return loaded
-        except AiaynError as e:
-            first_error = first_error or e
-            info(f"warning: cannot resume from {path}: {e}")
-    assert first_error is not None, "called with no checkpoints"
-    raise first_error
-
-
-def resumed_settings(loaded: ckpt.Checkpoint, preset_name: str, model_over: dict[str, Any], tc: TrainConfig,
-                     given: Collection[str] | None) -> tuple[str, TrainConfig]:
-    """The run's saved settings, with the given values of FREE_ON_RESUME options; any other given
-    option (`given`: names set on the command line; None: every field of `tc`) must equal the saved
-    value, else one error names it."""
-    saved = loaded.config.get("train")
-    if not isinstance(saved, dict):
-        saved = {}
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    try:
-        base = TrainConfig.from_dict({k: v for k, v in saved.items() if k in names})
-    except (ConfigError, TypeError) as e:
-        raise AiaynError(f"{loaded.path / ckpt.CONFIG}: invalid train config ({e}); resume from another checkpoint") from e
-    typed = names | {"preset"} if given is None else set(given)
-    before = {"preset": loaded.config.get("preset", preset_name), **base.to_dict()}
-    now = {"preset": preset_name, **tc.to_dict()}
-    changed = [(k, now[k], before[k]) for k in sorted(typed - FREE_ON_RESUME) if now[k] != before[k]]
-    changed += [(k, v, getattr(loaded.model_config, k)) for k, v in sorted(model_over.items())
-                if v != getattr(loaded.model_config, k)]
-    if changed:
-        name, value, was = changed[0]
-        flag = "--" + name.replace("_", "-")
-        raise AiaynError(f"{flag} {value} differs from the run's {was}: --resume continues the run with its own "
-                         f"settings; drop {flag}, or start a new run with another --out")
-    keep = (typed & FREE_ON_RESUME) | {"out", "device"}
-    return before["preset"], base.replace(**{k: getattr(tc, k) for k in keep})
-
-
-def _set_up(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, loaded: ckpt.Checkpoint | None, d: Dist,
-            info: Log) -> Run:
-    """Data, model, trainer and metrics, restored from `loaded` when resuming; writes train.json."""
-    out = Path(tc.out)
-    init = ckpt.load_checkpoint(tc.init_from) if tc.init_from and not loaded else None
-    start = loaded or init
-    source_eos = start.model_config.source_eos if start else model_over.get("source_eos", ModelConfig.source_eos)
-    corpus = load_corpus(tc, loaded, out, d, source_eos, info, start.tokenizers if tc.init_from and start else None)
-    if loaded:
-        mcfg = loaded.model_config
-    elif init:
-        mcfg = fine_tuned_config(init, model_over)
-    else:
-        mcfg = _new_model_config(preset_name, model_over, tc, corpus.tokenizers)
-    torch.manual_seed(tc.seed)
-    random.seed(tc.seed)
-    model = Transformer(mcfg)
-    if start:
-        model.load_state_dict(start.model.state_dict())
-    if init:
-        info(f"fine-tuning from {init.path}")
-    if d.rank:  # other ranks draw their own dropout masks
-        torch.manual_seed(tc.seed + 1000 * d.rank)
-        random.seed(tc.seed + 1000 * d.rank)
-    run = Run(tc, preset_name, d, out, corpus, model, Trainer(model, tc, d, _precision(tc, loaded, d)),
-              TrainLog(out / "metrics.jsonl", d.main), last_saved=loaded.path if loaded else None)
-    if loaded:
-        st = loaded.trainer_state
-        assert st is not None
-        if int(st.get("world", 1)) != d.world:
-            raise AiaynError(f"{loaded.path} was written by {st.get('world')} processes; resume with the same number "
-                             f"(torchrun --nproc_per_node {st.get('world')})")
-        run.restore(st)
-    run.steps_per_epoch = max(1, math.ceil(len(rank_batches(corpus, tc, 1, d)) / tc.update_freq))
-    run.metrics.truncate_after(run.trainer.step)  # a fresh start (step 0) clears lines of a run killed before its first checkpoint
-    if d.main:
-        model_options = {k: v for k, v in mcfg.to_dict().items() if k not in _MODEL_FROM_DATA}  # the model it holds
-        (out / "train.json").write_text(json.dumps({"preset": preset_name, "model": model_options, "train": tc.to_dict()},
-                                                   indent=2) + "\n", encoding="utf-8")
-    _describe(run, info)
-    return run
-
-
-def with_update_freq(tc: TrainConfig, world: int) -> TrainConfig:
-    """--tokens-per-update N: update_freq = N / (max_tokens x world) to the nearest whole number (at
-    least 1), so a step holds about N padded positions on any number of processes. Where one batch
-    per process already holds more than N, the step would grow with the world: refused, naming the
-    --max-tokens that fits."""
-    if not tc.tokens_per_update:
-        return tc
-    per_round = tc.max_tokens * world
-    if per_round > tc.tokens_per_update:
-        raise AiaynError(f"--tokens-per-update {tc.tokens_per_update}: {world} processes x --max-tokens "
-                         f"{tc.max_tokens} already take {per_round} per step; use --max-tokens "
-                         f"{max(2, tc.tokens_per_update // world)} or less (or a larger --tokens-per-update)")
-    return tc.replace(update_freq=max(1, math.floor(tc.tokens_per_update / per_round + 0.5)))
-
-
-def _precision(tc: TrainConfig, loaded: ckpt.Checkpoint | None, d: Dist) -> str:
-    """--precision, with `auto` resolved as the run resolved it when it began (kept in its trainer
-    state): the machine or the version resuming it may choose otherwise. A trainer state without it
-    was trained by the `auto` of its time: with data digests (the same release), today's rule;
-    without, the rule before, bf16 autocast on every CPU."""
-    if tc.precision != "auto" or loaded is None:
-        return tc.precision
-    st = loaded.trainer_state or {}
-    if st.get("precision") in PRECISIONS and st["precision"] != "auto":
-        # a run moved from CUDA to a CPU (--device may change) cannot go on in fp16: auto decides anew
-        return st["precision"] if st["precision"] != "fp16" or d.device.type == "cuda" else "auto"
-    return "bf16" if d.device.type == "cpu" and "data_sha256" not in st else "auto"
-
-
-FINE_TUNE_FREE = ("dropout", "attention_dropout", "activation_dropout")  # what --init-from may change
-
-
-def fine_tuned_config(init: ckpt.Checkpoint, model_over: dict[str, Any]) -> ModelConfig:
-    """The --init-from checkpoint's model shape, with new dropout rates if given; any other model
-    option given must equal the checkpoint's (one error names it)."""
-    for k, v in sorted(model_over.items()):
-        if k not in FINE_TUNE_FREE and v != getattr(init.model_config, k):
-            raise AiaynError(f"--{k.replace('_', '-')} {v} differs from --init-from {init.path}'s "
-                             f"{getattr(init.model_config, k)}: a fine-tuned model keeps its shape; drop the option")
-    try:
-        return init.model_config.replace(**{k: v for k, v in model_over.items() if k in FINE_TUNE_FREE})
-    except ConfigError as e:
-        raise AiaynError(str(e)) from e
-
-
-def _new_model_config(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, tok: TokenizerPair) -> ModelConfig:
-    over = dict(model_over)
-    if not tc.joint_vocab:
-        if over.get("share_embeddings"):
-            raise AiaynError("--share-embeddings needs a joint vocabulary; drop --no-joint-vocab")
-        over["share_embeddings"] = False
-    try:
-        return preset(preset_name, src_vocab_size=tok.src.vocab_size, tgt_vocab_size=tok.tgt.vocab_size, **over)
-    except ConfigError as e:
-        raise AiaynError(str(e)) from e
-
-
-def _total_steps(run: Run) -> int | None:
-    tc = run.tc
-    return tc.max_steps or (tc.max_epochs * run.steps_per_epoch if tc.max_epochs else None)
-
-
-def _describe(run: Run, info: Log) -> None:
-    tc, mcfg, corpus, tok = run.tc, run.model.cfg, run.corpus, run.corpus.tokenizers
-    info(f"model: {mcfg.encoder_layers}+{mcfg.decoder_layers} layers, d_model {mcfg.d_model}, "
-         f"{run.model.num_parameters():,} parameters; vocabulary {tok.src.vocab_size}"
-         f"{'' if tok.joint else '/' + str(tok.tgt.vocab_size)} ({'joint' if tok.joint else 'separate'})")
-    info(f"data: {corpus.describe(tc)}; ~{run.steps_per_epoch} steps/epoch")
-    info(f"device {run.d.device} x{run.d.world}, precision {run.trainer.precision}, max {tc.max_tokens} tokens x "
-         f"{tc.update_freq} batches x {run.d.world} ranks per step; output {run.out}")
-    if run.trainer.precision == "bf16" and aiayn.kernels.slow_bf16_on(run.d.device):
-        info(f"warning: {aiayn.kernels.SLOW_BF16}; fp32 trains faster here (start a run with --precision fp32 "
-             "or auto; --resume keeps the run's own precision)")
 
 
 def _stop_if_done(run: Run) -> None:
