@@ -115,9 +115,9 @@ def test_ranks_share_each_step_evenly_and_together_take_what_one_process_takes(w
     src, tgt = _lengths(3000, seed=2)
     plan = plan_batches(src, tgt, 256)
     batches = epoch_batches(plan, seed=1, epoch=1)
-    mine = [rank_batches(batches, plan.tokens, r, world, update_freq) for r in range(world)]
+    mine = [rank_batches(plan, 1, 1, r, world, update_freq) for r in range(world)]
     assert len({len(m) for m in mine}) == 1  # every rank takes as many steps
-    one = rank_batches(batches, plan.tokens, 0, 1, world * update_freq)  # one process, world x accumulation
+    one = rank_batches(plan, 1, 1, 0, 1, world * update_freq)  # one process, world x accumulation
     usable = len(batches) - len(batches) % world
     assert len(one) == len(batches) and sum(map(len, mine)) == usable
     n_steps = -(-len(mine[0]) // update_freq)
@@ -138,7 +138,7 @@ def test_ranks_share_each_step_evenly_and_together_take_what_one_process_takes(w
 def test_fewer_batches_than_ranks_is_an_error_on_every_rank_not_a_hang():
     plan = plan_batches(np.array([3, 3]), np.array([3, 3]), 100)
     with pytest.raises(AiaynError, match=r"1 batches, fewer than the 2 processes"):
-        rank_batches(epoch_batches(plan, 1, 1), plan.tokens, 1, 2, 1)
+        rank_batches(plan, 1, 1, 1, 2, 1)
 
 
 def test_batches_are_a_light_sequence():

@@ -42,12 +42,12 @@ import aiayn.kernels
 from aiayn import checkpoint as ckpt
 from aiayn import memory
 from aiayn.config import PRECISIONS, PRESETS, ConfigError, ModelConfig, TrainConfig, preset
+from aiayn.data.batching import Batches, rank_batches
 from aiayn.errors import AiaynError
 from aiayn.model import Transformer
 from aiayn.trainer import Dist, Prefetch, Trainer, rng_state, set_rng_state, setup_distributed, validate
 
-if TYPE_CHECKING:  # for the checker only: train imports the data path where it uses it
-    from aiayn.data.batching import Batches
+if TYPE_CHECKING:  # for the checker only: train imports the rest of the data path where it uses it
     from aiayn.data.corpus import Corpus
     from aiayn.tokenizer import TokenizerPair
 
@@ -433,13 +433,6 @@ def _same_data(corpus: Corpus, digest: str, rank: int) -> None:
                          "give every machine the same --data-bin, or the same text and settings")
 
 
-def rank_batches(corpus: Corpus, tc: TrainConfig, epoch: int, d: Dist) -> Batches:
-    """This rank's batches of an epoch: a list of int32 arrays of pair ids (aiayn.data.batching)."""
-    from aiayn.data.corpus import rank_batches as for_rank
-
-    return for_rank(corpus, tc, epoch, d.rank, d.world)
-
-
 # ------------------------------------------------------------------------------------------ set-up
 
 
@@ -476,7 +469,8 @@ def _set_up(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, loade
             raise AiaynError(f"{loaded.path} was written by {st.get('world')} processes; resume with the same number "
                              f"(torchrun --nproc_per_node {st.get('world')})")
         run.restore(st)
-    run.steps_per_epoch = max(1, math.ceil(len(rank_batches(corpus, tc, 1, d)) / tc.update_freq))
+    mine = rank_batches(corpus.plan, tc.seed, 1, d.rank, d.world, tc.update_freq)  # as many on every rank
+    run.steps_per_epoch = max(1, math.ceil(len(mine) / tc.update_freq))
     run.metrics.truncate_after(run.trainer.step)  # a fresh start (step 0) clears lines of a run killed before its first checkpoint
     if d.main:
         model_options = {k: v for k, v in mcfg.to_dict().items() if k not in _MODEL_FROM_DATA}  # the model it holds
@@ -714,7 +708,7 @@ def _train_epoch(run: Run, stopper: Stopper, bar: Any) -> None:
     """This rank's batches of the current epoch from `run.pos` on, until the epoch ends or a limit
     is met; a complete epoch is closed by `_end_epoch`."""
     tc, trainer, d = run.tc, run.trainer, run.d
-    mine = rank_batches(run.corpus, tc, run.epoch, d)
+    mine = rank_batches(run.corpus.plan, tc.seed, run.epoch, d.rank, d.world, tc.update_freq)
     source_eos = run.model.cfg.source_eos
     groups = (mine[p : p + tc.update_freq] for p in range(run.pos, len(mine), tc.update_freq))
     feed = Prefetch(([run.corpus.train.collate(idx, tc.max_len, source_eos) for idx in g] for g in groups),

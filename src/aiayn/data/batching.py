@@ -10,7 +10,7 @@ At WMT14 size: no Python object per pair, and memory that does not grow with a s
   only permutes pairs of equal (cost, source length), so the cut points are the same every epoch.
 - `epoch_batches` shuffles inside each run of equal keys and then the batch order, with a
   generator seeded by (seed, epoch): the same arguments always give the same batches (exact resume).
-- `rank_batches` gives one rank of a torchrun job its batches: each optimizer step's
+- `rank_batches` gives one rank of a torchrun job its batches of an epoch: each optimizer step's
   `world * update_freq` batches are shared out so that every rank gets the same number of batches
   and about the same number of (padded) tokens; the union per step is what one process with
   `update_freq * world` would take, so data parallelism and accumulation give the same update.
@@ -189,11 +189,13 @@ def epoch_batches(plan: BatchPlan, seed: int, epoch: int, shuffle: bool = True) 
     return Batches(plan.order, plan.bounds, rng.permutation(len(plan)))
 
 
-def rank_batches(batches: Batches, tokens: np.ndarray, rank: int, world: int, update_freq: int) -> Batches:
-    """Rank `rank`'s batches: each step's `world * update_freq` consecutive batches are shared out
-    so that every rank gets as many batches and about as many padded tokens (`tokens[b]`) as the
-    others. Batches past the last multiple of `world` are left out, so every rank takes as many steps.
+def rank_batches(plan: BatchPlan, seed: int, epoch: int, rank: int, world: int, update_freq: int) -> Batches:
+    """Rank `rank`'s batches of an epoch (`epoch_batches`): each step's `world * update_freq`
+    consecutive batches are shared out so that every rank gets as many batches and about as many
+    padded tokens (`plan.tokens[b]`) as the others. Batches past the last multiple of `world` are left
+    out, so every rank takes as many steps. One process (world 1) takes the epoch's batches as they are.
     """
+    batches = epoch_batches(plan, seed, epoch)
     if len(batches) < world:
         raise AiaynError(
             f"the data makes {len(batches)} batches, fewer than the {world} processes; lower --max-tokens "
@@ -204,7 +206,7 @@ def rank_batches(batches: Batches, tokens: np.ndarray, rank: int, world: int, up
     mine: list[int] = []
     totals = [0] * world  # tokens given to each rank so far this epoch: the tie-breaker
     for start in range(0, usable, group):
-        shares = _share(batches.ids[start : min(start + group, usable)], tokens, totals)
+        shares = _share(batches.ids[start : min(start + group, usable)], plan.tokens, totals)
         mine.extend(shares[rank])
     return Batches(batches.order, batches.bounds, np.asarray(mine, np.int64))
 

@@ -141,12 +141,6 @@ def _within(src: np.ndarray, tgt: np.ndarray, max_len: int) -> np.ndarray:
     return keep
 
 
-def rank_batches(corpus: Corpus, tc: TrainConfig, epoch: int, rank: int, world: int) -> Batches:
-    """This rank's batches of an epoch (same count on every rank, balanced tokens; see batching)."""
-    batches = batching.epoch_batches(corpus.plan, tc.seed, epoch)
-    return batching.rank_batches(batches, corpus.plan.tokens, rank, world, tc.update_freq)
-
-
 def valid_batches(corpus: Corpus) -> Batches:
     """The validation batches in length order (empty without a validation set)."""
     if corpus.valid_plan is None:
