@@ -165,3 +165,47 @@ def test_dropout_with_a_p_that_16_bit_coins_cannot_hold_is_torchs():
     got = kernels.dropout(x, 0.01, training=True)
     torch.manual_seed(3)
     assert torch.equal(got, F.dropout(x, 0.01, training=True))
+
+
+def test_loss_packing_is_where_the_loss_finds_the_real_tokens_also_for_unlabelled_positions():
+    """`LossPacking.of` (run on the host by collate) holds what the loss would find on the device; a
+    target position with an input but no label (tgt_out pad) is decoded, not scored; the loss given
+    the packing is bitwise the loss that finds it, gradients too."""
+    from aiayn.config import preset
+    from aiayn.model import Transformer
+
+    src = torch.tensor([[5, 6, 7, 3], [8, 9, 3, 0]])
+    tgt_in = torch.tensor([[1, 10, 11, 12], [1, 13, 14, 0]])
+    tgt_out = torch.tensor([[10, 11, 12, 3], [13, 3, 0, 0]])  # row 2, position 2: an input, no label
+    p = kernels.LossPacking.of(src, tgt_in, tgt_out, 0)
+    assert p.src.idx.tolist() == [0, 1, 2, 3, 4, 5, 6] and (p.src.B, p.src.T) == (2, 4)
+    assert p.tgt.idx.tolist() == [0, 1, 2, 3, 4, 5, 6] and p.labelled is not None
+    assert p.labelled.tolist() == [0, 1, 2, 3, 4, 5]
+    assert kernels.LossPacking.of(src, tgt_out, tgt_out, 0).labelled is None  # right-padded: all scored
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", src_vocab_size=30, tgt_vocab_size=30)).eval()
+    want = F.cross_entropy(model(src, tgt_in).flatten(0, 1), tgt_out.flatten(), label_smoothing=0.1, reduction="none")
+    losses, grads = [], []
+    for packing in (None, p):
+        model.zero_grad()
+        loss = model.loss(src, tgt_in, tgt_out, 0.1, "none", packing=packing)
+        loss.sum().backward()
+        losses.append(loss.detach())
+        grads.append([q.grad.clone() for q in model.parameters() if q.grad is not None])
+    torch.testing.assert_close(losses[1], want[tgt_out.flatten() != 0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(losses[0], losses[1]) and all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_a_batch_takes_its_packing_to_pinned_memory_and_the_device(monkeypatch):
+    from aiayn.data.text import collate
+
+    b = collate([([5, 6], [7]), ([8], [9, 10])], [0, 1])
+    assert b.packing is not None
+    pinned = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: pinned.append(self) or self.clone())
+    p = b.pin_memory().packing
+    assert p is not None and len(pinned) == 5  # src, tgt_in, tgt_out and the two index tensors
+    assert any(t is b.packing.src.idx for t in pinned) and any(t is b.packing.tgt.idx for t in pinned)
+    assert torch.equal(p.tgt.idx, b.packing.tgt.idx)
+    moved = b.to("cpu", non_blocking=True).packing
+    assert moved is not None and torch.equal(moved.src.idx, b.packing.src.idx)

@@ -303,6 +303,43 @@ def test_one_host_read_per_update_and_bitwise_the_same_update(monkeypatch):
     assert reads == ["tolist"]  # before: a float() per batch, and more
 
 
+def _spy_on_host_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Records each call that makes the host wait for a GPU's results: a read of a value, `nonzero`,
+    and indexing with a boolean mask (whose result size the host must learn)."""
+    reads: list[str] = []
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__", "nonzero"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _r=real, _n=name, **k: reads.append(_n) or _r(self, *a, **k))
+    real_getitem = torch.Tensor.__getitem__
+
+    def getitem(self, key):
+        if isinstance(key, torch.Tensor) and key.dtype == torch.bool:
+            reads.append("mask")
+        return real_getitem(self, key)
+
+    monkeypatch.setattr(torch.Tensor, "__getitem__", getitem)
+    return reads
+
+
+def test_a_step_on_collated_batches_finds_no_padding_on_the_device(monkeypatch, tmp_path, corpus):
+    """On a GPU, `nonzero`, a boolean mask and `bool(tensor)` each make the host wait for the device.
+    Collate finds the real tokens on the host (`Batch.packing`: what `keep.nonzero()` gives), in the
+    prefetch thread, so a step on its batches waits once per update: the loss and the token count."""
+    tc = TrainConfig(**{k: v for k, v in corpus.items()}, vocab_size=300, max_tokens=160)
+    data = T.load_corpus(tc, None, tmp_path / "r", TR.Dist(), source_eos=True)
+    ex = _examples(12)
+    batches = [data.train.collate(np.arange(6), tc.max_len, True), collate(ex, list(range(6, 12)))]
+    for b in batches:  # the bindata collate (training) and the text one
+        assert b.packing is not None and b.packing.labelled is None  # right-padded: every target position scored
+        assert torch.equal(b.packing.src.idx, b.src.ne(0).flatten().nonzero().squeeze(1))
+        assert torch.equal(b.packing.tgt.idx, b.tgt_out.ne(0).flatten().nonzero().squeeze(1))
+    cfg = preset("tiny", src_vocab_size=300, tgt_vocab_size=300)
+    tr = TR.Trainer(Transformer(cfg), TrainConfig(update_freq=2), TR.Dist(), "fp32")
+    reads = _spy_on_host_reads(monkeypatch)
+    tr.train_step(batches)
+    assert reads == ["tolist"]  # before: a nonzero per batch and side, and a boolean mask
+
+
 def test_prefetch_keeps_order_hands_over_errors_and_stops_early():
     feed = TR.Prefetch(iter([[1], [2], [3]]), pin=False)
     assert list(feed) == [[1], [2], [3]]

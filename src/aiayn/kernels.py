@@ -10,7 +10,8 @@ moves by at most 2^-17).
 - `attention`: scaled dot-product attention on the faster path for the device, the spelled-out
   matmul-softmax-matmul for short keys on the CPU (and whenever the weights are wanted, for plots),
   else `F.scaled_dot_product_attention`.
-- `Packed`: the position-wise layers run on the real tokens of a padded batch only (training).
+- `Packed`: the position-wise layers run on the real tokens of a padded batch only (training);
+  `LossPacking` says where they are for the loss, found on the host where a batch is built.
 
 `Layers`, a typed `nn.ModuleList`, is here too only because `aiayn.model` may import nothing else.
 """
@@ -329,6 +330,50 @@ class Packed:
     def unpack(self, x: Tensor) -> Tensor:
         """(N, C) -> (B, T, C), zeros at the padding"""
         return x.new_zeros(self.B * self.T, x.size(-1)).index_copy_(0, self.idx, x).view(self.B, self.T, -1)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "Packed":
+        return Packed(self.idx.to(device, non_blocking=non_blocking), self.B, self.T)
+
+    def pin_memory(self) -> "Packed":
+        return Packed(self.idx.pin_memory(), self.B, self.T)
+
+
+@dataclass
+class LossPacking:
+    """Where the real tokens of a training batch sit, for `Transformer.loss`. Finding them takes
+    `nonzero` (and a test for padding), each of which makes the host wait for a GPU: collate finds
+    them on the host, where it builds the batch, and a training step on a GPU need not wait per batch.
+    """
+
+    src: Packed  # the real source tokens, (N_src,) of (B*S)
+    tgt: Packed  # the target positions, (N_tgt,) of (B*T): where tgt_in or tgt_out is not padding
+    labelled: Tensor | None  # (N,) positions in `tgt` whose label (tgt_out) is not padding; None: all
+
+    @classmethod
+    def of(cls, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, pad_id: int) -> "LossPacking":
+        """Shape: src (B, S), tgt_in and tgt_out (B, T). Reads them: call it where they are."""
+        # Targets are right-padded, so no real query sees a padded key through the causal mask, and
+        # the decoder too can drop the padding.
+        tgt = Packed.from_keep(tgt_in.ne(pad_id) | tgt_out.ne(pad_id))
+        real = tgt_out.flatten().index_select(0, tgt.idx).ne(pad_id)  # (N_tgt,)
+        return cls(Packed.from_keep(src.ne(pad_id)), tgt, None if bool(real.all()) else real.nonzero().squeeze(1))
+
+    def targets(self, h: Tensor, tgt_out: Tensor) -> tuple[Tensor, Tensor]:
+        """The decoder states and labels of the real target tokens (index_select: no mask to resolve).
+        Shape: h (N_tgt, d), tgt_out (B, T) -> (N, d), (N,)."""
+        labels = tgt_out.flatten().index_select(0, self.tgt.idx)  # (N_tgt,)
+        if self.labelled is None:
+            return h, labels
+        return h.index_select(0, self.labelled), labels.index_select(0, self.labelled)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "LossPacking":
+        labelled = None if self.labelled is None else self.labelled.to(device, non_blocking=non_blocking)
+        return LossPacking(self.src.to(device, non_blocking), self.tgt.to(device, non_blocking), labelled)
+
+    def pin_memory(self) -> "LossPacking":
+        """In page-locked memory, for a copy to a GPU that runs beside the compute."""
+        labelled = None if self.labelled is None else self.labelled.pin_memory()
+        return LossPacking(self.src.pin_memory(), self.tgt.pin_memory(), labelled)
 
 
 # ----------------------------------------------------------------- the loss over the vocabulary

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from aiayn import kernels
 from aiayn.cache import DecoderCache, LayerCache, ungroup
 from aiayn.config import ModelConfig
-from aiayn.kernels import Layers, Linear, Packed
+from aiayn.kernels import Layers, Linear, LossPacking, Packed
 
 
 def sinusoidal_table(max_len: int, d_model: int) -> Tensor:
@@ -406,33 +406,28 @@ class Transformer(nn.Module):
         memory = self.encode(src, src_keep)
         return self.decode(tgt_in, memory, src_keep)
 
-    def loss(
-        self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, label_smoothing: float = 0.0, reduction: str = "mean"
-    ) -> Tensor:
+    def loss(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, label_smoothing: float = 0.0, reduction: str = "mean",
+             packing: LossPacking | None = None) -> Tensor:
         """Training loss: cross-entropy (with label smoothing, Section 5.4) over real target tokens.
 
         Equal to `F.cross_entropy(forward(src, tgt_in) over (B*T), tgt_out, ignore_index=pad_id,
         label_smoothing=...)` for right-padded batches, but faster: the position-wise layers run on
         real tokens only (`Packed`), and the vocabulary projection and softmax only where `tgt_out`
         is not padding. `reduction` is "mean" (over real tokens), "sum" or "none" (one loss per
-        real target token, in the order of `tgt_out[tgt_out != pad]`).
+        real target token, in the order of `tgt_out[tgt_out != pad]`). `packing`: where the real
+        tokens are (`LossPacking.of` these tensors), found on the host by collate; else found here.
 
         Shape: src (B, S), tgt_in (B, T), tgt_out (B, T) -> scalar float32 ((N,) for "none").
         """
-        pad = self.cfg.pad_id
-        src_keep = src.ne(pad)  # (B, S)
-        src_packed = Packed.from_keep(src_keep)
-        memory = self.encoder(src_packed.pack(self.embed(src, self.src_embed)), src_keep, packed=src_packed)  # (N_src, d)
-        # Targets are right-padded, so no real query sees a padded key through the causal mask, and
-        # the decoder too can drop the padding.
-        tgt_packed = Packed.from_keep(tgt_in.ne(pad) | tgt_out.ne(pad))
-        x = tgt_packed.pack(self.embed(tgt_in, self.tgt_embed))  # (N_tgt, d)
-        h = self.decoder(x, memory, src_keep, None, tgt_in.size(1) > 1, packed=tgt_packed, mem_packed=src_packed)
-        labels = tgt_out.flatten().index_select(0, tgt_packed.idx)  # (N_tgt,)
-        real = labels.ne(pad)
-        logits = self.project(h[real])  # (N, V), N = real target tokens
+        p = LossPacking.of(src, tgt_in, tgt_out, self.cfg.pad_id) if packing is None else packing
+        src_keep = src.ne(self.cfg.pad_id)  # (B, S)
+        memory = self.encoder(p.src.pack(self.embed(src, self.src_embed)), src_keep, packed=p.src)  # (N_src, d)
+        x = p.tgt.pack(self.embed(tgt_in, self.tgt_embed))  # (N_tgt, d)
+        h = self.decoder(x, memory, src_keep, None, tgt_in.size(1) > 1, packed=p.tgt, mem_packed=p.src)
+        h, labels = p.targets(h, tgt_out)  # (N, d), (N,): N = real target tokens
+        logits = self.project(h)  # (N, V)
         # The softmax in float32 (bf16 has too few mantissa bits for ~10^4 classes), fused with the loss.
-        losses = kernels.smoothed_cross_entropy(logits, labels[real], label_smoothing)  # (N,)
+        losses = kernels.smoothed_cross_entropy(logits, labels, label_smoothing)  # (N,)
         reduce: dict[str, Callable[[Tensor], Tensor]] = {"mean": Tensor.mean, "sum": Tensor.sum, "none": lambda t: t}
         if reduction not in reduce:
             raise ValueError(f"reduction must be 'mean', 'sum' or 'none', not {reduction!r}")

@@ -32,6 +32,7 @@ import aiayn.kernels
 from aiayn import memory
 from aiayn.config import TrainConfig, learning_rate
 from aiayn.errors import AiaynError
+from aiayn.kernels import LossPacking
 from aiayn.model import Transformer
 
 if TYPE_CHECKING:  # for the checker only: the trainer imports the data path where it uses it
@@ -53,6 +54,8 @@ class LossInputs(Protocol):
     def tgt_in(self) -> Tensor: ...  # (B, T)
     @property
     def tgt_out(self) -> Tensor: ...  # (B, T)
+    @property
+    def packing(self) -> LossPacking | None: ...  # where the real tokens are, found on the host
 
 
 def loss_sum(model: Transformer, batch: LossInputs, label_smoothing: float) -> Tensor:
@@ -61,7 +64,8 @@ def loss_sum(model: Transformer, batch: LossInputs, label_smoothing: float) -> T
     The one place the training loss is computed; the caller divides by the token count. The model
     computes it itself (`Transformer.loss`: projection and softmax only at real target tokens).
     """
-    return model.loss(batch.src, batch.tgt_in, batch.tgt_out, label_smoothing=label_smoothing, reduction="sum")
+    return model.loss(batch.src, batch.tgt_in, batch.tgt_out, label_smoothing=label_smoothing, reduction="sum",
+                      packing=batch.packing)
 
 
 class _LossModule(torch.nn.Module):
@@ -71,14 +75,15 @@ class _LossModule(torch.nn.Module):
         super().__init__()
         self.model, self.label_smoothing = model, label_smoothing
 
-    def forward(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor) -> Tensor:
-        return loss_sum(self.model, _Pairs(src, tgt_in, tgt_out), self.label_smoothing)
+    def forward(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, packing: LossPacking | None = None) -> Tensor:
+        return loss_sum(self.model, _Pairs(src, tgt_in, tgt_out, packing), self.label_smoothing)
 
 
 class _Pairs(NamedTuple):
     src: Tensor  # (B, S)
     tgt_in: Tensor  # (B, T)
     tgt_out: Tensor  # (B, T)
+    packing: LossPacking | None
 
 
 # ----------------------------------------------------------------------------------- where it runs
@@ -317,7 +322,7 @@ class Trainer:
             ctx = no_sync() if not sync and no_sync is not None else contextlib.nullcontext()
             with ctx:
                 with self.autocast():
-                    loss = self.model(batch.src, batch.tgt_in, batch.tgt_out)
+                    loss = self.model(batch.src, batch.tgt_in, batch.tgt_out, batch.packing)
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             loss_sum += loss.detach().double()
             tokens += int(batch.n_tgt_tokens)  # counted on the host by collate: no device read

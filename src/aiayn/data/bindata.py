@@ -147,8 +147,8 @@ class Split:
         tgt_out = np.full((B, T), PAD_ID, np.int64)
         tgt_out[:, :-1] = tgt
         tgt_out[np.arange(B), tlen] = EOS_ID  # target + EOS
-        return Batch(torch.from_numpy(src), torch.from_numpy(tgt_in), torch.from_numpy(tgt_out), rows.tolist(),
-                     int(tlen.sum() + B))
+        return Batch.of(torch.from_numpy(src), torch.from_numpy(tgt_in), torch.from_numpy(tgt_out), rows.tolist(),
+                        int(tlen.sum() + B))
 
     def lengths(self, max_len: int) -> tuple[np.ndarray, np.ndarray]:
         """(N,) source and target lengths as batches see them (cut to `max_len`); memory maps if uncut."""

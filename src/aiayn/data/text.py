@@ -32,6 +32,7 @@ from torch import Tensor
 
 from aiayn.errors import AiaynError
 from aiayn.files import default_cache_dir, file_sha256, read_lines
+from aiayn.kernels import LossPacking
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 LANGS = ("en", "de", "fr", "cs")
@@ -228,6 +229,7 @@ class Batch:
     tgt_out: Tensor  # (B, T) target + EOS, what the decoder must predict
     indices: list[int]  # example ids, in row order
     n_tgt_tokens: int  # non-pad tokens in tgt_out, the loss normaliser
+    packing: LossPacking | None = None  # where the real tokens sit, found on the host (`Transformer.loss`)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
         return Batch(
@@ -236,12 +238,19 @@ class Batch:
             self.tgt_out.to(device, non_blocking=non_blocking),
             self.indices,
             self.n_tgt_tokens,
+            None if self.packing is None else self.packing.to(device, non_blocking),
         )
 
     def pin_memory(self) -> "Batch":
         """The batch in page-locked memory, so that a copy to a GPU can run beside the compute."""
         return Batch(self.src.pin_memory(), self.tgt_in.pin_memory(), self.tgt_out.pin_memory(), self.indices,
-                     self.n_tgt_tokens)
+                     self.n_tgt_tokens, None if self.packing is None else self.packing.pin_memory())
+
+    @classmethod
+    def of(cls, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, indices: list[int], n_tgt_tokens: int,
+           pad_id: int = PAD_ID) -> "Batch":
+        """A batch of host tensors with its packing (found here, on the host: no GPU to wait for)."""
+        return cls(src, tgt_in, tgt_out, indices, n_tgt_tokens, LossPacking.of(src, tgt_in, tgt_out, pad_id))
 
     def __len__(self) -> int:
         return int(self.src.size(0))
@@ -270,7 +279,7 @@ def collate(
         tgt_in[row, : len(t) + 1] = torch.tensor([bos_id, *t], dtype=torch.long)
         tgt_out[row, : len(t) + 1] = torch.tensor([*t, eos_id], dtype=torch.long)
     n_tgt = sum(len(t) + 1 for _, t in chosen)
-    return Batch(src, tgt_in, tgt_out, list(indices), n_tgt)
+    return Batch.of(src, tgt_in, tgt_out, list(indices), n_tgt, pad_id)
 
 
 # ---------------------------------------------------------------------------------------------
