@@ -340,6 +340,22 @@ def test_a_step_on_collated_batches_finds_no_padding_on_the_device(monkeypatch, 
     assert reads == ["tolist"]  # before: a nonzero per batch and side, and a boolean mask
 
 
+def test_the_ranks_agree_to_stop_in_one_all_reduce_per_step(monkeypatch):
+    """After each step every rank must take the same stop decision (a signal on one rank, the time
+    limit); each all-reduce is a host read on a GPU, so both flags travel in one, not one each."""
+    from types import SimpleNamespace
+
+    reduced = []
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, op=None: reduced.append(t.tolist()))
+    run = SimpleNamespace(tc=TrainConfig(max_minutes=1), d=TR.Dist(0, 2), trainer=SimpleNamespace(step=3),
+                          seconds=lambda: 61.0)
+    assert T._stop_reason_after_step(run, SimpleNamespace(signum=None)) == "reached --max-minutes 1"
+    assert reduced == [[0.0, 1.0]]  # before: one all-reduce for the signal, another for the time
+    assert T._stop_reason_after_step(run, SimpleNamespace(signum=2)) == "interrupted by SIGINT"
+    run.seconds = lambda: 59.0
+    assert T._stop_reason_after_step(run, SimpleNamespace(signum=None)) == "" and len(reduced) == 3
+
+
 def test_prefetch_keeps_order_hands_over_errors_and_stops_early():
     feed = TR.Prefetch(iter([[1], [2], [3]]), pin=False)
     assert list(feed) == [[1], [2], [3]]

@@ -760,11 +760,13 @@ def _take_steps(run: Run, stopper: Stopper, bar: Any, mine: Batches, feed: Prefe
 def _stop_reason_after_step(run: Run, stopper: Stopper) -> str:
     """Why to stop after this step ("" to go on); every rank takes the same decision."""
     tc, d, signum = run.tc, run.d, stopper.signum
-    if d.any(signum is not None):
+    out_of_time = bool(tc.max_minutes) and run.seconds() >= 60 * tc.max_minutes
+    signalled, out_of_time = d.any(signum is not None, out_of_time)  # one all-reduce: a host read on a GPU
+    if signalled:
         return f"interrupted by {signal.Signals(signum).name if signum else 'a signal'}"
     if tc.max_steps and run.trainer.step >= tc.max_steps:
         return f"reached --max-steps {tc.max_steps}"
-    if tc.max_minutes and d.any(run.seconds() >= 60 * tc.max_minutes):
+    if out_of_time:
         return f"reached --max-minutes {tc.max_minutes}"
     return ""
 

@@ -1,6 +1,7 @@
 """The training mechanism: one optimizer update (`Trainer`), where it runs (`Dist`), in what
-precision, how batches reach the device (`Prefetch`), validation, and the RNG states of exact
-resume. `aiayn.train` drives it: flags, the run directory, resume policy and the loop live there.
+precision, how batches reach the device (`Prefetch`: built, with where their real tokens sit,
+and pinned on a background thread), validation, and the RNG states of exact resume. `aiayn.train`
+drives it: flags, the run directory, resume policy and the loop live there.
 
 The loss of an update is the sum of label-smoothed token losses over all its batches (every
 accumulated batch and every rank) divided by the number of target tokens (Section 5.4), so gradient
@@ -28,11 +29,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-import aiayn.kernels
-from aiayn import memory
+from aiayn import kernels, memory
 from aiayn.config import TrainConfig, learning_rate
 from aiayn.errors import AiaynError
-from aiayn.kernels import LossPacking
 from aiayn.model import Transformer
 
 if TYPE_CHECKING:  # for the checker only: the trainer imports the data path where it uses it
@@ -55,7 +54,7 @@ class LossInputs(Protocol):
     @property
     def tgt_out(self) -> Tensor: ...  # (B, T)
     @property
-    def packing(self) -> LossPacking | None: ...  # where the real tokens are, found on the host
+    def packing(self) -> kernels.LossPacking | None: ...  # where the real tokens are, found on the host
 
 
 def loss_sum(model: Transformer, batch: LossInputs, label_smoothing: float) -> Tensor:
@@ -75,7 +74,8 @@ class _LossModule(torch.nn.Module):
         super().__init__()
         self.model, self.label_smoothing = model, label_smoothing
 
-    def forward(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, packing: LossPacking | None = None) -> Tensor:
+    def forward(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, packing: kernels.LossPacking | None = None
+                ) -> Tensor:
         return loss_sum(self.model, _Pairs(src, tgt_in, tgt_out, packing), self.label_smoothing)
 
 
@@ -83,7 +83,7 @@ class _Pairs(NamedTuple):
     src: Tensor  # (B, S)
     tgt_in: Tensor  # (B, T)
     tgt_out: Tensor  # (B, T)
-    packing: LossPacking | None
+    packing: kernels.LossPacking | None
 
 
 # ----------------------------------------------------------------------------------- where it runs
@@ -91,6 +91,9 @@ class _Pairs(NamedTuple):
 
 @dataclass
 class Dist:
+    """Where this process runs (its rank of `world`, its device) and the collectives the run needs
+    besides DDP's; with one process each is a plain call."""
+
     rank: int = 0
     world: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
@@ -104,20 +107,14 @@ class Dist:
         if self.world > 1:
             dist.barrier()
 
-    def any(self, flag: bool) -> bool:
-        """True on every rank if it is True on any rank (stop decisions must agree)."""
+    def any(self, *flags: bool) -> list[bool]:
+        """Each flag True on every rank if it is True on any rank (stop decisions must agree): one
+        all-reduce and one host read for all of them."""
         if self.world == 1:
-            return flag
-        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
+            return list(flags)
+        t = torch.tensor([1.0 if f else 0.0 for f in flags], device=self.device)  # (F,)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item() > 0)
-
-    def sum(self, value: float) -> float:
-        if self.world == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
-        return float(t.item())
+        return [x > 0 for x in t.tolist()]
 
     def sum_(self, t: Tensor) -> Tensor:
         """`t` summed over the ranks, in place (one all-reduce, no host read)."""
@@ -196,7 +193,7 @@ def precision_context(precision: str, device: torch.device) -> tuple[Autocast, b
         if device.type == "cuda":
             precision = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
         else:
-            precision = "bf16" if aiayn.kernels.cpu_has_fast_bf16() else "fp32"
+            precision = "bf16" if kernels.cpu_has_fast_bf16() else "fp32"
     if precision == "fp32":
         return contextlib.nullcontext, False, "fp32"
     if precision == "fp16" and device.type != "cuda":
