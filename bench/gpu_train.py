@@ -1,0 +1,489 @@
+"""Training throughput on a GPU: aiayn's training step against `torch.nn.Transformer`, base and big.
+
+For the paper's base and big shapes (Table 3) with a shared vocabulary of 37,000 (Section 5.1), in
+bf16 autocast, at 8,000 and 25,000 target tokens per optimizer step (the paper's batches held about
+25,000 source and 25,000 target tokens), one run times:
+  * aiayn: `Trainer.train_step`, the very step `aiayn train` runs (the label-smoothed loss summed
+    over real target tokens, fused Adam, autocast), eager as `aiayn train` runs it; with
+    `--compile all` also its loss module `torch.compile`d;
+  * nn.Transformer: tests/reference.py's model (aiayn's embeddings, positions and tied projection
+    around `torch.nn.Transformer`) with the same loss, optimizer and batches, eager and
+    `torch.compile`d (loss included); the faster of the two is the peer of the ratio.
+Batches are WMT-like: each step holds sentences of one length bucket (as length-sorted batching
+gives), the buckets of the timed steps spread over a lognormal length distribution (median 24
+subwords). A step that does not fit in memory is split into micro-batches (gradient accumulation,
+as `--update-freq` does); the table says how many.
+
+Tokens are real target tokens (end-of-sentence included, padding not), the loss's normaliser.
+% of peak counts the useful FLOPs of a step (real tokens only, backward = 2x forward) against the
+best bf16 matmul rate measured in the same run (an 8192^3 product on this card). The projection:
+hours for the paper's 100k base and 300k big steps at 25,000 tokens per step.
+
+    python bench/gpu_train.py --out runs/gpu-train             # on a GPU: about 3-4 minutes
+    python bench/gpu_train.py --device cpu --quick --out DIR   # tiny shapes: a smoke run in seconds
+
+Batches are placed on the device before timing (the input pipeline is not measured); each step
+reads its loss back to the host once, as `aiayn train` does. The tables are rewritten after each
+row, so a run stopped by `timeout` keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # reference.py
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # train_step.py
+
+from aiayn.config import ModelConfig, TrainConfig, preset  # noqa: E402
+from aiayn.data.text import Batch  # noqa: E402
+from aiayn.model import Transformer  # noqa: E402
+from aiayn.tokenizer import BOS_ID as BOS, EOS_ID as EOS, PAD_ID as PAD  # noqa: E402
+from reference import TorchReference  # noqa: E402
+from train_step import step_flops  # noqa: E402
+
+try:  # the training mechanism's module (issue 31 moves it out of train.py)
+    from aiayn.trainer import Dist, Trainer  # noqa: E402
+except ImportError:
+    from aiayn.train import Dist, Trainer  # noqa: E402
+
+PAPER_STEPS = {"base": 100_000, "big": 300_000}  # Section 5.2
+PAPER_TOKENS = 25_000  # per step (Section 5.1)
+# The issue's targets at 25k tokens per step: share of the measured bf16 peak, speed-up over the peer.
+TARGET_PEAK = {"base": 0.40, "big": 0.50}
+TARGET_VS_PEER = 1.3
+TARGET_BASE_HOURS = 1.0
+
+
+# ------------------------------------------------------------------------------------------ batches
+
+
+@dataclass
+class Step:
+    """The sentences of one optimizer step; `batches(m)` pads them into m micro-batches."""
+
+    src_lens: list[int]
+    tgt_lens: list[int]  # real tokens of tgt_out (EOS included)
+    seed: int
+    vocab: int
+    _made: dict[tuple[int, str], list[Batch]] = field(default_factory=dict, repr=False)
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.tgt_lens)
+
+    def batches(self, micro: int, device: torch.device) -> list[Batch]:
+        key = (micro, str(device))
+        if key not in self._made:
+            self._made.clear()  # one layout at a time in memory
+            gen = torch.Generator().manual_seed(self.seed)
+            cuts = _cuts(self.tgt_lens, micro)
+            self._made[key] = [_pad(self.src_lens[a:b], self.tgt_lens[a:b], self.vocab, gen).to(device)
+                               for a, b in zip(cuts, cuts[1:])]
+        return self._made[key]
+
+
+def _cuts(lens: list[int], parts: int) -> list[int]:
+    """Boundaries splitting `lens` into `parts` contiguous runs of about equal sums."""
+    total, cuts, acc = sum(lens), [0], 0
+    for i, n in enumerate(lens):
+        acc += n
+        if len(cuts) < parts and acc >= total * len(cuts) / parts and i + 1 < len(lens):
+            cuts.append(i + 1)
+    return cuts + [len(lens)]
+
+
+def _pad(src_lens: list[int], tgt_lens: list[int], vocab: int, gen: torch.Generator) -> Batch:
+    """One right-padded batch of random words: src (B, S), tgt_in = BOS + words, tgt_out = words + EOS."""
+    B, S, T = len(src_lens), max(src_lens), max(tgt_lens)
+    s_len, t_len = torch.tensor(src_lens), torch.tensor(tgt_lens)
+    src = torch.randint(4, vocab, (B, S), generator=gen).masked_fill_(torch.arange(S) >= s_len[:, None], PAD)
+    words = torch.randint(4, vocab, (B, T), generator=gen)
+    pos = torch.arange(T)
+    tgt_out = words.masked_fill(pos == (t_len - 1)[:, None], EOS).masked_fill_(pos >= t_len[:, None], PAD)
+    tgt_in = torch.cat([torch.full((B, 1), BOS), words[:, :-1]], 1).masked_fill_(pos >= t_len[:, None], PAD)
+    return Batch(src, tgt_in, tgt_out, list(range(B)), int(t_len.sum()))
+
+
+def bucket_lengths(n: int, median: float = 24.0, sigma: float = 0.55, lo: int = 3, hi: int = 200) -> list[int]:
+    """n bucket lengths at evenly spaced quantiles of a token-weighted lognormal (WMT-like subword
+    sentence lengths): the steps of one run see short, typical and long sentences in proportion."""
+    normal = statistics.NormalDist(math.log(median) + sigma**2, sigma)  # weighting by length shifts the mean
+    return [min(hi, max(lo, round(math.exp(normal.inv_cdf((i + 0.5) / n))))) for i in range(n)]
+
+
+def make_step(tokens: int, length: int, vocab: int, seed: int) -> Step:
+    """Sentences of source length within 10% of `length`, targets about as long, until `tokens`
+    target tokens; sorted by source length, as batching by length leaves them."""
+    gen = torch.Generator().manual_seed(seed)
+    src_lens: list[int] = []
+    tgt_lens: list[int] = []
+    while sum(tgt_lens) < tokens:
+        s = max(2, round(length * (1 + 0.1 * float(torch.rand((), generator=gen)))))
+        t = max(2, round(s * (1 + 0.1 * float(torch.randn((), generator=gen)))))
+        src_lens.append(s)
+        tgt_lens.append(t)
+    order = sorted(range(len(src_lens)), key=src_lens.__getitem__)
+    return Step([src_lens[i] for i in order], [tgt_lens[i] for i in order], seed, vocab)
+
+
+# -------------------------------------------------------------------------------------- contenders
+
+
+class PeerLoss(nn.Module):
+    """nn.Transformer with aiayn's embeddings and tied projection, and the summed label-smoothed loss
+    over every (padded) position, padding ignored: the usual way to train it."""
+
+    def __init__(self, model: Transformer, label_smoothing: float) -> None:
+        super().__init__()
+        self.ref, self.label_smoothing = TorchReference(model), label_smoothing
+        for p in [*model.encoder.parameters(), *model.decoder.parameters()]:
+            p.requires_grad_(False)  # the peer uses only aiayn's embedding and projection
+        for layer in [*self.ref.tf.encoder.layers, *self.ref.tf.decoder.layers]:
+            # aiayn has no dropout inside the feed-forward network (activation_dropout 0): neither here
+            layer.dropout = nn.Dropout(model.cfg.activation_dropout) if model.cfg.activation_dropout else nn.Identity()
+
+    def forward(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor) -> Tensor:
+        logits = self.ref(src, tgt_in)  # (B, T, V)
+        return F.cross_entropy(logits.flatten(0, 1).float(), tgt_out.flatten(), ignore_index=PAD,
+                               label_smoothing=self.label_smoothing, reduction="sum")
+
+
+class Contender:
+    """One model, optimizer and loss stepping over the shared steps; `micro` grows after an out-of-memory."""
+
+    def __init__(self, name: str, device: torch.device) -> None:
+        self.name, self.device, self.micro = name, device, 1
+        self.compiled = name.endswith("+compile")
+        self.warm_s = 0.0  # the warm-up steps' seconds, compilation included
+        self.opt: torch.optim.Optimizer
+
+    def step(self, batches: list[Batch]) -> float:
+        """One optimizer update over the micro-batches; the loss per token (one host read)."""
+        raise NotImplementedError
+
+    def run(self, steps: list[Step]) -> float:
+        """Seconds for `steps`, the device synchronised at both ends."""
+        sync(self.device)
+        t0 = time.perf_counter()
+        for s in steps:
+            self.step(s.batches(self.micro, self.device))
+        sync(self.device)
+        return time.perf_counter() - t0
+
+    def release(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+
+
+class Aiayn(Contender):
+    """`Trainer.train_step`, as `aiayn train` runs it."""
+
+    def __init__(self, name: str, cfg: ModelConfig, device: torch.device, precision: str, seed: int) -> None:
+        super().__init__(name, device)
+        torch.manual_seed(seed)  # every contender starts from the same weights
+        self.trainer = Trainer(Transformer(cfg), TrainConfig(), Dist(0, 1, device), precision)
+        if self.compiled:
+            self.trainer.model = torch.compile(self.trainer.model, dynamic=True)
+        self.opt = self.trainer.opt
+
+    def step(self, batches: list[Batch]) -> float:
+        return self.trainer.train_step(batches)[0]
+
+
+class Peer(Contender):
+    """nn.Transformer (`PeerLoss`) with the step of `Trainer.train_step`: summed loss per micro-batch,
+    gradients scaled to the mean over the step's tokens, fused Adam, one host read of the loss."""
+
+    def __init__(self, name: str, cfg: ModelConfig, device: torch.device, precision: str, seed: int) -> None:
+        super().__init__(name, device)
+        torch.manual_seed(seed)
+        tc = TrainConfig()  # the paper's recipe: label smoothing 0.1, Adam (0.9, 0.98, 1e-9)
+        self.peer = PeerLoss(Transformer(cfg), tc.label_smoothing).to(device).train()
+        self.loss_fn = torch.compile(self.peer, dynamic=True) if self.compiled else self.peer
+        self.params = [p for p in self.peer.parameters() if p.requires_grad]
+        self.opt = torch.optim.Adam(self.params, lr=1e-4, betas=(tc.adam_beta1, tc.adam_beta2), eps=tc.adam_eps,
+                                    fused=device.type in ("cpu", "cuda"))
+        self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+
+    def step(self, batches: list[Batch]) -> float:
+        self.opt.zero_grad(set_to_none=True)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for b in batches:
+            with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+                loss = self.loss_fn(b.src, b.tgt_in, b.tgt_out)
+            loss.backward()
+            total += loss.detach().double()
+        tokens = sum(b.n_tgt_tokens for b in batches)
+        torch._foreach_mul_([p.grad for p in self.params if p.grad is not None], 1.0 / tokens)
+        self.opt.step()
+        return float(total) / tokens
+
+
+def make_contender(name: str, cfg: ModelConfig, device: torch.device, precision: str, seed: int) -> Contender:
+    kind = Aiayn if name.startswith("aiayn") else Peer
+    return kind(name, cfg, device, precision, seed)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_matmul_flops(device: torch.device, dtype: torch.dtype, n: int, reps: int = 10, inner: int = 5) -> float:
+    """Median FLOP/s of an (n x n) @ (n x n) product on random data: the card's practical peak."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, generator=gen).to(dtype)
+    b = torch.randn(n, n, device=device, generator=gen).to(dtype)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            a @ b
+        sync(device)
+        times.append((time.perf_counter() - t0) / inner)
+    return 2 * n**3 / statistics.median(times)
+
+
+# ------------------------------------------------------------------------------------------- report
+
+
+@dataclass
+class Row:
+    size: str
+    tokens: int  # per step (target tokens asked for; `tok_s` counts the real ones)
+    name: str
+    micro: int = 0
+    step_ms: float = math.nan
+    tok_s: float = math.nan
+    tflops: float = math.nan
+    peak_gib: float = math.nan
+    warm_s: float = 0.0  # warm-up steps, compilation included
+    note: str = ""
+
+
+def peer_of(rows: list[Row], size: str, tokens: int) -> Row | None:
+    """The faster nn.Transformer row (eager or compiled) of a size and step."""
+    peers = [r for r in rows if r.size == size and r.tokens == tokens and r.name.startswith("nn.") and r.tok_s == r.tok_s]
+    return max(peers, key=lambda r: r.tok_s, default=None)
+
+
+def aiayn_of(rows: list[Row], size: str, tokens: int) -> Row | None:
+    """aiayn's faster row (eager, or compiled where it ran) of a size and step."""
+    ours = [r for r in rows if r.size == size and r.tokens == tokens and r.name.startswith("aiayn") and r.tok_s == r.tok_s]
+    return max(ours, key=lambda r: r.tok_s, default=None)
+
+
+def table(rows: list[Row], peak: float) -> str:
+    lines = ["| model | tokens/step | contender | micro-batches | step ms | target tok/s | TFLOP/s | % of bf16 peak "
+             "| vs peer | peak GiB | warm-up s |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        peer = peer_of(rows, r.size, r.tokens)
+        vs = f"{r.tok_s / peer.tok_s:.2f}x" if peer and r.tok_s == r.tok_s else ""
+        gib = f"{r.peak_gib:.1f}" if r.peak_gib == r.peak_gib else "-"
+        if r.tok_s != r.tok_s:
+            lines.append(f"| {r.size} | {r.tokens:,} | {r.name} | | | | | | | | | {r.note}".rstrip() + " |")
+            continue
+        lines.append(f"| {r.size} | {r.tokens:,} | {r.name} | {r.micro} | {r.step_ms:.1f} | {r.tok_s:,.0f} | "
+                     f"{r.tflops:.3g} | {r.tflops * 1e12 / peak:.1%} | {vs} | {gib} | {r.warm_s:.0f} |")
+    return "\n".join(lines)
+
+
+def verdicts(rows: list[Row], peak: float) -> list[str]:
+    """The issue's targets at 25k tokens per step, each as a ratio where >= 1 meets it."""
+    out = []
+    for size, want in TARGET_PEAK.items():
+        ours, peer = aiayn_of(rows, size, PAPER_TOKENS), peer_of(rows, size, PAPER_TOKENS)
+        if ours is None:
+            continue
+        share = ours.tflops * 1e12 / peak
+        out.append(f"target {size} 25k: {ours.name} at {share:.1%} of the bf16 peak, needs {want:.0%}: "
+                   f"ratio {share / want:.2f} ({'met' if share >= want else 'NOT met'})")
+        if peer is not None:
+            speedup = ours.tok_s / peer.tok_s
+            out.append(f"target {size} 25k: {ours.name} / {peer.name} = {speedup:.2f}x, needs {TARGET_VS_PEER}x: "
+                       f"ratio {speedup / TARGET_VS_PEER:.2f} ({'met' if speedup >= TARGET_VS_PEER else 'NOT met'})")
+        hours = PAPER_STEPS[size] * PAPER_TOKENS / ours.tok_s / 3600
+        line = f"projection {size}: the paper's {PAPER_STEPS[size] // 1000}k steps at 25k tokens: {hours:.2f} h on this card"
+        if size == "base":
+            line += (f", needs <= {TARGET_BASE_HOURS:g} h: ratio {TARGET_BASE_HOURS / hours:.2f} "
+                     f"({'met' if hours <= TARGET_BASE_HOURS else 'NOT met'})")
+        out.append(line)
+    return out
+
+
+def write(out: Path | None, header: list[str], rows: list[Row], peak: float, done: bool) -> None:
+    """gpu_train.md and gpu_train.json in `out`, rewritten after each row."""
+    if out is None:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    md = "\n".join([*header, "", table(rows, peak), "", *verdicts(rows, peak)]) + "\n"
+    if not done:
+        md += "\n(partial: the run did not finish)\n"
+    (out / "gpu_train.md").write_text(md)
+    data = {"header": header, "peak_bf16_flops": peak, "done": done, "verdicts": verdicts(rows, peak),
+            "rows": [{k: (None if isinstance(v, float) and v != v else v) for k, v in vars(r).items()} for r in rows]}
+    (out / "gpu_train.json").write_text(json.dumps(data, indent=1) + "\n")
+
+
+# --------------------------------------------------------------------------------------------- main
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    p.add_argument("--quick", action="store_true", help="tiny shapes, few steps: a smoke run in seconds")
+    p.add_argument("--sizes", default="base,big", help="comma-separated presets")
+    p.add_argument("--tokens", default="25000,8000", help="comma-separated target tokens per optimizer step")
+    p.add_argument("--vocab", type=int, default=37000, help="shared vocabulary size (the paper's en-de BPE)")
+    p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"], help="autocast precision")
+    p.add_argument("--compile", default="peer", choices=["none", "peer", "all"],
+                   help="torch.compile nn.Transformer (peer, the default), both models (all), or neither")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per round")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens there)")
+    p.add_argument("--rounds", type=int, default=2, help="rounds alternating the contenders; each keeps its best")
+    p.add_argument("--micro", type=int, default=1, help="micro-batches per step to start with (doubled on out-of-memory)")
+    p.add_argument("--budget-s", type=float, default=0.0,
+                   help="start no new contender after this many seconds (0: no limit); the rest is marked skipped")
+    p.add_argument("--out", type=Path, default=None, help="folder for gpu_train.md and gpu_train.json")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.sizes, args.tokens, args.vocab = "tiny", "400,150", 500
+        args.steps, args.warmup, args.rounds = 2, 1, 1
+    return args
+
+
+def contender_names(compile_mode: str) -> list[str]:
+    """aiayn eager (what `aiayn train` runs) and nn.Transformer eager first: the rows that matter most
+    come first when --budget-s runs out."""
+    names = ["aiayn", "nn.Transformer"]
+    if compile_mode in ("peer", "all"):
+        names.append("nn.Transformer+compile")
+    if compile_mode == "all":
+        names.append("aiayn+compile")
+    return names
+
+
+def warm(c: Contender, steps: list[Step]) -> None:
+    """Untimed steps; an out-of-memory doubles the micro-batches and starts again (up to 64)."""
+    while True:
+        try:
+            c.warm_s = c.run(steps)
+            return
+        except torch.OutOfMemoryError:
+            c.release()
+            torch.cuda.empty_cache()
+            if c.micro >= 64:
+                raise
+            c.micro *= 2
+            print(f"  {c.name}: out of memory; {c.micro} micro-batches per step", flush=True)
+
+
+def measure_size(size: str, args: argparse.Namespace, device: torch.device, rows: list[Row],
+                 report: Any, over_budget: Any) -> None:
+    cfg = preset(size, src_vocab_size=args.vocab, tgt_vocab_size=args.vocab)
+    contenders: list[Contender] = []
+    for tokens in [int(t) for t in args.tokens.split(",")]:
+        timed = [make_step(tokens, n, args.vocab, args.seed + i) for i, n in enumerate(bucket_lengths(args.steps))]
+        warmup = [make_step(tokens, n, args.vocab, args.seed + 1000 + i)
+                  for i, n in enumerate(bucket_lengths(args.warmup))]
+        flops = sum(step_flops(cfg, s) for s in timed)
+        real = sum(s.tokens for s in timed)
+        live: list[tuple[Contender, Row]] = []
+        for name in contender_names(args.compile):
+            row = Row(size, tokens, name)
+            rows.append(row)
+            if over_budget():
+                row.note = "skipped: --budget-s spent"
+                continue
+            c = next((c for c in contenders if c.name == name), None)
+            try:
+                if c is None:
+                    c = make_contender(name, cfg, device, args.precision, args.seed)
+                    c.micro = args.micro
+                    contenders.append(c)
+                warm(c, warmup)
+                live.append((c, row))
+            except Exception as e:  # one contender failing must not cost the others' rows
+                row.note = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+                print(f"  {size} {tokens}: {name} {row.note}", flush=True)
+            report()
+        best = {id(c): math.inf for c, _ in live}
+        for _ in range(args.rounds):
+            for c, _ in live:
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                best[id(c)] = min(best[id(c)], c.run(timed))
+                if device.type == "cuda":
+                    _row_of(live, c).peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
+        for c, row in live:
+            sec = best[id(c)]
+            row.micro, row.warm_s = c.micro, c.warm_s
+            row.step_ms, row.tok_s, row.tflops = 1e3 * sec / len(timed), real / sec, flops / sec / 1e12
+            print(f"{size} {tokens:>6}: {c.name:24s} {row.tok_s:12,.0f} tok/s  {row.tflops:7.3g} TFLOP/s  "
+                  f"{row.micro} micro", flush=True)
+        report()
+    for c in contenders:
+        c.release()
+    del contenders
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _row_of(live: list[tuple[Contender, Row]], c: Contender) -> Row:
+    return next(r for k, r in live if k is c)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("bench/gpu_train.py: --device cuda, but torch sees no CUDA device; use --device cpu --quick", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+    n_mm = 256 if device.type == "cpu" else 8192
+    peak = peak_matmul_flops(device, dtype, n_mm)
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    header = [f"# Training throughput: aiayn vs nn.Transformer, {args.precision} ({card})", "",
+              f"torch {torch.__version__}, CUDA {torch.version.cuda}; {card}; {args.precision} matmul peak "
+              f"({n_mm}^3, measured in this run): {peak / 1e12:.3g} TFLOP/s",
+              f"vocab {args.vocab:,} shared; {args.warmup} warm-up + {args.steps} timed steps x {args.rounds} rounds; "
+              "tokens = real target tokens (EOS included); step = one optimizer update"]
+    print("\n".join(header), flush=True)
+    rows: list[Row] = []
+
+    def report() -> None:
+        write(args.out, header, rows, peak, done=False)
+
+    def over_budget() -> bool:
+        return bool(args.budget_s) and time.perf_counter() - started > args.budget_s
+
+    for size in args.sizes.split(","):
+        measure_size(size, args, device, rows, report, over_budget)
+    again = peak_matmul_flops(device, dtype, n_mm)  # the card may run faster warm: keep the best
+    peak = max(peak, again)
+    header[2] += f" (again at the end: {again / 1e12:.3g})"
+    write(args.out, header, rows, peak, done=True)
+    print("\n" + table(rows, peak) + "\n\n" + "\n".join(verdicts(rows, peak)))
+    print(f"\n{time.perf_counter() - started:.0f} s in all")
+    return 0 if all(r.tok_s == r.tok_s for r in rows if not r.note.startswith("skipped")) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

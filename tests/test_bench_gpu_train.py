@@ -1,0 +1,155 @@
+"""bench/gpu_train.py: runs on the CPU with tiny shapes, writes its tables, grades the targets; not timed."""
+
+import importlib.util
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "gpu_train.py"
+
+
+def load_bench():
+    name = "aiayn_bench_gpu_train"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, BENCH)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return sys.modules[name]
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_quick_cpu_run_writes_the_table_and_json(tmp_path, capsys, one_thread):
+    bench = load_bench()
+    assert bench.main(["--device", "cpu", "--quick", "--compile", "none", "--out", str(tmp_path)]) == 0
+    md = (tmp_path / "gpu_train.md").read_text()
+    data = json.loads((tmp_path / "gpu_train.json").read_text())
+    assert data["done"] and "partial" not in md
+    assert re.search(r"bf16 matmul peak \(256\^3, measured in this run\): [\d.e+-]+ TFLOP/s", md)
+    for tokens in ("400", "150"):
+        for name in ("aiayn", "nn.Transformer"):
+            assert re.search(rf"^\| tiny \| {tokens} \| {re.escape(name)} \| 1 \| [\d.]+ \| [\d,]+ \| [\d.e+-]+ "
+                             rf"\| [\d.]+% \| \d+\.\d\dx \| - \| \d+ \|$", md, re.M), (tokens, name, md)
+    rows = data["rows"]
+    assert len(rows) == 4 and all(r["tok_s"] > 0 and r["micro"] == 1 for r in rows)
+    assert capsys.readouterr().out.count("\n| tiny |") == 4  # the table is printed too
+
+
+def test_budget_skips_contenders_and_still_writes(tmp_path, one_thread):
+    bench = load_bench()
+    assert bench.main(["--device", "cpu", "--quick", "--compile", "none", "--budget-s", "1e-9",
+                       "--out", str(tmp_path)]) == 0
+    md = (tmp_path / "gpu_train.md").read_text()
+    assert md.count("skipped: --budget-s spent") == 4
+
+
+def test_a_failing_contender_keeps_the_others_and_fails_the_run(tmp_path, monkeypatch, one_thread):
+    bench = load_bench()
+    made = bench.make_contender
+
+    def make(name, *a):
+        if name == "nn.Transformer":
+            raise RuntimeError("no kernel image is available\nsecond line")
+        return made(name, *a)
+
+    monkeypatch.setattr(bench, "make_contender", make)
+    assert bench.main(["--device", "cpu", "--quick", "--compile", "none", "--out", str(tmp_path)]) == 1
+    md = (tmp_path / "gpu_train.md").read_text()
+    assert md.count("failed: RuntimeError: no kernel image is available |") == 2  # one line, both step sizes
+    assert len(re.findall(r"^\| tiny \| \d+ \| aiayn \| 1 \|", md, re.M)) == 2
+
+
+def test_out_of_memory_doubles_the_micro_batches():
+    bench = load_bench()
+
+    class Tight(bench.Contender):
+        def __init__(self):
+            super().__init__("tight", torch.device("cpu"))
+            self.opt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))])
+            self.sizes = []
+
+        def step(self, batches):
+            self.sizes.append(len(batches))
+            if len(batches) < 4:
+                raise torch.OutOfMemoryError("CUDA out of memory")
+            return 0.0
+
+    c = Tight()
+    step = bench.make_step(300, 10, 100, seed=0)
+    bench.warm(c, [step])
+    assert c.micro == 4 and c.sizes == [1, 2, 4]
+
+
+def test_steps_hold_the_tokens_in_micro_batches():
+    bench = load_bench()
+    step = bench.make_step(1000, 20, 100, seed=3)
+    assert step.tokens >= 1000 and step.tokens - max(step.tgt_lens) < 1000  # stops once there
+    assert step.src_lens == sorted(step.src_lens) and all(18 <= s <= 24 for s in step.src_lens)  # one length bucket
+    for micro in (1, 3):
+        batches = step.batches(micro, torch.device("cpu"))
+        assert len(batches) == micro
+        assert sum(b.n_tgt_tokens for b in batches) == step.tokens
+        for b in batches:
+            real = b.tgt_out.ne(bench.PAD)
+            assert int(real.sum()) == b.n_tgt_tokens
+            assert (b.tgt_in[:, 0] == bench.BOS).all()
+            assert torch.equal(b.tgt_in.ne(bench.PAD), real)  # BOS + words beside words + EOS
+            ends = real.sum(1) - 1
+            assert (b.tgt_out.gather(1, ends[:, None]) == bench.EOS).all()
+            assert (b.src.ne(bench.PAD).sum(1) >= 18).all()
+    sizes = [b.n_tgt_tokens for b in step.batches(3, torch.device("cpu"))]
+    assert max(sizes) - min(sizes) < 0.2 * step.tokens  # about equal parts
+
+
+def test_bucket_lengths_spread_over_the_distribution():
+    bench = load_bench()
+    lengths = bench.bucket_lengths(8)
+    assert lengths == sorted(lengths) and len(set(lengths)) == 8
+    assert 10 < lengths[0] < 24 < lengths[-1] < 120  # short to long, token-weighted around 24+
+
+
+def test_peer_loss_is_aiayns_loss(one_thread):
+    """The peer computes the same loss over the same batch (no dropout, fp32): the same work."""
+    bench = load_bench()
+    cfg = bench.preset("tiny", src_vocab_size=300, tgt_vocab_size=300, dropout=0.0)
+    batches = bench.make_step(120, 9, 300, seed=1).batches(2, torch.device("cpu"))
+    ours = bench.make_contender("aiayn", cfg, torch.device("cpu"), "fp32", 0).step(batches)
+    theirs = bench.make_contender("nn.Transformer", cfg, torch.device("cpu"), "fp32", 0).step(batches)
+    assert ours == pytest.approx(theirs, rel=1e-5) and ours > 0
+
+
+def row(bench, size, name, tok_s, tflops):
+    return bench.Row(size, 25_000, name, micro=1, step_ms=25_000 / tok_s * 1e3, tok_s=tok_s, tflops=tflops)
+
+
+def test_verdicts_grade_the_issues_targets():
+    bench = load_bench()
+    peak = 800e12
+    rows = [row(bench, "base", "aiayn", 700_000.0, 330.0), row(bench, "base", "nn.Transformer", 400_000.0, 190.0),
+            row(bench, "base", "nn.Transformer+compile", 600_000.0, 280.0),
+            row(bench, "big", "aiayn", 200_000.0, 300.0), row(bench, "big", "nn.Transformer+compile", 180_000.0, 270.0),
+            bench.Row("big", 25_000, "aiayn+compile", note="skipped: --budget-s spent")]
+    lines = bench.verdicts(rows, peak)
+    assert "target base 25k: aiayn at 41.2% of the bf16 peak, needs 40%: ratio 1.03 (met)" in lines
+    # the faster peer is the compiled one: 700k / 600k
+    assert "target base 25k: aiayn / nn.Transformer+compile = 1.17x, needs 1.3x: ratio 0.90 (NOT met)" in lines
+    hours = 100_000 * 25_000 / 700_000 / 3600
+    assert (f"projection base: the paper's 100k steps at 25k tokens: {hours:.2f} h on this card, "
+            f"needs <= 1 h: ratio {1 / hours:.2f} (met)") in lines
+    assert "target big 25k: aiayn at 37.5% of the bf16 peak, needs 50%: ratio 0.75 (NOT met)" in lines
+    big_hours = 300_000 * 25_000 / 200_000 / 3600
+    assert f"projection big: the paper's 300k steps at 25k tokens: {big_hours:.2f} h on this card" in lines
+    assert math.isclose(big_hours, 10.42, abs_tol=0.01)
+    assert bench.verdicts([r for r in rows if r.size == "big"], peak)[0].startswith("target big")  # base missing: no base lines
