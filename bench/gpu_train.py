@@ -129,11 +129,13 @@ def make_step(tokens: int, length: int, vocab: int, seed: int) -> Step:
     gen = torch.Generator().manual_seed(seed)
     src_lens: list[int] = []
     tgt_lens: list[int] = []
-    while sum(tgt_lens) < tokens:
+    total = 0
+    while total < tokens:
         s = max(2, round(length * (1 + 0.1 * float(torch.rand((), generator=gen)))))
         t = max(2, round(s * (1 + 0.1 * float(torch.randn((), generator=gen)))))
         src_lens.append(s)
         tgt_lens.append(t)
+        total += t
     order = sorted(range(len(src_lens)), key=src_lens.__getitem__)
     return Step([src_lens[i] for i in order], [tgt_lens[i] for i in order], seed, vocab)
 
@@ -360,6 +362,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=0.0,
                    help="start no new contender after this many seconds (0: no limit); the rest is marked skipped")
     p.add_argument("--out", type=Path, default=None, help="folder for gpu_train.md and gpu_train.json")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.quick:
@@ -368,14 +371,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def contender_names(compile_mode: str) -> list[str]:
-    """aiayn eager (what `aiayn train` runs) and nn.Transformer eager first: the rows that matter most
-    come first when --budget-s runs out."""
-    names = ["aiayn", "nn.Transformer"]
+def phases(compile_mode: str) -> list[list[str]]:
+    """The contenders in the order they run: the eager pair (aiayn as `aiayn train` runs it, and
+    nn.Transformer) for every size first, then the compiled ones, which spend most of the run's time
+    compiling: what --budget-s leaves out is the least needed."""
+    names = [["aiayn", "nn.Transformer"]]
     if compile_mode in ("peer", "all"):
-        names.append("nn.Transformer+compile")
+        names.append(["nn.Transformer+compile"])
     if compile_mode == "all":
-        names.append("aiayn+compile")
+        names.append(["aiayn+compile"])
     return names
 
 
@@ -394,64 +398,70 @@ def warm(c: Contender, steps: list[Step]) -> None:
             print(f"  {c.name}: out of memory; {c.micro} micro-batches per step", flush=True)
 
 
-def measure_size(size: str, args: argparse.Namespace, device: torch.device, rows: list[Row],
-                 report: Any, over_budget: Any) -> None:
+def make_steps(tokens: int, args: argparse.Namespace) -> tuple[list[Step], list[Step]]:
+    """(warm-up, timed) steps of `tokens` target tokens each, the same for every size and contender."""
+    timed = [make_step(tokens, n, args.vocab, args.seed + i) for i, n in enumerate(bucket_lengths(args.steps))]
+    warmup = [make_step(tokens, n, args.vocab, args.seed + 1000 + i) for i, n in enumerate(bucket_lengths(args.warmup))]
+    return warmup, timed
+
+
+def measure(names: list[str], size: str, args: argparse.Namespace, device: torch.device,
+            all_steps: dict[int, Any], rows: dict[tuple[str, int, str], Row], report: Any, over_budget: Any) -> None:
+    """Fill the rows of `names` at one size, for every step size; a contender is built (and compiled)
+    once for all step sizes, and none is built once --budget-s is spent."""
     cfg = preset(size, src_vocab_size=args.vocab, tgt_vocab_size=args.vocab)
-    contenders: list[Contender] = []
-    for tokens in [int(t) for t in args.tokens.split(",")]:
-        timed = [make_step(tokens, n, args.vocab, args.seed + i) for i, n in enumerate(bucket_lengths(args.steps))]
-        warmup = [make_step(tokens, n, args.vocab, args.seed + 1000 + i)
-                  for i, n in enumerate(bucket_lengths(args.warmup))]
-        flops = sum(step_flops(cfg, s) for s in timed)
-        real = sum(s.tokens for s in timed)
+    contenders: dict[str, Contender] = {}
+    for tokens, (warmup, timed) in all_steps.items():
         live: list[tuple[Contender, Row]] = []
-        for name in contender_names(args.compile):
-            row = Row(size, tokens, name)
-            rows.append(row)
-            if over_budget():
+        for name in names:
+            row = rows[size, tokens, name]
+            if name not in contenders and over_budget():
                 row.note = "skipped: --budget-s spent"
                 continue
-            c = next((c for c in contenders if c.name == name), None)
             try:
-                if c is None:
-                    c = make_contender(name, cfg, device, args.precision, args.seed)
-                    c.micro = args.micro
-                    contenders.append(c)
-                warm(c, warmup)
-                live.append((c, row))
+                if name not in contenders:
+                    contenders[name] = make_contender(name, cfg, device, args.precision, args.seed)
+                    contenders[name].micro = args.micro
+                warm(contenders[name], warmup)
+                live.append((contenders[name], row))
             except Exception as e:  # one contender failing must not cost the others' rows
                 row.note = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
                 print(f"  {size} {tokens}: {name} {row.note}", flush=True)
             report()
-        best = {id(c): math.inf for c, _ in live}
-        for _ in range(args.rounds):
-            for c, _ in live:
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
-                best[id(c)] = min(best[id(c)], c.run(timed))
-                if device.type == "cuda":
-                    _row_of(live, c).peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
-        for c, row in live:
-            sec = best[id(c)]
-            row.micro, row.warm_s = c.micro, c.warm_s
-            row.step_ms, row.tok_s, row.tflops = 1e3 * sec / len(timed), real / sec, flops / sec / 1e12
-            print(f"{size} {tokens:>6}: {c.name:24s} {row.tok_s:12,.0f} tok/s  {row.tflops:7.3g} TFLOP/s  "
-                  f"{row.micro} micro", flush=True)
+        time_rounds(live, timed, args.rounds, device, cfg)
         report()
-    for c in contenders:
+    for c in contenders.values():
         c.release()
-    del contenders
+    contenders.clear()
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
 
-def _row_of(live: list[tuple[Contender, Row]], c: Contender) -> Row:
-    return next(r for k, r in live if k is c)
+def time_rounds(live: list[tuple[Contender, Row]], timed: list[Step], rounds: int, device: torch.device,
+                cfg: ModelConfig) -> None:
+    """Each contender's best of `rounds` passes over the timed steps (taking turns), into its row."""
+    best = {id(c): math.inf for c, _ in live}
+    for _ in range(rounds):
+        for c, row in live:
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            best[id(c)] = min(best[id(c)], c.run(timed))
+            if device.type == "cuda":
+                row.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
+    flops, real = sum(step_flops(cfg, s) for s in timed), sum(s.tokens for s in timed)
+    for c, row in live:
+        sec = best[id(c)]
+        row.micro, row.warm_s = c.micro, c.warm_s
+        row.step_ms, row.tok_s, row.tflops = 1e3 * sec / len(timed), real / sec, flops / sec / 1e12
+        print(f"{row.size} {row.tokens:>6}: {c.name:24s} {row.tok_s:12,.0f} tok/s  {row.tflops:7.3g} TFLOP/s  "
+              f"{row.micro} micro", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("bench/gpu_train.py: --device cuda, but torch sees no CUDA device; use --device cpu --quick", file=sys.stderr)
         return 2
@@ -466,7 +476,10 @@ def main(argv: list[str] | None = None) -> int:
               f"vocab {args.vocab:,} shared; {args.warmup} warm-up + {args.steps} timed steps x {args.rounds} rounds; "
               "tokens = real target tokens (EOS included); step = one optimizer update"]
     print("\n".join(header), flush=True)
-    rows: list[Row] = []
+    sizes, steps = args.sizes.split(","), [int(t) for t in args.tokens.split(",")]
+    order = [n for phase in phases(args.compile) for n in phase]
+    table_rows = {(size, t, n): Row(size, t, n) for size in sizes for t in steps for n in order}
+    rows = list(table_rows.values())  # in the table's order: size, step, contender
 
     def report() -> None:
         write(args.out, header, rows, peak, done=False)
@@ -474,8 +487,10 @@ def main(argv: list[str] | None = None) -> int:
     def over_budget() -> bool:
         return bool(args.budget_s) and time.perf_counter() - started > args.budget_s
 
-    for size in args.sizes.split(","):
-        measure_size(size, args, device, rows, report, over_budget)
+    all_steps = {t: make_steps(t, args) for t in steps}
+    for phase in phases(args.compile):
+        for size in sizes:
+            measure(phase, size, args, device, all_steps, table_rows, report, over_budget)
     again = peak_matmul_flops(device, dtype, n_mm)  # the card may run faster warm: keep the best
     peak = max(peak, again)
     header[2] += f" (again at the end: {again / 1e12:.3g})"
