@@ -71,7 +71,8 @@ TARGET_BASE_HOURS = 1.0
 
 @dataclass
 class Step:
-    """The sentences of one optimizer step; `batches(m)` pads them into m micro-batches."""
+    """The sentences of one optimizer step; `batches(m, device)` pads them into m micro-batches on the
+    device, made once per layout (a few MB)."""
 
     src_lens: list[int]
     tgt_lens: list[int]  # real tokens of tgt_out (EOS included)
@@ -86,7 +87,6 @@ class Step:
     def batches(self, micro: int, device: torch.device) -> list[Batch]:
         key = (micro, str(device))
         if key not in self._made:
-            self._made.clear()  # one layout at a time in memory
             gen = torch.Generator().manual_seed(self.seed)
             cuts = _cuts(self.tgt_lens, micro)
             self._made[key] = [_pad(self.src_lens[a:b], self.tgt_lens[a:b], self.vocab, gen).to(device)
@@ -177,10 +177,11 @@ class Contender:
 
     def run(self, steps: list[Step]) -> float:
         """Seconds for `steps`, the device synchronised at both ends."""
+        batches = [s.batches(self.micro, self.device) for s in steps]  # made (once) outside the timing
         sync(self.device)
         t0 = time.perf_counter()
-        for s in steps:
-            self.step(s.batches(self.micro, self.device))
+        for b in batches:
+            self.step(b)
         sync(self.device)
         return time.perf_counter() - t0
 
@@ -383,26 +384,35 @@ def phases(compile_mode: str) -> list[list[str]]:
     return names
 
 
-def warm(c: Contender, steps: list[Step]) -> None:
-    """Untimed steps; an out-of-memory doubles the micro-batches and starts again (up to 64)."""
+def fitting(c: Contender, steps: list[Step]) -> float:
+    """Seconds for `steps`; on running out of memory, the micro-batches double and the steps run again
+    (up to 64 micro-batches)."""
     while True:
         try:
-            c.warm_s = c.run(steps)
-            return
+            return c.run(steps)
         except torch.OutOfMemoryError:
-            c.release()
-            torch.cuda.empty_cache()
             if c.micro >= 64:
                 raise
-            c.micro *= 2
-            print(f"  {c.name}: out of memory; {c.micro} micro-batches per step", flush=True)
+        # here, outside the handler, the exception's frames and the tensors they held are gone
+        c.release()
+        torch.cuda.empty_cache()
+        c.micro *= 2
+        print(f"  {c.name}: out of memory; {c.micro} micro-batches per step", flush=True)
+
+
+def warm(c: Contender, steps: list[Step]) -> None:
+    """Untimed steps: compilation, the allocator's first blocks, the micro-batches that fit."""
+    c.warm_s = fitting(c, steps)
 
 
 def make_steps(tokens: int, args: argparse.Namespace) -> tuple[list[Step], list[Step]]:
-    """(warm-up, timed) steps of `tokens` target tokens each, the same for every size and contender."""
+    """(warm-up, timed) steps of `tokens` target tokens each, the same for every size and contender.
+    The warm-up takes the timed steps longest first (attention's memory grows with the length at
+    equal tokens), then the shortest and the others: what fits there fits in the timed rounds, and
+    a compiled model has seen several shapes."""
     timed = [make_step(tokens, n, args.vocab, args.seed + i) for i, n in enumerate(bucket_lengths(args.steps))]
-    warmup = [make_step(tokens, n, args.vocab, args.seed + 1000 + i) for i, n in enumerate(bucket_lengths(args.warmup))]
-    return warmup, timed
+    order = [len(timed) - 1, 0, *range(1, len(timed) - 1)]
+    return [timed[i] for i in order[: args.warmup]], timed
 
 
 def measure(names: list[str], size: str, args: argparse.Namespace, device: torch.device,
@@ -445,7 +455,7 @@ def time_rounds(live: list[tuple[Contender, Row]], timed: list[Step], rounds: in
         for c, row in live:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            best[id(c)] = min(best[id(c)], c.run(timed))
+            best[id(c)] = min(best[id(c)], fitting(c, timed))
             if device.type == "cuda":
                 row.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
     flops, real = sum(step_flops(cfg, s) for s in timed), sum(s.tokens for s in timed)

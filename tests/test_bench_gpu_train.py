@@ -153,3 +153,15 @@ def test_verdicts_grade_the_issues_targets():
     assert f"projection big: the paper's 300k steps at 25k tokens: {big_hours:.2f} h on this card" in lines
     assert math.isclose(big_hours, 10.42, abs_tol=0.01)
     assert bench.verdicts([r for r in rows if r.size == "big"], peak)[0].startswith("target big")  # base missing: no base lines
+
+
+def test_warm_up_starts_with_the_longest_step_and_the_eager_pair_runs_first():
+    bench = load_bench()
+    args = bench.parse(["--steps", "5", "--warmup", "3", "--vocab", "100"])
+    warmup, timed = bench.make_steps(200, args)
+    lengths = [max(s.src_lens) for s in timed]
+    assert lengths == sorted(lengths) and len(timed) == 5
+    assert [max(s.src_lens) for s in warmup] == [lengths[4], lengths[0], lengths[1]]  # the hungriest first
+    assert all(any(w is t for t in timed) for w in warmup)  # the shapes the timed rounds will see
+    assert bench.phases("all") == [["aiayn", "nn.Transformer"], ["nn.Transformer+compile"], ["aiayn+compile"]]
+    assert bench.phases("none") == [["aiayn", "nn.Transformer"]]
