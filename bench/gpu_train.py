@@ -299,7 +299,7 @@ def table(rows: list[Row], peak: float) -> str:
         vs = f"{r.tok_s / peer.tok_s:.2f}x" if peer and r.tok_s == r.tok_s else ""
         gib = f"{r.peak_gib:.1f}" if r.peak_gib == r.peak_gib else "-"
         if r.tok_s != r.tok_s:
-            lines.append(f"| {r.size} | {r.tokens:,} | {r.name} | | | | | | | | | {r.note}".rstrip() + " |")
+            lines.append(f"| {r.size} | {r.tokens:,} | {r.name} |" + " |" * 7 + f" {r.note} |")  # in the last column
             continue
         lines.append(f"| {r.size} | {r.tokens:,} | {r.name} | {r.micro} | {r.step_ms:.1f} | {r.tok_s:,.0f} | "
                      f"{r.tflops:.3g} | {r.tflops * 1e12 / peak:.1%} | {vs} | {gib} | {r.warm_s:.0f} |")

@@ -69,6 +69,7 @@ def test_a_failing_contender_keeps_the_others_and_fails_the_run(tmp_path, monkey
     md = (tmp_path / "gpu_train.md").read_text()
     assert md.count("failed: RuntimeError: no kernel image is available |") == 2  # one line, both step sizes
     assert len(re.findall(r"^\| tiny \| \d+ \| aiayn \| 1 \|", md, re.M)) == 2
+    assert {line.count("|") for line in md.splitlines() if line.startswith("|")} == {12}  # 11 columns each row
 
 
 def test_out_of_memory_doubles_the_micro_batches():
