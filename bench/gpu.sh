@@ -149,10 +149,12 @@ if [ "$dry" != 1 ] && ! $PY -c 'import sys, torch; sys.exit(not torch.cuda.is_av
 fi
 
 if [ "$part" != 2 ]; then
+  rm -f "$out"/{cuda_tests.xml,cuda.md,sdpa_kernels.md,gpu_train.md,gpu_train.json}  # no stale tables
   step cuda_tests 150 "pytest -m cuda; cuda.md, sdpa_kernels.md, cuda_tests.xml" cuda_tests
   step train_throughput 270 "gpu_train.md, gpu_train.json" train_throughput 270
 fi
 if [ "$part" != 1 ]; then
+  rm -f "$out"/{multi30k.json,decode.json}
   if [ "$dry" = 1 ]; then
     tmp=$(mktemp -d)
     trap 'rm -rf "$tmp"' EXIT

@@ -57,12 +57,15 @@ def test_a_step_that_times_out_or_fails_does_not_stop_the_others(tmp_path):
     out = tmp_path / "out"
     env = {"GPU_SH_CUDA_TESTS": stub_tests(tmp_path, "time.sleep(60)"), "GPU_SH_T_CUDA_TESTS": "3",
            "GPU_TRAIN_FLAGS": "--precision fp8"}  # the bench refuses this at once
+    out.mkdir()
+    (out / "gpu_train.md").write_text("a table from an earlier run\n")
     r = gpu_sh(str(out), "1", "--cpu-smoke", env=env)
     assert r.returncode == 1
     s = steps(out)
     assert s["cuda_tests"][0] == "TIMED OUT after 3 s" and int(s["cuda_tests"][1]) < 30
     assert s["train_throughput"][0] == "FAILED (exit 2)"
     assert "invalid choice: 'fp8'" in (out / "gpu.log").read_text()
+    assert not (out / "gpu_train.md").exists()  # no stale table passes for this run's
 
 
 @pytest.mark.slow
