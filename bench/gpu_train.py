@@ -53,10 +53,7 @@ from aiayn.tokenizer import BOS_ID as BOS, EOS_ID as EOS, PAD_ID as PAD  # noqa:
 from reference import TorchReference  # noqa: E402
 from train_step import step_flops  # noqa: E402
 
-try:  # the training mechanism's module (issue 31 moves it out of train.py)
-    from aiayn.trainer import Dist, Trainer  # noqa: E402
-except ImportError:
-    from aiayn.train import Dist, Trainer  # noqa: E402
+from aiayn.trainer import Dist, Trainer  # noqa: E402
 
 PAPER_STEPS = {"base": 100_000, "big": 300_000}  # Section 5.2
 PAPER_TOKENS = 25_000  # per step (Section 5.1)
