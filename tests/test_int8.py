@@ -5,6 +5,7 @@ confident, as a real model's are: int8 must then choose the tokens fp32 chooses.
 by bench/decode.py --isolated, not here."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -66,6 +67,32 @@ def test_wide_layers_agree_on_both_engines(monkeypatch, rows):
         relu = kernels.inference_linear(x, layer.weight, layer.bias, relu=True)
     assert torch.allclose(got, want, atol=1e-5) and (want < 0).any()
     assert torch.allclose(relu, want.clamp_min(0), atol=1e-5)
+
+
+def test_wide_layer_does_not_saturate_without_vnni():
+    """Under AVX2 (no VNNI) int8 GEMMs add pairs of u8 x s8 products in saturating 16 bits; with
+    7-bit inputs no pair can saturate, on the oneDNN copy too. Inputs and weights that would
+    saturate 8-bit pairs (all large and positive against all negative: ~10% off) stay exact."""
+    if kernels.WIDE_ENGINE not in torch.backends.quantized.supported_engines:
+        pytest.skip("no oneDNN quantized engine in this torch")
+    code = """
+import torch
+from aiayn import kernels
+torch.backends.cpu.get_cpu_capability = lambda: "AVX512"  # keep the oneDNN copy whatever ATen says
+torch.manual_seed(0)
+layer = torch.nn.Linear(64, 64 * kernels.WIDE_RATIO, bias=False).requires_grad_(False)
+layer.weight.copy_(-torch.rand_like(layer.weight) - 0.5)
+kernels.quantize_int8(layer)
+assert kernels._INT8[id(layer.weight)][2] is not None
+x = torch.rand(kernels.WIDE_MIN_ROWS, 64) * 10 + 5
+want = x @ layer.weight.t()
+got = kernels.inference_linear(x, layer.weight)
+print(float((got - want).abs().max() / want.abs().max()))
+"""
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert float(r.stdout.strip()) < 0.01
 
 
 def test_int8_translations_match_fp32(trained):
