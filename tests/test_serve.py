@@ -134,6 +134,40 @@ def test_v1_attention_is_target_by_source_per_layer(client):
     assert r.json()["translations"][1]["hypotheses"][0]["attention"] == []
 
 
+def test_v1_cuts_a_line_into_sentences_keeps_its_spacing_and_truncates_no_long_line(ckpt, reference):
+    from aiayn.sentences import split
+
+    forty = " ".join(["Der Hund spielt mit dem Ball.", "Ein Mann läuft auf der Straße.", "Eine Frau sitzt im Park.",
+                      "Ein Kind spielt."] * 10)  # 40 sentences, ~300 tokens: the model takes 64
+    assert len(reference.tokenizers.src.encode(forty)) > 4 * reference.max_src_tokens
+    two = " ein Mann läuft.  Der Hund spielt im Park! "
+    with TestClient(make_app(ckpt, max_chars=3000)) as c:
+        r = ready(c).post("/v1/translate", json={"text": [forty, two, "rot blau", ""], "nbest": 2, "attention": True})
+        assert r.status_code == 200, r.text
+        long, short, one, blank = r.json()["translations"]
+        for line, got in ((forty, long), (two, short)):
+            p = split(line, "de")
+            want = reference.search(list(p.sentences), beam=4, nbest=2)
+            assert [h["text"] for h in got["hypotheses"]] == [p.join([nb[k][0] for nb in want]) for k in range(2)]
+            assert [s["source"] for s in got["sentences"]] == list(p.sentences)
+            assert [[h["text"] for h in s["hypotheses"]] for s in got["sentences"]] == [[t for t, _ in nb] for nb in want]
+            assert got["hypotheses"][0]["score"] == pytest.approx(sum(nb[0][1] for nb in want), abs=1e-4)
+            assert all(len(h["attention"]) == 2 for s in got["sentences"] for h in s["hypotheses"])
+        assert len(long["sentences"]) == 40 and short["hypotheses"][0]["text"].startswith(" ")  # its own spacing
+        assert "sentences" not in one and one["hypotheses"][0]["text"] == reference.translate(["rot blau"])[0]
+        assert blank == {"source_tokens": [], "hypotheses": [{"text": "", "score": 0.0, "tokens": [], "attention": []},
+                                                             {"text": "", "score": 0.0, "tokens": [], "attention": []}]}
+        r = c.post("/v1/translate", json={"text": [forty], "split_sentences": False})  # a line is one sentence
+        assert r.status_code == 413 and "more source tokens than the model takes" in r.json()["error"]
+        too_long = "Ein Mann läuft. Eine Frau sitzt. " + "Hund " * 80 + "."
+        assert len(split(too_long, "de").sentences) == 3
+        r = c.post("/v1/translate", json={"text": ["rot", too_long]})
+        assert r.status_code == 413 and r.json()["error"].startswith("line 1, sentence 2: more source tokens")
+    with TestClient(make_app(ckpt, max_chars=3000, max_lines=39)) as c:
+        r = ready(c).post("/v1/translate", json={"text": [forty]})
+        assert r.status_code == 413 and r.json()["error"] == "40 sentences in 1 lines, more than --max-lines 39"
+
+
 def test_v1_attention_builds_only_the_cross_attention_it_returns(reference, monkeypatch):
     """The maps are cross-attention only: the encoder and decoder self-attention weights were built
     too and thrown away (their `need_weights` calls are counted)."""

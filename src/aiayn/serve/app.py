@@ -1,8 +1,8 @@
 """The HTTP app of `aiayn serve` (FastAPI): validate, count tokens, enqueue, answer.
 
 Endpoints: LibreTranslate's (`aiayn.serve.libre`: /translate, /detect, /languages, ...), so its
-clients work unchanged; `POST /v1/translate` (n-best lists with scores, subword tokens on both sides,
-cross-attention on request); `GET /health` (200 once the model is warmed up), `GET /v1/info`,
+clients work unchanged; `POST /v1/translate` (`aiayn.serve.v1`: n-best lists with scores, subword
+tokens on both sides, cross-attention on request); `GET /health` (200 once the model is warmed up), `GET /v1/info`,
 `GET /metrics` (Prometheus), `/docs` (OpenAPI) and `GET /`, the page in src/aiayn/serve/static/.
 
 Handlers never touch the model: lines go to `aiayn.serve.scheduler.Scheduler`, whose model thread runs
@@ -36,12 +36,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from aiayn import __version__, memory
-from aiayn.serve import libre
-from aiayn.serve.batch import DEFAULT_ALPHA, Key, LineTooLong, price, refuse_long, run_batch, warm_up
+from aiayn.serve import libre, v1
+from aiayn.serve.batch import Key, LineTooLong, price, refuse_long, run_batch, warm_up
 from aiayn.serve.detect import Detector
 from aiayn.serve.errors import ApiError, Busy
 from aiayn.serve.libre import LANGUAGE_NAMES
@@ -65,38 +64,6 @@ class Model:
     @property
     def pair(self) -> tuple[str, str]:
         return self.source, self.target
-
-
-# ------------------------------------------------------------------------------------ schemas
-
-
-class TranslateRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    text: list[str] = Field(min_length=1, description="lines to translate")
-    beam: int | None = Field(None, ge=1, description="beam size (default: the server's; at most its --max-beam)")
-    alpha: float = Field(DEFAULT_ALPHA, ge=0, le=10, allow_inf_nan=False, description="length penalty")
-    nbest: int = Field(1, ge=1, description="hypotheses per line, at most beam and the server's --max-nbest")
-    attention: bool = Field(False, description="add each hypothesis's cross-attention (layers x target x source)")
-    source: str | None = Field(None, description="source language (default: the first model's)")
-    target: str | None = Field(None, description="target language (default: the first model's)")
-
-
-class Hypothesis(BaseModel):
-    text: str
-    score: float | None = Field(description="log-probability / length penalty; null for greedy search")
-    tokens: list[str] = Field(description="target subwords")
-    attention: list[list[list[float]]] | None = Field(None, description="per layer, target x source, head mean")
-
-
-class LineResult(BaseModel):
-    source_tokens: list[str]
-    hypotheses: list[Hypothesis]
-
-
-class TranslateResponse(BaseModel):
-    translations: list[LineResult]
-    beam: int
-    alpha: float
 
 
 # ------------------------------------------------------------------------------------ metrics
@@ -375,7 +342,7 @@ def create_app(models: Any, limits: Limits, languages: tuple[str, str] | None = 
                            allow_headers=["Authorization", "Content-Type"], max_age=600)
     _handlers(app)
     libre.routes(app, srv)
-    _v1_routes(app, srv)
+    v1.routes(app, srv)
     _info_routes(app, srv)
     return app
 
@@ -392,32 +359,6 @@ def _handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:
         return _error(e.status_code, str(e.detail), e.headers)
-
-
-def _v1_routes(app: FastAPI, srv: Server) -> None:
-    @app.post("/v1/translate", response_model=None, responses={200: {"model": TranslateResponse}})
-    async def translate(req: TranslateRequest, request: Request) -> JSONResponse:
-        """Per line: the n-best translations with scores, the subwords on both sides and, with
-        `attention`, each hypothesis's cross-attention (per layer, target x source subwords)."""
-        srv.check_key(_bearer(request))
-        beam = req.beam or srv.limits.beam
-        if beam > srv.limits.max_beam:
-            raise ApiError(422, f"beam: at most --max-beam {srv.limits.max_beam}, got {beam}", field="beam")
-        if req.nbest > min(beam, srv.limits.max_nbest):
-            raise ApiError(422, f"nbest: at most the beam size ({beam}) and --max-nbest {srv.limits.max_nbest}, "
-                                f"got {req.nbest}", field="nbest")
-        model = srv.model((req.source or srv.languages[0], req.target or srv.languages[1]))
-        key = Key(beam, req.alpha, req.nbest, req.attention, model.pair)
-        ids, results = await srv.translate(request, req.text, key)
-        piece = model.translator.tokenizers.src.id_to_piece
-        lines = [{"source_tokens": [piece(i) for i in src], "hypotheses": hyps} for src, hyps in zip(ids, results)]
-        return JSONResponse({"translations": lines, "beam": beam, "alpha": req.alpha})
-
-
-def _bearer(request: Request) -> str | None:
-    """The API key of an aiayn API request: `Authorization: Bearer KEY`, else `?api_key=KEY`."""
-    scheme, _, key = request.headers.get("authorization", "").partition(" ")
-    return key.strip() if scheme.lower() == "bearer" and key.strip() else request.query_params.get("api_key")
 
 
 def _describe(m: Model) -> dict[str, Any]:

@@ -1,0 +1,166 @@
+"""aiayn's own translation API, `POST /v1/translate`: per line the n-best translations with scores,
+the subwords on both sides and, on request, each hypothesis's cross-attention.
+
+A line may hold several sentences: with `split_sentences` (the default) it is cut into sentences
+(`aiayn.sentences`, rules for the source language), each is searched on its own, and the line comes
+back with its sentences' translations joined by its own spacing, as LibreTranslate's /translate
+does; a line of 40 sentences is 40 searches, none cut at the model's length. Such a line also lists
+`sentences`, each with its subwords, n-best and attention. A line of one sentence (or none) answers
+as it always did. `split_sentences: false` takes each line as one sentence (`aiayn translate`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from aiayn.sentences import split
+from aiayn.serve.batch import DEFAULT_ALPHA, Key
+from aiayn.serve.errors import ApiError
+from aiayn.serve.scheduler import Limits
+
+
+class TranslateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    text: list[str] = Field(min_length=1, description="lines to translate")
+    beam: int | None = Field(None, ge=1, description="beam size (default: the server's; at most its --max-beam)")
+    alpha: float = Field(DEFAULT_ALPHA, ge=0, le=10, allow_inf_nan=False, description="length penalty")
+    nbest: int = Field(1, ge=1, description="hypotheses per line, at most beam and the server's --max-nbest")
+    attention: bool = Field(False, description="add each hypothesis's cross-attention (layers x target x source)")
+    source: str | None = Field(None, description="source language (default: the first model's)")
+    target: str | None = Field(None, description="target language (default: the first model's)")
+    split_sentences: bool = Field(True, description="cut each line into sentences, translate each and join them "
+                                                    "with the line's spacing (false: a line is one sentence)")
+
+
+class Hypothesis(BaseModel):
+    text: str
+    score: float | None = Field(description="log-probability / length penalty (a split line: the sum over its "
+                                            "sentences); null for greedy search")
+    tokens: list[str] = Field(description="target subwords")
+    attention: list[list[list[float]]] | None = Field(None, description="per layer, target x source, head mean")
+
+
+class SentenceResult(BaseModel):
+    source: str = Field(description="the sentence as cut from the line")
+    source_tokens: list[str]
+    hypotheses: list[Hypothesis]
+
+
+class LineResult(BaseModel):
+    source_tokens: list[str]
+    hypotheses: list[Hypothesis]
+    sentences: list[SentenceResult] | None = Field(None, description="a line of several sentences: each of them")
+
+
+class TranslateResponse(BaseModel):
+    translations: list[LineResult]
+    beam: int
+    alpha: float
+
+
+class Served(Protocol):
+    """What this route needs of the server (`aiayn.serve.app.Server`)."""
+
+    limits: Limits
+    languages: tuple[str, str]  # the first pair: the default
+
+    def check_key(self, key: Any) -> None: ...
+    def model(self, pair: tuple[str, str] | None) -> Any: ...
+    async def translate(self, request: Request, lines: list[str], key: Key) -> tuple[list[list[int]], list[Any]]: ...
+
+
+def routes(app: FastAPI, srv: Served) -> None:
+    @app.post("/v1/translate", response_model=None, responses={200: {"model": TranslateResponse}})
+    async def translate(req: TranslateRequest, request: Request) -> JSONResponse:
+        """Per line: the n-best translations with scores, the subwords on both sides and, with
+        `attention`, each hypothesis's cross-attention (per layer, target x source subwords); a line
+        of several sentences is translated sentence by sentence (`split_sentences`)."""
+        srv.check_key(bearer(request))
+        limits = srv.limits
+        beam = req.beam or limits.beam
+        if beam > limits.max_beam:
+            raise ApiError(422, f"beam: at most --max-beam {limits.max_beam}, got {beam}", field="beam")
+        if req.nbest > min(beam, limits.max_nbest):
+            raise ApiError(422, f"nbest: at most the beam size ({beam}) and --max-nbest {limits.max_nbest}, "
+                                f"got {req.nbest}", field="nbest")
+        model = srv.model((req.source or srv.languages[0], req.target or srv.languages[1]))
+        key = Key(beam, req.alpha, req.nbest, req.attention, model.pair)
+        if not req.split_sentences:
+            ids, results = await srv.translate(request, req.text, key)
+            piece = model.translator.tokenizers.src.id_to_piece
+            lines = [_result([piece(i) for i in src], hyps) for src, hyps in zip(ids, results)]
+            return JSONResponse({"translations": lines, "beam": beam, "alpha": req.alpha})
+        if len(req.text) > limits.max_lines:
+            raise ApiError(413, f"{len(req.text)} lines in one request, more than --max-lines {limits.max_lines}")
+        for i, line in enumerate(req.text):  # a line, not a sentence, is what --max-chars bounds
+            if len(line) > limits.max_chars:
+                raise ApiError(413, f"line {i}: {len(line)} characters, more than --max-chars {limits.max_chars}")
+        paragraphs = await asyncio.to_thread(lambda: [split(t, model.source) for t in req.text])  # off the loop
+        units = [list(p.sentences) or [t] for p, t in zip(paragraphs, req.text)]  # a blank line: itself
+        flat = [s for u in units for s in u]
+        if len(flat) > limits.max_lines:
+            raise ApiError(413, f"{len(flat)} sentences in {len(req.text)} lines, more than --max-lines "
+                                f"{limits.max_lines}")
+        try:
+            ids, results = await srv.translate(request, flat, key)
+        except ApiError as e:
+            raise _by_line(e, units) from None
+        piece = model.translator.tokenizers.src.id_to_piece
+        out, at = [], 0
+        for p, u in zip(paragraphs, units):
+            mine = [_result([piece(i) for i in src], hyps)
+                    for src, hyps in zip(ids[at:at + len(u)], results[at:at + len(u)])]
+            at += len(u)
+            out.append(_joined(p.join if p.sentences else None, u, mine))
+        return JSONResponse({"translations": out, "beam": beam, "alpha": req.alpha})
+
+
+def _result(source_tokens: list[str], hypotheses: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"source_tokens": source_tokens, "hypotheses": hypotheses}
+
+
+def _joined(join: Any, sentences: list[str], results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One line's result from its sentences' (`join`: the paragraph's, putting the spacing back; None
+    for a blank line). The k-th hypothesis takes each sentence's k-th (or its last, when it has fewer)."""
+    if join is None:
+        return results[0]
+    if len(results) == 1:
+        one = results[0]
+        return {**one, "hypotheses": [{**h, "text": join([h["text"]])} for h in one["hypotheses"]]}
+    hyps = []
+    for k in range(max(len(r["hypotheses"]) for r in results)):
+        picked = [r["hypotheses"][min(k, len(r["hypotheses"]) - 1)] for r in results]
+        scores = [h["score"] for h in picked]
+        hyps.append({"text": join([h["text"] for h in picked]),
+                     "score": None if None in scores else round(sum(scores), 6),
+                     "tokens": [t for h in picked for t in h["tokens"]]})
+    return {"source_tokens": [t for r in results for t in r["source_tokens"]], "hypotheses": hyps,
+            "sentences": [{"source": s, **r} for s, r in zip(sentences, results)]}
+
+
+def _by_line(e: ApiError, units: Sequence[list[str]]) -> ApiError:
+    """An error about sentence n of the request ("line n: ...", as the server counts what it
+    searches) as the line and sentence of the client's text."""
+    m = re.match(r"line (\d+): ", e.message)
+    if not m:
+        return e
+    n = int(m.group(1))
+    for i, u in enumerate(units):
+        if n < len(u):
+            where = f"line {i}" + (f", sentence {n}" if len(u) > 1 else "")
+            return ApiError(e.status, f"{where}: {e.message[m.end():]}", e.headers, e.field)
+        n -= len(u)
+    return e
+
+
+def bearer(request: Request) -> str | None:
+    """The API key of an aiayn API request: `Authorization: Bearer KEY`, else `?api_key=KEY`."""
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    return key.strip() if scheme.lower() == "bearer" and key.strip() else request.query_params.get("api_key")
