@@ -3,6 +3,7 @@ to `Translator.translate` alone and under concurrent requests, batching across c
 scheduler's rules (token-bounded batches, settings kept apart, cancelled work dropped)."""
 
 import asyncio
+import contextlib
 import json
 import math
 import socket
@@ -487,11 +488,11 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_client_disconnect_drops_its_unstarted_lines(ckpt):
+@contextlib.contextmanager
+def served(app):
+    """`app` on uvicorn in a thread on a free loopback port, once ready: yields (base URL, port)."""
     import uvicorn
 
-    # after a batch of 4 lines, fewer lines wait up to 3 s for company
-    app = make_app(ckpt, max_wait_ms=3000, max_batch_tokens=100_000)
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -507,6 +508,17 @@ def test_client_disconnect_drops_its_unstarted_lines(ckpt):
                 pass
             assert time.monotonic() < end
             time.sleep(0.05)
+        yield base, port
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def test_client_disconnect_drops_its_unstarted_lines(ckpt):
+    # after a batch of 4 lines, fewer lines wait up to 3 s for company
+    app = make_app(ckpt, max_wait_ms=3000, max_batch_tokens=100_000)
+    with served(app) as (base, port):
+        end = time.monotonic() + 60
         srv = app.state.server
         assert httpx.post(f"{base}/v1/translate", json={"text": ["rot"] * 4}, timeout=60).status_code == 200
         body = json.dumps({"text": ["ein Mann", "rot blau"]}).encode()
@@ -523,9 +535,73 @@ def test_client_disconnect_drops_its_unstarted_lines(ckpt):
         assert srv.scheduler.waiting == 0 and srv.scheduler.stats.lines == 4  # the priming batch only
         assert "aiayn_dropped_lines_total 2.0" in httpx.get(f"{base}/metrics").text
         assert httpx.post(f"{base}/v1/translate", json={"text": ["rot"]}, timeout=30).status_code == 200
+
+
+@contextlib.contextmanager
+def model_held(srv):
+    """Holds the model thread at its next batch until the block ends (the scheduler's lines stay in)."""
+    gate, run = threading.Event(), srv.scheduler.run
+
+    def held(*args):
+        gate.wait(60)
+        return run(*args)
+
+    srv.scheduler.run = held
+    try:
+        yield
     finally:
-        server.should_exit = True
-        thread.join(30)
+        gate.set()
+
+
+def _held_by(srv, who, lines, timeout=30.0):
+    end = time.monotonic() + timeout
+    while srv.clients.held.get(who, 0) != lines:
+        assert time.monotonic() < end, f"{who} holds {srv.clients.held}"
+        time.sleep(0.01)
+
+
+def test_one_client_holds_at_most_max_client_lines_by_ip_or_api_key(ckpt):
+    """A client (IP address, or API key with --api-keys) with --max-client-lines lines in the server
+    gets LibreTranslate's 429 naming the flag; other clients are served meanwhile, and so is it
+    once its lines are answered."""
+    app = make_app(ckpt, max_lines=3, max_client_lines=4)
+    srv = app.state.server
+    other = httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=60)
+    with served(app) as (base, _), ThreadPoolExecutor(5) as pool, other:
+        with model_held(srv):
+            first = pool.submit(httpx.post, f"{base}/v1/translate", json={"text": ["rot", "blau", "Hund"]}, timeout=60)
+            _held_by(srv, "ip:127.0.0.1", 3)
+            r = httpx.post(f"{base}/v1/translate", json={"text": ["ein Mann", "eine Frau"]})
+            assert r.status_code == 429 and r.headers["retry-after"] == "1"
+            assert r.json() == {"error": "IP address 127.0.0.1 has 3 lines in the server and asks for 2 more, over "
+                                         "--max-client-lines 4 per client; retry once its requests are answered"}
+            r = httpx.post(f"{base}/translate", json={"q": "ein Mann. Eine Frau.", "source": "de", "target": "en"})
+            assert r.status_code == 429 and r.json()["error"].startswith("Slowdown: IP address 127.0.0.1 has 3 lines")
+            one_more = pool.submit(httpx.post, f"{base}/v1/translate", json={"text": ["Kind"]}, timeout=60)  # 3 + 1 fit
+            elsewhere = pool.submit(other.post, f"{base}/v1/translate", json={"text": ["rot", "blau", "Hund"]})
+            proxied = pool.submit(httpx.post, f"{base}/v1/translate", json={"text": ["rot"]},  # a proxy on this host
+                                  headers={"X-Forwarded-For": "10.0.0.9"}, timeout=60)
+            _held_by(srv, "ip:127.0.0.1", 4)
+            _held_by(srv, "ip:127.0.0.2", 3)
+            _held_by(srv, "ip:10.0.0.9", 1)
+        assert [f.result().status_code for f in (first, one_more, elsewhere, proxied)] == [200] * 4
+        assert srv.clients.held == {}
+        assert httpx.post(f"{base}/v1/translate", json={"text": ["rot", "blau", "Hund"]}).status_code == 200
+    keyed = create_app(Translator.from_checkpoint(ckpt), Limits(max_lines=3, max_client_lines=3), ("de", "en"),
+                       api_keys=frozenset({"k1", "k2"}))
+    srv = keyed.state.server
+    with served(keyed) as (base, _), ThreadPoolExecutor(2) as pool:
+        with model_held(srv):
+            first = pool.submit(httpx.post, f"{base}/translate", json={"q": ["rot", "blau"], "source": "de",
+                                                                        "target": "en", "api_key": "k1"}, timeout=60)
+            _held_by(srv, "key:k1", 2)
+            r = httpx.post(f"{base}/v1/translate", json={"text": ["rot", "blau"]}, headers={"Authorization": "Bearer k1"})
+            assert r.status_code == 429 and r.json()["error"].startswith("this API key has 2 lines in the server")
+            assert "k1" not in r.text  # a message never shows the key
+            second = pool.submit(httpx.post, f"{base}/v1/translate", json={"text": ["rot", "blau"]},
+                                 headers={"Authorization": "Bearer k2"}, timeout=60)  # the same IP, another key
+            _held_by(srv, "key:k2", 2)
+        assert first.result().status_code == 200 and second.result().status_code == 200
 
 
 # ------------------------------------------------------------------------------ the scheduler

@@ -187,6 +187,8 @@ def test_bad_flags_and_checkpoints_are_one_line_errors(ckpt, tmp_path):
                         (["--checkpoint", str(ckpt), "--max-queue", "0"], "--max-queue must be positive"),
                         (["--checkpoint", str(ckpt), "--max-lines", "5000"], "--max-lines (5000) must be at most"),
                         (["--checkpoint", str(ckpt), "--max-share", "0"], "--max-share must be in (0, 1]"),
+                        (["--checkpoint", str(ckpt), "--max-client-lines", "100", "--max-lines", "200"],
+                         "--max-client-lines (100) must be at least --max-lines (200)"),
                         (["--checkpoint", str(ckpt), "--body-timeout", "nan"], "--body-timeout must be between"),
                         (["--checkpoint", str(ckpt), "--port", "70000"], "--port must be between"),
                         (["--checkpoint", str(tmp_path / "none")], "does not exist")]:

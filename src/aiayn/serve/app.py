@@ -13,8 +13,9 @@ bodies `{"error": message}` (LibreTranslate's endpoints use its codes, `aiayn.se
 language pair not served or JSON nested too deeply, 403 a bad API key (with --api-keys), 408 a body
 not sent within --body-timeout, 411/413 a body without length or too large, 413 a line over
 --max-chars or the model's length, more lines than --max-lines or more work than --max-work, 422 a
-malformed body (naming the field) or a beam / n-best over --max-beam / --max-nbest, 503 a full
-queue or a model still warming up (both with Retry-After). Lines are tokenized in a worker thread,
+malformed body (naming the field) or a beam / n-best over --max-beam / --max-nbest, 429 a client
+with --max-client-lines lines in the server (`aiayn.serve.clients`), 503 a full queue or a model
+still warming up (all three with Retry-After). Lines are tokenized in a worker thread,
 not on the event loop: /health answers while a long request is read or tokenized.
 """
 
@@ -41,6 +42,7 @@ from starlette.exceptions import HTTPException
 from aiayn import __version__, memory
 from aiayn.serve import libre, v1
 from aiayn.serve.batch import Key, LineTooLong, price, refuse_long, run_batch, warm_up
+from aiayn.serve.clients import ClientLines
 from aiayn.serve.detect import Detector
 from aiayn.serve.errors import ApiError, Busy
 from aiayn.serve.libre import LANGUAGE_NAMES
@@ -197,6 +199,7 @@ class Server:
         self.scheduler = Scheduler(self._work, limits.max_batch_tokens, limits.max_wait_ms / 1000, limits.max_queue,
                                    limits.max_share)
         self.metrics = Metrics(self.scheduler)
+        self.clients = ClientLines(limits.max_client_lines)
         self.scheduler.stats.on_batch = self._on_batch
         self.scheduler.stats.on_drop = self.metrics.dropped.inc
         self.ready = False
@@ -222,14 +225,16 @@ class Server:
             out.setdefault(t, [])
         return {lang: sorted(targets) for lang, targets in out.items()}
 
-    def check_key(self, key: Any) -> None:
-        """With --api-keys: 400 without a key, 403 with one not in the file (LibreTranslate's answers)."""
+    def check_key(self, key: Any, request: Request) -> None:
+        """With --api-keys: 400 without a key, 403 with one not in the file (LibreTranslate's answers);
+        a good key is recorded on the request: it names the client (`aiayn.serve.clients`)."""
         if self.api_keys is None:
             return
         if not key:
             raise ApiError(400, "Please contact the server operator to get an API key")
         if not isinstance(key, str) or key not in self.api_keys:
             raise ApiError(403, "Invalid API key")
+        request.state.api_key = key
 
     def _work(self, key: Hashable, lines: list[str], early: Callable[[int, Any], None]) -> list[list[dict[str, Any]]]:
         assert isinstance(key, Key)  # the scheduler hands back the keys the handlers submitted
@@ -284,6 +289,10 @@ class Server:
             raise ApiError(503, self.failure or "the model is warming up; retry shortly", {"Retry-After": "1"})
         if len(lines) > self.limits.max_lines:
             raise ApiError(413, f"{len(lines)} lines in one request, more than --max-lines {self.limits.max_lines}")
+        with self.clients.hold(request, len(lines)):  # 429 past --max-client-lines
+            return await self._translate(request, lines, key)
+
+    async def _translate(self, request: Request, lines: list[str], key: Key) -> tuple[list[list[int]], list[Any]]:
         translator = self.model(key.pair).translator
         ids = await asyncio.to_thread(self.source_ids, lines, translator)  # a long request's tokenization: not on the loop
         self.check_work(ids, key, translator)

@@ -55,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "tokens), plus with attention nbest x layers x output x source (more: 413)")
     g.add_argument("--max-share", type=float, default=d.max_share,
                    help="while other requests wait, the most of a batch's source tokens one request takes (0-1]")
+    g.add_argument("--max-client-lines", type=int, default=d.max_client_lines,
+                   help="lines one client (its API key, else its IP address) may have in the server at once, "
+                        "tokenized, queued or searched; at least --max-lines (more: 429 with Retry-After)")
     g.add_argument("--max-connections", type=int, default=d.max_connections,
                    help="open connections and requests in flight (more: 503)")
     g.add_argument("--body-timeout", type=float, default=d.body_timeout_s,
@@ -81,6 +84,9 @@ def _limits(args: argparse.Namespace) -> Limits:
     if args.max_lines > args.max_queue:
         raise AiaynError(f"--max-lines ({args.max_lines}) must be at most --max-queue ({args.max_queue}): "
                          "a request must fit in the queue")
+    if args.max_client_lines < args.max_lines:
+        raise AiaynError(f"--max-client-lines ({args.max_client_lines}) must be at least --max-lines "
+                         f"({args.max_lines}): a client's request must fit")
     if not 0 <= args.max_wait_ms < 60_000:
         raise AiaynError(f"--max-wait-ms must be between 0 and 60000, got {args.max_wait_ms}")
     if not 0 < args.max_share <= 1:
@@ -91,7 +97,8 @@ def _limits(args: argparse.Namespace) -> Limits:
     return Limits(beam=args.beam, max_batch_tokens=args.max_batch_tokens, max_wait_ms=args.max_wait_ms,
                   max_queue=args.max_queue, max_lines=args.max_lines, max_chars=args.max_chars,
                   max_beam=args.max_beam, max_nbest=args.max_nbest, max_work=args.max_work,
-                  max_share=args.max_share, max_connections=args.max_connections,
+                  max_share=args.max_share, max_client_lines=args.max_client_lines,
+                  max_connections=args.max_connections,
                   body_timeout_s=args.body_timeout, shutdown_timeout_s=args.shutdown_timeout)
 
 

@@ -12,7 +12,8 @@ web page, the Python and JavaScript client libraries, Mastodon's translation ser
 Fields come from a JSON object when the body is JSON, else from the query string and the form
 (the query string first), as Flask's `request.values` gives them to LibreTranslate. Errors are
 `{"error": message}` with LibreTranslate's codes and wording: 400 for a bad or missing field and
-for text over a limit, 403 for a bad API key, 429 (with Retry-After) when the queue is full.
+for text over a limit, 403 for a bad API key, 429 (with Retry-After) when the queue is full or
+the client holds --max-client-lines lines already.
 
 Each text is cut into lines and sentences (`aiayn.sentences`), for the source language, and all
 the request's sentences go to the scheduler at once, one batch per language pair; a translation
@@ -34,6 +35,7 @@ from fastapi.responses import JSONResponse
 from aiayn.sentences import Paragraph, split
 from aiayn.serve import markup
 from aiayn.serve.batch import DEFAULT_ALPHA, Key
+from aiayn.serve.clients import ClientBusy
 from aiayn.serve.detect import Detector, as_libre, detect_texts
 from aiayn.serve.errors import ApiError, Busy
 from aiayn.serve.scheduler import Limits
@@ -54,7 +56,7 @@ class Served(Protocol):
     detector: Detector
     api_keys: frozenset[str] | None
 
-    def check_key(self, key: Any) -> None: ...
+    def check_key(self, key: Any, request: Request) -> None: ...
     def targets(self) -> dict[str, list[str]]: ...
     def served_pairs(self) -> str: ...
     async def translate(self, request: Request, lines: list[str], key: Key) -> tuple[list[list[int]], list[Any]]: ...
@@ -181,9 +183,11 @@ async def translate_pieces(srv: Served, request: Request, pieces: list[Piece], n
 
 def libre_error(e: Exception) -> Exception:
     """An error of the scheduler's path as LibreTranslate answers it: 400 for a text over a limit,
-    429 "Slowdown" when the server is busy; anything else as it was."""
+    429 "Slowdown" when the server is busy or the client holds --max-client-lines; anything else as it was."""
     if isinstance(e, Busy):
         return ApiError(429, f"Slowdown: {e.message}", {"Retry-After": e.retry_after})
+    if isinstance(e, ClientBusy):
+        return ApiError(429, f"Slowdown: {e.message}", e.headers)
     if isinstance(e, ApiError) and e.status in (413, 422):  # the scheduler's lines are this request's sentences
         return ApiError(400, f"Invalid request: {e.message.replace('line ', 'sentence ', 1)}")
     return e
@@ -210,7 +214,7 @@ def routes(app: FastAPI, srv: Served) -> None:
         """LibreTranslate's translation: `{"translatedText", "detectedLanguage" (with source auto),
         "alternatives" (when asked)}`, each a list when `q` is one."""
         f = await fields(request)
-        srv.check_key(f.get("api_key"))
+        srv.check_key(f.get("api_key"), request)
         q = _texts(f, _is_json(request))
         source, target = _text(f.get("source"), "source"), _text(f.get("target"), "target")
         if not source:
@@ -252,7 +256,7 @@ def routes(app: FastAPI, srv: Served) -> None:
     async def detect(request: Request) -> JSONResponse:
         """The served source languages, most likely first: `[{"confidence": percent, "language"}]`."""
         f = await fields(request)
-        srv.check_key(f.get("api_key"))
+        srv.check_key(f.get("api_key"), request)
         q = f.get("q")
         if not q:
             raise _bad("Invalid request: missing q parameter")

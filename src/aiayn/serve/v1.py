@@ -71,7 +71,7 @@ class Served(Protocol):
     limits: Limits
     languages: tuple[str, str]  # the first pair: the default
 
-    def check_key(self, key: Any) -> None: ...
+    def check_key(self, key: Any, request: Request) -> None: ...
     def model(self, pair: tuple[str, str] | None) -> Any: ...
     async def translate(self, request: Request, lines: list[str], key: Key) -> tuple[list[list[int]], list[Any]]: ...
 
@@ -82,7 +82,7 @@ def routes(app: FastAPI, srv: Served) -> None:
         """Per line: the n-best translations with scores, the subwords on both sides and, with
         `attention`, each hypothesis's cross-attention (per layer, target x source subwords); a line
         of several sentences is translated sentence by sentence (`split_sentences`)."""
-        srv.check_key(bearer(request))
+        srv.check_key(bearer(request), request)
         limits = srv.limits
         beam = req.beam or limits.beam
         if beam > limits.max_beam:
