@@ -2,6 +2,7 @@
 clients answered as `aiayn translate` answers, SIGTERM and Ctrl-C draining with nothing lost, and
 one-line errors for bad flags."""
 
+import contextlib
 import http.client
 import json
 import os
@@ -190,6 +191,7 @@ def test_bad_flags_and_checkpoints_are_one_line_errors(ckpt, tmp_path):
                         (["--checkpoint", str(ckpt), "--max-client-lines", "100", "--max-lines", "200"],
                          "--max-client-lines (100) must be at least --max-lines (200)"),
                         (["--checkpoint", str(ckpt), "--body-timeout", "nan"], "--body-timeout must be between"),
+                        (["--checkpoint", str(ckpt), "--head-timeout", "0"], "--head-timeout must be between"),
                         (["--checkpoint", str(ckpt), "--port", "70000"], "--port must be between"),
                         (["--checkpoint", str(tmp_path / "none")], "does not exist")]:
         r = serve(*argv)
@@ -257,6 +259,47 @@ def test_a_stalled_upload_gets_408_and_connections_are_limited(served):
     while httpx.get(f"{s.url}/health").status_code != 200:
         assert time.monotonic() < end, "the server did not take connections again"
         time.sleep(0.1)
+
+
+def _slow_head(port, seconds):
+    """A client that sends a request head one byte per 0.2 s (slowloris) for at most `seconds`; returns
+    (what the server answered, seconds until it closed the connection, or None if it never did)."""
+    head = b"GET /health HTTP/1.1\r\nHost: t\r\nX-Slow: " + b"a" * 1000 + b"\r\n\r\n"
+    start = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:
+        reply = b""
+        for byte in head:
+            if time.monotonic() - start > seconds:
+                return reply, None
+            try:
+                sock.sendall(bytes([byte]))
+                chunk = sock.recv(65536)  # waits 0.2 s: the pace of the client
+            except socket.timeout:
+                continue
+            except (BrokenPipeError, ConnectionResetError):
+                return reply, time.monotonic() - start
+            if not chunk:
+                return reply, time.monotonic() - start
+            reply += chunk
+    return reply, None
+
+
+def test_a_slow_request_head_gets_408_and_an_idle_connection_is_closed(served):
+    s = served("--head-timeout", "1").wait_ready()
+    reply, closed = _slow_head(s.port, seconds=8)
+    assert closed is not None, "the server still held a connection sending its head after 8 s"
+    assert 0.8 < closed < 4 and reply.startswith(b"HTTP/1.1 408 "), (closed, reply)
+    assert reply.endswith(b'{"error": "the request head was not sent within --head-timeout 1 s"}')
+    with socket.create_connection(("127.0.0.1", s.port), timeout=8) as idle:  # sends nothing at all
+        start = time.monotonic()
+        assert idle.recv(65536) == b"" and 0.8 < time.monotonic() - start < 4  # closed, without a word
+    conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=10)
+    with contextlib.closing(conn):  # kept alive: each head in time
+        for _ in range(3):
+            conn.request("GET", "/health")
+            assert conn.getresponse().read() == b'{"status":"ok"}'
+            time.sleep(0.6)  # 1.8 s on one connection, more than --head-timeout
+    assert s.proc.poll() is None and httpx.get(f"{s.url}/health").status_code == 200
 
 
 def test_sigterm_ends_the_server_despite_a_stalled_upload(served):

@@ -60,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "tokenized, queued or searched; at least --max-lines (more: 429 with Retry-After)")
     g.add_argument("--max-connections", type=int, default=d.max_connections,
                    help="open connections and requests in flight (more: 503)")
+    g.add_argument("--head-timeout", type=float, default=d.head_timeout_s,
+                   help="seconds a client has to send a request's line and headers, from the connection's start or "
+                        "the first byte of its next request (more: 408, the connection is closed)")
     g.add_argument("--body-timeout", type=float, default=d.body_timeout_s,
                    help="seconds a client has to send a request body (more: 408, the connection is closed)")
     g.add_argument("--shutdown-timeout", type=int, default=d.shutdown_timeout_s,
@@ -91,7 +94,7 @@ def _limits(args: argparse.Namespace) -> Limits:
         raise AiaynError(f"--max-wait-ms must be between 0 and 60000, got {args.max_wait_ms}")
     if not 0 < args.max_share <= 1:
         raise AiaynError(f"--max-share must be in (0, 1], got {args.max_share}")
-    for flag in ("body_timeout", "shutdown_timeout"):
+    for flag in ("head_timeout", "body_timeout", "shutdown_timeout"):
         if not 0 < getattr(args, flag) <= 3600:
             raise AiaynError(f"--{flag.replace('_', '-')} must be between 0 and 3600 seconds, got {getattr(args, flag)}")
     return Limits(beam=args.beam, max_batch_tokens=args.max_batch_tokens, max_wait_ms=args.max_wait_ms,
@@ -99,7 +102,7 @@ def _limits(args: argparse.Namespace) -> Limits:
                   max_beam=args.max_beam, max_nbest=args.max_nbest, max_work=args.max_work,
                   max_share=args.max_share, max_client_lines=args.max_client_lines,
                   max_connections=args.max_connections,
-                  body_timeout_s=args.body_timeout, shutdown_timeout_s=args.shutdown_timeout)
+                  head_timeout_s=args.head_timeout, body_timeout_s=args.body_timeout, shutdown_timeout_s=args.shutdown_timeout)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -182,6 +185,20 @@ def load(checkpoint: str, precision: str, stop_rule: str | None = None,
     return translator, (train["src"], train["tgt"]), str(ckpt.path)
 
 
+def uvicorn_config(app: Any, limits: Limits) -> Any:
+    """uvicorn's settings for `app`. limit_concurrency: past it uvicorn answers 503 before the app
+    runs; timeout_graceful_shutdown: a request still in flight then (a stalled upload, say) is
+    cancelled, so SIGTERM always ends; http: the h11 protocol with a deadline on request heads
+    (`aiayn.serve.protocol`)."""
+    import uvicorn
+
+    from aiayn.serve.protocol import with_head_timeout
+
+    return uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                          limit_concurrency=limits.max_connections, timeout_graceful_shutdown=limits.shutdown_timeout_s,
+                          http=with_head_timeout(limits.head_timeout_s))
+
+
 def run(args: argparse.Namespace) -> int:
     from aiayn.translate import inference_device
 
@@ -205,11 +222,7 @@ def run(args: argparse.Namespace) -> int:
     pairs = ", ".join(f"{m.source}->{m.target}" for m in models)
     print(f"aiayn serve: {pairs} on http://{host}:{port}/ (ready once /health says so); "
           "Ctrl-C or SIGTERM stops after the requests in flight", file=sys.stderr, flush=True)
-    # limit_concurrency: past it uvicorn answers 503 before the app runs; timeout_graceful_shutdown:
-    # a request still in flight then (a stalled upload, say) is cancelled, so SIGTERM always ends
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                                           limit_concurrency=limits.max_connections,
-                                           timeout_graceful_shutdown=limits.shutdown_timeout_s))
+    server = uvicorn.Server(uvicorn_config(app, limits))
     with _signals_end_quietly():
         server.run(sockets=[sock])
     print("aiayn serve: stopped", file=sys.stderr, flush=True)
