@@ -259,6 +259,11 @@ def test_a_stalled_upload_gets_408_and_connections_are_limited(served):
     while httpx.get(f"{s.url}/health").status_code != 200:
         assert time.monotonic() < end, "the server did not take connections again"
         time.sleep(0.1)
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(60) == 0
+    log = s.proc.stderr.read()
+    assert "Traceback" not in log and set(log.splitlines()) <= {"WARNING:  Exceeded concurrency limit.",
+                                                                "aiayn serve: stopped"}, log
 
 
 def _slow_head(port, seconds):
@@ -302,9 +307,14 @@ def test_a_slow_request_head_gets_408_and_an_idle_connection_is_closed(served):
     assert s.proc.poll() is None and httpx.get(f"{s.url}/health").status_code == 200
 
 
-def test_sigterm_ends_the_server_despite_a_stalled_upload(served):
+def test_sigterm_ends_the_server_despite_a_stalled_upload_and_logs_one_line(served):
     s = served("--body-timeout", "300", "--shutdown-timeout", "1").wait_ready()
-    with _stalled_upload(s.port):
+    with _stalled_upload(s.port) as sock:
         time.sleep(0.3)
         s.proc.send_signal(signal.SIGTERM)  # without --shutdown-timeout, uvicorn waits for the body for ever
-        assert s.proc.wait(120) == 0 and "stopped" in s.proc.stderr.read()
+        assert s.proc.wait(120) == 0
+        reply = _until_closed(sock)
+    log = s.proc.stderr.read().splitlines()  # after the line that said where it listens
+    assert log == ["ERROR:    Cancel 1 running task(s), timeout graceful shutdown exceeded", "aiayn serve: stopped"], log
+    assert reply.startswith(b"HTTP/1.1 503 ") and reply.endswith(
+        b'{"error":"the server stopped before this request was done (--shutdown-timeout)"}')

@@ -102,7 +102,7 @@ class _Middleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"] if scope["path"] in PATHS else "other"  # bounded label values
-        status = [500]
+        status = [0]  # 0 until the response starts
 
         async def counted(message: MutableMapping[str, Any]) -> None:
             if message["type"] == "http.response.start":
@@ -115,8 +115,15 @@ class _Middleware:
             if refused is None and scope["method"] == "POST":
                 refused, receive = await self._read_body(receive)
             await (refused or self.app)(scope, receive, counted)
+        except asyncio.CancelledError:
+            # uvicorn cancels the requests still in flight --shutdown-timeout after SIGTERM (a stalled
+            # upload, say) and says so in one line; answered here, the client learns why and the log
+            # gets no traceback of the cancelled task (the process is exiting: nothing to propagate to)
+            if not status[0]:
+                await _error(503, "the server stopped before this request was done (--shutdown-timeout)",
+                             {"Connection": "close"})(scope, receive, counted)
         finally:
-            self.metrics.requests.labels(path, str(status[0])).inc()
+            self.metrics.requests.labels(path, str(status[0] or 500)).inc()
             self.metrics.latency.labels(path).observe(time.perf_counter() - start)
 
     def _too_large(self, scope: dict) -> Response | None:
