@@ -1,7 +1,10 @@
 """The page of `aiayn serve` in a real headless Chromium (Debian's chromium + chromium-driver, driven by
 selenium; nothing downloads a browser): type, Ctrl+Enter, the translation, the n-best list and the
 heatmap appear, hovering a target token highlights the source token it attends to most, for the
-mean of the layers and for one layer. It saves a screenshot (AIAYN_SCREENSHOT names a copy).
+mean of the layers and for one layer. It saves a screenshot (AIAYN_SCREENSHOT names a copy). With two
+pairs and --api-keys the page offers both pairs and a key field (kept across a reload), shows the
+server's 400 and 403, and translates with the second pair once the key is good; a 429 and uvicorn's
+plain-text 503 are shown in the server's words.
 
 Skipped where Chromium is not installed, except under CI (CI=true), where `.ci/run` installs it."""
 
@@ -139,6 +142,101 @@ def test_page_translates_draws_attention_and_highlights_on_hover(tmp_path_factor
         tgt = driver.find_elements(By.CSS_SELECTOR, "#tgt-tokens .tgt-token")
         ActionChains(driver).move_to_element(tgt[0]).perform()
         assert driver.find_element(By.ID, "src-tokens").get_attribute("data-focus") == str(argmax(layers[0][0]))
+    finally:
+        if driver is not None:
+            driver.quit()
+        stop()
+
+
+def _error_shown(driver, wait, words):
+    wait.until(lambda d: words in d.find_element(By.ID, "error").text)
+    return driver.find_element(By.ID, "error").text
+
+
+def test_page_picks_a_pair_and_sends_the_api_key_the_server_asks_for(tmp_path_factory, tmp_path, one_thread):
+    """Two pairs and --api-keys: the page offers both pairs, asks for a key (kept across a reload),
+    shows the server's 400/403 words, and translates with the second pair once the key is good."""
+    from aiayn.serve.app import Model
+
+    base = tmp_path_factory.getbasetemp()
+    de_en, en_de = tiny_checkpoint(base), tiny_checkpoint(base, reverse=True)
+    reverse = Translator.from_checkpoint(en_de)
+    models = [Model(Translator.from_checkpoint(de_en), "de", "en", str(de_en)), Model(reverse, "en", "de", str(en_de))]
+    app = create_app(models, Limits(), api_keys=frozenset({"k1"}))
+    url, stop = serve(app)
+    driver = None
+    try:
+        driver = browser(tmp_path / "profile")
+        driver.get(url)
+        wait = WebDriverWait(driver, 60)
+        wait.until(lambda d: d.find_element(By.ID, "pair-choice").is_displayed())
+        pairs = Select(driver.find_element(By.ID, "pairs"))
+        assert [o.text for o in pairs.options] == ["de → en", "en → de"]
+        key = driver.find_element(By.ID, "api-key")
+        assert key.is_displayed() and key.get_attribute("value") == ""
+        sentence = "a dog plays in the park with ball"
+        box = driver.find_element(By.ID, "source")
+        box.send_keys(sentence)
+        go = driver.find_element(By.ID, "go")
+        go.click()  # no key yet: the server's 400, in its words
+        assert _error_shown(driver, wait, "API key") == "400: Please contact the server operator to get an API key"
+        key.send_keys("nope")
+        go.click()
+        assert _error_shown(driver, wait, "Invalid") == "403: Invalid API key"
+
+        key.clear()
+        key.send_keys("k1")
+        driver.refresh()  # the key is kept in localStorage
+        wait.until(lambda d: d.find_element(By.ID, "api-key").get_attribute("value") == "k1")
+        Select(driver.find_element(By.ID, "pairs")).select_by_visible_text("en → de")
+        driver.find_element(By.ID, "source").send_keys(sentence)
+        driver.find_element(By.ID, "go").click()
+        wait.until(lambda d: d.find_element(By.ID, "translation").text.strip() != "")
+        assert driver.find_element(By.ID, "error").text == ""
+        want = reverse.translate([sentence], beam=4)[0]
+        assert driver.find_element(By.ID, "translation").text == want and want.startswith("ein Hund spielt")
+        assert [e.text for e in driver.find_elements(By.CSS_SELECTOR, "#src-tokens .src-token")][:2] == ["▁a", "▁dog"]
+        layers = Select(driver.find_element(By.ID, "layer")).options
+        assert len(layers) == 1 + reverse.model.cfg.decoder_layers
+
+        box = driver.find_element(By.ID, "source")  # a line of two sentences: each is offered
+        box.clear()
+        box.send_keys("a dog plays. a child runs.")
+        driver.find_element(By.ID, "go").click()
+        wait.until(lambda d: len(Select(d.find_element(By.ID, "line")).options) == 2)
+        assert [o.text for o in Select(driver.find_element(By.ID, "line")).options] == ["1.1: a dog plays.",
+                                                                                        "1.2: a child runs."]
+        assert driver.find_element(By.ID, "translation").text == " ".join(reverse.translate(["a dog plays.",
+                                                                                             "a child runs."]))
+    finally:
+        if driver is not None:
+            driver.quit()
+        stop()
+
+
+def test_page_shows_the_servers_words_for_a_429_and_a_plain_text_503(tmp_path_factory, tmp_path, one_thread):
+    """A client over --max-client-lines gets LibreTranslate's 429; uvicorn's own 503 is plain text: the
+    page shows both as the server wrote them."""
+    ckpt = tiny_checkpoint(tmp_path_factory.getbasetemp())
+    app = create_app(Translator.from_checkpoint(ckpt), Limits(max_lines=2, max_client_lines=2), ("de", "en"))
+    url, stop = serve(app)
+    driver = None
+    try:
+        driver = browser(tmp_path / "profile")
+        driver.get(url)
+        wait = WebDriverWait(driver, 60)
+        wait.until(lambda d: d.find_element(By.ID, "pair").text == "de → en")
+        srv = app.state.server
+        srv.clients.held["ip:127.0.0.1"] = 2  # as if two lines of this client were in the server
+        driver.find_element(By.ID, "source").send_keys("ein Hund")
+        driver.find_element(By.ID, "go").click()
+        assert _error_shown(driver, wait, "429").startswith("429: IP address 127.0.0.1 has 2 lines in the server")
+        del srv.clients.held["ip:127.0.0.1"]
+        driver.execute_script(  # a plain-text answer, as uvicorn gives past --max-connections
+            "const real = window.fetch; window.fetch = (u, o) => u === '/v1/translate' ? "
+            "Promise.resolve(new Response('Exceeded concurrency limit.', {status: 503})) : real(u, o);")
+        driver.find_element(By.ID, "go").click()
+        assert _error_shown(driver, wait, "503") == "503: Exceeded concurrency limit."
     finally:
         if driver is not None:
             driver.quit()

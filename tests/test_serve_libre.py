@@ -279,6 +279,8 @@ def test_api_keys(ckpts):
         assert c.post("/v1/translate", json={"text": ["rot"]}).status_code == 400
         assert c.post("/v1/translate", json={"text": ["rot"]}, headers={"Authorization": "Bearer k9"}).status_code == 403
         assert c.post("/v1/translate", json={"text": ["rot"]}, headers={"Authorization": "Bearer k1"}).status_code == 200
+        assert c.post("/v1/translate", json={"text": ["rot"], "api_key": "k2"}).status_code == 200  # the page's way
+        assert c.post("/v1/translate", json={"text": ["rot"], "api_key": "k9"}).json() == {"error": "Invalid API key"}
         assert c.get("/languages").status_code == 200  # asks for no key, as LibreTranslate
         settings = c.get("/frontend/settings").json()
         assert settings["apiKeys"] is True and settings["keyRequired"] is True

@@ -35,6 +35,8 @@ class TranslateRequest(BaseModel):
     attention: bool = Field(False, description="add each hypothesis's cross-attention (layers x target x source)")
     source: str | None = Field(None, description="source language (default: the first model's)")
     target: str | None = Field(None, description="target language (default: the first model's)")
+    api_key: str | None = Field(None, description="API key, when the server has --api-keys (LibreTranslate's field; "
+                                                   "or an Authorization: Bearer KEY header)")
     split_sentences: bool = Field(True, description="cut each line into sentences, translate each and join them "
                                                     "with the line's spacing (false: a line is one sentence)")
 
@@ -82,7 +84,7 @@ def routes(app: FastAPI, srv: Served) -> None:
         """Per line: the n-best translations with scores, the subwords on both sides and, with
         `attention`, each hypothesis's cross-attention (per layer, target x source subwords); a line
         of several sentences is translated sentence by sentence (`split_sentences`)."""
-        srv.check_key(bearer(request), request)
+        srv.check_key(req.api_key or bearer(request), request)
         limits = srv.limits
         beam = req.beam or limits.beam
         if beam > limits.max_beam:
@@ -161,6 +163,6 @@ def _by_line(e: ApiError, units: Sequence[list[str]]) -> ApiError:
 
 
 def bearer(request: Request) -> str | None:
-    """The API key of an aiayn API request: `Authorization: Bearer KEY`, else `?api_key=KEY`."""
+    """The API key of an aiayn API request without one in its body: `Authorization: Bearer KEY`, else `?api_key=KEY`."""
     scheme, _, key = request.headers.get("authorization", "").partition(" ")
     return key.strip() if scheme.lower() == "bearer" and key.strip() else request.query_params.get("api_key")

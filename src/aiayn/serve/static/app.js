@@ -1,19 +1,56 @@
 // The page of `aiayn serve`: translate, list the n-best, draw the cross-attention on a canvas.
-// Plain JavaScript, no libraries: it talks to /v1/info and /v1/translate only.
+// Plain JavaScript, no libraries: it reads /v1/info and /frontend/settings and posts to /v1/translate.
+// Several served pairs: a selector; a server that asks for keys: a key field (kept in localStorage).
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 const HOT = "214, 56, 36";  // the heatmap's colour (rgb), its alpha is the attention weight
-const state = { result: null, matrix: [], focus: -1 };
+const KEY_STORE = "aiayn.apiKey";
+const state = { result: null, units: [], matrix: [], focus: -1, models: [], keyRequired: false };
+
+// The server's answer: its JSON, or {error: its text} when it is not JSON (uvicorn's own 503 is plain text).
+async function readBody(r) {
+  const text = await r.text();
+  try {
+    return JSON.parse(text);
+  } catch {
+    return { error: text.trim() || r.statusText };
+  }
+}
+
+async function getJSON(url) {
+  const r = await fetch(url);
+  const data = await readBody(r);
+  if (!r.ok) throw new Error(`${r.status}: ${data.error || r.statusText}`);
+  return data;
+}
 
 async function loadInfo() {
-  const info = await (await fetch("/v1/info")).json();
-  $("pair").textContent = `${info.languages.source} → ${info.languages.target}`;
+  const [info, settings] = await Promise.all([getJSON("/v1/info"), getJSON("/frontend/settings")]);
+  state.models = info.models;
+  const pairs = $("pairs");
+  info.models.forEach((m, i) => pairs.add(new Option(`${m.languages.source} → ${m.languages.target}`, String(i))));
+  $("pair-choice").hidden = info.models.length < 2;
+  $("pair").hidden = info.models.length > 1;
   $("beam").value = info.limits.beam;
   $("beam").max = info.limits.max_beam;
-  const layers = $("layer");
-  layers.add(new Option("mean of layers", "mean"));
-  for (let l = 0; l < info.model.decoder_layers; l++) layers.add(new Option(`layer ${l + 1}`, String(l)));
+  state.keyRequired = Boolean(settings.keyRequired);
+  $("key-choice").hidden = !state.keyRequired;
+  $("api-key").value = localStorage.getItem(KEY_STORE) || "";
+  choosePair();
+}
+
+function model() {
+  return state.models[Number($("pairs").value) || 0];
+}
+
+function choosePair() {
+  const m = model();
+  $("pair").textContent = `${m.languages.source} → ${m.languages.target}`;
+  const layers = $("layer"), keep = layers.value;
+  layers.replaceChildren(new Option("mean of layers", "mean"));
+  for (let l = 0; l < m.model.decoder_layers; l++) layers.add(new Option(`layer ${l + 1}`, String(l)));
+  layers.value = keep && keep < m.model.decoder_layers ? keep : "mean";
 }
 
 function showError(message) {
@@ -25,18 +62,22 @@ async function translate() {
   const lines = $("source").value.split("\n");
   if (!lines.some((l) => l.trim())) return;
   const beam = Number($("beam").value) || 1;
-  const body = { text: lines, beam, alpha: Number($("alpha").value), nbest: Math.min(4, beam), attention: true };
+  const { source, target } = model().languages;
+  const body = { text: lines, beam, alpha: Number($("alpha").value), nbest: Math.min(4, beam), attention: true,
+                 source, target };
+  const key = $("api-key").value.trim();
+  if (state.keyRequired && key) body.api_key = key;  // LibreTranslate's field, in the body: never in a URL
   $("go").disabled = true;
   $("status").textContent = "translating…";
   showError("");
   try {
     const r = await fetch("/v1/translate", { method: "POST", headers: { "Content-Type": "application/json" },
                                             body: JSON.stringify(body) });
-    const data = await r.json();
+    const data = await readBody(r);
     if (!r.ok) throw new Error(`${r.status}: ${data.error || r.statusText}`);
     state.result = data;
     $("translation").textContent = data.translations.map((t) => t.hypotheses[0].text).join("\n");
-    fillLines(lines);
+    fillUnits(lines);
     $("inside").hidden = false;
     show();
     $("status").textContent = "";
@@ -48,10 +89,15 @@ async function translate() {
   }
 }
 
-function fillLines(lines) {
-  const sel = $("line");
-  sel.replaceChildren();
-  lines.forEach((l, i) => { if (l.trim()) sel.add(new Option(`${i + 1}: ${l.slice(0, 40)}`, String(i))); });
+// What the line selector offers: each line, or each sentence of a line the server cut into several.
+function fillUnits(lines) {
+  state.units = [];
+  state.result.translations.forEach((t, i) => {
+    if (!lines[i].trim()) return;
+    if (!t.sentences) state.units.push({ label: `${i + 1}: ${lines[i].slice(0, 40)}`, result: t });
+    else t.sentences.forEach((s, j) => state.units.push({ label: `${i + 1}.${j + 1}: ${s.source.slice(0, 40)}`, result: s }));
+  });
+  $("line").replaceChildren(...state.units.map((u, k) => new Option(u.label, String(k))));
 }
 
 function fillHyps(hyps) {
@@ -62,7 +108,7 @@ function fillHyps(hyps) {
 }
 
 function current() {
-  const line = state.result.translations[Number($("line").value)];
+  const line = state.units[Number($("line").value)].result;
   return { line, hyp: line.hypotheses[Number($("hyp").value) || 0] };
 }
 
@@ -75,7 +121,7 @@ function layerMatrix(attention, choice) {
 }
 
 function show() {
-  const line = state.result.translations[Number($("line").value)];
+  const line = state.units[Number($("line").value)].result;
   fillHyps(line.hypotheses);
   const { hyp } = current();
   $("nbest").replaceChildren(...line.hypotheses.map((h) => {
@@ -182,4 +228,6 @@ $("go").addEventListener("click", translate);
 $("line").addEventListener("change", () => { $("hyp").value = "0"; show(); });
 $("hyp").addEventListener("change", show);
 $("layer").addEventListener("change", show);
+$("pairs").addEventListener("change", () => { choosePair(); $("inside").hidden = true; $("translation").textContent = ""; });
+$("api-key").addEventListener("input", () => localStorage.setItem(KEY_STORE, $("api-key").value.trim()));
 loadInfo().catch((e) => showError(`cannot reach the server: ${e.message || e}`));
