@@ -266,13 +266,21 @@ def test_a_stalled_upload_gets_408_and_connections_are_limited(served):
                                                                 "aiayn serve: stopped"}, log
 
 
-def _slow_head(port, seconds):
-    """A client that sends a request head one byte per 0.2 s (slowloris) for at most `seconds`; returns
-    (what the server answered, seconds until it closed the connection, or None if it never did)."""
+def _slow_head(port, seconds, kept_alive=False):
+    """A client that sends a request head one byte per 0.2 s (slowloris) for at most `seconds`, after a
+    request answered on the same connection if `kept_alive`; returns (what the server answered since,
+    seconds until it closed the connection, or None if it never did)."""
     head = b"GET /health HTTP/1.1\r\nHost: t\r\nX-Slow: " + b"a" * 1000 + b"\r\n\r\n"
-    start = time.monotonic()
     with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:
         reply = b""
+        if kept_alive:
+            sock.settimeout(10)
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+            while not reply.endswith(b'{"status":"ok"}'):
+                reply += sock.recv(65536)
+            sock.settimeout(0.2)
+            reply = b""
+        start = time.monotonic()
         for byte in head:
             if time.monotonic() - start > seconds:
                 return reply, None
@@ -295,6 +303,8 @@ def test_a_slow_request_head_gets_408_and_an_idle_connection_is_closed(served):
     assert closed is not None, "the server still held a connection sending its head after 8 s"
     assert 0.8 < closed < 4 and reply.startswith(b"HTTP/1.1 408 "), (closed, reply)
     assert reply.endswith(b'{"error": "the request head was not sent within --head-timeout 1 s"}')
+    reply, closed = _slow_head(s.port, seconds=8, kept_alive=True)  # the next head of a kept-alive connection
+    assert closed is not None and 0.8 < closed < 4 and reply.startswith(b"HTTP/1.1 408 "), (closed, reply)
     with socket.create_connection(("127.0.0.1", s.port), timeout=8) as idle:  # sends nothing at all
         start = time.monotonic()
         assert idle.recv(65536) == b"" and 0.8 < time.monotonic() - start < 4  # closed, without a word

@@ -39,9 +39,9 @@ class HeadTimedH11(H11Protocol):
     def data_received(self, data: bytes) -> None:
         waiting = self.conn.their_state is h11.IDLE  # the bytes start or continue a request head
         if waiting:
-            self._head_bytes = self._head_bytes or bool(data)
             if self._head_timer is None:  # the first byte of a next request on a kept-alive connection
                 self._arm()
+            self._head_bytes = self._head_bytes or bool(data)
         super().data_received(data)
         if self.conn.their_state is not h11.IDLE:  # the head is in (or the connection has failed)
             self._disarm()
