@@ -102,7 +102,8 @@ def _limits(args: argparse.Namespace) -> Limits:
                   max_beam=args.max_beam, max_nbest=args.max_nbest, max_work=args.max_work,
                   max_share=args.max_share, max_client_lines=args.max_client_lines,
                   max_connections=args.max_connections,
-                  head_timeout_s=args.head_timeout, body_timeout_s=args.body_timeout, shutdown_timeout_s=args.shutdown_timeout)
+                  head_timeout_s=args.head_timeout, body_timeout_s=args.body_timeout,
+                  shutdown_timeout_s=args.shutdown_timeout)
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
@@ -85,43 +85,54 @@ def routes(app: FastAPI, srv: Served) -> None:
         `attention`, each hypothesis's cross-attention (per layer, target x source subwords); a line
         of several sentences is translated sentence by sentence (`split_sentences`)."""
         srv.check_key(req.api_key or bearer(request), request)
-        limits = srv.limits
-        beam = req.beam or limits.beam
-        if beam > limits.max_beam:
-            raise ApiError(422, f"beam: at most --max-beam {limits.max_beam}, got {beam}", field="beam")
-        if req.nbest > min(beam, limits.max_nbest):
-            raise ApiError(422, f"nbest: at most the beam size ({beam}) and --max-nbest {limits.max_nbest}, "
-                                f"got {req.nbest}", field="nbest")
+        beam = _beam(req, srv.limits)
         model = srv.model((req.source or srv.languages[0], req.target or srv.languages[1]))
         key = Key(beam, req.alpha, req.nbest, req.attention, model.pair)
-        if not req.split_sentences:
-            ids, results = await srv.translate(request, req.text, key)
-            piece = model.translator.tokenizers.src.id_to_piece
-            lines = [_result([piece(i) for i in src], hyps) for src, hyps in zip(ids, results)]
-            return JSONResponse({"translations": lines, "beam": beam, "alpha": req.alpha})
-        if len(req.text) > limits.max_lines:
-            raise ApiError(413, f"{len(req.text)} lines in one request, more than --max-lines {limits.max_lines}")
-        for i, line in enumerate(req.text):  # a line, not a sentence, is what --max-chars bounds
-            if len(line) > limits.max_chars:
-                raise ApiError(413, f"line {i}: {len(line)} characters, more than --max-chars {limits.max_chars}")
-        paragraphs = await asyncio.to_thread(lambda: [split(t, model.source) for t in req.text])  # off the loop
-        units = [list(p.sentences) or [t] for p, t in zip(paragraphs, req.text)]  # a blank line: itself
-        flat = [s for u in units for s in u]
-        if len(flat) > limits.max_lines:
-            raise ApiError(413, f"{len(flat)} sentences in {len(req.text)} lines, more than --max-lines "
-                                f"{limits.max_lines}")
-        try:
-            ids, results = await srv.translate(request, flat, key)
-        except ApiError as e:
-            raise _by_line(e, units) from None
         piece = model.translator.tokenizers.src.id_to_piece
-        out, at = [], 0
-        for p, u in zip(paragraphs, units):
-            mine = [_result([piece(i) for i in src], hyps)
-                    for src, hyps in zip(ids[at:at + len(u)], results[at:at + len(u)])]
-            at += len(u)
-            out.append(_joined(p.join if p.sentences else None, u, mine))
-        return JSONResponse({"translations": out, "beam": beam, "alpha": req.alpha})
+        if req.split_sentences:
+            lines = await _by_sentences(srv, request, req.text, key, model.source, piece)
+        else:
+            ids, results = await srv.translate(request, req.text, key)
+            lines = [_result([piece(i) for i in src], hyps) for src, hyps in zip(ids, results)]
+        return JSONResponse({"translations": lines, "beam": beam, "alpha": req.alpha})
+
+
+def _beam(req: TranslateRequest, limits: Limits) -> int:
+    """The request's beam (the server's by default); 422 over --max-beam, or an n-best over it or --max-nbest."""
+    beam = req.beam or limits.beam
+    if beam > limits.max_beam:
+        raise ApiError(422, f"beam: at most --max-beam {limits.max_beam}, got {beam}", field="beam")
+    if req.nbest > min(beam, limits.max_nbest):
+        raise ApiError(422, f"nbest: at most the beam size ({beam}) and --max-nbest {limits.max_nbest}, "
+                            f"got {req.nbest}", field="nbest")
+    return beam
+
+
+async def _by_sentences(srv: Served, request: Request, text: list[str], key: Key, language: str,
+                        piece: Callable[[int], str]) -> list[dict[str, Any]]:
+    """Each line's result, its sentences searched one by one (all of the request's at once)."""
+    limits = srv.limits
+    if len(text) > limits.max_lines:
+        raise ApiError(413, f"{len(text)} lines in one request, more than --max-lines {limits.max_lines}")
+    for i, line in enumerate(text):  # a line, not a sentence, is what --max-chars bounds
+        if len(line) > limits.max_chars:
+            raise ApiError(413, f"line {i}: {len(line)} characters, more than --max-chars {limits.max_chars}")
+    paragraphs = await asyncio.to_thread(lambda: [split(t, language) for t in text])  # off the event loop
+    units = [list(p.sentences) or [t] for p, t in zip(paragraphs, text)]  # a blank line: itself
+    flat = [s for u in units for s in u]
+    if len(flat) > limits.max_lines:
+        raise ApiError(413, f"{len(flat)} sentences in {len(text)} lines, more than --max-lines {limits.max_lines}")
+    try:
+        ids, results = await srv.translate(request, flat, key)
+    except ApiError as e:
+        raise _by_line(e, units) from None
+    out, at = [], 0
+    for p, u in zip(paragraphs, units):
+        mine = [_result([piece(i) for i in src], hyps)
+                for src, hyps in zip(ids[at:at + len(u)], results[at:at + len(u)])]
+        at += len(u)
+        out.append(_joined(p.join if p.sentences else None, u, mine))
+    return out
 
 
 def _result(source_tokens: list[str], hypotheses: list[dict[str, Any]]) -> dict[str, Any]:
