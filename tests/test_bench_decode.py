@@ -81,6 +81,7 @@ def test_linear_work_counts_each_linear_once():
     assert torch.nn.functional.linear is torch._C._nn.linear
 
 
+@pytest.mark.slow  # eight worker processes, each importing torch or ctranslate2
 @needs_data
 def test_isolated_run_prints_the_four_engines_with_memory(tmp_path, capsys, monkeypatch):
     """`--isolated` on a small saved checkpoint: every engine in its own process, one row each per

@@ -95,6 +95,26 @@ print(float((got - want).abs().max() / want.abs().max()))
     assert float(r.stdout.strip()) < 0.01
 
 
+def test_searches_on_the_wide_copies_choose_what_fbgemm_alone_chooses(trained, monkeypatch):
+    """Greedy and beam search with oneDNN copies of the wide layers (every layer made wide here,
+    the projection included, and AVX-512 said) choose the tokens of FBGEMM alone, on 60 sentences
+    in one batch (so the copies run: 32 rows or more)."""
+    if kernels.WIDE_ENGINE not in torch.backends.quantized.supported_engines:
+        pytest.skip("no oneDNN quantized engine in this torch")
+    _, model, toks, lines = trained
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(kernels, "WIDE_RATIO", 10**6)
+    alone = Translator(model, toks, precision="int8")
+    monkeypatch.setattr(kernels, "WIDE_RATIO", 1)
+    wide = Translator(model, toks, precision="int8")
+    assert kernels._INT8[id(wide.model.output_weight)][2] is not None
+    assert kernels._INT8[id(alone.model.output_weight)][2] is None
+    for beam in (1, 4):
+        want = [nb[0][0] for nb in alone.search_ids(lines, beam=beam)]
+        got = [nb[0][0] for nb in wide.search_ids(lines, beam=beam)]
+        assert got == want, beam
+
+
 def test_int8_translations_match_fp32(trained):
     """On a trained model int8 picks the tokens fp32 picks: greedy all but at most one sentence of
     60, beam 4 (where near-equal hypotheses can swap ranks) nine in ten; ids compared."""

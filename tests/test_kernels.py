@@ -185,15 +185,18 @@ def test_loss_packing_is_where_the_loss_finds_the_real_tokens_also_for_unlabelle
     torch.manual_seed(0)
     model = Transformer(preset("tiny", src_vocab_size=30, tgt_vocab_size=30)).eval()
     want = F.cross_entropy(model(src, tgt_in).flatten(0, 1), tgt_out.flatten(), label_smoothing=0.1, reduction="none")
-    losses, grads = [], []
-    for packing in (None, p):
-        model.zero_grad()
-        loss = model.loss(src, tgt_in, tgt_out, 0.1, "none", packing=packing)
-        loss.sum().backward()
-        losses.append(loss.detach())
-        grads.append([q.grad.clone() for q in model.parameters() if q.grad is not None])
-    torch.testing.assert_close(losses[1], want[tgt_out.flatten() != 0], rtol=1e-5, atol=1e-5)
-    assert torch.equal(losses[0], losses[1]) and all(torch.equal(a, b) for a, b in zip(*grads))
+    for bf16 in (False, True):  # bitwise in fp32 and under bf16 autocast
+        losses, grads = [], []
+        for packing in (None, p):
+            model.zero_grad()
+            with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+                loss = model.loss(src, tgt_in, tgt_out, 0.1, "none", packing=packing)
+            loss.sum().backward()
+            losses.append(loss.detach())
+            grads.append([q.grad.clone() for q in model.parameters() if q.grad is not None])
+        if not bf16:
+            torch.testing.assert_close(losses[1], want[tgt_out.flatten() != 0], rtol=1e-5, atol=1e-5)
+        assert torch.equal(losses[0], losses[1]) and all(torch.equal(a, b) for a, b in zip(*grads)), bf16
 
 
 def test_a_batch_takes_its_packing_to_pinned_memory_and_the_device(monkeypatch):

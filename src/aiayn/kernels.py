@@ -111,7 +111,7 @@ def inference_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, relu
 # for this backend) keep those sums exact on every CPU.
 # FBGEMM, not oneDNN: a oneDNN-packed weight kept the ReLU of its first call for later calls
 # without it (docs/speed.md); FBGEMM follows FBGEMM_ENABLE_INSTRUCTIONS=AVX2 where a CPU must be
-# treated as AVX2-only.
+# treated as AVX2-only (the oneDNN copy below follows ATen's ATEN_CPU_CAPABILITY=avx2, which drops it).
 #
 # One exception, measured (docs/speed.md, "Figures behind choices in the code"): a wide layer (the
 # projection to the vocabulary) on 32 rows or more runs faster on oneDNN's int8 GEMM where ATen

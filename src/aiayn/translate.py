@@ -235,10 +235,10 @@ def inference_view(model: M, device: torch.device | str | None = None) -> M:
 def int8_model(model: ModuleT, device: torch.device | str = "cpu", own: bool = False) -> ModuleT:
     """`model` with its linear layers in int8 (`kernels.quantize_int8`): a frozen float32 copy, or,
     if the caller hands it over (`own`), the model itself, frozen (no second copy of the weights in
-    memory). CPU only: PyTorch's int8 kernels are FBGEMM's."""
+    memory). CPU only: PyTorch's int8 kernels (FBGEMM's, oneDNN's) are CPU kernels."""
     device = torch.device(device)
     if device.type != "cpu":
-        raise AiaynError(f"--precision int8 runs on the CPU only (PyTorch's FBGEMM kernels), not on {device}; "
+        raise AiaynError(f"--precision int8 runs on the CPU only (PyTorch's FBGEMM and oneDNN kernels), not on {device}; "
                          "use fp32 or bf16 there")
     if (why := aiayn.kernels.int8_unavailable()) is not None:
         raise AiaynError(f"--precision int8: {why}")
