@@ -121,3 +121,41 @@ def test_the_server_caps_the_caches_before_it_loads_the_model(tmp_path_factory, 
     with pytest.raises(_Built):
         run(build_parser("serve").parse_args(["serve", "--checkpoint", str(ckpt), "--port", "0"]))
     assert seen == [memory.ONEDNN_CACHES]
+
+
+# What CUDA's caching allocator says, one long line (torch 2.x).
+CUDA_OOM = ("CUDA out of memory. Tried to allocate 3.73 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
+            "1.20 GiB is free. Including non-PyTorch memory, this process has 77.98 GiB memory in use. See "
+            "documentation for Memory Management (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)")
+
+
+def test_running_out_of_device_memory_in_training_is_one_line_naming_max_tokens(tmp_path, monkeypatch, capsys):
+    """A batch too large for the GPU (tests/test_cuda.py makes a real one there) is a flag to lower,
+    not a traceback: here the first step raises what CUDA's allocator raises."""
+    import torch
+
+    from aiayn import train as T
+    from aiayn.cli import main as cli_main
+
+    def out_of_memory(self, batches):
+        raise torch.cuda.OutOfMemoryError(CUDA_OOM)
+
+    monkeypatch.setattr(T.Trainer, "train_step", out_of_memory)
+    paths = make_corpus(tmp_path / "data")
+    assert cli_main(tiny_args(paths, tmp_path / "run", "--max-steps", "2")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("aiayn train: error: --max-tokens 160: out of memory on cpu (CUDA out of memory. Tried to "
+                       "allocate 3.73 GiB); lower --max-tokens and raise --update-freq (or set --tokens-per-update) "
+                       "to keep the tokens per step")
+    assert not any("Traceback" in line for line in err)
+
+
+def test_other_errors_pass_through_the_out_of_memory_hint():
+    import torch
+
+    with pytest.raises(ValueError, match="not memory"):
+        with memory.batch_fits(4096, torch.device("cpu")):
+            raise ValueError("not memory")
+    with pytest.raises(memory.AiaynError, match=r"^--max-tokens 4096: out of memory on cpu \(out of memory\)"):
+        with memory.batch_fits(4096, torch.device("cpu")):
+            raise torch.cuda.OutOfMemoryError("")

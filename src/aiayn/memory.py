@@ -12,12 +12,23 @@ variable-length batches and decoding do, without any tensor leaking:
   the resident size has grown a quarter beyond what a step needs, so a steady run pays for a trim
   now and then instead of at every step (a trim at every step costs a noticeable share of it;
   docs/wmt14.md has the figures).
+
+And on a GPU, where memory is fixed: `batch_fits` turns running out of device memory in training
+into one line naming the flag that sizes the batch (--max-tokens), instead of a traceback.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from aiayn.errors import AiaynError
+
+if TYPE_CHECKING:  # torch itself is imported where it is used: `aiayn serve --help` loads this module
+    import torch
 
 # 64 entries each: measured flat at the same speed (bench/serve.py --rss; bench/scale.py for training).
 ONEDNN_CACHES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "64"}
@@ -75,3 +86,19 @@ class HeapTrimmer:
             self.trim(0)
             self.trims += 1
             self.fresh = True
+
+
+@contextlib.contextmanager
+def batch_fits(max_tokens: int, device: torch.device) -> Iterator[None]:
+    """Training inside the block: running out of `device` memory (`torch.OutOfMemoryError`, CUDA's
+    included) becomes one `AiaynError` naming --max-tokens, with the allocator's own first line."""
+    import torch
+
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError as e:  # torch.OutOfMemoryError, which CUDA's is, in torch >= 2.5
+        said = str(e).strip().splitlines()
+        # CUDA's message is one long line: "CUDA out of memory. Tried to allocate 3.73 GiB. GPU 0 has ..."
+        what = ". ".join(said[0].split(". ")[:2]).rstrip(".") if said else "out of memory"
+        raise AiaynError(f"--max-tokens {max_tokens}: out of memory on {device} ({what}); lower --max-tokens "
+                         "and raise --update-freq (or set --tokens-per-update) to keep the tokens per step") from None

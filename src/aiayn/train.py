@@ -675,9 +675,12 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
         run.t0 = time.time()
         run.window = (0, run.t0)
         _stop_if_done(run)  # a resumed run that already met a limit takes no step
-        while not run.stop_reason:
-            _train_epoch(run, stopper, bar)
-        bar.close()
+        try:  # out of GPU memory: one line naming --max-tokens, below the closed progress bar
+            with memory.batch_fits(tc.max_tokens, d.device):
+                while not run.stop_reason:
+                    _train_epoch(run, stopper, bar)
+        finally:
+            bar.close()
     summary = {"step": run.trainer.step, "epoch": run.epoch, "best_bleu": run.best_bleu if run.best_bleu >= 0 else None,
                "stop": run.stop_reason, "checkpoint": str(run.last_saved) if run.last_saved else None,
                "elapsed_s": run.seconds(), "signal": stopper.signum}
