@@ -1,6 +1,6 @@
 """aiayn's own search against the engines it exports to, on the same weights, in one run.
 
-    python bench/engines.py [--checkpoint DIR] [--n N] [--threads T] [--src de --tgt en]
+    python bench/engines.py [--checkpoint DIR] [--n N | --quick] [--threads T] [--src de --tgt en] [--device cuda]
 
 Systems, each with greedy search and beam 4 on Multi30k test_2016_flickr: aiayn (fp32 and a bf16
 copy), Hugging Face `MarianMTModel.generate` on `aiayn export --to hf`, and CTranslate2 on
@@ -17,7 +17,13 @@ that `MarianTokenizer` appends by default (aiayn feeds the source without it).
 
 aiayn runs as `Translator` runs it: weights frozen (linear layers on oneDNN-packed weights), bf16
 as a bfloat16 copy of the model (skipped on a CPU for which oneDNN has no bf16 kernels); after the
-table, aiayn's speed-up over HF and CTranslate2 float32 per mode.
+table, aiayn's speed-up over HF and CTranslate2 float32 per mode (and over HF bf16, where it ran).
+
+`--device cuda` runs aiayn and HF on the GPU (without CTranslate2, whose CPU engine has no place in
+that table), adds HF on a bfloat16 copy of the Marian model beside aiayn's bf16 (like for like),
+and waits for the GPU before each clock reading. A peer that is not installed is left out.
+On a GPU, pass `--max-tokens 4096 --batch-size 256`, the batches of `aiayn translate`: small
+batches leave it idle. `--quick` takes the first 48 sentences (a smoke run).
 
 Without --checkpoint, a random-weight `small` model (d_model 256, 3+3 layers) is used with a joint
 tokenizer trained on the Multi30k training text; it seldom emits EOS, so sentences run to their
@@ -28,6 +34,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
+import json
 import math
 import platform
 import sys
@@ -58,13 +66,18 @@ def hf_strip(row: list[int]) -> list[int]:
     return row[: row.index(EOS_ID)] if EOS_ID in row else row
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", help="a trained checkpoint or run directory (default: a random-weight model)")
     ap.add_argument("--src", default="de")
     ap.add_argument("--tgt", default="en")
     ap.add_argument("--data-dir", help="data root holding multi30k/ (default $AIAYN_DATA)")
     ap.add_argument("--n", type=int, help="first N test sentences (default: all 1000)")
+    ap.add_argument("--quick", action="store_true", help="first 48 sentences only (a smoke run)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where aiayn and HF run")
+    ap.add_argument("--preset", default="small", help="model size without --checkpoint")
+    ap.add_argument("--vocab-size", type=int, default=8000, help="joint vocabulary without --checkpoint")
+    ap.add_argument("--json", help="also write the rows here")
     ap.add_argument("--beam", type=int, default=4)
     ap.add_argument("--alpha", type=float, default=0.6)
     ap.add_argument("--max-tokens", type=int, default=2048, help="source tokens per batch")
@@ -72,14 +85,23 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=0, help="threads for torch and CTranslate2 (0: torch's default)")
     ap.add_argument("--skip", default="", help="comma-separated: bf16,hf,ct2,int8")
     ap.add_argument("--identity", action="store_true", help="also run aiayn and HF beam search with alpha = 0")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda: no CUDA device is available")
     skip = set(filter(None, args.skip.split(",")))
-    if "bf16" not in skip and not cpu_has_fast_bf16():  # bf16 runs ~100x slower than fp32 there
+    if "bf16" not in skip and dev.type == "cpu" and not cpu_has_fast_bf16():  # bf16 runs ~100x slower there
         skip.add("bf16")
         print(f"note: {SLOW_BF16}; skipping bf16 (as --skip bf16)", file=sys.stderr)
+    if dev.type == "cuda":
+        skip.add("ct2")
+    for name, module in (("hf", "transformers"), ("ct2", "ctranslate2")):
+        if name not in skip and importlib.util.find_spec(module) is None:
+            skip.add(name)
+            print(f"note: {module} is not installed; skipping it (as --skip {name})", file=sys.stderr)
     work_dir = tempfile.TemporaryDirectory(prefix="aiayn-engines-")  # removed when the run ends
     work = Path(work_dir.name)
     if args.checkpoint:
@@ -87,25 +109,28 @@ def main() -> int:
         model, toks, what, ckpt = ck.model, ck.tokenizers, f"checkpoint {ck.path}", ck.path
     else:
         tr_src, tr_tgt = multi30k_paths("train", args.src, args.tgt, args.data_dir)
-        toks = build_tokenizers(tr_src, tr_tgt, 8000, joint=True)
+        toks = build_tokenizers(tr_src, tr_tgt, args.vocab_size, joint=True)
         torch.manual_seed(0)
-        model = Transformer(preset("small", src_vocab_size=toks.src.vocab_size, tgt_vocab_size=toks.tgt.vocab_size))
+        model = Transformer(preset(args.preset, src_vocab_size=toks.src.vocab_size, tgt_vocab_size=toks.tgt.vocab_size))
         model.eval()
         ckpt = work / "ckpt"
         save_checkpoint(ckpt, model, toks, {"train": {}, "step": 0})
-        what = "random-weight 'small' model"
+        what = f"random-weight '{args.preset}' model"
     model.requires_grad_(False)  # as `Translator` does: frozen weights take the packed inference GEMMs
+    model.to(dev)
     src_path, ref_path = multi30k_paths("test_2016_flickr", args.src, args.tgt, args.data_dir)
     lines, refs = read_lines(src_path), read_lines(ref_path)
-    n = args.n or len(lines)
+    n = 48 if args.quick else (args.n or len(lines))
     lines, refs = lines[:n], refs[:n]
     eos = [EOS_ID] if model.cfg.source_eos else []  # the source as the model was trained on it
     encoded = [toks.src.encode(line)[: model.cfg.max_positions - len(eos)] + eos for line in lines]
     limits = [max(1, math.floor(len(e) * A + B)) for e in encoded]
     groups = batches(encoded, args.max_tokens, args.batch_size)
     K, alpha = args.beam, args.alpha
+    card = f", {torch.cuda.get_device_name(dev)}" if dev.type == "cuda" else ""
     print(f"{what}; {n} sentences of {src_path.name}, {len(groups)} batches of at most {args.batch_size}; "
-          f"{threads} threads; {platform.processor() or platform.machine()}", flush=True)
+          f"{threads} threads; {platform.processor() or platform.machine()}; device {dev}{card}; "
+          f"torch {torch.__version__}", flush=True)
 
     model_bf16 = None if "bf16" in skip else copy.deepcopy(model).to(torch.bfloat16)  # as Translator's bf16
 
@@ -113,7 +138,7 @@ def main() -> int:
         m = model_bf16 if bf16 else model
 
         def go(idx: list[int]) -> list[list[int]]:
-            s = padded(encoded, idx)
+            s = padded(encoded, idx).to(dev)
             if beam == 1:
                 return greedy_search(m, s, BOS_ID, EOS_ID, A, B)
             return [h[0][0] for h in beam_search(m, s, BOS_ID, EOS_ID, beam, a, A, B)]
@@ -129,26 +154,30 @@ def main() -> int:
 
         transformers.logging.set_verbosity_error()  # per-batch max_new_tokens overrides the export's max_length
         export_hf(ckpt, work / "hf")
-        hf = MarianMTModel.from_pretrained(work / "hf").eval()
+        hf = MarianMTModel.from_pretrained(work / "hf").eval().to(dev)
+        hf_bf16 = None if "bf16" in skip or dev.type == "cpu" else copy.deepcopy(hf).to(torch.bfloat16)
 
-        def hf_gen(beam: int, a: float):  # type: ignore[no-untyped-def]
+        def hf_gen(beam: int, a: float, m=hf):  # type: ignore[no-untyped-def]
             def go(idx: list[int]) -> list[list[int]]:
-                s = padded(encoded, idx)
+                s = padded(encoded, idx).to(dev)
                 with torch.no_grad():
-                    out = hf.generate(input_ids=s, attention_mask=s.ne(PAD_ID), num_beams=beam, do_sample=False,
-                                      length_penalty=a, early_stopping=True,
-                                      max_new_tokens=max(limits[i] for i in idx) + 1)
+                    out = m.generate(input_ids=s, attention_mask=s.ne(PAD_ID), num_beams=beam, do_sample=False,
+                                     length_penalty=a, early_stopping=True,
+                                     max_new_tokens=max(limits[i] for i in idx) + 1)
                 return [hf_strip(r)[: limits[i]] for i, r in zip(idx, out.tolist())]
             return go
 
         systems[(f"HF generate ({transformers.__version__})", "greedy")] = hf_gen(1, 0.0)
         systems[(f"HF generate ({transformers.__version__})", f"beam {K}")] = hf_gen(K, alpha)
+        if hf_bf16 is not None:  # like for like with aiayn bf16 on a GPU: a bfloat16 copy of the Marian model
+            systems[("HF generate bf16", "greedy")] = hf_gen(1, 0.0, hf_bf16)
+            systems[("HF generate bf16", f"beam {K}")] = hf_gen(K, alpha, hf_bf16)
         if args.identity:
             systems[("aiayn fp32, alpha 0", f"beam {K}")] = aiayn(K, 0.0)
             systems[("HF generate, alpha 0", f"beam {K}")] = hf_gen(K, 0.0)
 
             def hf_eos(idx: list[int]) -> list[list[int]]:  # MarianTokenizer's default: EOS after the source
-                s = padded([e + [EOS_ID] for e in encoded], idx)
+                s = padded([e + [EOS_ID] for e in encoded], idx).to(dev)
                 with torch.no_grad():
                     out = hf.generate(input_ids=s, attention_mask=s.ne(PAD_ID), num_beams=1, do_sample=False,
                                       max_new_tokens=max(limits[i] for i in idx) + 1)
@@ -173,14 +202,21 @@ def main() -> int:
             systems[(f"CTranslate2 {label} ({ctranslate2.__version__})", "greedy")] = ct2_gen(1, 0.0)
             systems[(f"CTranslate2 {label} ({ctranslate2.__version__})", f"beam {K}")] = ct2_gen(K, alpha)
 
+    def wait() -> None:  # the GPU's queued work belongs to the timing it was launched in
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
     rows, outs = [], {}
     for (name, mode), fn in systems.items():
         fn(groups[-1][:4])  # warm-up
+        fn(groups[0])  # and the widest batch: GPU libraries choose and cache kernels per shape
         res: list[list[int]] = [[] for _ in encoded]
+        wait()
         t0 = time.perf_counter()
         for idx in groups:
             for i, ids in zip(idx, fn(idx)):
                 res[i] = ids
+        wait()
         dt = time.perf_counter() - t0
         outs[(name, mode)] = res
         hyps = [toks.tgt.decode(h) for h in res]
@@ -195,10 +231,11 @@ def main() -> int:
     base = {mode: dt for name, mode, dt, *_ in rows if name == "aiayn fp32"}
     ct2 = {mode: dt for name, mode, dt, *_ in rows if name.startswith("CTranslate2 float32")}
     hfs = {mode: dt for name, mode, dt, *_ in rows if name.startswith("HF generate (")}
+    hfb = {mode: dt for name, mode, dt, *_ in rows if name == "HF generate bf16"}
     for name, mode, dt, *_ in rows:
         if name in ("aiayn fp32", "aiayn bf16"):
-            vs = [f"{other} {peer[mode] / dt:.2f}x" for other, peer in (("HF", hfs), ("CTranslate2 float32", ct2))
-                  if mode in peer]
+            peers = (("HF", hfs), ("HF bf16", hfb if name == "aiayn bf16" else {}), ("CTranslate2 float32", ct2))
+            vs = [f"{other} {peer[mode] / dt:.2f}x" for other, peer in peers if mode in peer]
             print(f"{name} {mode}: faster than " + ", ".join(vs) if vs else f"{name} {mode}")
     print(f"\n| system | search | seconds | sentences/s | target tokens/s | time / aiayn fp32 | BLEU | "
           f"identical to aiayn fp32 |")
@@ -206,6 +243,10 @@ def main() -> int:
     for name, mode, dt, sps, tps, bleu, same in rows:
         print(f"| {name} | {mode} | {dt:.2f} | {sps:.1f} | {tps:.0f} | {dt / base[mode]:.2f}x | {bleu:.2f} | "
               f"{same}/{n} |")
+    if args.json:
+        keys = ("system", "search", "seconds", "sentences_per_s", "tokens_per_s", "bleu", "identical")
+        Path(args.json).write_text(json.dumps({"device": str(dev) + card, "model": what, "n": n,
+                                               "rows": [dict(zip(keys, r)) for r in rows]}, indent=2) + "\n")
     return 0
 
 

@@ -1,0 +1,64 @@
+"""bench/engines.py (aiayn against HF `generate` on the exported Marian model) runs end to end in the
+form bench/gpu.sh runs it on a GPU (`--device`, `--quick`, `--json`), here on the CPU; not timed."""
+
+import importlib.util
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+DATA = os.environ.get("AIAYN_DATA")
+pytestmark = pytest.mark.skipif(not DATA or not Path(DATA, "multi30k").is_dir(), reason="AIAYN_DATA (Multi30k) not set")
+
+
+def _bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))  # engines.py imports its batches from bench/decode.py
+    spec = importlib.util.spec_from_file_location("aiayn_bench_engines", BENCH / "engines.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)  # type: ignore[union-attr]
+    return bench
+
+
+def test_quick_run_on_a_device_prints_both_systems_bleu_and_agreement(capsys, monkeypatch, tmp_path):
+    pytest.importorskip("transformers")
+    bench = _bench(monkeypatch)
+    monkeypatch.setattr(bench, "cpu_has_fast_bf16", lambda: True)  # bf16 rows too, on any CPU
+    threads = torch.get_num_threads()
+    try:
+        assert bench.main(["--device", "cpu", "--quick", "--preset", "tiny", "--vocab-size", "1000", "--skip", "ct2",
+                           "--threads", "1", "--max-tokens", "400", "--json", str(tmp_path / "rows.json")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "48 sentences of test_2016_flickr.de" in out and "device cpu;" in out
+    for system in ("aiayn fp32", "aiayn bf16"):
+        for mode in ("greedy", "beam 4"):
+            assert re.search(rf"^\| {system} \| {mode} \| [\d.]+ \| [\d.]+ \| \d+ \| \d+\.\d\dx \| \d+\.\d\d \| \d+/48 \|$",
+                             out, re.M), (system, mode)
+    # the same search on the same weights in HF: greedy gives aiayn's tokens for every sentence
+    assert re.search(r"^\| HF generate \([\d.]+\) \| greedy \| .* \| 48/48 \|$", out, re.M)
+    assert re.search(r"^aiayn fp32 beam 4: faster than HF \d+\.\d\dx$", out, re.M)
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert rows["device"] == "cpu" and rows["n"] == 48
+    assert {(r["system"], r["search"]) for r in rows["rows"]} >= {("aiayn fp32", "beam 4"), ("aiayn bf16", "greedy")}
+    assert all(r["sentences_per_s"] > 0 and 0 <= r["identical"] <= 48 for r in rows["rows"])
+
+
+def test_a_missing_peer_is_left_out_with_a_note(capsys, monkeypatch):
+    bench = _bench(monkeypatch)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
+    threads = torch.get_num_threads()
+    try:
+        assert bench.main(["--device", "cpu", "--n", "3", "--preset", "tiny", "--vocab-size", "1000",
+                           "--skip", "ct2,bf16", "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    got = capsys.readouterr()
+    assert "transformers is not installed; skipping it (as --skip hf)" in got.err
+    assert "HF generate" not in got.out and re.search(r"^\| aiayn fp32 \| beam 4 \|", got.out, re.M)
