@@ -122,7 +122,7 @@ def test_fp32_on_the_gpu_computes_what_the_cpu_computes():
 def one_step(model: Transformer, precision: str) -> tuple[float, Any, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """One update by the real trainer from `model`'s weights: (loss per token, trainer, gradients,
     weight changes), on the CPU in float32."""
-    from aiayn.train import Dist, Trainer
+    from aiayn.trainer import Dist, Trainer
 
     m = copy.deepcopy(model).train()
     before = {n: p.detach().clone() for n, p in m.named_parameters()}

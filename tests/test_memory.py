@@ -134,13 +134,13 @@ def test_running_out_of_device_memory_in_training_is_one_line_naming_max_tokens(
     not a traceback: here the first step raises what CUDA's allocator raises."""
     import torch
 
-    from aiayn import train as T
     from aiayn.cli import main as cli_main
+    from aiayn.trainer import Trainer
 
     def out_of_memory(self, batches):
         raise torch.cuda.OutOfMemoryError(CUDA_OOM)
 
-    monkeypatch.setattr(T.Trainer, "train_step", out_of_memory)
+    monkeypatch.setattr(Trainer, "train_step", out_of_memory)
     paths = make_corpus(tmp_path / "data")
     assert cli_main(tiny_args(paths, tmp_path / "run", "--max-steps", "2")) == 2
     err = capsys.readouterr().err.strip().splitlines()
