@@ -9,7 +9,8 @@
 # Run from the checkout's root with aiayn's sources in src/ (no install needed) and Multi30k in
 # $AIAYN_DATA/multi30k (default: .data/multi30k in the checkout); docs/gpu.md says how.
 # Every step runs under `timeout` (GPU_SH_T_<STEP> seconds overrides its limit); a failed step makes
-# the exit status 1, and the other steps still run. OUTDIR gets flat files only (a device call brings
+# the exit status 1, and the other steps still run. The limits add up to 12.2 minutes (5.2 for part 1,
+# 7 for part 2; 13.2 with the kill margins): with a machine's start, inside a session's 15 minutes. OUTDIR gets flat files only (a device call brings
 # back at most 8): summary.md (card, versions, one line per step), gpu.log (every step's output),
 # and each step's tables.
 set -uo pipefail
@@ -155,8 +156,8 @@ fi
 
 if [ "$part" != 2 ]; then
   rm -f "$out"/{cuda_tests.xml,cuda.md,sdpa_kernels.md,gpu_train.md,gpu_train.json}  # no stale tables
-  step cuda_tests 150 "pytest -m cuda; cuda.md, sdpa_kernels.md, cuda_tests.xml" cuda_tests
-  step train_throughput 270 "gpu_train.md, gpu_train.json" train_throughput 270
+  step cuda_tests 110 "pytest -m cuda; cuda.md, sdpa_kernels.md, cuda_tests.xml" cuda_tests
+  step train_throughput 200 "gpu_train.md, gpu_train.json" train_throughput 200
 fi
 if [ "$part" != 1 ]; then
   rm -f "$out"/{multi30k.json,decode.json}
@@ -170,8 +171,8 @@ if [ "$part" != 1 ]; then
     run=$root/runs/gpu-multi30k  # checkpoints stay out of OUTDIR (a device call brings back 8 files)
   fi
   note() { [ "$1" = 1 ] && echo "$2" || echo "$2; PLACEHOLDER, not wired yet"; }
-  step multi30k 420 "$(note $MULTI30K_WIRED 'multi30k.json: test_2016_flickr BLEU, beam 4')" multi30k "$run"
-  step decode 150 "$(note $DECODE_WIRED 'decode.json: sentences/s vs generate')" decode "$run/averaged"
+  step multi30k 330 "$(note $MULTI30K_WIRED 'multi30k.json: test_2016_flickr BLEU, beam 4')" multi30k "$run"
+  step decode 90 "$(note $DECODE_WIRED 'decode.json: sentences/s vs generate')" decode "$run/averaged"
 fi
 
 echo
