@@ -51,7 +51,17 @@ step() {  # step NAME LIMIT_SECONDS NOTE CMD...: CMD under timeout, its output a
   limit=${!var:-$limit}
   echo "== $name (at most ${limit} s): $*" | tee -a "$log"
   # a step is a function of this script: bash runs it under timeout (it sees the exported functions)
-  timeout --kill-after=15 "$limit" bash -c '"$@"' "$name" "$@" >> "$log" 2>&1 || rc=$?
+  local margin=${GPU_SH_KILL_AFTER:-15} tpid
+  timeout --kill-after="$margin" "$limit" bash -c '"$@"' "$name" "$@" >> "$log" 2>&1 &
+  tpid=$!
+  wait "$tpid" || rc=$?
+  # At the limit timeout's TERM reaches its whole process group (timeout leads it); bash dies at
+  # once and timeout returns, but a step that catches TERM (`aiayn train` does, to save) lives on:
+  # it gets the margin, then the KILL, so that it does not run beside the next step.
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+    for _ in $(seq "$margin"); do kill -0 -- "-$tpid" 2> /dev/null || break; sleep 1; done
+    kill -KILL -- "-$tpid" 2> /dev/null
+  fi
   case $rc in
     0) status=ok ;;
     124|137) status="TIMED OUT after ${limit} s" ;;

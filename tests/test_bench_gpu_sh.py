@@ -57,7 +57,10 @@ def test_part_1_runs_the_cuda_tests_and_the_training_bench(tmp_path):
 @pytest.mark.slow
 def test_a_step_that_times_out_or_fails_does_not_stop_the_others(tmp_path):
     out = tmp_path / "out"
-    env = {"GPU_SH_CUDA_TESTS": stub_tests(tmp_path, "time.sleep(60)"), "GPU_SH_T_CUDA_TESTS": "3",
+    pid = tmp_path / "pid"  # the stub catches TERM, as `aiayn train` does: the KILL must still end it
+    body = (f"import os, signal; open({str(pid)!r}, 'w').write(str(os.getpid())); "
+            "signal.signal(signal.SIGTERM, lambda *a: None); time.sleep(60)")
+    env = {"GPU_SH_CUDA_TESTS": stub_tests(tmp_path, body), "GPU_SH_T_CUDA_TESTS": "3", "GPU_SH_KILL_AFTER": "2",
            "GPU_TRAIN_FLAGS": "--precision fp8"}  # the bench refuses this at once
     out.mkdir()
     (out / "gpu_train.md").write_text("a table from an earlier run\n")
@@ -65,6 +68,8 @@ def test_a_step_that_times_out_or_fails_does_not_stop_the_others(tmp_path):
     assert r.returncode == 1
     s = steps(out)
     assert s["cuda_tests"][0] == "TIMED OUT after 3 s" and int(s["cuda_tests"][1]) < 30
+    status = Path(f"/proc/{pid.read_text()}/status")  # the step is gone (or a zombie nobody reaped),
+    assert not status.exists() or "State:\tZ" in status.read_text()  # not running beside the next one
     assert s["train_throughput"][0] == "FAILED (exit 2)"
     assert "invalid choice: 'fp8'" in (out / "gpu.log").read_text()
     assert not (out / "gpu_train.md").exists()  # no stale table passes for this run's

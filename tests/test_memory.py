@@ -159,3 +159,12 @@ def test_other_errors_pass_through_the_out_of_memory_hint():
     with pytest.raises(memory.AiaynError, match=r"^--max-tokens 4096: out of memory on cpu \(out of memory\)"):
         with memory.batch_fits(4096, torch.device("cpu")):
             raise torch.cuda.OutOfMemoryError("")
+    with pytest.raises(RuntimeError, match="shape mismatch"):  # a RuntimeError of another kind stays one
+        with memory.batch_fits(4096, torch.device("cpu")):
+            raise RuntimeError("shape mismatch")
+    # a CUDA library's allocation failure is a plain RuntimeError: the same one line
+    for said in ("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported",
+                 "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"):
+        with pytest.raises(memory.AiaynError, match=r"^--max-tokens 4096: out of memory on cpu \(CUDA error: "):
+            with memory.batch_fits(4096, torch.device("cpu")):
+                raise RuntimeError(said)

@@ -88,15 +88,23 @@ class HeapTrimmer:
             self.fresh = True
 
 
+# Out-of-memory errors that CUDA libraries raise as a plain RuntimeError, not the allocator's type.
+_OOM_WORDS = ("CUDA error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
+
+
 @contextlib.contextmanager
 def batch_fits(max_tokens: int, device: torch.device) -> Iterator[None]:
     """Training inside the block: running out of `device` memory (`torch.OutOfMemoryError`, CUDA's
-    included) becomes one `AiaynError` naming --max-tokens, with the allocator's own first line."""
+    included, or a CUDA library's allocation failure) becomes one `AiaynError` naming --max-tokens,
+    with the first line of what was said. Under torchrun only the rank that ran out says so; the
+    others stop when the collective they wait in times out (NCCL's timeout)."""
     import torch
 
     try:
         yield
-    except torch.cuda.OutOfMemoryError as e:  # torch.OutOfMemoryError, which CUDA's is, in torch >= 2.5
+    except (torch.cuda.OutOfMemoryError, RuntimeError) as e:  # the first: torch.OutOfMemoryError
+        if not isinstance(e, torch.cuda.OutOfMemoryError) and not any(w in str(e) for w in _OOM_WORDS):
+            raise
         said = str(e).strip().splitlines()
         # CUDA's message is one long line: "CUDA out of memory. Tried to allocate 3.73 GiB. GPU 0 has ..."
         what = ". ".join(said[0].split(". ")[:2]).rstrip(".") if said else "out of memory"
