@@ -102,7 +102,8 @@ def _cuts(lens: list[int], parts: int) -> list[int]:
 
 
 def _pad(src_lens: list[int], tgt_lens: list[int], vocab: int, gen: torch.Generator) -> Batch:
-    """One right-padded batch of random words: src (B, S), tgt_in = BOS + words, tgt_out = words + EOS."""
+    """One right-padded batch of random words: src (B, S), tgt_in = BOS + words, tgt_out = words + EOS;
+    with its loss packing found on the host (`Batch.of`, as collate does for `aiayn train`)."""
     B, S, T = len(src_lens), max(src_lens), max(tgt_lens)
     s_len, t_len = torch.tensor(src_lens), torch.tensor(tgt_lens)
     src = torch.randint(4, vocab, (B, S), generator=gen).masked_fill_(torch.arange(S) >= s_len[:, None], PAD)
@@ -110,7 +111,7 @@ def _pad(src_lens: list[int], tgt_lens: list[int], vocab: int, gen: torch.Genera
     pos = torch.arange(T)
     tgt_out = words.masked_fill(pos == (t_len - 1)[:, None], EOS).masked_fill_(pos >= t_len[:, None], PAD)
     tgt_in = torch.cat([torch.full((B, 1), BOS), words[:, :-1]], 1).masked_fill_(pos >= t_len[:, None], PAD)
-    return Batch(src, tgt_in, tgt_out, list(range(B)), int(t_len.sum()))
+    return Batch.of(src, tgt_in, tgt_out, list(range(B)), int(t_len.sum()), PAD)
 
 
 def bucket_lengths(n: int, median: float = 24.0, sigma: float = 0.55, lo: int = 3, hi: int = 200) -> list[int]:

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from aiayn.kernels import LossPacking
+
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "gpu_train.py"
 
 
@@ -112,6 +114,26 @@ def test_steps_hold_the_tokens_in_micro_batches():
             assert (b.src.ne(bench.PAD).sum(1) >= 18).all()
     sizes = [b.n_tgt_tokens for b in step.batches(3, torch.device("cpu"))]
     assert max(sizes) - min(sizes) < 0.2 * step.tokens  # about equal parts
+
+
+def test_every_timed_batch_carries_its_loss_packing(tmp_path, monkeypatch, one_thread):
+    """As collate does for `aiayn train`: the real tokens are found on the host (`Batch.of`), not by
+    `Transformer.loss` on the device (a nonzero and a bool read, each a wait for the GPU)."""
+    bench = load_bench()
+    seen = []
+    for kind in (bench.Aiayn, bench.Peer):
+        step = kind.step
+
+        def spy(self, batches, step=step):
+            seen.extend(batches)
+            return step(self, batches)
+
+        monkeypatch.setattr(kind, "step", spy)
+    assert bench.main(["--device", "cpu", "--quick", "--compile", "none", "--out", str(tmp_path)]) == 0
+    assert seen and all(b.packing is not None for b in seen)
+    b = seen[-1]
+    want = LossPacking.of(b.src, b.tgt_in, b.tgt_out, bench.PAD)
+    assert torch.equal(b.packing.src.idx, want.src.idx) and torch.equal(b.packing.tgt.idx, want.tgt.idx)
 
 
 def test_bucket_lengths_spread_over_the_distribution():
