@@ -241,6 +241,11 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def failure(e: Exception) -> str:
+    """A row's note for a contender that raised: the exception's first line."""
+    return f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+
+
 def peak_matmul_flops(device: torch.device, dtype: torch.dtype, n: int, reps: int = 10, inner: int = 5) -> float:
     """Median FLOP/s of an (n x n) @ (n x n) product on random data: the card's practical peak."""
     gen = torch.Generator(device=device).manual_seed(0)
@@ -433,7 +438,7 @@ def measure(names: list[str], size: str, args: argparse.Namespace, device: torch
                 warm(contenders[name], warmup)
                 live.append((contenders[name], row))
             except Exception as e:  # one contender failing must not cost the others' rows
-                row.note = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+                row.note = failure(e)
                 print(f"  {size} {tokens}: {name} {row.note}", flush=True)
             report()
         time_rounds(live, timed, args.rounds, device, cfg)
@@ -447,17 +452,31 @@ def measure(names: list[str], size: str, args: argparse.Namespace, device: torch
 
 def time_rounds(live: list[tuple[Contender, Row]], timed: list[Step], rounds: int, device: torch.device,
                 cfg: ModelConfig) -> None:
-    """Each contender's best of `rounds` passes over the timed steps (taking turns), into its row."""
+    """Each contender's best of `rounds` passes over the timed steps (taking turns), into its row. A
+    contender that raises (out of memory at 64 micro-batches, a compiled model failing on a new
+    shape) gets the error as its row's note."""
     best = {id(c): math.inf for c, _ in live}
     for _ in range(rounds):
         for c, row in live:
+            if row.note:
+                continue  # failed in an earlier round
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            best[id(c)] = min(best[id(c)], fitting(c, timed))
+            try:
+                best[id(c)] = min(best[id(c)], fitting(c, timed))
+            except Exception as e:  # one contender failing must not cost the others' rows
+                row.note = failure(e)
+                print(f"  {row.size} {row.tokens}: {c.name} {row.note}", flush=True)
+                c.release()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                continue
             if device.type == "cuda":
                 row.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
     flops, real = sum(step_flops(cfg, s) for s in timed), sum(s.tokens for s in timed)
     for c, row in live:
+        if row.note:
+            continue
         sec = best[id(c)]
         row.micro, row.warm_s = c.micro, c.warm_s
         row.step_ms, row.tok_s, row.tflops = 1e3 * sec / len(timed), real / sec, flops / sec / 1e12

@@ -95,6 +95,33 @@ def test_out_of_memory_doubles_the_micro_batches():
     assert c.micro == 4 and c.sizes == [1, 2, 4]
 
 
+def test_a_contender_failing_in_the_timed_rounds_keeps_the_others(tmp_path, monkeypatch, one_thread):
+    """Warm-up fits, a timed round raises (out of memory at the most micro-batches, a compiled model
+    failing on a new shape): its rows say why, the other rows are measured, the run fails."""
+    bench = load_bench()
+    made = bench.make_contender
+
+    def make(name, *a):
+        c = made(name, *a)
+        if name == "nn.Transformer":
+            warmed = c.run
+
+            def run(steps):
+                if len(steps) > 1:  # --quick: 1 warm-up step, 2 timed
+                    raise RuntimeError("CUDA error: an illegal memory access\nsecond line")
+                return warmed(steps)
+
+            c.run = run
+        return c
+
+    monkeypatch.setattr(bench, "make_contender", make)
+    assert bench.main(["--device", "cpu", "--quick", "--compile", "none", "--out", str(tmp_path)]) == 1
+    md = (tmp_path / "gpu_train.md").read_text()
+    assert md.count("failed: RuntimeError: CUDA error: an illegal memory access |") == 2
+    assert len(re.findall(r"^\| tiny \| \d+ \| aiayn \| 1 \| [\d.]+ \|", md, re.M)) == 2
+    assert {line.count("|") for line in md.splitlines() if line.startswith("|")} == {12}
+
+
 def test_steps_hold_the_tokens_in_micro_batches():
     bench = load_bench()
     step = bench.make_step(1000, 20, 100, seed=3)
