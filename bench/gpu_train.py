@@ -241,6 +241,17 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def reset_peak(device: torch.device) -> None:
+    """Start the peak-memory count afresh (a GPU's; nothing to count on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gib(device: torch.device) -> float:
+    """GiB at the peak since `reset_peak` (NaN on the CPU: not measured)."""
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan
+
+
 def failure(e: Exception) -> str:
     """A row's note for a contender that raised: the exception's first line."""
     return f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
@@ -389,8 +400,9 @@ def phases(compile_mode: str) -> list[list[str]]:
 
 def fitting(c: Contender, steps: list[Step]) -> float:
     """Seconds for `steps`; on running out of memory, the micro-batches double and the steps run again
-    (up to 64 micro-batches)."""
+    (up to 64 micro-batches). The peak memory counts the attempt that fitted, not the failed ones."""
     while True:
+        reset_peak(c.device)
         try:
             return c.run(steps)
         except torch.OutOfMemoryError:
@@ -434,7 +446,7 @@ def measure(names: list[str], size: str, args: argparse.Namespace, device: torch
             try:
                 if name not in contenders:
                     contenders[name] = make_contender(name, cfg, device, args.precision, args.seed)
-                    contenders[name].micro = args.micro
+                contenders[name].micro = args.micro  # the split that fitted a bigger step may not be needed here
                 warm(contenders[name], warmup)
                 live.append((contenders[name], row))
             except Exception as e:  # one contender failing must not cost the others' rows
@@ -452,18 +464,16 @@ def measure(names: list[str], size: str, args: argparse.Namespace, device: torch
 
 def time_rounds(live: list[tuple[Contender, Row]], timed: list[Step], rounds: int, device: torch.device,
                 cfg: ModelConfig) -> None:
-    """Each contender's best of `rounds` passes over the timed steps (taking turns), into its row. A
-    contender that raises (out of memory at 64 micro-batches, a compiled model failing on a new
-    shape) gets the error as its row's note."""
-    best = {id(c): math.inf for c, _ in live}
+    """Each contender's best of `rounds` passes over the timed steps (taking turns), into its row with
+    the micro-batches and peak memory of that round. A contender that raises (out of memory at 64
+    micro-batches, a compiled model failing on a new shape) gets the error as its row's note."""
+    best: dict[int, tuple[float, int, float]] = {}  # id(c) -> (seconds, micro-batches, peak GiB)
     for _ in range(rounds):
         for c, row in live:
             if row.note:
                 continue  # failed in an earlier round
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
             try:
-                best[id(c)] = min(best[id(c)], fitting(c, timed))
+                sec = fitting(c, timed)
             except Exception as e:  # one contender failing must not cost the others' rows
                 row.note = failure(e)
                 print(f"  {row.size} {row.tokens}: {c.name} {row.note}", flush=True)
@@ -471,14 +481,14 @@ def time_rounds(live: list[tuple[Contender, Row]], timed: list[Step], rounds: in
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
                 continue
-            if device.type == "cuda":
-                row.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
+            if id(c) not in best or sec < best[id(c)][0]:
+                best[id(c)] = (sec, c.micro, peak_gib(device))
     flops, real = sum(step_flops(cfg, s) for s in timed), sum(s.tokens for s in timed)
     for c, row in live:
-        if row.note:
+        if row.note or id(c) not in best:
             continue
-        sec = best[id(c)]
-        row.micro, row.warm_s = c.micro, c.warm_s
+        sec, row.micro, row.peak_gib = best[id(c)]
+        row.warm_s = c.warm_s
         row.step_ms, row.tok_s, row.tflops = 1e3 * sec / len(timed), real / sec, flops / sec / 1e12
         print(f"{row.size} {row.tokens:>6}: {c.name:24s} {row.tok_s:12,.0f} tok/s  {row.tflops:7.3g} TFLOP/s  "
               f"{row.micro} micro", flush=True)

@@ -122,6 +122,53 @@ def test_a_contender_failing_in_the_timed_rounds_keeps_the_others(tmp_path, monk
     assert {line.count("|") for line in md.splitlines() if line.startswith("|")} == {12}
 
 
+def tight(bench, need, times=None):
+    """A contender that runs out of memory below `need(steps)` micro-batches; its rounds take `times`."""
+    class Tight(bench.Contender):
+        def __init__(self):
+            super().__init__("tight", torch.device("cpu"))
+            self.opt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))])
+            self.events = []
+
+        def run(self, steps):
+            self.events.append(self.micro)
+            if self.micro < need(steps):
+                raise torch.OutOfMemoryError("CUDA out of memory")
+            return times.pop(0) if times else 1.0
+
+    return Tight()
+
+
+def test_the_peak_memory_count_restarts_after_each_out_of_memory(monkeypatch):
+    bench = load_bench()
+    c = tight(bench, lambda steps: 4)
+    monkeypatch.setattr(bench, "reset_peak", lambda device: c.events.append("reset"))
+    bench.fitting(c, [bench.make_step(300, 10, 100, seed=0)])
+    assert c.events == ["reset", 1, "reset", 2, "reset", 4]  # the peak read after is the attempt that fitted
+
+
+def test_the_row_reports_the_micro_batches_of_its_best_round():
+    bench = load_bench()
+    c = tight(bench, lambda steps: 1 if len(c.events) < 2 else 2, times=[1.0, 3.0])  # round 2 needs 2: slower
+    row = bench.Row("tiny", 300, "tight")
+    cfg = bench.preset("tiny", src_vocab_size=100, tgt_vocab_size=100)
+    bench.time_rounds([(c, row)], [bench.make_step(300, 10, 100, seed=0)], 2, torch.device("cpu"), cfg)
+    assert c.events == [1, 1, 2] and c.micro == 2
+    assert row.micro == 1 and row.step_ms == pytest.approx(1e3)  # round 1's time, and round 1's split
+
+
+def test_each_step_size_starts_from_the_asked_micro_batches(monkeypatch, one_thread):
+    """A split that the 25k step needed is not kept for the 8k step (it would be slower there)."""
+    bench = load_bench()
+    c = tight(bench, lambda steps: 2 if steps[0].tokens >= 400 else 1)
+    monkeypatch.setattr(bench, "make_contender", lambda *a: c)
+    args = bench.parse(["--device", "cpu", "--quick", "--compile", "none"])
+    all_steps = {t: bench.make_steps(t, args) for t in (400, 150)}
+    rows = {("tiny", t, "tight"): bench.Row("tiny", t, "tight") for t in (400, 150)}
+    bench.measure(["tight"], "tiny", args, torch.device("cpu"), all_steps, rows, lambda: None, lambda: False)
+    assert rows["tiny", 400, "tight"].micro == 2 and rows["tiny", 150, "tight"].micro == 1
+
+
 def test_steps_hold_the_tokens_in_micro_batches():
     bench = load_bench()
     step = bench.make_step(1000, 20, 100, seed=3)
