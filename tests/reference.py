@@ -35,6 +35,10 @@ class TorchReference(nn.Module):
         for mha in self.modules():  # attention dropout as in aiayn (nn.Transformer reuses `dropout`)
             if isinstance(mha, nn.MultiheadAttention):
                 mha.dropout = cfg.attention_dropout
+        for one in [*self.tf.encoder.layers, *self.tf.decoder.layers]:
+            # nn's layers also apply `dropout` inside the feed-forward network, after the activation;
+            # aiayn applies `activation_dropout` there (0 by default: none, and no work for it)
+            one.dropout = nn.Dropout(cfg.activation_dropout) if cfg.activation_dropout else nn.Identity()
         self.copy_weights()
 
     @torch.no_grad()

@@ -1,5 +1,6 @@
 """The model pinned against torch.nn.Transformer, the paper's formulas and its invariances."""
 
+import dataclasses
 import json
 import math
 
@@ -62,6 +63,28 @@ def test_matches_torch_transformer_with_padding(overrides):
     real = tgt.ne(0)
     assert ours.shape == (3, 6, cfg.tgt_vocab_size)
     assert torch.allclose(ours[real], theirs[real], atol=1e-5, rtol=0)
+
+
+def test_reference_feed_forward_dropout_is_aiayns_activation_dropout():
+    """nn.Transformer's layers apply their `dropout` inside the feed-forward network too; aiayn applies
+    `activation_dropout` there (0 by default). The reference does aiayn's work, no more: with residual
+    and embedding dropout off, training mode leaves nothing to drop (old: 0.1 inside the FFN)."""
+    torch.manual_seed(0)
+    cfg = preset("tiny", src_vocab_size=V, tgt_vocab_size=V, dropout=0.1)  # activation_dropout 0
+    model = Transformer(cfg)
+    ref = TorchReference(model).train()
+    layers = [*ref.tf.encoder.layers, *ref.tf.decoder.layers]
+    for layer in layers:  # the residual dropouts (aiayn's `dropout`) off: only the feed-forward's is left
+        for name in ("dropout1", "dropout2", "dropout3"):
+            if hasattr(layer, name):
+                setattr(layer, name, torch.nn.Identity())
+    model.cfg = dataclasses.replace(cfg, dropout=0.0)  # and the embeddings'
+    src, tgt = padded_batch()
+    with torch.no_grad():
+        trained = ref(src, tgt)
+        assert torch.allclose(trained, ref.eval()(src, tgt), atol=1e-5, rtol=0)
+    with_it = TorchReference(Transformer(preset("tiny", src_vocab_size=V, tgt_vocab_size=V, activation_dropout=0.2)))
+    assert {layer.dropout.p for layer in [*with_it.tf.encoder.layers, *with_it.tf.decoder.layers]} == {0.2}
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
