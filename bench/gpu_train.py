@@ -6,8 +6,9 @@ bf16 autocast, at 8,000 and 25,000 target tokens per optimizer step (the paper's
   * aiayn: `Trainer.train_step`, the very step `aiayn train` runs (the label-smoothed loss summed
     over real target tokens, fused Adam, autocast), eager as `aiayn train` runs it; with
     `--compile all` also its loss module `torch.compile`d;
-  * nn.Transformer: tests/reference.py's model (aiayn's embeddings, positions and tied projection
-    around `torch.nn.Transformer`) with the same loss, optimizer and batches, eager and
+  * nn.Transformer: bench/peer.py's (tests/reference.py's model: aiayn's embeddings, positions and
+    tied projection around `torch.nn.Transformer`, the peer of bench/train_step.py too) with the same
+    loss, optimizer and batches, eager and
     `torch.compile`d (loss included); the faster of the two is the peer of the ratio.
 Batches are WMT-like: each step holds sentences of one length bucket (as length-sorted batching
 gives), the buckets of the timed steps spread over a lognormal length distribution (median 24
@@ -40,17 +41,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # reference.py
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # train_step.py
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # peer.py, train_step.py
 
 from aiayn.config import ModelConfig, TrainConfig, preset  # noqa: E402
 from aiayn.data.text import Batch  # noqa: E402
 from aiayn.model import Transformer  # noqa: E402
 from aiayn.tokenizer import BOS_ID as BOS, EOS_ID as EOS, PAD_ID as PAD  # noqa: E402
-from reference import TorchReference  # noqa: E402
+from peer import PeerLoss, peak_matmul_flops, sync  # noqa: E402
 from train_step import step_flops  # noqa: E402
 
 from aiayn.trainer import Dist, Trainer  # noqa: E402
@@ -141,25 +139,6 @@ def make_step(tokens: int, length: int, vocab: int, seed: int) -> Step:
 # -------------------------------------------------------------------------------------- contenders
 
 
-class PeerLoss(nn.Module):
-    """nn.Transformer with aiayn's embeddings and tied projection, and the summed label-smoothed loss
-    over every (padded) position, padding ignored: the usual way to train it."""
-
-    def __init__(self, model: Transformer, label_smoothing: float) -> None:
-        super().__init__()
-        self.ref, self.label_smoothing = TorchReference(model), label_smoothing
-        for p in [*model.encoder.parameters(), *model.decoder.parameters()]:
-            p.requires_grad_(False)  # the peer uses only aiayn's embedding and projection
-        for layer in [*self.ref.tf.encoder.layers, *self.ref.tf.decoder.layers]:
-            # aiayn has no dropout inside the feed-forward network (activation_dropout 0): neither here
-            layer.dropout = nn.Dropout(model.cfg.activation_dropout) if model.cfg.activation_dropout else nn.Identity()
-
-    def forward(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor) -> Tensor:
-        logits = self.ref(src, tgt_in)  # (B, T, V)
-        return F.cross_entropy(logits.flatten(0, 1).float(), tgt_out.flatten(), ignore_index=PAD,
-                               label_smoothing=self.label_smoothing, reduction="sum")
-
-
 class Contender:
     """One model, optimizer and loss stepping over the shared steps; `micro` grows after an out-of-memory."""
 
@@ -236,11 +215,6 @@ def make_contender(name: str, cfg: ModelConfig, device: torch.device, precision:
     return kind(name, cfg, device, precision, seed)
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def reset_peak(device: torch.device) -> None:
     """Start the peak-memory count afresh (a GPU's; nothing to count on the CPU)."""
     if device.type == "cuda":
@@ -255,24 +229,6 @@ def peak_gib(device: torch.device) -> float:
 def failure(e: Exception) -> str:
     """A row's note for a contender that raised: the exception's first line."""
     return f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-
-
-def peak_matmul_flops(device: torch.device, dtype: torch.dtype, n: int, reps: int = 10, inner: int = 5) -> float:
-    """Median FLOP/s of an (n x n) @ (n x n) product on random data: the card's practical peak."""
-    gen = torch.Generator(device=device).manual_seed(0)
-    a = torch.randn(n, n, device=device, generator=gen).to(dtype)
-    b = torch.randn(n, n, device=device, generator=gen).to(dtype)
-    for _ in range(3):
-        a @ b
-    times = []
-    for _ in range(reps):
-        sync(device)
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            a @ b
-        sync(device)
-        times.append((time.perf_counter() - t0) / inner)
-    return 2 * n**3 / statistics.median(times)
 
 
 # ------------------------------------------------------------------------------------------- report
@@ -505,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     n_mm = 256 if device.type == "cpu" else 8192
-    peak = peak_matmul_flops(device, dtype, n_mm)
+    peak = peak_matmul_flops(device, dtype, n_mm, reps=10, inner=5, typical=True)
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     header = [f"# Training throughput: aiayn vs nn.Transformer, {args.precision} ({card})", "",
               f"torch {torch.__version__}, CUDA {torch.version.cuda}; {card}; {args.precision} matmul peak "
@@ -528,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     for phase in phases(args.compile):
         for size in sizes:
             measure(phase, size, args, device, all_steps, table_rows, report, over_budget)
-    again = peak_matmul_flops(device, dtype, n_mm)  # the card may run faster warm: keep the best
+    again = peak_matmul_flops(device, dtype, n_mm, reps=10, inner=5, typical=True)  # the card may run faster warm: keep the best
     peak = max(peak, again)
     header[2] += f" (again at the end: {again / 1e12:.3g})"
     write(args.out, header, rows, peak, done=True)

@@ -4,9 +4,10 @@ One run measures, for the `small` and `base` shapes in fp32 and in bf16 autocast
 per second of forward + backward + optimizer step on identical batches of variable-length, padded
 sentences, for:
   * aiayn (`Transformer.loss`: projection and loss at real target positions only), and
-  * the peer: `tests/reference.py`'s nn.Transformer model with the same embedding, positional
-    encoding and output projection (full logits, `F.cross_entropy(ignore_index=pad)`), eager and
-    `torch.compile`d; the faster of the two is the peer of the ratio.
+  * the peer: bench/peer.py's (`tests/reference.py`'s nn.Transformer model with the same embedding,
+    positional encoding and output projection, dropout where aiayn has it; full logits,
+    `F.cross_entropy(ignore_index=pad)`; bench/gpu_train.py's peer too), eager and `torch.compile`d
+    (loss included); the faster of the two is the peer of the ratio.
 It also measures the machine's peak matmul FLOP/s (fp32 and bf16) in the same run and reports each
 model's share of it, counting the useful FLOPs of the step (real tokens only, 3x the forward pass).
 On a CPU for which oneDNN has no bf16 kernels (AVX2 only) it times fp32 alone unless --precisions says otherwise.
@@ -27,15 +28,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # reference.py
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # peer.py
 
 from aiayn.config import ModelConfig, preset  # noqa: E402
 from aiayn.kernels import SLOW_BF16, cpu_has_fast_bf16  # noqa: E402
 from aiayn.model import Transformer  # noqa: E402
 from aiayn.tokenizer import BOS_ID as BOS, EOS_ID as EOS, PAD_ID as PAD  # noqa: E402
-from reference import TorchReference  # noqa: E402
+from peer import PeerLoss, peak_matmul_flops  # noqa: E402
 
 
 @dataclass
@@ -79,19 +79,6 @@ def step_flops(cfg: ModelConfig, b: Batch) -> float:
     return 3 * fwd
 
 
-def peak_matmul_flops(dtype: torch.dtype, n: int, reps: int) -> float:
-    """Best FLOP/s of an (n x n) @ (n x n) matmul: the machine's practical peak for this dtype."""
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    for _ in range(2):
-        a @ b
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
-
-
 class Contender:
     """One model + optimizer + loss function, stepping over the shared batches."""
 
@@ -103,18 +90,10 @@ class Contender:
             self.module: torch.nn.Module = model
             self.loss_fn = lambda b: model.loss(b.src, b.tgt_in, b.tgt_out, label_smoothing=0.1)
         else:
-            ref = TorchReference(model).train()
-            for m in [*model.encoder.parameters(), *model.decoder.parameters()]:
-                m.requires_grad_(False)  # the reference uses only the embedding of `model`
-            self.module = ref
-            fn = torch.compile(ref, dynamic=True) if kind == "compiled" else ref
-
-            def loss_fn(b: Batch) -> torch.Tensor:
-                logits = fn(b.src, b.tgt_in)  # (B, T, V)
-                return F.cross_entropy(logits.flatten(0, 1).float(), b.tgt_out.flatten(), ignore_index=PAD,
-                                       label_smoothing=0.1)
-
-            self.loss_fn = loss_fn
+            peer = PeerLoss(model, 0.1, reduction="mean").train()
+            self.module = peer
+            fn = torch.compile(peer, dynamic=True) if kind == "compiled" else peer
+            self.loss_fn = lambda b: fn(b.src, b.tgt_in, b.tgt_out)
         params = [p for p in self.module.parameters() if p.requires_grad]
         # the fused (one-kernel) Adam for both: the optimizer is common work, not what is compared
         self.opt = torch.optim.Adam(params, lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
@@ -189,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--precisions takes fp32 and/or bf16, got {args.precisions!r}")
     n_mm = 256 if args.quick else 1024
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    peak = {prec: peak_matmul_flops(dtypes[prec], n_mm, 3 if args.quick else 10) for prec in precisions}
+    cpu = torch.device("cpu")
+    peak = {prec: peak_matmul_flops(cpu, dtypes[prec], n_mm, 3 if args.quick else 10) for prec in precisions}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; peak matmul ({n_mm}^3): "
           + ", ".join(f"{prec} {peak[prec] / 1e9:.1f} GFLOP/s" for prec in precisions))
     print(f"batches: {args.batch} sentences, mean length {args.mean_len:g}, vocab {overrides['tgt_vocab_size']}, "
@@ -216,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             tps = {c.name: tokens / c.best for c in cs}
             peer = max((k for k in tps if k != "aiayn"), key=tps.get)  # type: ignore[arg-type]
             # the peak again after each row, keeping the best: a busy moment must not inflate the shares
-            peak[prec] = max(peak[prec], peak_matmul_flops(dtypes[prec], n_mm, 3 if args.quick else 10))
+            peak[prec] = max(peak[prec], peak_matmul_flops(cpu, dtypes[prec], n_mm, 3 if args.quick else 10))
             if args.profile:
                 print(profile_table(cs[0], timed, args.profile, f"{size} {prec}"), flush=True)
             rows.append((size, prec, tps, peer, flops / min(c.best for c in cs if c.name == "aiayn"),

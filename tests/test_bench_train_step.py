@@ -5,6 +5,7 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "train_step.py"
@@ -86,3 +87,21 @@ def test_profile_lists_the_costliest_ops_per_step(capsys):
     assert ms == sorted(ms, reverse=True) and ms[0] > 0  # costliest first
     assert {"aten::mm", "aten::addmm"} & {name for name, _, _ in rows}  # the GEMMs are there
     assert re.search(r"^\| total \| [\d.]+ \| \|$", out, re.M)
+
+
+def test_one_peer_for_both_training_benches_computing_aiayns_loss():
+    """bench/peer.py is the peer of this bench and of bench/gpu_train.py; without dropout its loss is aiayn's."""
+    bench = load_bench()
+    from aiayn.config import preset
+
+    cfg = preset("tiny", src_vocab_size=100, tgt_vocab_size=100)  # dropout 0
+    b = bench.make_batches(1, 4, 100, 8.0, 20, seed=0)[0]
+    ours, peer = (bench.Contender(kind, cfg, kind, False, 0) for kind in ("aiayn", "eager"))
+    assert isinstance(peer.module, bench.PeerLoss)
+    with torch.no_grad():
+        assert float(ours.loss_fn(b)) == pytest.approx(float(peer.loss_fn(b)), rel=1e-5)
+    spec = importlib.util.spec_from_file_location("aiayn_bench_gpu_train_peer", BENCH.parent / "gpu_train.py")
+    gpu = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = gpu  # dataclasses look their module up
+    spec.loader.exec_module(gpu)  # type: ignore[union-attr]
+    assert gpu.PeerLoss is bench.PeerLoss and gpu.peak_matmul_flops is bench.peak_matmul_flops
