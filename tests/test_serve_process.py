@@ -328,3 +328,72 @@ def test_sigterm_ends_the_server_despite_a_stalled_upload_and_logs_one_line(serv
     assert log == ["ERROR:    Cancel 1 running task(s), timeout graceful shutdown exceeded", "aiayn serve: stopped"], log
     assert reply.startswith(b"HTTP/1.1 503 ") and reply.endswith(
         b'{"error":"the server stopped before this request was done (--shutdown-timeout)"}')
+
+
+def _answered_unread(port, length=10):
+    """A connection whose `GET /health` promises `length` body bytes and has its answer (the app reads
+    no body of a GET): the server waits for the body it will discard."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n" % length)
+    reply = b""
+    while not reply.endswith(b'{"status":"ok"}'):
+        reply += sock.recv(65536)
+    return sock
+
+
+def _closed_within(sock, seconds, trickle=False):
+    """Seconds until the server closes `sock` (None if not within `seconds`), sending a byte each 0.2 s
+    if `trickle`; what it reads must be nothing (it answered already)."""
+    sock.settimeout(0.2)
+    start = time.monotonic()
+    with contextlib.closing(sock):
+        while time.monotonic() - start < seconds:
+            try:
+                if trickle:
+                    sock.sendall(b"x")
+                data = sock.recv(65536)
+            except socket.timeout:
+                continue
+            except (BrokenPipeError, ConnectionResetError):
+                return time.monotonic() - start
+            assert data == b"", data
+            return time.monotonic() - start
+    return None
+
+
+def test_a_connection_with_an_unread_body_is_closed_after_its_answer(served):
+    """The app answers a GET without reading its body (or a POST too large, at once): the connection
+    waits for the rest of the body, which it may not do for longer than --head-timeout, whatever
+    trickles in; nor may it idle for ever once a late body is complete."""
+    s = served("--head-timeout", "1", "--max-connections", "8").wait_ready()
+    socks = [_answered_unread(s.port) for _ in range(7)]  # 7 of 8 connections, then one body byte each
+    for sock in socks:
+        sock.sendall(b"x")
+    times = [_closed_within(sock, 8) for sock in socks]
+    assert all(t is not None and t < 4 for t in times), times
+    assert httpx.get(f"{s.url}/health").status_code == 200  # not locked out by --max-connections
+
+    closed = _closed_within(_answered_unread(s.port, 1000), 8, trickle=True)  # a byte per 0.2 s: a deadline
+    assert closed is not None and closed < 4, closed
+
+    late = _answered_unread(s.port)
+    late.sendall(b"0123456789")  # the whole body, late: then an idle kept-alive connection
+    closed = _closed_within(late, 8)
+    assert closed is not None and closed < 4, closed
+
+    with socket.create_connection(("127.0.0.1", s.port), timeout=10) as sock:  # 413 at once: Connection: close
+        sock.sendall(b"POST /v1/translate HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 999999999999\r\n\r\n{\"text\"")
+        start = time.monotonic()
+        reply = _until_closed(sock)
+    assert reply.startswith(b"HTTP/1.1 413 ") and b"connection: close" in reply.lower(), reply
+    assert time.monotonic() - start < 0.8
+
+    conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=10)
+    with contextlib.closing(conn):  # a GET whose body comes with its head, then the next request: kept alive
+        for _ in range(3):
+            conn.request("GET", "/health", body=b"0123456789")
+            assert conn.getresponse().read() == b'{"status":"ok"}'
+            time.sleep(0.6)
+        assert conn.sock is not None
+    assert s.proc.poll() is None

@@ -132,9 +132,9 @@ class _Middleware:
         headers = dict(scope["headers"])
         length = headers.get(b"content-length")
         if length is None:
-            return _error(411, "send the body with a Content-Length header")
-        if not length.isdigit() or int(length) > self.max_body:
-            return _error(413, f"the body is over {self.max_body} bytes")
+            return _error(411, "send the body with a Content-Length header", {"Connection": "close"})
+        if not length.isdigit() or int(length) > self.max_body:  # answered unread: the connection cannot go on
+            return _error(413, f"the body is over {self.max_body} bytes", {"Connection": "close"})
         return None
 
     async def _read_body(self, receive: Any) -> tuple[Response | None, Any]:

@@ -10,6 +10,11 @@ the connection opens or the first byte of a next request arrives, must be comple
 connection is closed; a connection that sent nothing is closed without a word, as uvicorn closes
 an idle kept-alive one.
 
+The same deadline bounds a body the app answered without reading (a GET's, or a POST refused at
+once with 411/413), counted from the answer: h11 waits for its end to discard it, and every byte of
+it cancels uvicorn's keep-alive timer, so a client trickling it would hold the connection for ever;
+once it ends, the connection idles on this timer, not uvicorn's (which that byte cancelled).
+
 The seam is the protocol class itself (`uvicorn.Config(http=...)`): only it sees bytes arrive
 before h11 has a whole request for the app.
 """
@@ -30,25 +35,34 @@ class HeadTimedH11(H11Protocol):
 
     head_timeout: float = 10.0
     _head_timer: asyncio.TimerHandle | None = None
-    _head_bytes = False  # bytes of the awaited head have arrived
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(cast(asyncio.Transport, transport))  # a stream transport: uvicorn's own type
         self._arm()
 
     def data_received(self, data: bytes) -> None:
-        waiting = self.conn.their_state is h11.IDLE  # the bytes start or continue a request head
-        if waiting:
-            if self._head_timer is None:  # the first byte of a next request on a kept-alive connection
-                self._arm()
-            self._head_bytes = self._head_bytes or bool(data)
-        super().data_received(data)
-        if self.conn.their_state is not h11.IDLE:  # the head is in (or the connection has failed)
+        if self._waiting() and self._head_timer is None:  # the first byte of a next request (kept alive)
+            self._arm()
+        super().data_received(data)  # uvicorn cancels its keep-alive timer here, for good
+        if not self._waiting():  # a head is in (or the connection has failed)
             self._disarm()
+        elif self._head_timer is None:  # a late body ended: the connection idles, on our timer only
+            self._arm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # arms uvicorn's keep-alive timer, which any byte cancels
+        if not self.transport.is_closing() and self._waiting() and self.conn.their_state is not h11.IDLE:
+            self._arm()  # a body the app did not read: it must end within the deadline, trickled or not
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
+
+    def _waiting(self) -> bool:
+        """Whether the connection waits on the client alone: for a request head, or for the rest of a
+        body the app answered without reading (a GET's; a POST refused at once), to be discarded."""
+        our, their = self.conn.our_state, self.conn.their_state
+        return their is h11.IDLE or (our is h11.DONE and their is h11.SEND_BODY)
 
     def _arm(self) -> None:
         self._disarm()
@@ -58,13 +72,12 @@ class HeadTimedH11(H11Protocol):
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
-        self._head_bytes = False
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
-        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+        if self.transport.is_closing() or not self._waiting():
             return
-        if self._head_bytes:  # a head begun and not finished: say why before closing
+        if self.conn.their_state is h11.IDLE and self.conn.trailing_data[0]:  # a head begun: say why
             body = json.dumps({"error": f"the request head was not sent within --head-timeout "
                                         f"{self.head_timeout:g} s"}).encode()
             self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
