@@ -164,9 +164,37 @@ def test_v1_cuts_a_line_into_sentences_keeps_its_spacing_and_truncates_no_long_l
         assert len(split(too_long, "de").sentences) == 3
         r = c.post("/v1/translate", json={"text": ["rot", too_long]})
         assert r.status_code == 413 and r.json()["error"].startswith("line 1, sentence 2: more source tokens")
-    with TestClient(make_app(ckpt, max_chars=3000, max_lines=39)) as c:
+
+
+
+def test_v1_a_line_of_one_sentence_is_searched_as_it_is_and_max_lines_counts_lines(ckpt, reference):
+    """A line that splits into one sentence or none answers exactly as with split_sentences: false
+    (its spacing is part of what is searched); --max-lines counts the client's lines, sentences are
+    priced by --max-work and bounded by --max-chars and what one request may queue."""
+    lines = ["  ein mann fährt .  ", "ein mann fährt .\t", "ein Mann läuft.", "  ", "...", "rot blau"]
+    with TestClient(make_app(ckpt, max_chars=3000, max_lines=3)) as c:
+        for line in lines:
+            body = {"text": [line], "nbest": 2, "attention": True}
+            split = ready(c).post("/v1/translate", json=body)
+            whole = c.post("/v1/translate", json={**body, "split_sentences": False})
+            assert split.status_code == whole.status_code == 200, (split.text, whole.text)
+            assert split.json() == whole.json(), line
+        two = ["Ein Mann läuft. Eine Frau sitzt."] * 3  # 3 lines, 6 sentences: within --max-lines 3
+        r = c.post("/v1/translate", json={"text": two})
+        assert r.status_code == 200 and all(len(t["sentences"]) == 2 for t in r.json()["translations"]), r.text
+        r = c.post("/v1/translate", json={"text": two + ["rot"]})
+        assert r.status_code == 413 and r.json()["error"] == "4 lines in one request, more than --max-lines 3"
+    forty = " ".join(["Ein Kind spielt."] * 40)
+    with TestClient(make_app(ckpt, max_chars=3000, max_lines=3, max_work=5000)) as c:  # one line, much work
         r = ready(c).post("/v1/translate", json={"text": [forty]})
-        assert r.status_code == 413 and r.json()["error"] == "40 sentences in 1 lines, more than --max-lines 39"
+        assert r.status_code == 413 and "more than --max-work 5000" in r.json()["error"], r.text
+    with TestClient(make_app(ckpt, max_chars=300, max_lines=3)) as c:
+        r = ready(c).post("/v1/translate", json={"text": [forty]})
+        assert r.status_code == 413 and r.json()["error"].startswith("line 0: 679 characters, more than --max-chars")
+    with TestClient(make_app(ckpt, max_chars=3000, max_lines=3, max_client_lines=39)) as c:
+        r = ready(c).post("/v1/translate", json={"text": [forty]})  # could never be queued: 413, not 429 for ever
+        assert r.status_code == 413 and r.json()["error"].startswith(
+            "40 sentences in 1 lines, more than the server may hold for one request (--max-client-lines 39)")
 
 
 def test_v1_attention_builds_only_the_cross_attention_it_returns(reference, monkeypatch):

@@ -290,12 +290,15 @@ class Server:
                                 "n-best x layers x output x source); send fewer or shorter lines, a smaller beam, "
                                 "or no attention")
 
-    async def translate(self, request: Request, lines: list[str], key: Key) -> tuple[list[list[int]], list[Any]]:
-        """Source ids and results per line, once the scheduler has them (or the client has gone)."""
+    async def translate(self, request: Request, lines: list[str], key: Key,
+                        asked: int | None = None) -> tuple[list[list[int]], list[Any]]:
+        """Source ids and results per line, once the scheduler has them (or the client has gone);
+        `asked`: the client's lines, when `lines` are their sentences (what --max-lines counts)."""
         if not self.ready:
             raise ApiError(503, self.failure or "the model is warming up; retry shortly", {"Retry-After": "1"})
-        if len(lines) > self.limits.max_lines:
-            raise ApiError(413, f"{len(lines)} lines in one request, more than --max-lines {self.limits.max_lines}")
+        asked = len(lines) if asked is None else asked
+        if asked > self.limits.max_lines:
+            raise ApiError(413, f"{asked} lines in one request, more than --max-lines {self.limits.max_lines}")
         with self.clients.hold(request, len(lines)):  # 429 past --max-client-lines
             return await self._translate(request, lines, key)
 

@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                        "(docs/serving.md, Limits)")
     g.add_argument("--max-queue", type=int, default=d.max_queue, help="lines of all requests waiting for a batch "
                                                                       "(more: 503 with Retry-After)")
-    g.add_argument("--max-lines", type=int, default=d.max_lines, help="lines in one request (more: 413)")
+    g.add_argument("--max-lines", type=int, default=d.max_lines, help="lines in one request, as the client sends them (more: 413)")
     g.add_argument("--max-chars", type=int, default=d.max_chars, help="characters per line (more: 413)")
     g.add_argument("--max-beam", type=int, default=d.max_beam, help="the largest beam a request may ask for (more: 422)")
     g.add_argument("--max-nbest", type=int, default=d.max_nbest,

@@ -5,8 +5,10 @@ A line may hold several sentences: with `split_sentences` (the default) it is cu
 (`aiayn.sentences`, rules for the source language), each is searched on its own, and the line comes
 back with its sentences' translations joined by its own spacing, as LibreTranslate's /translate
 does; a line of 40 sentences is 40 searches, none cut at the model's length. Such a line also lists
-`sentences`, each with its subwords, n-best and attention. A line of one sentence (or none) answers
-as it always did. `split_sentences: false` takes each line as one sentence (`aiayn translate`).
+`sentences`, each with its subwords, n-best and attention. A line of one sentence (or none) is
+searched as it is, spacing and all: it answers exactly as with `split_sentences: false`, which
+takes each line as one sentence (`aiayn translate`). --max-lines counts the client's lines either
+way; the sentences of a request are priced by --max-work and bounded by --max-chars per line.
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ class Served(Protocol):
 
     def check_key(self, key: Any, request: Request) -> None: ...
     def model(self, pair: tuple[str, str] | None) -> Any: ...
-    async def translate(self, request: Request, lines: list[str], key: Key) -> tuple[list[list[int]], list[Any]]: ...
+    async def translate(self, request: Request, lines: list[str], key: Key,
+                        asked: int | None = None) -> tuple[list[list[int]], list[Any]]: ...
 
 
 def routes(app: FastAPI, srv: Served) -> None:
@@ -118,12 +121,15 @@ async def _by_sentences(srv: Served, request: Request, text: list[str], key: Key
         if len(line) > limits.max_chars:
             raise ApiError(413, f"line {i}: {len(line)} characters, more than --max-chars {limits.max_chars}")
     paragraphs = await asyncio.to_thread(lambda: [split(t, language) for t in text])  # off the event loop
-    units = [list(p.sentences) or [t] for p, t in zip(paragraphs, text)]  # a blank line: itself
+    # a line of one sentence or none: the line itself, untouched (its spacing changes its subwords)
+    units = [list(p.sentences) if len(p.sentences) > 1 else [t] for p, t in zip(paragraphs, text)]
     flat = [s for u in units for s in u]
-    if len(flat) > limits.max_lines:
-        raise ApiError(413, f"{len(flat)} sentences in {len(text)} lines, more than --max-lines {limits.max_lines}")
+    most, flag = min((limits.max_client_lines, "--max-client-lines"), (limits.max_queue, "--max-queue"))
+    if len(flat) > most:  # it could never be queued: not a 429 or 503 to retry
+        raise ApiError(413, f"{len(flat)} sentences in {len(text)} lines, more than the server may hold for one "
+                            f"request ({flag} {most}); send fewer lines or split_sentences: false")
     try:
-        ids, results = await srv.translate(request, flat, key)
+        ids, results = await srv.translate(request, flat, key, asked=len(text))
     except ApiError as e:
         raise _by_line(e, units) from None
     out, at = [], 0
@@ -131,7 +137,7 @@ async def _by_sentences(srv: Served, request: Request, text: list[str], key: Key
         mine = [_result([piece(i) for i in src], hyps)
                 for src, hyps in zip(ids[at:at + len(u)], results[at:at + len(u)])]
         at += len(u)
-        out.append(_joined(p.join if p.sentences else None, u, mine))
+        out.append(_joined(p.join, u, mine))
     return out
 
 
@@ -140,13 +146,11 @@ def _result(source_tokens: list[str], hypotheses: list[dict[str, Any]]) -> dict[
 
 
 def _joined(join: Any, sentences: list[str], results: list[dict[str, Any]]) -> dict[str, Any]:
-    """One line's result from its sentences' (`join`: the paragraph's, putting the spacing back; None
-    for a blank line). The k-th hypothesis takes each sentence's k-th (or its last, when it has fewer)."""
-    if join is None:
-        return results[0]
+    """One line's result from its sentences' (`join`: the paragraph's, putting the spacing back; a
+    line searched whole is its own result). The k-th hypothesis takes each sentence's k-th (or its
+    last, when it has fewer)."""
     if len(results) == 1:
-        one = results[0]
-        return {**one, "hypotheses": [{**h, "text": join([h["text"]])} for h in one["hypotheses"]]}
+        return results[0]
     hyps = []
     for k in range(max(len(r["hypotheses"]) for r in results)):
         picked = [r["hypotheses"][min(k, len(r["hypotheses"]) - 1)] for r in results]
