@@ -632,6 +632,29 @@ def test_one_client_holds_at_most_max_client_lines_by_ip_or_api_key(ckpt):
         assert first.result().status_code == 200 and second.result().status_code == 200
 
 
+def test_a_client_that_disconnects_frees_its_client_lines_while_its_batch_is_searched(ckpt):
+    """docs/serving.md: the count is freed at once, the batch already searched finishes."""
+    app = make_app(ckpt, max_lines=3, max_client_lines=3)
+    srv = app.state.server
+    with served(app) as (base, port), ThreadPoolExecutor(1) as pool:
+        with model_held(srv):  # the model thread has taken the batch and is "searching" it
+            body = json.dumps({"text": ["rot", "blau", "Hund"]}).encode()
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                sock.sendall(b"POST /v1/translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                _held_by(srv, "ip:127.0.0.1", 3)
+                end = time.monotonic() + 30
+                while not srv.scheduler.busy:
+                    assert time.monotonic() < end
+                    time.sleep(0.01)
+            _held_by(srv, "ip:127.0.0.1", 0)  # gone: freed while its batch is still running
+            assert srv.scheduler.busy
+            again = pool.submit(httpx.post, f"{base}/v1/translate", json={"text": ["ein Mann", "rot", "blau"]},
+                                timeout=60)
+            _held_by(srv, "ip:127.0.0.1", 3)  # its reconnection is let in: one batch more than the limit, briefly
+        assert again.result().status_code == 200
+
+
 # ------------------------------------------------------------------------------ the scheduler
 
 
