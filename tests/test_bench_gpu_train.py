@@ -1,28 +1,19 @@
 """bench/gpu_train.py: runs on the CPU with tiny shapes, writes its tables, grades the targets; not timed."""
 
-import importlib.util
 import json
 import math
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from aiayn.kernels import LossPacking
+import benches
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "gpu_train.py"
+from aiayn.kernels import LossPacking
 
 
 def load_bench():
-    name = "aiayn_bench_gpu_train"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, BENCH)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up
-        spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return sys.modules[name]
+    return benches.load("gpu_train.py")
 
 
 @pytest.fixture

@@ -1,24 +1,15 @@
 """bench/train_step.py runs end to end (`--quick`: tiny shapes) and reports its ratios; not timed."""
 
-import importlib.util
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "train_step.py"
+import benches
 
 
 def load_bench():
-    name = "aiayn_bench_train_step"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, BENCH)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up
-        spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return sys.modules[name]
+    return benches.load("train_step.py")
 
 
 def test_quick_run_prints_ratio_lines(capsys):
@@ -100,8 +91,5 @@ def test_one_peer_for_both_training_benches_computing_aiayns_loss():
     assert isinstance(peer.module, bench.PeerLoss)
     with torch.no_grad():
         assert float(ours.loss_fn(b)) == pytest.approx(float(peer.loss_fn(b)), rel=1e-5)
-    spec = importlib.util.spec_from_file_location("aiayn_bench_gpu_train_peer", BENCH.parent / "gpu_train.py")
-    gpu = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = gpu  # dataclasses look their module up
-    spec.loader.exec_module(gpu)  # type: ignore[union-attr]
+    gpu = benches.load("gpu_train.py")
     assert gpu.PeerLoss is bench.PeerLoss and gpu.peak_matmul_flops is bench.peak_matmul_flops

@@ -8,6 +8,7 @@ plain-text 503 are shown in the server's words.
 
 Skipped where Chromium is not installed, except under CI (CI=true), where `.ci/run` installs it."""
 
+import contextlib
 import os
 import shutil
 import socket
@@ -69,6 +70,21 @@ def serve(app):
     return f"http://127.0.0.1:{port}", stop
 
 
+@contextlib.contextmanager
+def opened(app, profile):
+    """`app` served on loopback and its page open in Chromium: (url, driver, wait); both end after."""
+    url, stop = serve(app)
+    driver = None
+    try:
+        driver = browser(profile)
+        driver.get(url)
+        yield url, driver, WebDriverWait(driver, 60)
+    finally:
+        if driver is not None:
+            driver.quit()
+        stop()
+
+
 def argmax(row):
     return max(range(len(row)), key=row.__getitem__)
 
@@ -84,18 +100,13 @@ def one_thread():
 def test_page_translates_draws_attention_and_highlights_on_hover(tmp_path_factory, tmp_path, one_thread):
     ckpt = tiny_checkpoint(tmp_path_factory.getbasetemp())
     app = create_app(Translator.from_checkpoint(ckpt), Limits(), ("de", "en"), checkpoint=str(ckpt))
-    url, stop = serve(app)
-    driver = None
-    try:
+    with opened(app, tmp_path / "profile") as (url, driver, wait):
         import httpx
 
         sentence = "Hund und Kind spielt im Park mit Ball"
         api = httpx.post(f"{url}/v1/translate", json={"text": [sentence], "nbest": 4, "attention": True}).json()
         line = api["translations"][0]
         best = line["hypotheses"][0]
-        driver = browser(tmp_path / "profile")
-        driver.get(url)
-        wait = WebDriverWait(driver, 60)
         wait.until(lambda d: d.find_element(By.ID, "pair").text == "de → en")
         box = driver.find_element(By.ID, "source")
         box.send_keys(sentence)
@@ -142,10 +153,6 @@ def test_page_translates_draws_attention_and_highlights_on_hover(tmp_path_factor
         tgt = driver.find_elements(By.CSS_SELECTOR, "#tgt-tokens .tgt-token")
         ActionChains(driver).move_to_element(tgt[0]).perform()
         assert driver.find_element(By.ID, "src-tokens").get_attribute("data-focus") == str(argmax(layers[0][0]))
-    finally:
-        if driver is not None:
-            driver.quit()
-        stop()
 
 
 def _error_shown(driver, wait, words):
@@ -163,12 +170,7 @@ def test_page_picks_a_pair_and_sends_the_api_key_the_server_asks_for(tmp_path_fa
     reverse = Translator.from_checkpoint(en_de)
     models = [Model(Translator.from_checkpoint(de_en), "de", "en", str(de_en)), Model(reverse, "en", "de", str(en_de))]
     app = create_app(models, Limits(), api_keys=frozenset({"k1"}))
-    url, stop = serve(app)
-    driver = None
-    try:
-        driver = browser(tmp_path / "profile")
-        driver.get(url)
-        wait = WebDriverWait(driver, 60)
+    with opened(app, tmp_path / "profile") as (url, driver, wait):
         wait.until(lambda d: d.find_element(By.ID, "pair-choice").is_displayed())
         pairs = Select(driver.find_element(By.ID, "pairs"))
         assert [o.text for o in pairs.options] == ["de → en", "en → de"]
@@ -208,10 +210,6 @@ def test_page_picks_a_pair_and_sends_the_api_key_the_server_asks_for(tmp_path_fa
                                                                                         "1.2: a child runs."]
         assert driver.find_element(By.ID, "translation").text == " ".join(reverse.translate(["a dog plays.",
                                                                                              "a child runs."]))
-    finally:
-        if driver is not None:
-            driver.quit()
-        stop()
 
 
 def test_page_shows_the_servers_words_for_a_429_and_a_plain_text_503(tmp_path_factory, tmp_path, one_thread):
@@ -219,12 +217,7 @@ def test_page_shows_the_servers_words_for_a_429_and_a_plain_text_503(tmp_path_fa
     page shows both as the server wrote them."""
     ckpt = tiny_checkpoint(tmp_path_factory.getbasetemp())
     app = create_app(Translator.from_checkpoint(ckpt), Limits(max_lines=2, max_client_lines=2), ("de", "en"))
-    url, stop = serve(app)
-    driver = None
-    try:
-        driver = browser(tmp_path / "profile")
-        driver.get(url)
-        wait = WebDriverWait(driver, 60)
+    with opened(app, tmp_path / "profile") as (url, driver, wait):
         wait.until(lambda d: d.find_element(By.ID, "pair").text == "de → en")
         srv = app.state.server
         srv.clients.held["ip:127.0.0.1"] = 2  # as if two lines of this client were in the server
@@ -237,7 +230,3 @@ def test_page_shows_the_servers_words_for_a_429_and_a_plain_text_503(tmp_path_fa
             "Promise.resolve(new Response('Exceeded concurrency limit.', {status: 503})) : real(u, o);")
         driver.find_element(By.ID, "go").click()
         assert _error_shown(driver, wait, "503") == "503: Exceeded concurrency limit."
-    finally:
-        if driver is not None:
-            driver.quit()
-        stop()
