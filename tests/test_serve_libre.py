@@ -378,14 +378,19 @@ def test_one_request_over_several_pairs_is_bounded_as_a_whole():
     from aiayn.serve.errors import ApiError
     from aiayn.serve.libre import piece, translate_pieces
 
-    asked: list[int] = []
+    asked: list[tuple[int, int]] = []
 
-    async def translate(request, lines, key):  # must not be reached
-        asked.append(len(lines))
-        return [], [[{"text": s}] for s in lines]
+    async def translate(request, lines, key, asked_lines):
+        asked.append((len(lines), asked_lines))
+        return [], [[{"text": s.upper()}] for s in lines]
 
-    srv = SimpleNamespace(limits=Limits(max_lines=3, beam=1), translate=translate)
-    pieces = [piece("Eins. Zwei.", ("de", "en"), False), piece("Un. Deux.", ("fr", "en"), False)]
-    with pytest.raises(ApiError, match="4 sentences in one request, more than --max-lines 3"):
+    srv = SimpleNamespace(limits=Limits(max_lines=2, beam=1),
+                          translate=lambda request, lines, key, asked: translate(request, lines, key, asked))
+    pieces = [piece("Eins. Zwei.", ("de", "en"), False), piece("Un. Deux.", ("fr", "en"), False),
+              piece("Drei.", ("de", "en"), False)]
+    with pytest.raises(ApiError, match="3 texts in one request, more than --max-lines 2"):
         asyncio.run(translate_pieces(srv, None, pieces, 1))
-    assert asked == []
+    assert asked == []  # refused before any pair's model is asked
+    # --max-lines counts texts, as on /v1, not their sentences: two texts of two sentences each fit
+    out = asyncio.run(translate_pieces(srv, None, pieces[:2], 1))
+    assert out == [["EINS. ZWEI."], ["UN. DEUX."]] and sorted(asked) == [(2, 1), (2, 1)]

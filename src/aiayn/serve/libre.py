@@ -59,7 +59,8 @@ class Served(Protocol):
     def check_key(self, key: Any, request: Request) -> None: ...
     def targets(self) -> dict[str, list[str]]: ...
     def served_pairs(self) -> str: ...
-    async def translate(self, request: Request, lines: list[str], key: Key) -> tuple[list[list[int]], list[Any]]: ...
+    async def translate(self, request: Request, lines: list[str], key: Key,
+                        asked: int | None = None) -> tuple[list[list[int]], list[Any]]: ...
 
 
 def name_of(code: str) -> str:
@@ -159,16 +160,18 @@ def piece(text: str, pair: tuple[str, str], html: bool) -> Piece:
 async def translate_pieces(srv: Served, request: Request, pieces: list[Piece], nbest: int) -> list[list[str]]:
     """Per piece, its `nbest` renderings (best first; the k-th takes each sentence's k-th hypothesis,
     or its last when it has fewer). All the sentences of a language pair go to the scheduler at once."""
-    total = sum(len(p.sentences()) for p in pieces)  # one bound for the request, whatever pairs it spans
-    if total > srv.limits.max_lines:
-        raise ApiError(413, f"{total} sentences in one request, more than --max-lines {srv.limits.max_lines}")
+    # --max-lines counts the client's texts, as on /v1 (their sentences are priced by --max-work and
+    # bounded by --max-chars), in one bound for the request, whatever pairs it spans
+    if len(pieces) > srv.limits.max_lines:
+        raise ApiError(413, f"{len(pieces)} texts in one request, more than --max-lines {srv.limits.max_lines}")
     groups: dict[tuple[str, str], list[int]] = {}
     for i, p in enumerate(pieces):
         groups.setdefault(p.pair, []).append(i)
 
     async def run(pair: tuple[str, str], members: list[int]) -> None:
         lines = [s for i in members for s in pieces[i].sentences()]
-        _, results = await srv.translate(request, lines, Key(srv.limits.beam, DEFAULT_ALPHA, nbest, False, pair))
+        _, results = await srv.translate(request, lines, Key(srv.limits.beam, DEFAULT_ALPHA, nbest, False, pair),
+                                         asked=len(members))
         at = 0
         for i in members:
             n = len(pieces[i].sentences())
