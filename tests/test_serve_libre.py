@@ -394,3 +394,8 @@ def test_one_request_over_several_pairs_is_bounded_as_a_whole():
     # --max-lines counts texts, as on /v1, not their sentences: two texts of two sentences each fit
     out = asyncio.run(translate_pieces(srv, None, pieces[:2], 1))
     assert out == [["EINS. ZWEI."], ["UN. DEUX."]] and sorted(asked) == [(2, 1), (2, 1)]
+    # more sentences than one client may hold could never be queued: refused, not a 429 to retry
+    srv.limits = Limits(max_lines=2, max_client_lines=3, beam=1)
+    with pytest.raises(ApiError, match=r"4 sentences in 2 texts, more than the server may hold for one request "
+                                       r"\(--max-client-lines 3\)"):
+        asyncio.run(translate_pieces(srv, None, pieces[:2], 1))

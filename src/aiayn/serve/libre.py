@@ -162,8 +162,14 @@ async def translate_pieces(srv: Served, request: Request, pieces: list[Piece], n
     or its last when it has fewer). All the sentences of a language pair go to the scheduler at once."""
     # --max-lines counts the client's texts, as on /v1 (their sentences are priced by --max-work and
     # bounded by --max-chars), in one bound for the request, whatever pairs it spans
-    if len(pieces) > srv.limits.max_lines:
-        raise ApiError(413, f"{len(pieces)} texts in one request, more than --max-lines {srv.limits.max_lines}")
+    limits = srv.limits
+    if len(pieces) > limits.max_lines:
+        raise ApiError(413, f"{len(pieces)} texts in one request, more than --max-lines {limits.max_lines}")
+    total = sum(len(p.sentences()) for p in pieces)
+    most, flag = min((limits.max_client_lines, "--max-client-lines"), (limits.max_queue, "--max-queue"))
+    if total > most:  # it could never be queued: not a 429 to retry
+        raise ApiError(413, f"{total} sentences in {len(pieces)} texts, more than the server may hold for one "
+                            f"request ({flag} {most})")
     groups: dict[tuple[str, str], list[int]] = {}
     for i, p in enumerate(pieces):
         groups.setdefault(p.pair, []).append(i)
