@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from fastapi import Request
 
 from aiayn.serve.errors import ApiError
+from aiayn.serve.scheduler import Limits
 
 
 class ClientBusy(ApiError):
@@ -23,6 +24,16 @@ class ClientBusy(ApiError):
 
     def __init__(self, message: str) -> None:
         super().__init__(429, message, {"Retry-After": "1"})
+
+
+def check_holdable(limits: Limits, sentences: int, within: str, hint: str = "") -> None:
+    """A request of more sentences than one client may ever hold (--max-client-lines, or the whole
+    --max-queue) could never be queued: 413 at once, not a 429 or 503 that no retry passes.
+    `within` says what they came in ("3 lines"), `hint` what to do ("; send fewer lines")."""
+    most, flag = min((limits.max_client_lines, "--max-client-lines"), (limits.max_queue, "--max-queue"))
+    if sentences > most:
+        raise ApiError(413, f"{sentences} sentences in {within}, more than the server may hold for one request "
+                            f"({flag} {most}){hint}")
 
 
 def _identity(request: Request) -> tuple[str, str]:

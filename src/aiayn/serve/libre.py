@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse
 from aiayn.sentences import Paragraph, split
 from aiayn.serve import markup
 from aiayn.serve.batch import DEFAULT_ALPHA, Key
-from aiayn.serve.clients import ClientBusy
+from aiayn.serve.clients import ClientBusy, check_holdable
 from aiayn.serve.detect import Detector, as_libre, detect_texts
 from aiayn.serve.errors import ApiError, Busy
 from aiayn.serve.scheduler import Limits
@@ -165,11 +165,7 @@ async def translate_pieces(srv: Served, request: Request, pieces: list[Piece], n
     limits = srv.limits
     if len(pieces) > limits.max_lines:
         raise ApiError(413, f"{len(pieces)} texts in one request, more than --max-lines {limits.max_lines}")
-    total = sum(len(p.sentences()) for p in pieces)
-    most, flag = min((limits.max_client_lines, "--max-client-lines"), (limits.max_queue, "--max-queue"))
-    if total > most:  # it could never be queued: not a 429 to retry
-        raise ApiError(413, f"{total} sentences in {len(pieces)} texts, more than the server may hold for one "
-                            f"request ({flag} {most})")
+    check_holdable(limits, sum(len(p.sentences()) for p in pieces), f"{len(pieces)} texts")
     groups: dict[tuple[str, str], list[int]] = {}
     for i, p in enumerate(pieces):
         groups.setdefault(p.pair, []).append(i)

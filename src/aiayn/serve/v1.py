@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from aiayn.sentences import split
 from aiayn.serve.batch import DEFAULT_ALPHA, Key
+from aiayn.serve.clients import check_holdable
 from aiayn.serve.errors import ApiError
 from aiayn.serve.scheduler import Limits
 
@@ -124,10 +125,7 @@ async def _by_sentences(srv: Served, request: Request, text: list[str], key: Key
     # a line of one sentence or none: the line itself, untouched (its spacing changes its subwords)
     units = [list(p.sentences) if len(p.sentences) > 1 else [t] for p, t in zip(paragraphs, text)]
     flat = [s for u in units for s in u]
-    most, flag = min((limits.max_client_lines, "--max-client-lines"), (limits.max_queue, "--max-queue"))
-    if len(flat) > most:  # it could never be queued: not a 429 or 503 to retry
-        raise ApiError(413, f"{len(flat)} sentences in {len(text)} lines, more than the server may hold for one "
-                            f"request ({flag} {most}); send fewer lines or split_sentences: false")
+    check_holdable(limits, len(flat), f"{len(text)} lines", "; send fewer lines or split_sentences: false")
     try:
         ids, results = await srv.translate(request, flat, key, asked=len(text))
     except ApiError as e:
