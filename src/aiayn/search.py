@@ -181,12 +181,13 @@ def _int8_vocabulary(model: SearchModel[C]) -> int:
     return out_w.size(0) if isinstance(out_w, Tensor) and kernels.is_int8(out_w) else 0
 
 
-def _best_tokens(model: SearchModel[C], hidden: Tensor, banned: tuple[int, ...]) -> Tensor:
-    """Each row's most likely token, `banned` ids never chosen; an int8 projection runs `ROW_BLOCK`
-    rows at a time, so that argmax reads its logits from the cache (as `_RowTopk`).
+def _best_tokens(model: SearchModel[C], hidden: Tensor, banned: tuple[int, ...], by_block: bool) -> Tensor:
+    """Each row's most likely token, `banned` ids never chosen; `by_block` (an int8 projection,
+    `_int8_vocabulary`) projects `ROW_BLOCK` rows at a time, so that argmax reads its logits from
+    the cache (as `_RowTopk`).
 
     Shape: hidden (b, d) -> (b,)."""
-    step = ROW_BLOCK if _int8_vocabulary(model) else max(1, hidden.size(0))
+    step = ROW_BLOCK if by_block else max(1, hidden.size(0))
     best = []
     for i in range(0, hidden.size(0), step):
         logits = model.project(hidden[i:i + step])  # (m, V)
@@ -273,11 +274,13 @@ def greedy_search(model: SearchModel[C], src: Tensor, bos_id: int, eos_id: int, 
     alive = torch.arange(B, device=src.device)  # original row of each live sentence
     tokens = torch.full((B, 1), bos_id, dtype=torch.long, device=src.device)  # (b, 1 + t)
     out: list[list[int]] = [[] for _ in range(B)]
+    by_block = bool(_int8_vocabulary(model))
     step = 0
     while alive.numel():
         hidden = _hidden(model, tokens, memory, src_keep, cache)  # (b, d)
         # before min_len, EOS is banned too (the limit is always above `step` here: greedy stops on reaching it)
-        next_tok = _best_tokens(model, hidden, (pad, bos_id, eos_id) if step < min_len else (pad, bos_id))  # (b,)
+        banned = (pad, bos_id, eos_id) if step < min_len else (pad, bos_id)
+        next_tok = _best_tokens(model, hidden, banned, by_block)  # (b,)
         tokens = torch.cat([tokens, next_tok[:, None]], dim=1)
         done = next_tok.eq(eos_id) | limit[alive].le(step + 1)  # (b,)
         step += 1
