@@ -39,15 +39,12 @@ ENGINES = ("aiayn fp32", "aiayn int8", "ct2 fp32", "ct2 int8")
 def peak_rss_mb() -> float:
     """This process's peak resident memory (MB): VmHWM, its own address space's high-water mark.
     Not `ru_maxrss`: on Linux that keeps the peak of the image before `exec`, which for a worker
-    started by this script is a copy of the parent, torch and the model included."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024  # kB
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    started by this script is a copy of the parent, torch and the model included. (aiayn.memory
+    imports neither torch nor anything large: the CTranslate2 worker stays free of torch.)"""
+    from aiayn.memory import status_bytes
+
+    hwm = status_bytes("VmHWM")
+    return hwm / 2**20 if hwm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def _aiayn_worker(job: dict[str, Any], precision: str) -> tuple[dict[str, Any], float]:

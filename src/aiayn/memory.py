@@ -40,17 +40,22 @@ def cap_onednn_caches() -> None:
         os.environ.setdefault(name, value)
 
 
-def resident_anon_bytes() -> int:
-    """This process's anonymous resident memory (RssAnon: what it owns, not file pages); 0 where
-    /proc is not there."""
+def status_bytes(field: str) -> int:
+    """A memory figure of this process from /proc/self/status ("RssAnon", "VmHWM", ...) in bytes;
+    0 where /proc is not there."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024  # kB
     except OSError:
         pass
     return 0
+
+
+def resident_anon_bytes() -> int:
+    """This process's anonymous resident memory (RssAnon: what it owns, not file pages)."""
+    return status_bytes("RssAnon")
 
 
 def _malloc_trim():
