@@ -1,12 +1,13 @@
 """bench/decode.py runs end to end on a tiny random model and prints like-for-like ratios; not timed."""
 
-import importlib.util
 import os
 import re
 from pathlib import Path
 
 import pytest
 import torch
+
+import benches
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "decode.py"
 DATA = os.environ.get("AIAYN_DATA")
@@ -15,10 +16,7 @@ needs_data = pytest.mark.skipif(  # the bench reads Multi30k sentences; the work
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("aiayn_bench_decode", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)  # type: ignore[union-attr]
-    return bench
+    return benches.load("decode.py")
 
 
 @needs_data

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import benches
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 DATA = os.environ.get("AIAYN_DATA")
 pytestmark = pytest.mark.skipif(not DATA or not Path(DATA, "multi30k").is_dir(), reason="AIAYN_DATA (Multi30k) not set")
@@ -18,10 +20,7 @@ pytestmark = pytest.mark.skipif(not DATA or not Path(DATA, "multi30k").is_dir(),
 
 def _bench(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))  # engines.py imports its batches from bench/decode.py
-    spec = importlib.util.spec_from_file_location("aiayn_bench_engines", BENCH / "engines.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)  # type: ignore[union-attr]
-    return bench
+    return benches.load("engines.py")
 
 
 def test_quick_run_on_a_device_prints_both_systems_bleu_and_agreement(capsys, monkeypatch, tmp_path):

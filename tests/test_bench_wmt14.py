@@ -4,7 +4,6 @@ bench/scale.py runs end to end on a tiny corpus."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -19,15 +18,14 @@ from aiayn.cli import build_parser
 from aiayn.config import TrainConfig, learning_rate
 from aiayn.errors import AiaynError
 
+import benches
+
 ROOT = Path(__file__).resolve().parents[1]
 DATA = os.environ.get("AIAYN_DATA")
 
 
 def _load(name: str):  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location(f"aiayn_bench_{name}", ROOT / "bench" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
-    return mod
+    return benches.load(f"{name}.py")
 
 
 def test_compound_splitting_and_tokenized_bleu():
