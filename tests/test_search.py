@@ -234,6 +234,26 @@ def test_topk_rows_gives_the_values_of_topk(V, k):
     assert all(len(set(row)) == k for row in i.tolist())  # k distinct tokens per row
 
 
+@pytest.mark.parametrize("V", [8000, 8003, 58101, 2047, 100])
+def test_argmax_rows_is_argmax(V):
+    """Greedy's sliced arg-max is argmax exactly: the first maximum of each row, ties, -inf rows,
+    NaN (argmax's largest), a maximum in the columns past the last whole slice, a strided input."""
+    from aiayn.search import _argmax_rows
+
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(41, V, generator=g)
+    x[0] = float("-inf")
+    x[1] = x[1].round(decimals=0)  # many ties: the first one wins
+    x[2, :] = 0.0
+    x[3, V // 3] = x[3, V - 1] = float("nan")
+    x[4, V - 1] = 100.0  # the tail's maximum (past 8 * (V // 8) when 8 does not divide V)
+    x[5, V - 1] = float("nan")
+    x[6, 7] = x[6, V - 1] = 100.0  # equal maxima in the head and the tail: the head's is first
+    x[7, -3:] = float("-inf")
+    for y in (x, x[::2], torch.cat([x, x], 1)[:, :V]):
+        assert torch.equal(_argmax_rows(y), y.argmax(1))
+
+
 def test_fast_topk_does_not_change_the_search(monkeypatch):
 
     model, src = random_model(vocab=200), random_batch([6, 2, 8, 4, 5], vocab=200)

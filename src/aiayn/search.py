@@ -14,7 +14,7 @@ ranked within each row before the merge per sentence, and the self-attention cac
 the same copy that appends the new step. Nothing large is allocated per step: the cache takes turns
 between two buffers, and log-softmax and top-k run on blocks of `ROW_BLOCK` rows in buffers kept
 for the whole search (fresh memory of that size costs page faults at every step). The per-row top-k
-takes two stages (`_topk_rows`). Everything runs under `inference_mode`.
+takes two stages (`_topk_rows`), and so does greedy's arg-max (`_argmax_rows`). Everything runs under `inference_mode`.
 
 Conventions, pinned by tests/test_search.py:
 
@@ -175,6 +175,40 @@ def _topk_rows(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return v, cand.gather(1, j)
 
 
+ARGMAX_SPLIT = 8  # `_argmax_rows` narrows a row to the one of this many slices that holds its maximum
+ARGMAX_MIN_WIDTH = 2048  # ... while it is at least this wide
+
+
+def _argmax_rows(x: Tensor) -> Tensor:
+    """`x.argmax(1)`: each row's first maximum (NaN counting as the largest, as argmax does), about
+    3x faster on a vocabulary's width (torch 2.13's CPU argmax reduces a row at a tenth of amax's rate).
+
+    Cut the row into G contiguous slices (the last few columns, if G does not divide it, apart):
+    argmax over the slices' maxima is the first slice holding the row's maximum, and the first
+    maximum within that slice is the row's first; recurse into it while it is wide.
+
+    Shape: x (m, V) -> (m,) long."""
+    m, V = x.shape
+    if V < ARGMAX_MIN_WIDTH:
+        return x.argmax(1)
+    G = ARGMAX_SPLIT
+    S = V // G
+    n = G * S
+    head = x[:, :n].view(m, G, S)
+    c = head.amax(2).argmax(1)  # (m,) the first slice holding the maximum of the first n columns
+    if n == V and x.is_contiguous():
+        sub = x.view(m * G, S).index_select(0, torch.arange(0, m * G, G, device=x.device) + c)
+    else:
+        sub = head[torch.arange(m, device=x.device), c]
+    best = c * S + _argmax_rows(sub)  # (m,)
+    if n < V:  # the tail follows every head column: it wins only with a larger value (or the first NaN)
+        tail = x[:, n:]
+        t = tail.argmax(1)
+        tv, hv = tail.gather(1, t[:, None]).squeeze(1), x.gather(1, best[:, None]).squeeze(1)
+        best = torch.where((tv > hv) | (tv.isnan() & ~hv.isnan()), t + n, best)
+    return best
+
+
 def _int8_vocabulary(model: SearchModel[C]) -> int:
     """The vocabulary size if `model` projects to it in int8 (then block by block), else 0."""
     out_w = getattr(model, "output_weight", None)
@@ -192,7 +226,7 @@ def _best_tokens(model: SearchModel[C], hidden: Tensor, banned: tuple[int, ...],
     for i in range(0, hidden.size(0), step):
         logits = model.project(hidden[i:i + step])  # (m, V)
         _forbid(logits, banned)
-        best.append(logits.argmax(-1))
+        best.append(_argmax_rows(logits))
     return best[0] if len(best) == 1 else torch.cat(best)
 
 
