@@ -52,10 +52,12 @@ def _aiayn_worker(job: dict[str, Any], precision: str) -> tuple[dict[str, Any], 
 
     from aiayn.checkpoint import load_checkpoint
     from aiayn.kernels import quantize_int8
+    from aiayn.memory import keep_freed_memory
     from aiayn.search import beam_search, greedy_search
     from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
     torch.set_num_threads(job["threads"])
+    keep_freed_memory()  # as `aiayn translate` and `aiayn evaluate` run
     base = peak_rss_mb()
     model = load_checkpoint(job["checkpoint"]).model.requires_grad_(False).eval()
     if precision == "int8":  # what `Translator(precision="int8")` runs: the model's linear layers in int8

@@ -119,8 +119,11 @@ def _check_save_path(path: str, inputs: Sequence[str]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from aiayn import memory
     from aiayn.files import read_lines
     from aiayn.translate import inference_device
+
+    memory.keep_freed_memory()  # as `aiayn translate`
 
     device = inference_device(args.device, args.precision)  # a flag error first, before any file is read
     mode, first, ref_path = _inputs(args)

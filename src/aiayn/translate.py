@@ -43,6 +43,7 @@ import aiayn.kernels
 from aiayn.config import INFERENCE_PRECISIONS
 from aiayn.kernels import ModuleT
 from aiayn.errors import AiaynError, require
+from aiayn import memory
 from aiayn.files import silence_stdout
 from aiayn.search import DEFAULT_STOP_RULE, STOP_RULES, ScoredIds, beam_search, greedy_search
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, PIECES, TokenizerPair, vocabulary
@@ -711,6 +712,7 @@ def _sigint_deferred() -> Iterator[None]:
 
 def run(args: argparse.Namespace) -> int:
     s = _settings(args)  # flags are checked before the model is loaded
+    memory.keep_freed_memory()  # a job that decodes and ends: no page faults for every new activation
     ct2_engine = getattr(args, "engine", "torch") == "ctranslate2"
     if ct2_engine and args.device not in ("auto", "cpu"):
         raise AiaynError(f"--device {args.device}: the ctranslate2 engine runs on the CPU here; use --engine torch")
