@@ -83,8 +83,8 @@ def keep_freed_memory() -> bool:
     freed) straight to and from the kernel, and returns the top of its heap once 128 KiB of it is
     free: decoding allocates activations of new sizes at every step, and every fresh page costs a
     page fault (about 5% of an int8 search's time, docs/speed.md). Peak memory stays about the same.
-    A variable already set in the environment wins; a server, which runs for days, keeps glibc's
-    default and trims (`HeapTrimmer`). Returns whether it was applied (False without glibc)."""
+    A variable already set in the environment wins; the server, which runs for days and must stay
+    flat, keeps glibc's defaults. Returns whether it was applied (False without glibc)."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
