@@ -303,3 +303,52 @@ def test_bf16_autocast_runs():
         greedy = greedy_search(model, src, BOS, EOS, max_len_b=5)
     assert len(out) == 2 and all(len(h[0][0]) <= 5 + 5 for h in out)
     assert len(greedy) == 2
+
+
+def _general_step(model):
+    """`Decoder.step` done by the decoder's general forward on one position (the path before it)."""
+    def step(x, cache, src_keep):
+        return model.decoder(x[:, None], None, src_keep, None, False, cache, None)[:, 0]
+    return step
+
+
+@pytest.mark.parametrize("kind", ["post-norm", "pre-norm", "gelu", "swish", "int8", "bf16"])
+def test_decoder_step_is_the_general_path_exactly(kind, monkeypatch):
+    """Search's cached steps take `Decoder.step`, the same operations as the decoder's forward with
+    fewer calls: hidden states, greedy and beam results are bitwise those of the general path, through
+    reorders, finished sentences and beam rows sharing their sentence's cross-attention keys."""
+    from aiayn.kernels import quantize_int8
+
+    overrides = {"pre-norm": {"norm_first": True}, "gelu": {"activation": "gelu"}, "swish": {"activation": "swish"}}
+    torch.manual_seed(3)
+    model = Transformer(preset("tiny", src_vocab_size=40, tgt_vocab_size=40, **overrides.get(kind, {}))).eval()
+    model.requires_grad_(False)  # frozen: the packed (and int8) inference GEMMs, as Translator runs
+    with torch.no_grad():
+        model.tgt_embed.weight[EOS] *= 3
+    if kind == "int8":
+        quantize_int8(model)
+    if kind == "bf16":
+        model = model.to(torch.bfloat16)
+    src = random_batch([5, 9, 3, 7, 1])
+    calls = []
+    fast = model.decoder.step
+    monkeypatch.setattr(model.decoder, "step", lambda *a: calls.append(1) or fast(*a))
+    want_hidden, got_hidden = [], []
+    for out, fn in ((got_hidden, None), (want_hidden, _general_step(model))):
+        if fn is not None:
+            monkeypatch.setattr(model.decoder, "step", fn)
+        with torch.inference_mode():
+            keep = src.ne(0)
+            cache = model.new_cache(model.encode(src, keep), keep)
+            tok = torch.full((5, 1), BOS)
+            for t in range(4):
+                out.append(model.decode(tok, None, cache=cache, project=False))
+                tok = torch.randint(4, 40, (tok.size(0), 1), generator=torch.Generator().manual_seed(t))
+                if t == 1:
+                    cache.reorder(torch.tensor([0, 0, 2, 2, 3, 3]), beam=2)  # sentences 1 and 4 leave; beams of 2
+                    tok = tok.new_full((6, 1), 7)
+        out.append(greedy_search(model, src, BOS, EOS, max_len_b=12))
+        out.append(beam_search(model, src, BOS, EOS, beam=3, nbest=3, max_len_b=12))
+    assert calls  # the fast path ran
+    for got, want in zip(got_hidden, want_hidden):
+        assert got == want if isinstance(got, list) else torch.equal(got, want)
