@@ -291,13 +291,13 @@ def attention_calls(monkeypatch) -> Iterator[tuple[list[tuple[str, str]], Transf
         if isinstance(m, MultiHeadAttention):
             m.register_forward_pre_hook(lambda mod, args, kwargs: current.__setitem__(0, kind_of(mod, kwargs)),
                                         with_kwargs=True)
-    step = MultiHeadAttention.step  # search's cached steps call it, not forward (no hook runs)
+    step = kernels._attention_step  # search's cached steps (kernels.decoder_step) call it, not forward
 
-    def noted_step(self, x, cache, key_keep=None):
-        current[0] = kind_of(self, {"cache": cache})
-        return step(self, x, cache, key_keep)
+    def noted_step(mha, x, cache, key_keep):
+        current[0] = kind_of(mha, {"cache": cache})
+        return step(mha, x, cache, key_keep)
 
-    monkeypatch.setattr(MultiHeadAttention, "step", noted_step)
+    monkeypatch.setattr(kernels, "_attention_step", noted_step)
     attention = kernels.attention
 
     def spied(q, k, v, mask, is_causal, p, training, need_weights=False):

@@ -3,6 +3,7 @@ back once the process has grown a quarter beyond what a training step needs."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -187,14 +188,19 @@ class _FakeLibc:
 def test_keep_freed_memory_sets_both_thresholds_unless_the_environment_does(monkeypatch):
     calls = []
     monkeypatch.setattr(memory.ctypes, "CDLL", lambda name: _FakeLibc(calls))
-    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
-    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES"):
+        monkeypatch.delenv(name, raising=False)
     assert memory.keep_freed_memory()
     assert sorted(calls) == [(-3, 32 * 2**20), (-1, 2**30)]  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
     calls.clear()
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")  # the user's own setting wins
     assert memory.keep_freed_memory()
     assert calls == [(-3, 32 * 2**20)]
+    calls.clear()
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=131072")  # and under its newer name
+    assert memory.keep_freed_memory()
+    assert calls == [(-1, 2**30)]
 
 
 def test_keep_freed_memory_without_glibc_is_a_no(monkeypatch):
@@ -209,6 +215,8 @@ def test_keep_freed_memory_takes_in_a_real_process():
     """In a fresh process on this glibc: applied, and blocks freed and taken again are served from the
     heap without new page faults; by default glibc gives the heap's top back to the kernel (past
     twice the largest block freed so far) and every round faults its pages in again."""
+    if not hasattr(ctypes.CDLL(None), "mallopt"):
+        pytest.skip("no glibc mallopt in this C library")
     code = (
         "import ctypes, resource, sys\n"
         "from aiayn import memory\n"
@@ -226,7 +234,7 @@ def test_keep_freed_memory_takes_in_a_real_process():
         "for _ in range(3): round()\n"
         "print(ok, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)\n"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1] / "src"), env.get("PYTHONPATH", "")])
     faults = {}
     for mode in ("keep", "default"):

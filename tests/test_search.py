@@ -235,11 +235,13 @@ def test_topk_rows_gives_the_values_of_topk(V, k):
 
 
 @pytest.mark.parametrize("V", [8000, 8003, 58101, 2047, 100])
-def test_argmax_rows_is_argmax(V):
+def test_argmax_rows_is_argmax(V, monkeypatch):
     """Greedy's sliced arg-max is argmax exactly: the first maximum of each row, ties, -inf rows,
-    NaN (argmax's largest), a maximum in the columns past the last whole slice, a strided input."""
+    NaN (argmax's largest), a maximum in the columns past the last whole slice, a strided input;
+    narrow rows are sliced too (the width from which it slices lowered to 16)."""
     from aiayn.search import _argmax_rows
 
+    monkeypatch.setattr(search, "ARGMAX_MIN_WIDTH", 16 if V < 2048 else search.ARGMAX_MIN_WIDTH)
     g = torch.Generator().manual_seed(V)
     x = torch.randn(41, V, generator=g)
     x[0] = float("-inf")
@@ -250,7 +252,7 @@ def test_argmax_rows_is_argmax(V):
     x[5, V - 1] = float("nan")
     x[6, 7] = x[6, V - 1] = 100.0  # equal maxima in the head and the tail: the head's is first
     x[7, -3:] = float("-inf")
-    for y in (x, x[::2], torch.cat([x, x], 1)[:, :V]):
+    for y in (x, x[::2], torch.cat([x, x], 1)[:, :V], x[:3], x[:0]):
         assert torch.equal(_argmax_rows(y), y.argmax(1))
 
 
@@ -305,21 +307,19 @@ def test_bf16_autocast_runs():
     assert len(greedy) == 2
 
 
-def _general_step(model):
-    """`Decoder.step` done by the decoder's general forward on one position (the path before it)."""
-    def step(x, cache, src_keep):
-        return model.decoder(x[:, None], None, src_keep, None, False, cache, None)[:, 0]
-    return step
+def _general_step(decoder, x, cache, src_keep):
+    """`kernels.decoder_step` done by the decoder's general forward on one position (the path before it)."""
+    return decoder(x[:, None], None, src_keep, None, False, cache, None)[:, 0]
 
 
-@pytest.mark.parametrize("kind", ["post-norm", "pre-norm", "gelu", "swish", "int8", "bf16"])
-def test_decoder_step_is_the_general_path_exactly(kind, monkeypatch):
-    """Search's cached steps take `Decoder.step`, the same operations as the decoder's forward with
-    fewer calls: hidden states, greedy and beam results are bitwise those of the general path, through
-    reorders, finished sentences and beam rows sharing their sentence's cross-attention keys."""
+STEP_KINDS = ["post-norm", "pre-norm", "gelu", "swish", "int8", "bf16", "autocast", "sdpa", "dropout"]
+
+
+def _step_model(kind):
     from aiayn.kernels import quantize_int8
 
-    overrides = {"pre-norm": {"norm_first": True}, "gelu": {"activation": "gelu"}, "swish": {"activation": "swish"}}
+    overrides = {"pre-norm": {"norm_first": True}, "gelu": {"activation": "gelu"}, "swish": {"activation": "swish"},
+                 "dropout": {"dropout": 0.3, "attention_dropout": 0.3, "activation_dropout": 0.3}}
     torch.manual_seed(3)
     model = Transformer(preset("tiny", src_vocab_size=40, tgt_vocab_size=40, **overrides.get(kind, {}))).eval()
     model.requires_grad_(False)  # frozen: the packed (and int8) inference GEMMs, as Translator runs
@@ -329,15 +329,33 @@ def test_decoder_step_is_the_general_path_exactly(kind, monkeypatch):
         quantize_int8(model)
     if kind == "bf16":
         model = model.to(torch.bfloat16)
+    if kind == "dropout":
+        model.decoder.train()  # dropout in the decoder only (the step path follows each module's flag)
+    return model
+
+
+@pytest.mark.parametrize("kind", STEP_KINDS)
+def test_decoder_step_is_the_general_path_exactly(kind, monkeypatch):
+    """Search's cached steps take `kernels.decoder_step`, the same operations as the decoder's forward
+    with fewer calls: hidden states, greedy and beam results are bitwise those of the general path,
+    through reorders, finished sentences and beam rows sharing their sentence's cross-attention keys;
+    also under autocast, on SDPA, and with dropout on (the same random numbers drawn)."""
+    from aiayn import kernels
+
+    model = _step_model(kind)
+    if kind == "sdpa":
+        monkeypatch.setattr(kernels, "EXPLICIT_ATTENTION_MAX_KEYS", 0)
     src = random_batch([5, 9, 3, 7, 1])
     calls = []
-    fast = model.decoder.step
-    monkeypatch.setattr(model.decoder, "step", lambda *a: calls.append(1) or fast(*a))
-    want_hidden, got_hidden = [], []
-    for out, fn in ((got_hidden, None), (want_hidden, _general_step(model))):
-        if fn is not None:
-            monkeypatch.setattr(model.decoder, "step", fn)
-        with torch.inference_mode():
+    fast = kernels.decoder_step
+    monkeypatch.setattr(kernels, "decoder_step", lambda *a: calls.append(1) or fast(*a))
+    runs = []
+    for step in (None, _general_step):
+        if step is not None:
+            monkeypatch.setattr(kernels, "decoder_step", step)
+        torch.manual_seed(4)
+        out = []
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=kind == "autocast"):
             keep = src.ne(0)
             cache = model.new_cache(model.encode(src, keep), keep)
             tok = torch.full((5, 1), BOS)
@@ -347,8 +365,20 @@ def test_decoder_step_is_the_general_path_exactly(kind, monkeypatch):
                 if t == 1:
                     cache.reorder(torch.tensor([0, 0, 2, 2, 3, 3]), beam=2)  # sentences 1 and 4 leave; beams of 2
                     tok = tok.new_full((6, 1), 7)
-        out.append(greedy_search(model, src, BOS, EOS, max_len_b=12))
-        out.append(beam_search(model, src, BOS, EOS, beam=3, nbest=3, max_len_b=12))
+            out.append(greedy_search(model, src, BOS, EOS, max_len_b=12))
+            out.append(beam_search(model, src, BOS, EOS, beam=3, nbest=3, max_len_b=12))
+        runs.append(out)
     assert calls  # the fast path ran
-    for got, want in zip(got_hidden, want_hidden):
+    for got, want in zip(*runs):
         assert got == want if isinstance(got, list) else torch.equal(got, want)
+
+
+def test_a_three_dimensional_source_mask_takes_the_general_path():
+    """decode accepts src_keep as (B, T, S) with a cache; the step path takes (N, S) only."""
+    model = _step_model("post-norm")
+    src = random_batch([5, 9])
+    with torch.inference_mode():
+        keep = src.ne(0)
+        cache = model.new_cache(model.encode(src, keep), keep)
+        h = model.decode(torch.full((2, 1), BOS), None, src_keep=keep[:, None, :], cache=cache, project=False)
+    assert h.shape == (2, 1, model.cfg.d_model)

@@ -70,31 +70,33 @@ def _malloc_trim():
     return trim
 
 
-# glibc's mallopt parameters (malloc.h) and the environment variables that set them at start-up.
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-MALLOC_KEEP = {"MALLOC_MMAP_THRESHOLD_": (_M_MMAP_THRESHOLD, 32 * 2**20), "MALLOC_TRIM_THRESHOLD_": (_M_TRIM_THRESHOLD, 2**30)}
+# glibc's mallopt parameters (malloc.h) with what keep_freed_memory sets, and the names under which a
+# user may have set them already: the old environment variables and GLIBC_TUNABLES.
+_MALLOC_KEEP = (("MALLOC_MMAP_THRESHOLD_", "glibc.malloc.mmap_threshold", -3, 32 * 2**20),
+                ("MALLOC_TRIM_THRESHOLD_", "glibc.malloc.trim_threshold", -1, 2**30))
 
 
 def keep_freed_memory() -> bool:
-    """Have glibc's malloc serve blocks up to 32 MiB from its heap and keep what is freed there (up
-    to 1 GiB) for the next ones, for a job that decodes and then ends (`aiayn translate`, `evaluate`).
+    """Have glibc's malloc serve blocks up to 32 MiB from its heap and keep up to 1 GiB of what is
+    freed there for the next ones, for a job that decodes (`aiayn translate`, `aiayn evaluate`).
 
-    By default glibc hands each block larger than its threshold (128 KiB, raised as such blocks are
-    freed) straight to and from the kernel, and returns the top of its heap once 128 KiB of it is
-    free: decoding allocates activations of new sizes at every step, and every fresh page costs a
-    page fault (about 5% of an int8 search's time, docs/speed.md). Peak memory stays about the same.
-    A variable already set in the environment wins; the server, which runs for days and must stay
-    flat, keeps glibc's defaults. Returns whether it was applied (False without glibc)."""
+    By default glibc hands larger blocks (from 128 KiB, raised as such blocks are freed) straight to
+    and from the kernel and gives back the top of its heap past twice that: decoding allocates
+    activations of new sizes at every step, and each fresh page costs a page fault (3-5% of an int8
+    search, docs/speed.md). The resident size then stays near its peak, which barely moves. A
+    setting the user made (either name) wins; the server, which must stay flat for days, keeps
+    glibc's defaults. Returns whether mallopt took every value it was given (False without glibc)."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    done = True
-    for name, (param, value) in MALLOC_KEEP.items():
-        if name not in os.environ:
-            done = bool(mallopt(param, value)) and done
-    return done
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    ok = True
+    for env_name, tunable, param, value in _MALLOC_KEEP:
+        if env_name not in os.environ and tunable not in tunables:
+            ok = mallopt(param, value) == 1 and ok  # mallopt returns 1 on success
+    return ok
 
 
 class HeapTrimmer:

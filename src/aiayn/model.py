@@ -152,29 +152,6 @@ class MultiHeadAttention(nn.Module):
         return self.out_proj(ctx if packed is None else packed.pack(ctx)), weights
 
 
-    def step(self, x: Tensor, cache: LayerCache, key_keep: Tensor | None = None) -> Tensor:
-        """`forward` for one new position on the cache, at inference: the same operations, without
-        the general path's branches and module calls, which cost as much as the arithmetic when few
-        sentences are left in a batch (`Transformer.decode`). Self-attention appends to the cache;
-        cross-attention reads it, `key_keep` (N, S) masking the source.
-
-        Shape: x (b, d) -> (b, d)."""
-        b, D = x.shape
-        lin = kernels.inference_linear
-        if self.cross:
-            q = lin(x, self.q_proj.weight, self.q_proj.bias).view(b, 1, self.n_heads, self.d_head).transpose(1, 2)
-            q, k, v = cache.cross(q)  # q (N, H, G, d_head): a sentence's G beam rows read its keys once
-        else:
-            qkv = lin(x, self.qkv_proj.weight, self.qkv_proj.bias)  # (b, 3d)
-            q, k, v = qkv.view(b, 1, 3, self.n_heads, self.d_head).permute(2, 0, 3, 1, 4).unbind(0)  # (b, H, 1, d_head)
-            k, v = cache.append(k, v)  # (b, H, t, d_head)
-        mask = None if key_keep is None else _key_mask(key_keep)
-        ctx, _ = kernels.attention(q, k, v, mask, False, 0.0, False)
-        if self.cross:
-            ctx = ungroup(ctx, b, 1)  # (b, H, 1, d_head)
-        return lin(ctx.transpose(1, 2).reshape(b, D), self.out_proj.weight, self.out_proj.bias)
-
-
 class FeedForward(nn.Module):
     """FFN(x) = max(0, x W1 + b1) W2 + b2 (Section 3.3); GELU or swish (Marian's) as an option."""
 
@@ -272,13 +249,6 @@ class DecoderLayer(_Sublayers):
         x = self._residual(x, self.norm2, cross_attend)
         return self._residual(x, self.norm3, self.ff)
 
-    def step(self, x: Tensor, cache: LayerCache, src_keep: Tensor) -> Tensor:
-        """`forward` for one new position on the cache, at inference (`MultiHeadAttention.step`).
-        Shape: x (b, d), src_keep (N, S) -> (b, d)."""
-        x = self._residual(x, self.norm1, lambda h: self.self_attn.step(h, cache))
-        x = self._residual(x, self.norm2, lambda h: self.cross_attn.step(h, cache, src_keep))
-        return self._residual(x, self.norm3, self.ff)
-
 
 class Encoder(nn.Module):
     """N identical layers (Section 3.1); a final LayerNorm when pre-norm."""
@@ -310,12 +280,6 @@ class Decoder(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, memory, src_keep, self_keep, is_causal, None if cache is None else cache.layers[i], weights,
                       packed, mem_packed)
-        return x if self.norm is None else self.norm(x)
-
-    def step(self, x: Tensor, cache: DecoderCache, src_keep: Tensor) -> Tensor:
-        """`forward` for one new position on the cache, at inference. Shape: x (b, d) -> (b, d)."""
-        for layer, layer_cache in zip(self.layers, cache.layers):
-            x = layer.step(x, layer_cache, src_keep)
         return x if self.norm is None else self.norm(x)
 
 
@@ -428,8 +392,8 @@ class Transformer(nn.Module):
             is_causal = True
         x = self.embed(tgt, self.tgt_embed, offset)
         if cache is not None and T == 1 and self_keep is None and weights is None and src_keep is not None \
-                and not self.training:  # search's steps: the same operations, fewer calls (`Decoder.step`)
-            h = self.decoder.step(x[:, 0], cache, src_keep)[:, None]
+                and src_keep.dim() == 2:  # search's steps: the same operations, fewer calls
+            h = kernels.decoder_step(self.decoder, x[:, 0], cache, src_keep)[:, None]
         else:
             h = self.decoder(x, memory, src_keep, self_keep, is_causal, cache, weights)
         if cache is not None:
