@@ -60,14 +60,20 @@ def resident_anon_bytes() -> int:
     return status_bytes("RssAnon")
 
 
-def _malloc_trim():
-    """glibc's malloc_trim, or None where the C library has none (musl, macOS)."""
+def _glibc(name: str, argtypes: list):
+    """glibc's function `name` (returning int) with its argument types, or None where the C library
+    has none (musl, macOS)."""
     try:
-        trim = ctypes.CDLL(None).malloc_trim
+        f = getattr(ctypes.CDLL(None), name)
     except (OSError, AttributeError):
         return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
+    f.argtypes, f.restype = argtypes, ctypes.c_int
+    return f
+
+
+def _malloc_trim():
+    """glibc's malloc_trim, or None."""
+    return _glibc("malloc_trim", [ctypes.c_size_t])
 
 
 # glibc's mallopt parameters (malloc.h) with what keep_freed_memory sets, and the names under which a
@@ -86,11 +92,9 @@ def keep_freed_memory() -> bool:
     search, docs/speed.md). The resident size then stays near its peak, which barely moves. A
     setting the user made (either name) wins; the server, which must stay flat for days, keeps
     glibc's defaults. Returns whether mallopt took every value it was given (False without glibc)."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
+    mallopt = _glibc("mallopt", [ctypes.c_int, ctypes.c_int])
+    if mallopt is None:
         return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     tunables = os.environ.get("GLIBC_TUNABLES", "")
     ok = True
     for env_name, tunable, param, value in _MALLOC_KEEP:
