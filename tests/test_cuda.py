@@ -293,16 +293,16 @@ def attention_calls(monkeypatch) -> Iterator[tuple[list[tuple[str, str]], Transf
                                         with_kwargs=True)
     step = kernels._attention_step  # search's cached steps (kernels.decoder_step) call it, not forward
 
-    def noted_step(mha, x, cache, key_keep):
+    def noted_step(mha, x, cache, *args):
         current[0] = kind_of(mha, {"cache": cache})
-        return step(mha, x, cache, key_keep)
+        return step(mha, x, cache, *args)
 
     monkeypatch.setattr(kernels, "_attention_step", noted_step)
     attention = kernels.attention
 
-    def spied(q, k, v, mask, is_causal, p, training, need_weights=False):
+    def spied(q, k, v, mask, is_causal, p, training, need_weights=False, bias=None):
         with _SdpaOps() as ops:
-            out = attention(q, k, v, mask, is_causal, p, training, need_weights)
+            out = attention(q, k, v, mask, is_causal, p, training, need_weights, bias)
         calls.append((current[0], backend(ops.names)))
         return out
 

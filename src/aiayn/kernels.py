@@ -81,7 +81,7 @@ def inference_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, relu
     """
     q = _INT8.get(id(weight))
     if q is not None and q[0]() is weight:
-        return _int8_linear(x.float(), q[1], q[2], relu)
+        return _int8_linear(x if x.dtype == torch.float32 else x.float(), q[1], q[2], relu)
     dev = x.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
     if dev != "cpu" or weight.requires_grad or (x.requires_grad and torch.is_grad_enabled()) \
@@ -214,16 +214,17 @@ EXPLICIT_ATTENTION_MAX_KEYS = 256
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, dropout_p: float,
-              training: bool, need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
+              training: bool, need_weights: bool = False, bias: "MaskBias | None" = None) -> tuple[Tensor, Tensor | None]:
     """Scaled dot-product attention (Section 3.2.1) on the faster path for the device: explicit for
     short keys on the CPU, else `F.scaled_dot_product_attention`; the weights too if `need_weights`
-    (only the explicit path has them), else None.
+    (only the explicit path has them), else None. `bias` (`MaskBias` of `mask`) keeps the additive
+    form of a mask used again and again (search's steps), which the explicit path would make anew.
 
     Shape: q (B, H, T, d_head), k/v (B, H, S, d_head), mask broadcastable to (B, H, T, S), True = may
     attend -> (B, H, T, d_head), weights (B, H, T, S).
     """
     if need_weights or _explicit_is_faster(q, k):
-        ctx, weights = _explicit_attention(q, k, v, mask, is_causal, dropout_p, training)
+        ctx, weights = _explicit_attention(q, k, v, mask, is_causal, dropout_p, training, bias)
         return ctx, (weights if need_weights else None)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal), None
 
@@ -233,7 +234,8 @@ def _explicit_is_faster(q: Tensor, k: Tensor) -> bool:
 
 
 def _explicit_attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, dropout_p: float, training: bool
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, dropout_p: float, training: bool,
+    bias: "MaskBias | None" = None,
 ) -> tuple[Tensor, Tensor]:
     """softmax(q k^T / sqrt(d_head)) v, spelled out (Section 3.2.1); also returns the weights.
 
@@ -260,7 +262,8 @@ def _explicit_attention(
         if mask is not None:
             scores = scores.view(B, H, T, S).masked_fill(~mask, torch.finfo(scores.dtype).min).view(B * H, T, S)
     else:
-        scores = torch.baddbmm(_mask_bias(mask, B, H, dtype), q3, kt, alpha=scale)  # (BH, T, S)
+        additive = _mask_bias(mask, B, H, dtype) if bias is None else bias.get(mask, B, H, dtype)
+        scores = torch.baddbmm(additive, q3, kt, alpha=scale)  # (BH, T, S)
     exact = torch.promote_types(scores.dtype, torch.float32)  # float32, or float64 kept as it is
     weights = torch.softmax(scores, dim=-1, dtype=exact).to(scores.dtype).view(B, H, T, S)
     attn = dropout(weights, dropout_p, training)
@@ -280,26 +283,64 @@ def _mask_bias(mask: Tensor, B: int, H: int, dtype: torch.dtype) -> Tensor:
     return bias.expand(B, H, -1, -1).reshape(B * H, *bias.shape[-2:])
 
 
+class MaskBias:
+    """`_mask_bias` of one mask, made once and kept for its shape and dtype (search's steps use the
+    source mask in every layer at every step)."""
+
+    def __init__(self) -> None:
+        self._made: tuple[tuple, Tensor] | None = None
+
+    def get(self, mask: Tensor, B: int, H: int, dtype: torch.dtype) -> Tensor:
+        key = (tuple(mask.shape), B, H, dtype)
+        if self._made is None or self._made[0] != key:
+            self._made = (key, _mask_bias(mask, B, H, dtype))
+        return self._made[1]
+
+
 # ------------------------------------------------------------------ search's decoding step
 def decoder_step(decoder: Any, x: Tensor, cache: Any, src_keep: Tensor) -> Tensor:
     """`Decoder.forward` for one new position on the key/value cache (`DecoderCache`), as search's
     steps run it: the same operations in the same order, without the general path's branches and
-    module calls, which cost as much as the arithmetic once few sentences are left in a batch (a
-    step at one sentence: 0.72 -> 0.675 ms). Dropout follows each module's `training` as forward
-    does; forward hooks of the attention and decoder layers do not run here.
+    module calls, and with the source mask's additive form made once per step rather than per layer.
+    Once few sentences are left in a batch these cost as much as the arithmetic (int8, a step at
+    one sentence: 0.72 ms on the general path, 0.63 ms here; docs/speed.md). Dropout follows each
+    module's `training` as forward does; forward hooks of the modules do not run here.
 
     Shape: x (b, d), src_keep (N, S) bool -> (b, d); b = N * beam rows."""
-    for layer, layer_cache in zip(decoder.layers, cache.layers):
-        x = layer._residual(x, layer.norm1, lambda h: _attention_step(layer.self_attn, h, layer_cache, None))  # noqa: B023
-        x = layer._residual(x, layer.norm2, lambda h: _attention_step(layer.cross_attn, h, layer_cache, src_keep))  # noqa: B023
-        x = layer._residual(x, layer.norm3, layer.ff)
-    return x if decoder.norm is None else decoder.norm(x)
+    mask, bias = src_keep[:, None, None, :], MaskBias()  # (N, 1, 1, S)
+    for layer, lc in zip(decoder.layers, cache.layers):
+        x = _residual_step(layer, layer.norm1, x, lambda h: _attention_step(layer.self_attn, h, lc))  # noqa: B023
+        x = _residual_step(layer, layer.norm2, x, lambda h: _attention_step(layer.cross_attn, h, lc, mask, bias))  # noqa: B023
+        x = _residual_step(layer, layer.norm3, x, lambda h: _feed_forward_step(layer.ff, h))  # noqa: B023
+    return x if decoder.norm is None else _layer_norm(decoder.norm, x)
 
 
-def _attention_step(mha: Any, x: Tensor, cache: Any, key_keep: Tensor | None) -> Tensor:
+def _layer_norm(norm: nn.LayerNorm, x: Tensor) -> Tensor:
+    """What `norm(x)` computes, without the module call."""
+    return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+
+
+def _residual_step(layer: Any, norm: nn.LayerNorm, x: Tensor, f: Callable[[Tensor], Tensor]) -> Tensor:
+    """The layer's `_residual` (post- or pre-norm) without module calls."""
+    if layer.norm_first:
+        return x + dropout(f(_layer_norm(norm, x)), layer.dropout, layer.training)
+    return _layer_norm(norm, x + dropout(f(x), layer.dropout, layer.training))
+
+
+def _feed_forward_step(ff: Any, x: Tensor) -> Tensor:
+    """`FeedForward.forward` without module calls. Shape: (b, d) -> (b, d)."""
+    if ff.act is F.relu and not ff.training:  # inference: ReLU fused into the first GEMM
+        h = inference_linear(x, ff.w1.weight, ff.w1.bias, relu=True)
+    else:
+        h = dropout(ff.act(inference_linear(x, ff.w1.weight, ff.w1.bias)), ff.dropout, ff.training)
+    return inference_linear(h, ff.w2.weight, ff.w2.bias)
+
+
+def _attention_step(mha: Any, x: Tensor, cache: Any, key_keep: Tensor | None = None,
+                    bias: MaskBias | None = None) -> Tensor:
     """`MultiHeadAttention.forward` for one new position: self-attention appends to the layer's
-    cache, cross-attention reads it (`LayerCache.cross`), `key_keep` (N, S) masking the source.
-    Shape: x (b, d) -> (b, d)."""
+    cache, cross-attention reads it (`LayerCache.cross`), `key_keep` (N, 1, 1, S) masking the
+    source, its additive form kept in `bias`. Shape: x (b, d) -> (b, d)."""
     b, D = x.shape
     H, dh = mha.n_heads, mha.d_head
     if mha.cross:
@@ -309,8 +350,7 @@ def _attention_step(mha: Any, x: Tensor, cache: Any, key_keep: Tensor | None) ->
         qkv = inference_linear(x, mha.qkv_proj.weight, mha.qkv_proj.bias)  # (b, 3d)
         q, k, v = qkv.view(b, 1, 3, H, dh).permute(2, 0, 3, 1, 4).unbind(0)  # (b, H, 1, dh) each
         k, v = cache.append(k, v)  # (b, H, t, dh)
-    mask = None if key_keep is None else key_keep[:, None, None, :]  # (N, 1, 1, S)
-    ctx, _ = attention(q, k, v, mask, False, mha.dropout if mha.training else 0.0, mha.training)
+    ctx, _ = attention(q, k, v, key_keep, False, mha.dropout if mha.training else 0.0, mha.training, bias=bias)
     # (N, H, G, dh) -> (N, G, H, dh) -> (b, d): each row back in its place, heads side by side
     return inference_linear(ctx.transpose(1, 2).reshape(b, D), mha.out_proj.weight, mha.out_proj.bias)
 
