@@ -69,6 +69,31 @@ def test_wide_layers_agree_on_both_engines(monkeypatch, rows):
     assert torch.allclose(relu, want.clamp_min(0), atol=1e-5)
 
 
+@pytest.mark.parametrize("scripted", [True, False])
+def test_the_int8_ops_give_the_same_results_scripted_or_not(monkeypatch, scripted):
+    """`_int8_linear` calls the quantized ops through a scripted function (the Python binding's
+    argument checks cost more than a one-row GEMM), or, where scripting fails, from Python: the
+    results are the ops' own, bitwise, ReLU or not, on both engines; no deprecation notice escapes."""
+    import warnings
+
+    if not scripted:
+        monkeypatch.setattr(torch.jit, "script", lambda f: (_ for _ in ()).throw(RuntimeError("no TorchScript")))
+    monkeypatch.setattr(kernels, "_INT8_CALL", None)
+    torch.manual_seed(0)
+    w, b = torch.randn(48, 16), torch.randn(48)
+    engines = [e for e in (kernels.INT8_ENGINE, kernels.WIDE_ENGINE) if e in torch.backends.quantized.supported_engines]
+    x = torch.randn(5, 16)
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for engine in engines:
+            packed = kernels._pack_int8(w, b, engine)
+            for relu in (False, True):
+                want = (torch.ops.quantized.linear_relu_dynamic if relu else torch.ops.quantized.linear_dynamic)(
+                    x, packed, True)
+                assert torch.equal(kernels._int8_linear(x, packed, None, relu), want)
+    assert isinstance(kernels._INT8_CALL, torch.jit.ScriptFunction) == scripted
+
+
 def test_wide_layer_does_not_saturate_without_vnni():
     """Under AVX2 (no VNNI) int8 GEMMs add pairs of u8 x s8 products in saturating 16 bits; with
     7-bit inputs no pair can saturate, on the oneDNN copy too. Inputs and weights that would
