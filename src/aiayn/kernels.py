@@ -331,7 +331,7 @@ def decoder_step(decoder: Any, x: Tensor, cache: Any, src_keep: Tensor) -> Tenso
     steps run it: the same operations in the same order, without the general path's branches and
     module calls, and with the source mask's additive form made once per step rather than per layer.
     Once few sentences are left in a batch these cost as much as the arithmetic (int8, a step at
-    one sentence: 0.72 ms on the general path, 0.63 ms here; docs/speed.md). Dropout follows each
+    one sentence: 0.69 -> 0.63 ms, measured in one process; docs/speed.md). Dropout follows each
     module's `training` as forward does; forward hooks of the modules do not run here.
 
     Shape: x (b, d), src_keep (N, S) bool -> (b, d); b = N * beam rows."""
