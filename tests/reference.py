@@ -86,9 +86,9 @@ def count_weight_requests(monkeypatch) -> list[bool]:
     calls: list[bool] = []
     attention = aiayn.kernels.attention
 
-    def counted(q, k, v, mask, is_causal, p, training, need_weights=False):
+    def counted(q, k, v, mask, is_causal, p, training, need_weights=False, bias=None):
         calls.append(need_weights)
-        return attention(q, k, v, mask, is_causal, p, training, need_weights)
+        return attention(q, k, v, mask, is_causal, p, training, need_weights, bias)
 
     monkeypatch.setattr(aiayn.kernels, "attention", counted)
     return calls

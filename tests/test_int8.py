@@ -69,29 +69,58 @@ def test_wide_layers_agree_on_both_engines(monkeypatch, rows):
     assert torch.allclose(relu, want.clamp_min(0), atol=1e-5)
 
 
-@pytest.mark.parametrize("scripted", [True, False])
-def test_the_int8_ops_give_the_same_results_scripted_or_not(monkeypatch, scripted):
-    """`_int8_linear` calls the quantized ops through a scripted function (the Python binding's
-    argument checks cost more than a one-row GEMM), or, where scripting fails, from Python: the
-    results are the ops' own, bitwise, ReLU or not, on both engines; no deprecation notice escapes."""
+@pytest.mark.parametrize("compiled", [True, False])
+def test_the_int8_ops_give_the_same_results_compiled_or_not(monkeypatch, compiled):
+    """`_int8_linear` calls the quantized ops through a compiled TorchScript function (the Python
+    binding's argument checks cost more than a one-row GEMM), or, where compiling fails, from
+    Python: the results are the ops' own, bitwise (FBGEMM with and without the fused ReLU, the
+    oneDNN copy without it, as the code calls them), and nothing is warned."""
     import warnings
 
-    if not scripted:
-        monkeypatch.setattr(torch.jit, "script", lambda f: (_ for _ in ()).throw(RuntimeError("no TorchScript")))
+    if not compiled:
+        monkeypatch.setattr(torch.jit, "CompilationUnit", lambda *a: (_ for _ in ()).throw(RuntimeError("no TorchScript")))
     monkeypatch.setattr(kernels, "_INT8_CALL", None)
     torch.manual_seed(0)
     w, b = torch.randn(48, 16), torch.randn(48)
-    engines = [e for e in (kernels.INT8_ENGINE, kernels.WIDE_ENGINE) if e in torch.backends.quantized.supported_engines]
+    calls = [(kernels.INT8_ENGINE, False), (kernels.INT8_ENGINE, True)]
+    if kernels.WIDE_ENGINE in torch.backends.quantized.supported_engines:
+        calls.append((kernels.WIDE_ENGINE, False))
     x = torch.randn(5, 16)
     with torch.inference_mode(), warnings.catch_warnings():
         warnings.simplefilter("error")
-        for engine in engines:
+        for engine, relu in calls:
             packed = kernels._pack_int8(w, b, engine)
-            for relu in (False, True):
-                want = (torch.ops.quantized.linear_relu_dynamic if relu else torch.ops.quantized.linear_dynamic)(
-                    x, packed, True)
-                assert torch.equal(kernels._int8_linear(x, packed, None, relu), want)
-    assert isinstance(kernels._INT8_CALL, torch.jit.ScriptFunction) == scripted
+            want = (torch.ops.quantized.linear_relu_dynamic if relu else torch.ops.quantized.linear_dynamic)(
+                x, packed, True)
+            assert torch.equal(kernels._int8_linear(x, packed, None, relu), want)
+    assert isinstance(kernels._INT8_CALL, torch.jit.ScriptFunction) == compiled
+
+
+def test_first_int8_calls_on_several_threads_compile_once(monkeypatch):
+    """Search threads may make their first int8 calls together: the ops' caller is compiled once,
+    and every thread gets the ops' results."""
+    import threading
+    import time
+
+    compiled, real = [], torch.jit.CompilationUnit
+
+    def slow(source):
+        compiled.append(1)
+        time.sleep(0.2)
+        return real(source)
+
+    monkeypatch.setattr(torch.jit, "CompilationUnit", slow)
+    monkeypatch.setattr(kernels, "_INT8_CALL", None)
+    packed, x = kernels._pack_int8(torch.randn(8, 4), None), torch.randn(2, 4)
+    want = torch.ops.quantized.linear_dynamic(x, packed, True)
+    got: list[torch.Tensor] = []
+    threads = [threading.Thread(target=lambda: got.append(kernels._int8_linear(x, packed, None, False)))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(compiled) == 1 and len(got) == 3 and all(torch.equal(g, want) for g in got)
 
 
 def test_wide_layer_does_not_saturate_without_vnni():

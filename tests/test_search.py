@@ -209,7 +209,7 @@ def test_row_blocks_do_not_change_the_search(monkeypatch):
     for block in (1, 3, 5):
         monkeypatch.setattr(search, "ROW_BLOCK", block)
         assert beam_search(model, src, BOS, EOS, **kw) == want
-    bf16 = copy.deepcopy(model).to(torch.bfloat16)  # bf16 logits are upcast into the float32 buffers
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)  # bf16 logits are upcast into a float32 buffer
     monkeypatch.setattr(search, "ROW_BLOCK", 128)
     want16 = beam_search(bf16, src, BOS, EOS, **kw)
     monkeypatch.setattr(search, "ROW_BLOCK", 3)
@@ -312,14 +312,16 @@ def _general_step(decoder, x, cache, src_keep):
     return decoder(x[:, None], None, src_keep, None, False, cache, None)[:, 0]
 
 
-STEP_KINDS = ["post-norm", "pre-norm", "gelu", "swish", "int8", "bf16", "autocast", "sdpa", "dropout"]
+STEP_KINDS = ["post-norm", "pre-norm", "gelu", "swish", "int8", "bf16", "fp16", "autocast", "sdpa", "dropout",
+              "pre-norm dropout", "ff training"]
+DROPOUTS = {"dropout": 0.3, "attention_dropout": 0.2, "activation_dropout": 0.25}  # apart: a mix-up shows
 
 
 def _step_model(kind):
     from aiayn.kernels import quantize_int8
 
     overrides = {"pre-norm": {"norm_first": True}, "gelu": {"activation": "gelu"}, "swish": {"activation": "swish"},
-                 "dropout": {"dropout": 0.3, "attention_dropout": 0.3, "activation_dropout": 0.3}}
+                 "dropout": DROPOUTS, "pre-norm dropout": {"norm_first": True, **DROPOUTS}, "ff training": DROPOUTS}
     torch.manual_seed(3)
     model = Transformer(preset("tiny", src_vocab_size=40, tgt_vocab_size=40, **overrides.get(kind, {}))).eval()
     model.requires_grad_(False)  # frozen: the packed (and int8) inference GEMMs, as Translator runs
@@ -327,10 +329,13 @@ def _step_model(kind):
         model.tgt_embed.weight[EOS] *= 3
     if kind == "int8":
         quantize_int8(model)
-    if kind == "bf16":
-        model = model.to(torch.bfloat16)
-    if kind == "dropout":
+    if kind in ("bf16", "fp16"):  # fp16: masked_fill rather than an additive mask
+        model = model.to(torch.bfloat16 if kind == "bf16" else torch.float16)
+    if kind.endswith("dropout"):
         model.decoder.train()  # dropout in the decoder only (the step path follows each module's flag)
+    if kind == "ff training":
+        for layer in model.decoder.layers:
+            layer.ff.train()  # activation dropout alone
     return model
 
 

@@ -21,6 +21,7 @@ moves by at most 2^-17).
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -139,30 +140,41 @@ def _int8_linear(x: Tensor, fbgemm: object, wide: object | None, relu: bool) -> 
 
 # A quantized op called from Python costs ~6 us more than its work on one row: the binding looks for
 # `__torch_function__` on every argument, and on the packed weight (a TorchScript object) that
-# lookup fails by way of a C++ exception. Called from a scripted function, the op gets its
+# lookup fails by way of a C++ exception. Called from a compiled TorchScript function, the op gets its
 # arguments without that lookup (one int8 linear on one row: 10.8 -> 4.1 us; a decoding step makes
-# 20). `torch.jit.script` is deprecated: where it is gone or fails, the ops are called from Python
-# (slower, the same results).
-def _int8_op(x: Tensor, packed: "torch.classes.quantized.LinearPackedParamsBase",  # type: ignore[name-defined]
-             relu: bool, reduce_range: bool) -> Tensor:
+# 20). TorchScript is deprecated: where compiling fails, the ops are called from Python (slower, the
+# same results). Compiled from source (`CompilationUnit`), which warns of nothing, once, under a lock:
+# the first calls may come from several search threads at once.
+_INT8_SOURCE = """
+def int8_op(x: Tensor, packed: __torch__.torch.classes.quantized.LinearPackedParamsBase, relu: bool,
+            reduce_range: bool) -> Tensor:
+    if relu:
+        return torch.ops.quantized.linear_relu_dynamic(x, packed, reduce_range)
+    return torch.ops.quantized.linear_dynamic(x, packed, reduce_range)
+"""
+
+
+def _int8_op(x: Tensor, packed: Any, relu: bool, reduce_range: bool) -> Tensor:
+    """What `_INT8_SOURCE` compiles to, called from Python."""
     if relu:
         return torch.ops.quantized.linear_relu_dynamic(x, packed, reduce_range)
     return torch.ops.quantized.linear_dynamic(x, packed, reduce_range)
 
 
 _INT8_CALL: Callable[[Tensor, Any, bool, bool], Tensor] | None = None
+_INT8_LOCK = threading.Lock()
 
 
 def _int8_caller() -> Callable[[Tensor, Any, bool, bool], Tensor]:
-    """`_int8_op` scripted (made once, on first use: it needs torch's quantized classes), else itself."""
+    """The compiled `_INT8_SOURCE` (made once: it needs torch's quantized classes), else `_int8_op`."""
     global _INT8_CALL
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the deprecation notice: a user can do nothing about it
-            _INT8_CALL = cast(Callable[[Tensor, Any, bool, bool], Tensor], torch.jit.script(_int8_op))
-    except Exception:  # noqa: BLE001 - any failure to script leaves the Python call, which works
-        _INT8_CALL = _int8_op
-    return _INT8_CALL
+    with _INT8_LOCK:
+        if _INT8_CALL is None:
+            try:
+                _INT8_CALL = torch.jit.CompilationUnit(_INT8_SOURCE).int8_op
+            except Exception:  # noqa: BLE001 - any failure to compile leaves the Python call, which works
+                _INT8_CALL = _int8_op
+        return _INT8_CALL
 
 
 def _wide_engine_pays(weight: Tensor) -> bool:
@@ -207,6 +219,7 @@ def quantize_int8(model: ModuleT, output: bool = True) -> ModuleT:
     `model`. The caller owns the model: `Translator` passes a copy of its own."""
     if (why := int8_unavailable()) is not None:
         raise RuntimeError(why)
+    _int8_caller()  # here, before any search thread calls it
     pairs: list[tuple[Tensor, Tensor | None]] = [(m.weight, m.bias) for m in model.modules()
                                                  if isinstance(m, nn.Linear)]
     out_w = getattr(model, "output_weight", None)
@@ -312,17 +325,18 @@ def _mask_bias(mask: Tensor, B: int, H: int, dtype: torch.dtype) -> Tensor:
 
 
 class MaskBias:
-    """`_mask_bias` of one mask, made once and kept for its shape and dtype (search's steps use the
-    source mask in every layer at every step)."""
+    """`_mask_bias` of a mask, made once and kept while the same mask (the same tensor object) comes
+    with the same shapes and dtype: search's steps use the source mask in every layer. (Inference
+    tensors have no version counter: a mask changed in place between calls is not seen.)"""
 
     def __init__(self) -> None:
-        self._made: tuple[tuple, Tensor] | None = None
+        self._made: tuple[Tensor, tuple, Tensor] | None = None
 
     def get(self, mask: Tensor, B: int, H: int, dtype: torch.dtype) -> Tensor:
-        key = (tuple(mask.shape), B, H, dtype)
-        if self._made is None or self._made[0] != key:
-            self._made = (key, _mask_bias(mask, B, H, dtype))
-        return self._made[1]
+        key = (B, H, dtype)
+        if self._made is None or self._made[0] is not mask or self._made[1] != key:
+            self._made = (mask, key, _mask_bias(mask, B, H, dtype))
+        return self._made[2]
 
 
 # ------------------------------------------------------------------ search's decoding step
@@ -336,7 +350,7 @@ def decoder_step(decoder: Any, x: Tensor, cache: Any, src_keep: Tensor) -> Tenso
 
     Shape: x (b, d), src_keep (N, S) bool -> (b, d); b = N * beam rows."""
     mask, bias = src_keep[:, None, None, :], MaskBias()  # (N, 1, 1, S)
-    for layer, lc in zip(decoder.layers, cache.layers):
+    for layer, lc in zip(decoder.layers, cache.layers, strict=True):
         x = _residual_step(layer, layer.norm1, x, lambda h: _attention_step(layer.self_attn, h, lc))  # noqa: B023
         x = _residual_step(layer, layer.norm2, x, lambda h: _attention_step(layer.cross_attn, h, lc, mask, bias))  # noqa: B023
         x = _residual_step(layer, layer.norm3, x, lambda h: _feed_forward_step(layer.ff, h))  # noqa: B023

@@ -249,11 +249,12 @@ class _RowTopk:
         self.width, self.beam, self.banned, self.eos = width, beam, banned, eos_id
         self.buf: Tensor | None = None  # (rows, V) float32: a low-precision block is upcast into it
 
-    def _buffer(self, rows: int, V: int, like: Tensor) -> Tensor:
-        n = min(ROW_BLOCK, rows)
-        if self.buf is None or self.buf.size(1) != V or self.buf.size(0) < n:
-            self.buf = like.new_empty(n, V, dtype=torch.float32)
-        return self.buf
+    def _upcast(self, blk: Tensor) -> Tensor:
+        """A float32 copy of a low-precision block, in the buffer. Shape: (m, V) -> (m, V)."""
+        m, V = blk.shape
+        if self.buf is None or self.buf.size(1) != V or self.buf.size(0) < m:
+            self.buf = blk.new_empty(m, V, dtype=torch.float32)
+        return self.buf[:m].copy_(blk)
 
     def __call__(self, hidden: Tensor, forced: Tensor | None, no_eos: bool) -> tuple[Tensor, Tensor]:
         """Shape: hidden (n, d), forced (n,) bool or None -> values, ids (n, width)."""
@@ -265,14 +266,14 @@ class _RowTopk:
             V = logits.size(-1)
         if V < self.beam:
             raise AiaynError(f"--beam {self.beam} is larger than the target vocabulary ({V} tokens)")
-        raw = self._buffer(n, V, logits)
         vals, ids = [], []
-        for i in range(0, n, raw.size(0)):
-            blk = logits[i:i + raw.size(0)]
+        rows = min(ROW_BLOCK, n)
+        for i in range(0, n, rows):
+            blk = logits[i:i + rows]
             if self.by_block:
                 blk = self.project(blk)  # (m, V)
             m = blk.size(0)
-            x = blk if blk.dtype == torch.float32 else raw[:m].copy_(blk)  # upcast in place
+            x = blk if blk.dtype == torch.float32 else self._upcast(blk)
             # (m, V) token log-probabilities, written over the logits (a fresh projection or the
             # buffer): one block of memory in the cache rather than two (1.8-2.2% of beam 4 int8)
             lprobs = torch.log_softmax(x, dim=-1, out=x)
