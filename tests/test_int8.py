@@ -80,6 +80,7 @@ def test_the_int8_ops_give_the_same_results_compiled_or_not(monkeypatch, compile
     if not compiled:
         monkeypatch.setattr(torch.jit, "CompilationUnit", lambda *a: (_ for _ in ()).throw(RuntimeError("no TorchScript")))
     monkeypatch.setattr(kernels, "_INT8_CALL", None)
+    monkeypatch.setattr(kernels, "_COMPILED", None)
     torch.manual_seed(0)
     w, b = torch.randn(48, 16), torch.randn(48)
     calls = [(kernels.INT8_ENGINE, False), (kernels.INT8_ENGINE, True)]
@@ -111,6 +112,7 @@ def test_first_int8_calls_on_several_threads_compile_once(monkeypatch):
 
     monkeypatch.setattr(torch.jit, "CompilationUnit", slow)
     monkeypatch.setattr(kernels, "_INT8_CALL", None)
+    monkeypatch.setattr(kernels, "_COMPILED", None)
     packed, x = kernels._pack_int8(torch.randn(8, 4), None), torch.randn(2, 4)
     want = torch.ops.quantized.linear_dynamic(x, packed, True)
     got: list[torch.Tensor] = []
@@ -260,3 +262,23 @@ def test_ctranslate2_engine_takes_int8(trained, tmp_path):
     want = Translator(model, toks).translate(lines[:16], beam=1)
     got = CT2Translator(path, precision="int8").translate(lines[:16], beam=1)
     assert sum(a == b for a, b in zip(want, got)) >= 15
+
+
+def test_the_compiled_step_falls_back_to_python_where_it_cannot_compile(monkeypatch):
+    """Where TorchScript cannot compile the int8 step (it is deprecated), search takes the Python
+    step: the same translations, no plan kept."""
+    from test_search import BOS, EOS, _step_model, random_batch
+
+    from aiayn.search import greedy_search
+
+    model, src = _step_model("int8"), random_batch([5, 9, 3])
+    with torch.inference_mode():
+        want = greedy_search(model, src, BOS, EOS, max_len_b=12)
+    monkeypatch.setattr(torch.jit, "CompilationUnit", lambda *a: (_ for _ in ()).throw(RuntimeError("no TorchScript")))
+    monkeypatch.setattr(kernels, "_COMPILED", None)
+    plans = []
+    step = kernels.decoder_step
+    monkeypatch.setattr(kernels, "decoder_step", lambda d, x, cache, k: (step(d, x, cache, k), plans.append(cache.step_plan))[0])
+    with torch.inference_mode():
+        assert greedy_search(model, src, BOS, EOS, max_len_b=12) == want
+    assert plans and not any(plans) and kernels._COMPILED is False

@@ -312,8 +312,9 @@ def _general_step(decoder, x, cache, src_keep):
     return decoder(x[:, None], None, src_keep, None, False, cache, None)[:, 0]
 
 
-STEP_KINDS = ["post-norm", "pre-norm", "gelu", "swish", "int8", "bf16", "fp16", "autocast", "sdpa", "dropout",
-              "pre-norm dropout", "ff training"]
+STEP_KINDS = ["post-norm", "pre-norm", "gelu", "swish", "int8", "int8 pre-norm", "int8 gelu", "int8 swish", "bf16",
+              "fp16", "autocast", "sdpa", "dropout", "pre-norm dropout", "ff training", "int8 dropout"]
+COMPILED = {"int8", "int8 pre-norm", "int8 gelu", "int8 swish"}  # kernels._StepPlan takes these
 DROPOUTS = {"dropout": 0.3, "attention_dropout": 0.2, "activation_dropout": 0.25}  # apart: a mix-up shows
 
 
@@ -322,12 +323,13 @@ def _step_model(kind):
 
     overrides = {"pre-norm": {"norm_first": True}, "gelu": {"activation": "gelu"}, "swish": {"activation": "swish"},
                  "dropout": DROPOUTS, "pre-norm dropout": {"norm_first": True, **DROPOUTS}, "ff training": DROPOUTS}
+    base = kind.removeprefix("int8 ") if kind.startswith("int8 ") else kind
     torch.manual_seed(3)
-    model = Transformer(preset("tiny", src_vocab_size=40, tgt_vocab_size=40, **overrides.get(kind, {}))).eval()
+    model = Transformer(preset("tiny", src_vocab_size=40, tgt_vocab_size=40, **overrides.get(base, {}))).eval()
     model.requires_grad_(False)  # frozen: the packed (and int8) inference GEMMs, as Translator runs
     with torch.no_grad():
         model.tgt_embed.weight[EOS] *= 3
-    if kind == "int8":
+    if kind.startswith("int8"):
         quantize_int8(model)
     if kind in ("bf16", "fp16"):  # fp16: masked_fill rather than an additive mask
         model = model.to(torch.bfloat16 if kind == "bf16" else torch.float16)
@@ -344,16 +346,23 @@ def test_decoder_step_is_the_general_path_exactly(kind, monkeypatch):
     """Search's cached steps take `kernels.decoder_step`, the same operations as the decoder's forward
     with fewer calls: hidden states, greedy and beam results are bitwise those of the general path,
     through reorders, finished sentences and beam rows sharing their sentence's cross-attention keys;
-    also under autocast, on SDPA, and with dropout on (the same random numbers drawn)."""
+    also under autocast, on SDPA, with dropout on (the same random numbers drawn), and on the
+    compiled int8 step (whose plan is refused where it does not apply, as under dropout)."""
     from aiayn import kernels
 
     model = _step_model(kind)
     if kind == "sdpa":
         monkeypatch.setattr(kernels, "EXPLICIT_ATTENTION_MAX_KEYS", 0)
     src = random_batch([5, 9, 3, 7, 1])
-    calls = []
+    calls: list[bool] = []  # per fast step: whether the compiled int8 step had a plan (kernels._StepPlan)
     fast = kernels.decoder_step
-    monkeypatch.setattr(kernels, "decoder_step", lambda *a: calls.append(1) or fast(*a))
+
+    def spy(decoder, x, cache, src_keep):
+        out = fast(decoder, x, cache, src_keep)
+        calls.append(bool(cache.step_plan))
+        return out
+
+    monkeypatch.setattr(kernels, "decoder_step", spy)
     runs = []
     for step in (None, _general_step):
         if step is not None:
@@ -373,7 +382,7 @@ def test_decoder_step_is_the_general_path_exactly(kind, monkeypatch):
             out.append(greedy_search(model, src, BOS, EOS, max_len_b=12))
             out.append(beam_search(model, src, BOS, EOS, beam=3, nbest=3, max_len_b=12))
         runs.append(out)
-    assert calls  # the fast path ran
+    assert calls and all(calls) == (kind in COMPILED)  # the fast path ran, compiled where it applies
     for got, want in zip(*runs):
         assert got == want if isinstance(got, list) else torch.equal(got, want)
 

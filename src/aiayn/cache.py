@@ -113,6 +113,7 @@ class DecoderCache:
     src_keep: Tensor  # (N, S) bool, True = real source token
     length: int = 0
     beam: int = 1  # decoder rows per sentence
+    step_plan: object = None  # `kernels.decoder_step`'s compiled plan for this search (False: none)
 
     def reorder(self, indices: Tensor, beam: int | None = None) -> None:
         """Keep rows `indices` (R',): new row i continues old row indices[i].

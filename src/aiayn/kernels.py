@@ -11,7 +11,7 @@ moves by at most 2^-17).
   matmul-softmax-matmul for short keys on the CPU (and whenever the weights are wanted, for plots),
   else `F.scaled_dot_product_attention`.
 - `decoder_step`: the decoder for one new position on the key/value cache (search's steps), the
-  same operations as its forward with fewer calls.
+  same operations as its forward with fewer calls; for int8 models compiled with TorchScript.
 - `Packed`: the position-wise layers run on the real tokens of a padded batch only (training);
   `LossPacking` says where they are for the loss, found on the host where a batch is built.
 
@@ -143,8 +143,8 @@ def _int8_linear(x: Tensor, fbgemm: object, wide: object | None, relu: bool) -> 
 # lookup fails by way of a C++ exception. Called from a compiled TorchScript function, the op gets its
 # arguments without that lookup (one int8 linear on one row: 10.8 -> 4.1 us; a decoding step makes
 # 20). TorchScript is deprecated: where compiling fails, the ops are called from Python (slower, the
-# same results). Compiled from source (`CompilationUnit`), which warns of nothing, once, under a lock:
-# the first calls may come from several search threads at once.
+# same results). Compiled from source (`CompilationUnit`, with search's step below), which warns of
+# nothing, once, under a lock: the first calls may come from several search threads at once.
 _INT8_SOURCE = """
 def int8_op(x: Tensor, packed: __torch__.torch.classes.quantized.LinearPackedParamsBase, relu: bool,
             reduce_range: bool) -> Tensor:
@@ -162,19 +162,28 @@ def _int8_op(x: Tensor, packed: Any, relu: bool, reduce_range: bool) -> Tensor:
 
 
 _INT8_CALL: Callable[[Tensor, Any, bool, bool], Tensor] | None = None
-_INT8_LOCK = threading.Lock()
+_COMPILED: Any = None  # the compiled _INT8_SOURCE + _STEP_SOURCE; False if they cannot be compiled
+_COMPILE_LOCK = threading.Lock()
+
+
+def _compiled() -> Any:
+    """The compilation unit (made once: it needs torch's quantized classes), or False."""
+    global _COMPILED
+    with _COMPILE_LOCK:
+        if _COMPILED is None:
+            try:
+                _COMPILED = torch.jit.CompilationUnit(_INT8_SOURCE + _STEP_SOURCE)
+            except Exception:  # noqa: BLE001 - any failure to compile leaves the Python calls, which work
+                _COMPILED = False
+        return _COMPILED
 
 
 def _int8_caller() -> Callable[[Tensor, Any, bool, bool], Tensor]:
-    """The compiled `_INT8_SOURCE` (made once: it needs torch's quantized classes), else `_int8_op`."""
+    """The compiled `int8_op`, else `_int8_op`."""
     global _INT8_CALL
-    with _INT8_LOCK:
-        if _INT8_CALL is None:
-            try:
-                _INT8_CALL = torch.jit.CompilationUnit(_INT8_SOURCE).int8_op
-            except Exception:  # noqa: BLE001 - any failure to compile leaves the Python call, which works
-                _INT8_CALL = _int8_op
-        return _INT8_CALL
+    unit = _compiled()
+    _INT8_CALL = unit.int8_op if unit else _int8_op
+    return _INT8_CALL
 
 
 def _wide_engine_pays(weight: Tensor) -> bool:
@@ -345,10 +354,15 @@ def decoder_step(decoder: Any, x: Tensor, cache: Any, src_keep: Tensor) -> Tenso
     steps run it: the same operations in the same order, without the general path's branches and
     module calls, and with the source mask's additive form made once per step rather than per layer.
     Once few sentences are left in a batch these cost as much as the arithmetic (int8, a step at
-    one sentence: 0.69 -> 0.63 ms, measured in one process; docs/speed.md). Dropout follows each
+    one sentence: 0.69 -> 0.63 ms, measured in one process; docs/speed.md), and in the common int8
+    case each layer's work runs compiled (`_StepPlan`, the same operations). Dropout follows each
     module's `training` as forward does; forward hooks of the modules do not run here.
 
     Shape: x (b, d), src_keep (N, S) bool -> (b, d); b = N * beam rows."""
+    if cache.step_plan is None:
+        cache.step_plan = _StepPlan.make(decoder, cache) or False
+    if cache.step_plan and cache.step_plan.applies(x, cache):
+        return cache.step_plan.run(decoder, x, cache, src_keep)
     mask, bias = src_keep[:, None, None, :], MaskBias()  # (N, 1, 1, S)
     for layer, lc in zip(decoder.layers, cache.layers, strict=True):
         x = _residual_step(layer, layer.norm1, x, lambda h: _attention_step(layer.self_attn, h, lc))  # noqa: B023
@@ -395,6 +409,127 @@ def _attention_step(mha: Any, x: Tensor, cache: Any, key_keep: Tensor | None = N
     ctx, _ = attention(q, k, v, key_keep, False, mha.dropout if mha.training else 0.0, mha.training, bias=bias)
     # (N, H, G, dh) -> (N, G, H, dh) -> (b, d): each row back in its place, heads side by side
     return inference_linear(ctx.transpose(1, 2).reshape(b, D), mha.out_proj.weight, mha.out_proj.bias)
+
+
+# ------------------------------------------------------------ search's int8 step, compiled
+# Once few sentences are left in a batch, the Python between a step's ~100 operations costs more
+# than they do. In the common case (int8 weights, float32, inference, keys short enough for the
+# explicit attention) a decoder layer's work after its self-attention append runs as one compiled
+# TorchScript function: the operations of `decoder_step` in the same order, so bitwise the same
+# results, dispatched from C++ (a greedy step at one sentence 0.50 -> 0.33 ms, at 16 1.11 -> 0.89
+# ms; docs/speed.md). Anything else, or a failure to compile, takes the Python step. Compiled with
+# `_INT8_SOURCE` (`_compiled`).
+_STEP_SOURCE = """
+def attend(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], scale: float) -> Tensor:
+    B, H, T, dh, S = q.size(0), q.size(1), q.size(2), q.size(3), k.size(2)
+    q3, kt = q.reshape(B * H, T, dh), k.reshape(B * H, S, dh).transpose(1, 2)
+    if bias is None:
+        scores = torch.bmm(q3 * scale, kt)
+    else:
+        scores = torch.baddbmm(bias, q3, kt, beta=1, alpha=scale)
+    return torch.matmul(torch.softmax(scores, -1, torch.float32).view(B, H, T, S), v)
+
+def residual(x: Tensor, y: Tensor, w: Tensor, b: Tensor, eps: float, norm_first: bool) -> Tensor:
+    if norm_first:
+        return x + y
+    return torch.layer_norm(x + y, [x.size(1)], w, b, eps)
+
+def sublayer_input(x: Tensor, w: Tensor, b: Tensor, eps: float, norm_first: bool) -> Tensor:
+    if norm_first:
+        return torch.layer_norm(x, [x.size(1)], w, b, eps)
+    return x
+
+def after_append(x: Tensor, q: Tensor, k: Tensor, v: Tensor, ck: Tensor, cv: Tensor, bias: Tensor,
+                 wo: __torch__.torch.classes.quantized.LinearPackedParamsBase,
+                 wq: __torch__.torch.classes.quantized.LinearPackedParamsBase,
+                 wco: __torch__.torch.classes.quantized.LinearPackedParamsBase,
+                 w1: __torch__.torch.classes.quantized.LinearPackedParamsBase,
+                 w2: __torch__.torch.classes.quantized.LinearPackedParamsBase,
+                 norms: List[Tensor], eps: float, scale: float, norm_first: bool, act: int,
+                 rr: bool) -> Tensor:
+    b, D, H, N = x.size(0), x.size(1), q.size(1), ck.size(0)
+    ctx = attend(q, k, v, None, scale)
+    x = residual(x, int8_op(ctx.transpose(1, 2).reshape(b, D), wo, False, rr), norms[0], norms[1], eps, norm_first)
+    h = sublayer_input(x, norms[2], norms[3], eps, norm_first)
+    qc = int8_op(h, wq, False, rr).view(b, 1, H, D // H).transpose(1, 2)
+    if b > N:
+        qc = qc.reshape(N, b // N, H, 1, D // H).transpose(1, 2).reshape(N, H, b // N, D // H)
+    ctx = attend(qc, ck, cv, bias, scale)
+    x = residual(x, int8_op(ctx.transpose(1, 2).reshape(b, D), wco, False, rr), norms[2], norms[3], eps, norm_first)
+    h = sublayer_input(x, norms[4], norms[5], eps, norm_first)
+    if act == 0:
+        f = int8_op(int8_op(h, w1, True, rr), w2, False, rr)
+    elif act == 1:
+        f = int8_op(torch.ops.aten.gelu(int8_op(h, w1, False, rr)), w2, False, rr)
+    else:
+        f = int8_op(torch.ops.aten.silu(int8_op(h, w1, False, rr)), w2, False, rr)
+    return residual(x, f, norms[4], norms[5], eps, norm_first)
+"""
+_ACTIVATIONS = (F.relu, F.gelu, F.silu)  # FeedForward.act -> `act` above
+
+
+@dataclass
+class _StepPlan:
+    """The compiled step's arguments for one search: each layer's int8 weights and norms."""
+
+    layers: list[tuple]  # (qkv, out, cross q, cross out, w1, w2 packs; [norm1 w, b, norm2 w, b, norm3 w, b])
+    eps: float
+    norm_first: bool
+    act: int
+    unit: Any
+
+    @classmethod
+    def make(cls, decoder: Any, cache: Any) -> "_StepPlan | None":
+        """The plan, or None where the compiled step does not apply for the whole search."""
+        layers = list(decoder.layers)
+        if not layers or decoder.training or cache.layers[0].cross_k.size(2) > EXPLICIT_ATTENTION_MAX_KEYS:
+            return None
+        eps = {n.eps for layer in layers for n in (layer.norm1, layer.norm2, layer.norm3)}
+        acts = {layer.ff.act for layer in layers}
+        if len(eps) != 1 or len(acts) != 1 or acts.pop() not in _ACTIVATIONS or any(
+                m.training for layer in layers for m in (layer, layer.self_attn, layer.cross_attn, layer.ff)):
+            return None
+        plan = [_layer_plan(layer) for layer in layers]
+        if any(p is None for p in plan) or not (unit := _compiled()):
+            return None
+        act = _ACTIVATIONS.index(layers[0].ff.act)
+        return cls(cast(list[tuple], plan), eps.pop(), bool(layers[0].norm_first), act, unit)
+
+    def applies(self, x: Tensor, cache: Any) -> bool:
+        """Per step: float32 on the CPU, no autocast, no autograd, keys the explicit attention takes."""
+        return (x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_autocast_enabled("cpu")
+                and not (torch.is_grad_enabled() and x.requires_grad)
+                and cache.length < EXPLICIT_ATTENTION_MAX_KEYS)
+
+    def run(self, decoder: Any, x: Tensor, cache: Any, src_keep: Tensor) -> Tensor:
+        """`decoder_step`'s work. Shape: x (b, d) -> (b, d)."""
+        b, D = x.shape
+        H = decoder.layers[0].self_attn.n_heads
+        bias = _mask_bias(src_keep[:, None, None, :], src_keep.size(0), H, torch.float32)  # (N*H | 1, 1, S)
+        call, rr, scale = _INT8_CALL or _int8_caller(), _INT8_REDUCE_RANGE, 1.0 / math.sqrt(D // H)
+        for (qkv, *packs, norms), lc in zip(self.layers, cache.layers, strict=True):
+            h = F.layer_norm(x, (D,), norms[0], norms[1], self.eps) if self.norm_first else x
+            q, k, v = call(h, qkv, False, rr).view(b, 1, 3, H, D // H).permute(2, 0, 3, 1, 4).unbind(0)
+            k, v = lc.append(k, v)  # (b, H, t, dh)
+            x = self.unit.after_append(x, q, k, v, lc.cross_k, lc.cross_v, bias, *packs, norms, self.eps, scale,
+                                       self.norm_first, self.act, rr)
+        return x if decoder.norm is None else _layer_norm(decoder.norm, x)
+
+
+def _layer_plan(layer: Any) -> tuple | None:
+    """One layer's int8 packs and norm tensors, or None if one of its linear layers is not int8
+    (FBGEMM only: a oneDNN copy for wide layers takes the Python step)."""
+    sa, ca, ff = layer.self_attn, layer.cross_attn, layer.ff
+    packs = []
+    for w in (sa.qkv_proj.weight, sa.out_proj.weight, ca.q_proj.weight, ca.out_proj.weight, ff.w1.weight, ff.w2.weight):
+        q = _INT8.get(id(w))
+        if q is None or q[0]() is not w or q[2] is not None:
+            return None
+        packs.append(q[1])
+    norms = [t for n in (layer.norm1, layer.norm2, layer.norm3) for t in (n.weight, n.bias)]
+    if any(t is None or t.dtype != torch.float32 for t in norms):
+        return None
+    return (*packs, norms)
 
 
 # ---------------------------------------------------------------------------------- dropout
