@@ -264,9 +264,10 @@ def test_ctranslate2_engine_takes_int8(trained, tmp_path):
     assert sum(a == b for a, b in zip(want, got)) >= 15
 
 
-def test_the_compiled_step_falls_back_to_python_where_it_cannot_compile(monkeypatch):
+@pytest.mark.parametrize("broken", ["everything", "the step"])
+def test_the_compiled_step_falls_back_to_python_where_it_cannot_compile(monkeypatch, broken):
     """Where TorchScript cannot compile the int8 step (it is deprecated), search takes the Python
-    step: the same translations, no plan kept."""
+    step: the same translations, no plan kept; where only the step fails, the int8 calls stay compiled."""
     from test_search import BOS, EOS, _step_model, random_batch
 
     from aiayn.search import greedy_search
@@ -274,11 +275,20 @@ def test_the_compiled_step_falls_back_to_python_where_it_cannot_compile(monkeypa
     model, src = _step_model("int8"), random_batch([5, 9, 3])
     with torch.inference_mode():
         want = greedy_search(model, src, BOS, EOS, max_len_b=12)
-    monkeypatch.setattr(torch.jit, "CompilationUnit", lambda *a: (_ for _ in ()).throw(RuntimeError("no TorchScript")))
+    real = torch.jit.CompilationUnit
+
+    def compile_(source):
+        if broken == "everything" or "after_append" in source:
+            raise RuntimeError("no TorchScript")
+        return real(source)
+
+    monkeypatch.setattr(torch.jit, "CompilationUnit", compile_)
     monkeypatch.setattr(kernels, "_COMPILED", None)
+    monkeypatch.setattr(kernels, "_INT8_CALL", None)
     plans = []
     step = kernels.decoder_step
     monkeypatch.setattr(kernels, "decoder_step", lambda d, x, cache, k: (step(d, x, cache, k), plans.append(cache.step_plan))[0])
     with torch.inference_mode():
         assert greedy_search(model, src, BOS, EOS, max_len_b=12) == want
-    assert plans and not any(plans) and kernels._COMPILED is False
+    assert plans and not any(plans)
+    assert isinstance(kernels._INT8_CALL, torch.jit.ScriptFunction) == (broken == "the step")

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import nn
 
 from aiayn import search
 from aiayn.config import preset
@@ -313,8 +314,11 @@ def _general_step(decoder, x, cache, src_keep):
 
 
 STEP_KINDS = ["post-norm", "pre-norm", "gelu", "swish", "int8", "int8 pre-norm", "int8 gelu", "int8 swish", "bf16",
-              "fp16", "autocast", "sdpa", "dropout", "pre-norm dropout", "ff training", "int8 dropout"]
-COMPILED = {"int8", "int8 pre-norm", "int8 gelu", "int8 swish"}  # kernels._StepPlan takes these
+              "fp16", "autocast", "sdpa", "dropout", "pre-norm dropout", "ff training", "int8 dropout",
+              "int8 ff training", "int8 mixed eps", "int8 long self keys", "int8 long cross keys"]
+# kernels._StepPlan runs every step of these; "int8 long self keys" until the keys outgrow the explicit attention
+COMPILED = {"int8", "int8 pre-norm", "int8 gelu", "int8 swish"}
+LONG_KEYS = {"int8 long self keys": 9, "int8 long cross keys": 8}  # EXPLICIT_ATTENTION_MAX_KEYS; sources of 9
 DROPOUTS = {"dropout": 0.3, "attention_dropout": 0.2, "activation_dropout": 0.25}  # apart: a mix-up shows
 
 
@@ -329,13 +333,19 @@ def _step_model(kind):
     model.requires_grad_(False)  # frozen: the packed (and int8) inference GEMMs, as Translator runs
     with torch.no_grad():
         model.tgt_embed.weight[EOS] *= 3
+        for m in model.modules():  # norms and biases apart from 1 and 0: a mix-up between them shows
+            if isinstance(m, (nn.LayerNorm, nn.Linear)):
+                for t in (m.weight, m.bias) if isinstance(m, nn.LayerNorm) else (m.bias,):
+                    t.add_(torch.randn_like(t) * 0.3)
+    if base == "mixed eps":
+        model.decoder.layers[1].norm2.eps = 1e-3
     if kind.startswith("int8"):
         quantize_int8(model)
     if kind in ("bf16", "fp16"):  # fp16: masked_fill rather than an additive mask
         model = model.to(torch.bfloat16 if kind == "bf16" else torch.float16)
     if kind.endswith("dropout"):
         model.decoder.train()  # dropout in the decoder only (the step path follows each module's flag)
-    if kind == "ff training":
+    if base == "ff training":
         for layer in model.decoder.layers:
             layer.ff.train()  # activation dropout alone
     return model
@@ -353,16 +363,22 @@ def test_decoder_step_is_the_general_path_exactly(kind, monkeypatch):
     model = _step_model(kind)
     if kind == "sdpa":
         monkeypatch.setattr(kernels, "EXPLICIT_ATTENTION_MAX_KEYS", 0)
+    if kind in LONG_KEYS:
+        monkeypatch.setattr(kernels, "EXPLICIT_ATTENTION_MAX_KEYS", LONG_KEYS[kind])
     src = random_batch([5, 9, 3, 7, 1])
-    calls: list[bool] = []  # per fast step: whether the compiled int8 step had a plan (kernels._StepPlan)
-    fast = kernels.decoder_step
+    calls: list[bool] = []  # per fast step: whether the compiled int8 step ran it (kernels._StepPlan.run)
+    fast, run = kernels.decoder_step, kernels._StepPlan.run
 
     def spy(decoder, x, cache, src_keep):
-        out = fast(decoder, x, cache, src_keep)
-        calls.append(bool(cache.step_plan))
-        return out
+        calls.append(False)
+        return fast(decoder, x, cache, src_keep)
+
+    def ran(*args):
+        calls[-1] = True
+        return run(*args)
 
     monkeypatch.setattr(kernels, "decoder_step", spy)
+    monkeypatch.setattr(kernels._StepPlan, "run", ran)
     runs = []
     for step in (None, _general_step):
         if step is not None:
@@ -373,16 +389,20 @@ def test_decoder_step_is_the_general_path_exactly(kind, monkeypatch):
             keep = src.ne(0)
             cache = model.new_cache(model.encode(src, keep), keep)
             tok = torch.full((5, 1), BOS)
-            for t in range(4):
+            for t in range(12 if kind == "int8 long self keys" else 4):  # hidden states past 9 keys too
                 out.append(model.decode(tok, None, cache=cache, project=False))
                 tok = torch.randint(4, 40, (tok.size(0), 1), generator=torch.Generator().manual_seed(t))
                 if t == 1:
                     cache.reorder(torch.tensor([0, 0, 2, 2, 3, 3]), beam=2)  # sentences 1 and 4 leave; beams of 2
                     tok = tok.new_full((6, 1), 7)
-            out.append(greedy_search(model, src, BOS, EOS, max_len_b=12))
-            out.append(beam_search(model, src, BOS, EOS, beam=3, nbest=3, max_len_b=12))
+            longer = {"min_len": 11} if kind == "int8 long self keys" else {}  # past 9 keys
+            out.append(greedy_search(model, src, BOS, EOS, max_len_b=12, **longer))
+            out.append(beam_search(model, src, BOS, EOS, beam=3, nbest=3, max_len_b=12, **longer))
         runs.append(out)
-    assert calls and all(calls) == (kind in COMPILED)  # the fast path ran, compiled where it applies
+    assert calls  # the fast path ran, compiled where it applies, and only there
+    assert all(calls) if kind in COMPILED else any(calls) if kind == "int8 long self keys" else not any(calls)
+    if kind == "int8 long self keys":
+        assert not all(calls)  # the longest searches outgrew the limit
     for got, want in zip(*runs):
         assert got == want if isinstance(got, list) else torch.equal(got, want)
 

@@ -9,6 +9,7 @@ keys/values once from the encoder output; `MultiHeadAttention` appends the self-
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -113,7 +114,7 @@ class DecoderCache:
     src_keep: Tensor  # (N, S) bool, True = real source token
     length: int = 0
     beam: int = 1  # decoder rows per sentence
-    step_plan: object = None  # `kernels.decoder_step`'s compiled plan for this search (False: none)
+    step_plan: Any = None  # `kernels.decoder_step`'s compiled plan for this search (False: none)
 
     def reorder(self, indices: Tensor, beam: int | None = None) -> None:
         """Keep rows `indices` (R',): new row i continues old row indices[i].

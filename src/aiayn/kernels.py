@@ -26,7 +26,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, Generic, NamedTuple, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -167,14 +167,17 @@ _COMPILE_LOCK = threading.Lock()
 
 
 def _compiled() -> Any:
-    """The compilation unit (made once: it needs torch's quantized classes), or False."""
+    """The compilation unit (made once: it needs torch's quantized classes; the int8 caller alone
+    if the step does not compile), or False."""
     global _COMPILED
     with _COMPILE_LOCK:
         if _COMPILED is None:
-            try:
-                _COMPILED = torch.jit.CompilationUnit(_INT8_SOURCE + _STEP_SOURCE)
-            except Exception:  # noqa: BLE001 - any failure to compile leaves the Python calls, which work
-                _COMPILED = False
+            for source in (_INT8_SOURCE + _STEP_SOURCE, _INT8_SOURCE):  # the step alone may fail
+                try:
+                    _COMPILED = torch.jit.CompilationUnit(source)
+                    break
+                except Exception:  # noqa: BLE001 - any failure to compile leaves the Python calls, which work
+                    _COMPILED = False
         return _COMPILED
 
 
@@ -416,7 +419,7 @@ def _attention_step(mha: Any, x: Tensor, cache: Any, key_keep: Tensor | None = N
 # than they do. In the common case (int8 weights, float32, inference, keys short enough for the
 # explicit attention) a decoder layer's work after its self-attention append runs as one compiled
 # TorchScript function: the operations of `decoder_step` in the same order, so bitwise the same
-# results, dispatched from C++ (a greedy step at one sentence 0.50 -> 0.33 ms, at 16 1.11 -> 0.89
+# results, dispatched from C++ (a greedy step at one sentence 0.47 -> 0.33 ms, at 4 0.63 -> 0.47
 # ms; docs/speed.md). Anything else, or a failure to compile, takes the Python step. Compiled with
 # `_INT8_SOURCE` (`_compiled`).
 _STEP_SOURCE = """
@@ -468,11 +471,19 @@ def after_append(x: Tensor, q: Tensor, k: Tensor, v: Tensor, ck: Tensor, cv: Ten
 _ACTIVATIONS = (F.relu, F.gelu, F.silu)  # FeedForward.act -> `act` above
 
 
+class _LayerPlan(NamedTuple):
+    """One decoder layer's int8 packs (FBGEMM) and its norms' weights and biases."""
+
+    qkv: Any
+    packs: tuple[Any, ...]  # self-attention out, cross-attention q and out, feed-forward w1, w2
+    norms: list[Tensor]  # norm1 weight, bias, norm2 weight, bias, norm3 weight, bias
+
+
 @dataclass
 class _StepPlan:
     """The compiled step's arguments for one search: each layer's int8 weights and norms."""
 
-    layers: list[tuple]  # (qkv, out, cross q, cross out, w1, w2 packs; [norm1 w, b, norm2 w, b, norm3 w, b])
+    layers: list[_LayerPlan]
     eps: float
     norm_first: bool
     act: int
@@ -484,16 +495,17 @@ class _StepPlan:
         layers = list(decoder.layers)
         if not layers or decoder.training or cache.layers[0].cross_k.size(2) > EXPLICIT_ATTENTION_MAX_KEYS:
             return None
-        eps = {n.eps for layer in layers for n in (layer.norm1, layer.norm2, layer.norm3)}
-        acts = {layer.ff.act for layer in layers}
-        if len(eps) != 1 or len(acts) != 1 or acts.pop() not in _ACTIVATIONS or any(
+        alike = {(n.eps, layer.norm_first, layer.ff.act, layer.self_attn.n_heads, layer.cross_attn.n_heads)
+                 for layer in layers for n in (layer.norm1, layer.norm2, layer.norm3)}
+        if len(alike) != 1 or layers[0].ff.act not in _ACTIVATIONS or any(
                 m.training for layer in layers for m in (layer, layer.self_attn, layer.cross_attn, layer.ff)):
             return None
         plan = [_layer_plan(layer) for layer in layers]
-        if any(p is None for p in plan) or not (unit := _compiled()):
+        unit = _compiled()
+        if not unit or not hasattr(unit, "after_append") or any(p is None for p in plan):
             return None
-        act = _ACTIVATIONS.index(layers[0].ff.act)
-        return cls(cast(list[tuple], plan), eps.pop(), bool(layers[0].norm_first), act, unit)
+        eps, norm_first, act = layers[0].norm1.eps, bool(layers[0].norm_first), _ACTIVATIONS.index(layers[0].ff.act)
+        return cls([p for p in plan if p is not None], eps, norm_first, act, unit)
 
     def applies(self, x: Tensor, cache: Any) -> bool:
         """Per step: float32 on the CPU, no autocast, no autograd, keys the explicit attention takes."""
@@ -507,16 +519,16 @@ class _StepPlan:
         H = decoder.layers[0].self_attn.n_heads
         bias = _mask_bias(src_keep[:, None, None, :], src_keep.size(0), H, torch.float32)  # (N*H | 1, 1, S)
         call, rr, scale = _INT8_CALL or _int8_caller(), _INT8_REDUCE_RANGE, 1.0 / math.sqrt(D // H)
-        for (qkv, *packs, norms), lc in zip(self.layers, cache.layers, strict=True):
-            h = F.layer_norm(x, (D,), norms[0], norms[1], self.eps) if self.norm_first else x
-            q, k, v = call(h, qkv, False, rr).view(b, 1, 3, H, D // H).permute(2, 0, 3, 1, 4).unbind(0)
+        for p, lc in zip(self.layers, cache.layers, strict=True):
+            h = F.layer_norm(x, (D,), p.norms[0], p.norms[1], self.eps) if self.norm_first else x
+            q, k, v = call(h, p.qkv, False, rr).view(b, 1, 3, H, D // H).permute(2, 0, 3, 1, 4).unbind(0)
             k, v = lc.append(k, v)  # (b, H, t, dh)
-            x = self.unit.after_append(x, q, k, v, lc.cross_k, lc.cross_v, bias, *packs, norms, self.eps, scale,
+            x = self.unit.after_append(x, q, k, v, lc.cross_k, lc.cross_v, bias, *p.packs, p.norms, self.eps, scale,
                                        self.norm_first, self.act, rr)
         return x if decoder.norm is None else _layer_norm(decoder.norm, x)
 
 
-def _layer_plan(layer: Any) -> tuple | None:
+def _layer_plan(layer: Any) -> _LayerPlan | None:
     """One layer's int8 packs and norm tensors, or None if one of its linear layers is not int8
     (FBGEMM only: a oneDNN copy for wide layers takes the Python step)."""
     sa, ca, ff = layer.self_attn, layer.cross_attn, layer.ff
@@ -529,7 +541,7 @@ def _layer_plan(layer: Any) -> tuple | None:
     norms = [t for n in (layer.norm1, layer.norm2, layer.norm3) for t in (n.weight, n.bias)]
     if any(t is None or t.dtype != torch.float32 for t in norms):
         return None
-    return (*packs, norms)
+    return _LayerPlan(packs[0], tuple(packs[1:]), norms)
 
 
 # ---------------------------------------------------------------------------------- dropout
