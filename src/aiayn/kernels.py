@@ -484,6 +484,7 @@ class _StepPlan:
     """The compiled step's arguments for one search: each layer's int8 weights and norms."""
 
     layers: list[_LayerPlan]
+    heads: int
     eps: float
     norm_first: bool
     act: int
@@ -504,8 +505,9 @@ class _StepPlan:
         unit = _compiled()
         if not unit or not hasattr(unit, "after_append") or any(p is None for p in plan):
             return None
-        eps, norm_first, act = layers[0].norm1.eps, bool(layers[0].norm_first), _ACTIVATIONS.index(layers[0].ff.act)
-        return cls([p for p in plan if p is not None], eps, norm_first, act, unit)
+        first = layers[0]
+        return cls([p for p in plan if p is not None], first.self_attn.n_heads, first.norm1.eps,
+                   bool(first.norm_first), _ACTIVATIONS.index(first.ff.act), unit)
 
     def applies(self, x: Tensor, cache: Any) -> bool:
         """Per step: float32 on the CPU, no autocast, no autograd, keys the explicit attention takes."""
@@ -515,8 +517,7 @@ class _StepPlan:
 
     def run(self, decoder: Any, x: Tensor, cache: Any, src_keep: Tensor) -> Tensor:
         """`decoder_step`'s work. Shape: x (b, d) -> (b, d)."""
-        b, D = x.shape
-        H = decoder.layers[0].self_attn.n_heads
+        (b, D), H = x.shape, self.heads
         bias = _mask_bias(src_keep[:, None, None, :], src_keep.size(0), H, torch.float32)  # (N*H | 1, 1, S)
         call, rr, scale = _INT8_CALL or _int8_caller(), _INT8_REDUCE_RANGE, 1.0 / math.sqrt(D // H)
         for p, lc in zip(self.layers, cache.layers, strict=True):

@@ -12,8 +12,8 @@ halves them again). The K beams of a sentence share one copy of its cross-attent
 the first beam step runs one row per sentence (its beams are still identical), candidates are
 ranked within each row before the merge per sentence, and the self-attention cache is reordered in
 the same copy that appends the new step. Nothing large is allocated per step: the cache takes turns
-between two buffers, and log-softmax and top-k run on blocks of `ROW_BLOCK` rows in buffers kept
-for the whole search (fresh memory of that size costs page faults at every step). The per-row top-k
+between two buffers, and log-softmax and top-k run on blocks of `ROW_BLOCK` rows, the log-probabilities
+written over the block's logits (fresh memory of a batch's size costs page faults at every step). The per-row top-k
 takes two stages (`_topk_rows`); greedy's arg-max narrows each row to the slice holding its maximum
 (`_argmax_rows`). Everything runs under `inference_mode`.
 
