@@ -164,6 +164,24 @@ def _two_machines(tmp_path: Path, outs: list[Path], extra: list[str], name: str,
     return [(tmp_path / f"{name}{i}.log").read_text() for i in range(2)]
 
 
+def _ours_went_well(printed: str) -> bool:
+    """No error line and no traceback frame of aiayn's in what one machine printed. torchrun's own
+    agent may still warn after the run: the machine that hosts the rendezvous store can leave first,
+    and the other's agent then reports (with a C++ stack) that it could not close the rendezvous,
+    which does not touch the run or the exit status."""
+    frames = [x for x in printed.splitlines() if x.strip().startswith("File ") and "/aiayn/" in x]
+    return "aiayn train: error" not in printed and "Traceback" not in printed and not frames
+
+
+def test_our_check_of_a_machines_output_ignores_torchruns_late_rendezvous_warning():
+    late = ("stopped: reached --max-steps 3; step 3\n[W1126 TCPStore.cpp:115] [c10d] recvVector failed\n"
+            "frame #0: c10::Error::Error(c10::SourceLocation)\nThe node 'localhost_1_0' has failed to shutdown "
+            "the rendezvous 'aiayn-first' due to an error of type RendezvousConnectionError.\n")
+    assert _ours_went_well(late)
+    assert not _ours_went_well(late + "aiayn train: error: --resume: no checkpoint\n")
+    assert not _ours_went_well('Traceback (most recent call last):\n  File "/x/aiayn/trainer.py", line 1\n')
+
+
 def test_two_machines_with_their_own_out_prepare_train_and_resume_together(tmp_path):
     """Machines that share no --out: each prepares the raw text itself, only rank 0's --out holds
     checkpoints, and --resume continues from rank 0's newest on both (the state reaches rank 1):
@@ -175,10 +193,10 @@ def test_two_machines_with_their_own_out_prepare_train_and_resume_together(tmp_p
     outs = [tmp_path / "machine0" / "run", tmp_path / "machine1" / "run"]
     half = ["--max-steps", str(STEPS // 2), *EXTRA[2:]]  # the run's own settings, a shorter stop
     first = _two_machines(tmp_path, outs, half, "first")
-    assert all("error" not in p and "Traceback" not in p for p in first), "".join(p[-3000:] for p in first)
+    assert all(_ours_went_well(p) for p in first), "".join(p[-3000:] for p in first)
     assert (outs[0] / f"step_{STEPS // 2}").is_dir() and not (outs[1] / f"step_{STEPS // 2}").exists()
     again = _two_machines(tmp_path, outs, [*EXTRA, "--resume"], "again")
-    assert all("Traceback" not in p for p in again), "".join(p[-3000:] for p in again)
+    assert all(_ours_went_well(p) for p in again), "".join(p[-3000:] for p in again)
     assert f"resuming from {outs[0] / f'step_{STEPS // 2}'}" in again[0]
     _assert_same_training(one, outs[0])
 
