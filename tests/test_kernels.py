@@ -212,3 +212,36 @@ def test_a_batch_takes_its_packing_to_pinned_memory_and_the_device(monkeypatch):
     assert torch.equal(p.tgt.idx, b.packing.tgt.idx)
     moved = b.to("cpu", non_blocking=True).packing
     assert moved is not None and torch.equal(moved.src.idx, b.packing.src.idx)
+
+
+@pytest.mark.parametrize("shape", [(300, 1, 5), (64, 14, 14), (1024, 1, 1)])
+def test_softmax_over_many_short_rows_is_spelled_out_and_equals_torchs(monkeypatch, shape):
+    """Rows shorter than a vector register take torch's slow CPU path; `softmax_rows` spells those
+    out (when there are many) within rounding of torch's, and the compiled step's copy is bitwise it."""
+    monkeypatch.setattr(kernels, "SHORT_ROW", 16)  # as on AVX-512, whatever this CPU has
+    unit = kernels._compiled()  # (before torch.softmax is spied on: TorchScript would compile the spy)
+    seen = []
+    real = torch.softmax
+    monkeypatch.setattr(torch, "softmax", lambda *a, **k: (seen.append(a[0].shape), real(*a, **k))[1])
+    x = torch.randn(shape) * 4
+    got = kernels.softmax_rows(x, torch.float32)
+    assert not seen  # spelled out
+    want = real(x, -1)
+    assert torch.allclose(got, want, atol=1e-6, rtol=1e-5) and torch.allclose(got.sum(-1), torch.ones(shape[:-1]))
+    if unit:
+        assert torch.equal(unit.softmax_rows(x, 16, kernels.SHORT_ROWS_MIN), got)
+    few = x.reshape(-1, shape[-1])[: kernels.SHORT_ROWS_MIN - 1]
+    assert torch.equal(kernels.softmax_rows(few, torch.float32), real(few, -1)) and seen  # too few rows: torch's
+
+
+def test_softmax_rows_leaves_long_rows_autograd_and_other_dtypes_to_torch(monkeypatch):
+    monkeypatch.setattr(kernels, "SHORT_ROW", 16)
+    long = torch.randn(256, 16)
+    assert torch.equal(kernels.softmax_rows(long, torch.float32), torch.softmax(long, -1))
+    half = torch.randn(256, 5, dtype=torch.bfloat16)
+    assert torch.equal(kernels.softmax_rows(half, torch.float32), torch.softmax(half, -1, dtype=torch.float32))
+    x = torch.randn(256, 5, requires_grad=True)
+    kernels.softmax_rows(x, torch.float32)[:, 0].sum().backward()
+    y = x.detach().clone().requires_grad_()
+    torch.softmax(y, -1)[:, 0].sum().backward()
+    assert torch.equal(x.grad, y.grad)

@@ -315,9 +315,10 @@ def _general_step(decoder, x, cache, src_keep):
 
 STEP_KINDS = ["post-norm", "pre-norm", "gelu", "swish", "int8", "int8 pre-norm", "int8 gelu", "int8 swish", "bf16",
               "fp16", "autocast", "sdpa", "dropout", "pre-norm dropout", "ff training", "int8 dropout",
-              "int8 ff training", "int8 mixed eps", "int8 long self keys", "int8 long cross keys"]
+              "int8 ff training", "int8 mixed eps", "int8 long self keys", "int8 long cross keys", "short rows",
+              "int8 short rows"]
 # kernels._StepPlan runs every step of these; "int8 long self keys" until the keys outgrow the explicit attention
-COMPILED = {"int8", "int8 pre-norm", "int8 gelu", "int8 swish"}
+COMPILED = {"int8", "int8 pre-norm", "int8 gelu", "int8 swish", "int8 short rows"}
 LONG_KEYS = {"int8 long self keys": 9, "int8 long cross keys": 8}  # EXPLICIT_ATTENTION_MAX_KEYS; sources of 9
 DROPOUTS = {"dropout": 0.3, "attention_dropout": 0.2, "activation_dropout": 0.25}  # apart: a mix-up shows
 
@@ -365,6 +366,9 @@ def test_decoder_step_is_the_general_path_exactly(kind, monkeypatch):
         monkeypatch.setattr(kernels, "EXPLICIT_ATTENTION_MAX_KEYS", 0)
     if kind in LONG_KEYS:
         monkeypatch.setattr(kernels, "EXPLICIT_ATTENTION_MAX_KEYS", LONG_KEYS[kind])
+    if kind.endswith("short rows"):  # every attention's softmax spelled out (kernels.softmax_rows)
+        monkeypatch.setattr(kernels, "SHORT_ROW", 10**6)
+        monkeypatch.setattr(kernels, "SHORT_ROWS_MIN", 1)
     src = random_batch([5, 9, 3, 7, 1])
     calls: list[bool] = []  # per fast step: whether the compiled int8 step ran it (kernels._StepPlan.run)
     fast, run = kernels.decoder_step, kernels._StepPlan.run

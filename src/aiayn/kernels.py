@@ -318,9 +318,31 @@ def _explicit_attention(
         additive = _mask_bias(mask, B, H, dtype) if bias is None else bias.get(mask, B, H, dtype)
         scores = torch.baddbmm(additive, q3, kt, alpha=scale)  # (BH, T, S)
     exact = torch.promote_types(scores.dtype, torch.float32)  # float32, or float64 kept as it is
-    weights = torch.softmax(scores, dim=-1, dtype=exact).to(scores.dtype).view(B, H, T, S)
+    weights = softmax_rows(scores, exact).to(scores.dtype).view(B, H, T, S)
     attn = dropout(weights, dropout_p, training)
     return attn @ v, weights
+
+
+# torch 2.13's CPU softmax takes a slow path over rows shorter than one vector register (16 floats
+# with AVX-512, 8 with AVX2): 1024 rows of 14 keys take 171 us natively against 23 us under AVX2 and
+# 37 us spelled out (exp of the shifted scores, then divide by their sum). Such rows are common:
+# a decoding step's first self-attention keys, the cross-attention keys of short sentences, the
+# encoder of a batch of short sentences (a greedy int8 search on test_2016_flickr spent 4.3% of its
+# time in softmax natively, 1.0% under AVX2; docs/speed.md). Spelled out costs about 3 us more in
+# fixed overhead, so it is taken from SHORT_ROWS_MIN rows on (where the two cross, 32-64 rows).
+SHORT_ROW = {"AVX512": 16, "AVX2": 8}.get(torch.backends.cpu.get_cpu_capability(), 0)
+SHORT_ROWS_MIN = 64
+
+
+def softmax_rows(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """`torch.softmax(x, -1, dtype=dtype)`, spelled out in float32 inference over many short rows
+    (see the note above; equal within rounding, not bitwise). Shape: (..., S) -> (..., S)."""
+    S = x.size(-1)
+    if (S < SHORT_ROW and x.dtype == dtype == torch.float32 and x.device.type == "cpu"
+            and x.numel() >= SHORT_ROWS_MIN * S and not (torch.is_grad_enabled() and x.requires_grad)):
+        e = (x - x.amax(-1, keepdim=True)).exp_()
+        return e.div_(e.sum(-1, keepdim=True))
+    return torch.softmax(x, -1, dtype=dtype)
 
 
 def _mask_bias(mask: Tensor, B: int, H: int, dtype: torch.dtype) -> Tensor:
@@ -423,14 +445,21 @@ def _attention_step(mha: Any, x: Tensor, cache: Any, key_keep: Tensor | None = N
 # ms; docs/speed.md). Anything else, or a failure to compile, takes the Python step. Compiled with
 # `_INT8_SOURCE` (`_compiled`).
 _STEP_SOURCE = """
-def attend(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], scale: float) -> Tensor:
+def softmax_rows(x: Tensor, short: int, min_rows: int) -> Tensor:
+    S = x.size(-1)
+    if S < short and x.numel() >= min_rows * S:
+        e = (x - x.amax(-1, True)).exp_()
+        return e.div_(e.sum(-1, True))
+    return torch.softmax(x, -1, torch.float32)
+
+def attend(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], scale: float, short: int, min_rows: int) -> Tensor:
     B, H, T, dh, S = q.size(0), q.size(1), q.size(2), q.size(3), k.size(2)
     q3, kt = q.reshape(B * H, T, dh), k.reshape(B * H, S, dh).transpose(1, 2)
     if bias is None:
         scores = torch.bmm(q3 * scale, kt)
     else:
         scores = torch.baddbmm(bias, q3, kt, beta=1, alpha=scale)
-    return torch.matmul(torch.softmax(scores, -1, torch.float32).view(B, H, T, S), v)
+    return torch.matmul(softmax_rows(scores, short, min_rows).view(B, H, T, S), v)
 
 def residual(x: Tensor, y: Tensor, w: Tensor, b: Tensor, eps: float, norm_first: bool) -> Tensor:
     if norm_first:
@@ -449,15 +478,15 @@ def after_append(x: Tensor, q: Tensor, k: Tensor, v: Tensor, ck: Tensor, cv: Ten
                  w1: __torch__.torch.classes.quantized.LinearPackedParamsBase,
                  w2: __torch__.torch.classes.quantized.LinearPackedParamsBase,
                  norms: List[Tensor], eps: float, scale: float, norm_first: bool, act: int,
-                 rr: bool) -> Tensor:
+                 rr: bool, short: int, min_rows: int) -> Tensor:
     b, D, H, N = x.size(0), x.size(1), q.size(1), ck.size(0)
-    ctx = attend(q, k, v, None, scale)
+    ctx = attend(q, k, v, None, scale, short, min_rows)
     x = residual(x, int8_op(ctx.transpose(1, 2).reshape(b, D), wo, False, rr), norms[0], norms[1], eps, norm_first)
     h = sublayer_input(x, norms[2], norms[3], eps, norm_first)
     qc = int8_op(h, wq, False, rr).view(b, 1, H, D // H).transpose(1, 2)
     if b > N:
         qc = qc.reshape(N, b // N, H, 1, D // H).transpose(1, 2).reshape(N, H, b // N, D // H)
-    ctx = attend(qc, ck, cv, bias, scale)
+    ctx = attend(qc, ck, cv, bias, scale, short, min_rows)
     x = residual(x, int8_op(ctx.transpose(1, 2).reshape(b, D), wco, False, rr), norms[2], norms[3], eps, norm_first)
     h = sublayer_input(x, norms[4], norms[5], eps, norm_first)
     if act == 0:
@@ -525,7 +554,7 @@ class _StepPlan:
             q, k, v = call(h, p.qkv, False, rr).view(b, 1, 3, H, D // H).permute(2, 0, 3, 1, 4).unbind(0)
             k, v = lc.append(k, v)  # (b, H, t, dh)
             x = self.unit.after_append(x, q, k, v, lc.cross_k, lc.cross_v, bias, *p.packs, p.norms, self.eps, scale,
-                                       self.norm_first, self.act, rr)
+                                       self.norm_first, self.act, rr, SHORT_ROW, SHORT_ROWS_MIN)
         return x if decoder.norm is None else _layer_norm(decoder.norm, x)
 
 
