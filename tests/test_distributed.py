@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 from test_train import make_corpus, tiny_args, train_cli
 
+import aiayn
 from aiayn.data import prepare as P
 
 STEPS = 6
@@ -140,9 +141,10 @@ def test_fewer_batches_than_ranks_is_a_clear_error_not_a_hang(tmp_path):
     assert "the data makes 1 batches, fewer than the 2 processes; lower --max-tokens or use fewer processes" in res.stderr
 
 
-def _two_machines(tmp_path: Path, outs: list[Path], extra: list[str], name: str, timeout: float = 300) -> list[str]:
+def _two_machines(tmp_path: Path, outs: list[Path], extra: list[str], name: str,
+                  timeout: float = 300) -> list[tuple[int, str]]:
     """Two torchrun agents (--nnodes 2, one process each) on 127.0.0.1, machine i writing to outs[i];
-    returns what each printed. Bounded: a hang kills both and fails."""
+    returns each one's exit status and what it printed. Bounded: a hang kills both and fails."""
     corpus = make_corpus(tmp_path / "data", n_train=120)
     rdzv = ["--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint",
             f"127.0.0.1:{_free_port()}", "--rdzv_id", f"aiayn-{name}"]
@@ -152,8 +154,7 @@ def _two_machines(tmp_path: Path, outs: list[Path], extra: list[str], name: str,
         cmd = _torchrun(*rdzv) + tiny_args(corpus, outs[i], *extra)
         procs.append((subprocess.Popen(cmd, env=_env(tmp_path), stdout=log, stderr=subprocess.STDOUT), log))
     try:
-        for proc, _ in procs:
-            proc.wait(timeout=timeout)
+        codes = [proc.wait(timeout=timeout) for proc, _ in procs]
     except subprocess.TimeoutExpired:
         for proc, _ in procs:
             proc.kill()
@@ -161,25 +162,35 @@ def _two_machines(tmp_path: Path, outs: list[Path], extra: list[str], name: str,
     finally:
         for _, log in procs:
             log.close()
-    return [(tmp_path / f"{name}{i}.log").read_text() for i in range(2)]
+    return [(code, (tmp_path / f"{name}{i}.log").read_text()) for i, code in enumerate(codes)]
 
 
-def _ours_went_well(printed: str) -> bool:
-    """No error line and no traceback frame of aiayn's in what one machine printed. torchrun's own
-    agent may still warn after the run: the machine that hosts the rendezvous store can leave first,
-    and the other's agent then reports (with a C++ stack) that it could not close the rendezvous,
-    which does not touch the run or the exit status."""
-    frames = [x for x in printed.splitlines() if x.strip().startswith("File ") and "/aiayn/" in x]
-    return "aiayn train: error" not in printed and "Traceback" not in printed and not frames
+_OURS = f'File "{Path(aiayn.__file__).parent}{os.sep}'  # a traceback frame in aiayn's own code
 
 
-def test_our_check_of_a_machines_output_ignores_torchruns_late_rendezvous_warning():
+def _our_frames(printed: str) -> list[str]:
+    return [x for x in printed.splitlines() if x.strip().startswith(_OURS)]
+
+
+def _went_well(machine: tuple[int, str]) -> bool:
+    """A machine's run exited 0 with no error line and no traceback frame of aiayn's. torchrun's own
+    agent may still complain after the run: the machine hosting the rendezvous store can leave
+    first, and the other's agent then reports (with a C++ stack, or a traceback of its own) that it
+    could not close the rendezvous, which touches neither the run nor the exit status."""
+    code, printed = machine
+    return code == 0 and "aiayn train: error" not in printed and not _our_frames(printed)
+
+
+def test_our_check_of_a_machine_ignores_torchruns_late_rendezvous_complaints():
     late = ("stopped: reached --max-steps 3; step 3\n[W1126 TCPStore.cpp:115] [c10d] recvVector failed\n"
             "frame #0: c10::Error::Error(c10::SourceLocation)\nThe node 'localhost_1_0' has failed to shutdown "
-            "the rendezvous 'aiayn-first' due to an error of type RendezvousConnectionError.\n")
-    assert _ours_went_well(late)
-    assert not _ours_went_well(late + "aiayn train: error: --resume: no checkpoint\n")
-    assert not _ours_went_well('Traceback (most recent call last):\n  File "/x/aiayn/trainer.py", line 1\n')
+            "the rendezvous 'aiayn-first' due to an error of type RendezvousConnectionError.\nTraceback (most "
+            'recent call last):\n  File "/venv/torch/distributed/elastic/agent/server/api.py", line 1008\n')
+    assert _went_well((0, late))
+    assert not _went_well((1, late))
+    assert not _went_well((0, late + "aiayn train: error: --resume: no checkpoint\n"))
+    ours = f'Traceback (most recent call last):\n  File "{Path(aiayn.__file__).parent / "trainer.py"}", line 1\n'
+    assert not _went_well((0, ours))
 
 
 def test_two_machines_with_their_own_out_prepare_train_and_resume_together(tmp_path):
@@ -193,11 +204,11 @@ def test_two_machines_with_their_own_out_prepare_train_and_resume_together(tmp_p
     outs = [tmp_path / "machine0" / "run", tmp_path / "machine1" / "run"]
     half = ["--max-steps", str(STEPS // 2), *EXTRA[2:]]  # the run's own settings, a shorter stop
     first = _two_machines(tmp_path, outs, half, "first")
-    assert all(_ours_went_well(p) for p in first), "".join(p[-3000:] for p in first)
+    assert all(map(_went_well, first)), "".join(p[-3000:] for _, p in first)
     assert (outs[0] / f"step_{STEPS // 2}").is_dir() and not (outs[1] / f"step_{STEPS // 2}").exists()
     again = _two_machines(tmp_path, outs, [*EXTRA, "--resume"], "again")
-    assert all(_ours_went_well(p) for p in again), "".join(p[-3000:] for p in again)
-    assert f"resuming from {outs[0] / f'step_{STEPS // 2}'}" in again[0]
+    assert all(map(_went_well, again)), "".join(p[-3000:] for _, p in again)
+    assert f"resuming from {outs[0] / f'step_{STEPS // 2}'}" in again[0][1]
     _assert_same_training(one, outs[0])
 
 
@@ -205,10 +216,10 @@ def test_two_machines_that_cannot_resume_together_refuse_on_every_rank_in_one_li
     """Rank 0 decides what to resume from; a refusal there is one line on every rank, never a hang."""
     outs = [tmp_path / "machine0" / "run", tmp_path / "machine1" / "run"]
     half = ["--max-steps", "2", "--log-every", "1", "--save-every", "0"]
-    _two_machines(tmp_path, outs, half, "first")
+    assert all(map(_went_well, _two_machines(tmp_path, outs, half, "first")))
     (outs[0] / "step_2" / "trainer_state.pt").write_bytes(b"not a trainer state")
     again = _two_machines(tmp_path, outs, [*EXTRA, "--resume"], "again")
-    for printed in again:  # (torchrun's own agent reports a failed child with a traceback of its own)
-        assert not [x for x in printed.splitlines() if x.strip().startswith("File ") and "/aiayn/" in x], printed[-3000:]
+    for code, printed in again:  # (torchrun's own agent reports a failed child with a traceback of its own)
+        assert code != 0 and not _our_frames(printed), printed[-3000:]
         errors = [line for line in printed.splitlines() if "aiayn train: error:" in line]
         assert len(errors) == 1 and "trainer_state.pt" in errors[0], printed[-3000:]

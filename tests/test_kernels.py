@@ -217,21 +217,33 @@ def test_a_batch_takes_its_packing_to_pinned_memory_and_the_device(monkeypatch):
 @pytest.mark.parametrize("shape", [(300, 1, 5), (64, 14, 14), (1024, 1, 1)])
 def test_softmax_over_many_short_rows_is_spelled_out_and_equals_torchs(monkeypatch, shape):
     """Rows shorter than a vector register take torch's slow CPU path; `softmax_rows` spells those
-    out (when there are many) within rounding of torch's, and the compiled step's copy is bitwise it."""
+    out (when there are many) within rounding of torch's, masked keys (the additive mask's lowest
+    value) included, and the compiled step's copy is bitwise it, on either side of the row count."""
     monkeypatch.setattr(kernels, "SHORT_ROW", 16)  # as on AVX-512, whatever this CPU has
     unit = kernels._compiled()  # (before torch.softmax is spied on: TorchScript would compile the spy)
     seen = []
     real = torch.softmax
     monkeypatch.setattr(torch, "softmax", lambda *a, **k: (seen.append(a[0].shape), real(*a, **k))[1])
     x = torch.randn(shape) * 4
+    x.view(-1, shape[-1])[::3, -1] = torch.finfo(torch.float32).min  # a masked key in every third row
+    x.view(-1, shape[-1])[1::7] = torch.finfo(torch.float32).min  # and rows with every key masked
     got = kernels.softmax_rows(x, torch.float32)
     assert not seen  # spelled out
     want = real(x, -1)
     assert torch.allclose(got, want, atol=1e-6, rtol=1e-5) and torch.allclose(got.sum(-1), torch.ones(shape[:-1]))
-    if unit:
-        assert torch.equal(unit.softmax_rows(x, 16, kernels.SHORT_ROWS_MIN), got)
     few = x.reshape(-1, shape[-1])[: kernels.SHORT_ROWS_MIN - 1]
     assert torch.equal(kernels.softmax_rows(few, torch.float32), real(few, -1)) and seen  # too few rows: torch's
+    if unit and hasattr(unit, "softmax_rows"):
+        for rows in (x, few):
+            assert torch.equal(unit.softmax_rows(rows, 16, kernels.SHORT_ROWS_MIN), kernels.softmax_rows(rows, torch.float32))
+
+
+def test_softmax_rows_of_no_keys_is_empty_as_torchs():
+    empty = torch.empty(100, 0)
+    assert kernels.softmax_rows(empty, torch.float32).shape == (100, 0)
+    unit = kernels._compiled()
+    if unit and hasattr(unit, "softmax_rows"):
+        assert unit.softmax_rows(empty, 16, 1).shape == (100, 0)
 
 
 def test_softmax_rows_leaves_long_rows_autograd_and_other_dtypes_to_torch(monkeypatch):

@@ -338,7 +338,7 @@ def softmax_rows(x: Tensor, dtype: torch.dtype) -> Tensor:
     """`torch.softmax(x, -1, dtype=dtype)`, spelled out in float32 inference over many short rows
     (see the note above; equal within rounding, not bitwise). Shape: (..., S) -> (..., S)."""
     S = x.size(-1)
-    if (S < SHORT_ROW and x.dtype == dtype == torch.float32 and x.device.type == "cpu"
+    if (0 < S < SHORT_ROW and x.dtype == dtype == torch.float32 and x.device.type == "cpu"
             and x.numel() >= SHORT_ROWS_MIN * S and not (torch.is_grad_enabled() and x.requires_grad)):
         e = (x - x.amax(-1, keepdim=True)).exp_()
         return e.div_(e.sum(-1, keepdim=True))
@@ -447,7 +447,7 @@ def _attention_step(mha: Any, x: Tensor, cache: Any, key_keep: Tensor | None = N
 _STEP_SOURCE = """
 def softmax_rows(x: Tensor, short: int, min_rows: int) -> Tensor:
     S = x.size(-1)
-    if S < short and x.numel() >= min_rows * S:
+    if S > 0 and S < short and x.numel() >= min_rows * S:  # (TorchScript has no chained comparisons)
         e = (x - x.amax(-1, True)).exp_()
         return e.div_(e.sum(-1, True))
     return torch.softmax(x, -1, torch.float32)
