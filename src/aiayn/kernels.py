@@ -25,7 +25,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, NamedTuple, TypeVar, cast
 
 import torch
@@ -359,17 +359,18 @@ def _mask_bias(mask: Tensor, B: int, H: int, dtype: torch.dtype) -> Tensor:
 
 
 class MaskBias:
-    """`_mask_bias` of a mask, made once and kept while the same mask (the same tensor object) comes
-    with the same shapes and dtype: search's steps use the source mask in every layer. (Inference
-    tensors have no version counter: a mask changed in place between calls is not seen.)"""
+    """`_mask_bias` of a mask, made once and kept while the same mask (the same tensor object, or
+    `source`, the tensor the mask is a view of) comes with the same shapes and dtype: search's steps
+    use the source mask in every layer, and the compiled step in every step until sentences leave.
+    (Inference tensors have no version counter: a mask changed in place between calls is not seen.)"""
 
     def __init__(self) -> None:
         self._made: tuple[Tensor, tuple, Tensor] | None = None
 
-    def get(self, mask: Tensor, B: int, H: int, dtype: torch.dtype) -> Tensor:
-        key = (B, H, dtype)
-        if self._made is None or self._made[0] is not mask or self._made[1] != key:
-            self._made = (mask, key, _mask_bias(mask, B, H, dtype))
+    def get(self, mask: Tensor, B: int, H: int, dtype: torch.dtype, source: Tensor | None = None) -> Tensor:
+        owner, key = (mask if source is None else source), (B, H, dtype)
+        if self._made is None or self._made[0] is not owner or self._made[1] != key:
+            self._made = (owner, key, _mask_bias(mask, B, H, dtype))
         return self._made[2]
 
 
@@ -518,6 +519,7 @@ class _StepPlan:
     norm_first: bool
     act: int
     unit: Any
+    bias: MaskBias = field(default_factory=MaskBias)  # the source mask's additive form, kept across steps
 
     @classmethod
     def make(cls, decoder: Any, cache: Any) -> "_StepPlan | None":
@@ -547,7 +549,7 @@ class _StepPlan:
     def run(self, decoder: Any, x: Tensor, cache: Any, src_keep: Tensor) -> Tensor:
         """`decoder_step`'s work. Shape: x (b, d) -> (b, d)."""
         (b, D), H = x.shape, self.heads
-        bias = _mask_bias(src_keep[:, None, None, :], src_keep.size(0), H, torch.float32)  # (N*H | 1, 1, S)
+        bias = self.bias.get(src_keep[:, None, None, :], src_keep.size(0), H, torch.float32, source=src_keep)  # (N*H | 1, 1, S)
         call, rr, scale = _INT8_CALL or _int8_caller(), _INT8_REDUCE_RANGE, 1.0 / math.sqrt(D // H)
         for p, lc in zip(self.layers, cache.layers, strict=True):
             h = F.layer_norm(x, (D,), p.norms[0], p.norms[1], self.eps) if self.norm_first else x
