@@ -123,3 +123,65 @@ def test_beam_search_is_unchanged_by_grad_mode(beam):
         model.requires_grad_(True)
         plain = beam_search.__wrapped__(model, src, 2, 3, beam=beam, nbest=beam, max_len_b=6)  # type: ignore[attr-defined]
     assert [[t for t, _ in h] for h in fast] == [[t for t, _ in h] for h in plain]
+
+
+def test_moves_allow_in_place_only_rows_that_stay_or_fill_a_place_from_past_the_new_end():
+    from aiayn.cache import moves
+
+    def mv(idx, rows):
+        m = moves(torch.tensor(idx), rows)
+        return None if m is None else (m[0].tolist(), m[1].tolist())
+
+    assert mv([0, 4, 2], 5) == ([1], [4])  # row 1 left, the last row takes its place
+    assert mv([0, 1, 2], 5) == ([], [])  # the last rows left
+    assert mv([3, 4], 5) == ([0, 1], [3, 4])
+    assert mv([0, 2, 3], 4) is None  # rows moving up: a source (2) is also a place written (new row 2)
+    assert mv([1, 0], 2) is None  # a swap: one would be written before it is read
+    assert mv([0, 3, 3], 4) is None  # one row twice
+    assert mv([0, 1, 2], 2) is None  # more rows than there are
+
+
+def test_greedy_survivors_keep_the_live_rows_and_fill_each_place_from_the_end():
+    from aiayn.search import _survivors
+
+    g = torch.Generator().manual_seed(1)
+    for _ in range(50):
+        done = torch.rand(int(torch.randint(1, 12, (1,), generator=g)), generator=g) < 0.4
+        keep = _survivors(done)
+        n = keep.numel()
+        assert sorted(keep.tolist()) == (~done).nonzero().squeeze(1).tolist()
+        stay = ~done[:n]
+        assert torch.equal(keep[stay], torch.arange(n)[stay])  # a live row before the new end stays put
+
+
+def test_sentences_leaving_a_greedy_cache_move_only_the_rows_that_fill_their_places():
+    """The cross-attention keys/values are kept in place (their storage is not copied) and the next
+    step is bitwise that of a cache whose source side was copied instead."""
+    from aiayn import cache as cache_mod
+    from aiayn.search import _survivors
+
+    model = tiny()
+    src = torch.randint(4, V, (5, 6), generator=torch.Generator().manual_seed(5))
+    src[2, 4:] = 0
+    keep_src = src.ne(0)
+    tok = torch.randint(4, V, (5, 3), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        memory = model.encode(src, keep_src)
+        caches = [model.new_cache(memory, keep_src) for _ in range(2)]
+        for c in caches:
+            for t in range(2):
+                model.decode(tok[:, t:t + 1], None, cache=c)
+        rows = _survivors(torch.tensor([False, True, False, True, False]))  # [0, 4, 2]
+        before = [c.layers[0].cross_k.data_ptr() for c in caches]
+        outs = []
+        for c, in_place in zip(caches, (False, True)):
+            cache_mod.IN_PLACE = in_place
+            try:
+                c.reorder(rows)
+            finally:
+                cache_mod.IN_PLACE = True
+            outs.append(model.decode(tok[rows, 2:3], None, cache=c))
+        after = [c.layers[0].cross_k.data_ptr() for c in caches]
+        assert after[1] == before[1] and after[0] != before[0]  # moved in place; copied
+        assert torch.equal(outs[0], outs[1])
+        assert torch.equal(caches[1].src_keep, keep_src[rows])

@@ -259,3 +259,36 @@ def test_softmax_rows_leaves_long_rows_autograd_and_other_dtypes_to_torch(monkey
     y = x.detach().clone().requires_grad_()
     torch.softmax(y, -1)[:, 0].sum().backward()
     assert torch.equal(x.grad, y.grad)
+
+
+@pytest.mark.parametrize("shape", [(64, 8, 1, 12, 32), (3, 2, 1, 5, 8), (4, 2, 1, 13, 32), (2, 2, 3, 4, 8), (5, 1, 1, 1, 4)])
+def test_the_values_weighed_by_one_query_are_summed_where_bmm_would_loop(shape):
+    """One query over fewer than SMALL_BMM key x value products takes torch's scalar bmm loop;
+    `weigh_values` multiplies and sums there instead: equal to `p @ v` within rounding, the same
+    for strided values (a cache's view), and torch's own result everywhere else."""
+    B, H, T, S, dh = shape
+    g = torch.Generator().manual_seed(0)
+    p = torch.rand(B, H, T, S, generator=g).softmax(-1)
+    v = torch.randn(B, H, S + 3, dh, generator=g)[:, :, :S]  # strided, as a view into a buffer
+    got = kernels.weigh_values(p, v)
+    torch.testing.assert_close(got, p @ v, rtol=1e-6, atol=1e-6)
+    spelled = T == 1 and S * dh < kernels.SMALL_BMM
+    assert torch.equal(got, p @ v) or spelled  # the other products are torch's, bitwise
+    unit = kernels._compiled()
+    if unit and hasattr(unit, "attend"):  # the compiled step's attention takes the same branch
+        q, k = torch.randn(B, H, T, dh, generator=g), torch.randn(B, H, S, dh, generator=g)
+        scores = torch.bmm(q.reshape(B * H, T, dh) * 0.5, k.reshape(B * H, S, dh).transpose(1, 2))
+        want = kernels.weigh_values(kernels.softmax_rows(scores, torch.float32).view(B, H, T, S), v)
+        assert torch.equal(unit.attend(q, k, v, None, 0.5, kernels.SHORT_ROW, kernels.SHORT_ROWS_MIN,
+                                       kernels.SMALL_BMM), want)
+
+
+def test_weigh_values_leaves_autograd_and_other_dtypes_to_torch():
+    p = torch.rand(4, 2, 1, 5).softmax(-1)
+    v = torch.randn(4, 2, 5, 8)
+    assert torch.equal(kernels.weigh_values(p.double(), v.double()), p.double() @ v.double())
+    vg = v.clone().requires_grad_()
+    got = kernels.weigh_values(p, vg)
+    assert torch.equal(got, p @ vg)
+    got.sum().backward()
+    assert vg.grad is not None

@@ -285,6 +285,30 @@ def test_on_done_gives_each_sentence_its_result_as_soon_as_it_is_done(beam, monk
     assert at == sorted(at) and at[0] < at[-1] == len(steps)  # the first one steps before the last
 
 
+@pytest.mark.parametrize("beam", [1, 4])
+def test_sentences_leaving_in_place_change_nothing(beam, monkeypatch):
+    """Finished sentences' places taken by the last live ones (`_survivors`), the source side moved
+    in place (`cache.moves`): results and early answers bitwise those of copying it, int8 too."""
+    from aiayn import cache as cache_mod
+    from aiayn.kernels import quantize_int8
+
+    for int8 in (False, True):
+        model, src = random_model(), random_batch([6, 2, 8, 4, 5, 3, 7])
+        if int8:
+            quantize_int8(model.requires_grad_(False))
+        runs = []
+        for in_place in (True, False):
+            monkeypatch.setattr(cache_mod, "IN_PLACE", in_place)
+            seen = []
+            done = lambda row, result: seen.append((row, result))  # noqa: E731,B023
+            if beam == 1:
+                out = greedy_search(model, src, BOS, EOS, max_len_b=10, on_done=done)
+            else:
+                out = beam_search(model, src, BOS, EOS, beam=beam, nbest=2, max_len_b=10, on_done=done)
+            runs.append((out, sorted(seen)))
+        assert runs[0] == runs[1]
+
+
 def test_batch_invariance():
     model = random_model()
     batch = random_batch([4, 11, 9, 12])

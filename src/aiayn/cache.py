@@ -99,6 +99,34 @@ def _select_cat(old: Tensor, rows: Tensor | None, new: Tensor, spare: Tensor | N
     return out, (base if base.dim() == 1 and base.is_contiguous() else None)
 
 
+IN_PLACE = True  # False: sentences leaving the batch always copy the source side (for comparison)
+
+Moves = tuple[Tensor, Tensor]  # (destination rows, source rows) of a selection done in place
+
+
+def moves(indices: Tensor, rows: int) -> Moves | None:
+    """The rows that keeping `indices` of `rows` rows moves, if that can be done in place: every new
+    row i is old row i or comes from at or past the new end (each such row once), so no row is
+    written before it is read. None otherwise. Shape: indices (n,) -> (m,), (m,)."""
+    n = indices.numel()
+    if n > rows:
+        return None
+    dst = indices.ne(torch.arange(n, device=indices.device)).nonzero().squeeze(1)
+    src = indices.index_select(0, dst)
+    if src.numel() and (bool(src.lt(n).any()) or src.unique().numel() != src.numel()):
+        return None
+    return dst, src
+
+
+def _keep_rows(x: Tensor, indices: Tensor, m: Moves | None) -> Tensor:
+    """x[indices]: in place by the moves `m` of `indices` if given, else a copy. Shape: (R, ...) -> (n, ...)."""
+    if m is None:
+        return x.index_select(0, indices)
+    if m[0].numel():
+        x.index_copy_(0, m[0], x.index_select(0, m[1]))
+    return x[:indices.numel()]
+
+
 @dataclass
 class DecoderCache:
     """The decoding cache: per-layer keys/values, the source padding mask and the decoded length.
@@ -107,7 +135,9 @@ class DecoderCache:
     r // beam. `reorder(indices, beam)` selects rows: beam search gives every sentence `beam` rows,
     reorders hypotheses and drops finished sentences. Source-side state
     (cross-attention keys/values, `src_keep`) is kept once per sentence and only copied when the
-    set of sentences changes.
+    set of sentences changes; where the sentences that stay are where they were or take the places
+    of those that left (`moves`: greedy search's order, `search._survivors`), only those move, in
+    place (greedy int8, test_2016_flickr: 2-4% of a search; docs/speed.md).
     """
 
     layers: list[LayerCache]
@@ -132,9 +162,9 @@ class DecoderCache:
         unchanged = sentences.numel() == N and bool(
             sentences.eq(torch.arange(N, device=sentences.device)).all())
         if not unchanged:  # sentences left the batch (or were permuted): select the source side
+            m = moves(sentences, N) if IN_PLACE else None
             for layer in self.layers:
-                layer.cross_k = layer.cross_k.index_select(0, sentences)
-                layer.cross_v = layer.cross_v.index_select(0, sentences)
+                layer.cross_k, layer.cross_v = (_keep_rows(x, sentences, m) for x in (layer.cross_k, layer.cross_v))
             self.src_keep = self.src_keep.index_select(0, sentences)
         for layer in self.layers:
             layer.reorder_rows(indices)

@@ -320,7 +320,7 @@ def _explicit_attention(
     exact = torch.promote_types(scores.dtype, torch.float32)  # float32, or float64 kept as it is
     weights = softmax_rows(scores, exact).to(scores.dtype).view(B, H, T, S)
     attn = dropout(weights, dropout_p, training)
-    return attn @ v, weights
+    return weigh_values(attn, v), weights
 
 
 # torch 2.13's CPU softmax takes a slow path over rows shorter than one vector register (16 floats
@@ -332,6 +332,25 @@ def _explicit_attention(
 # fixed overhead, so it is taken from SHORT_ROWS_MIN rows on (where the two cross, 32-64 rows).
 SHORT_ROW = {"AVX512": 16, "AVX2": 8}.get(torch.backends.cpu.get_cpu_capability(), 0)
 SHORT_ROWS_MIN = 64
+
+
+# torch 2.13's CPU bmm multiplies matrices of fewer than SMALL_BMM multiply-adds (contraction x
+# rows x columns) in a plain loop rather than MKL's kernels. For one query's weighted sum of
+# values (1 x S by S x d_head) that loop is 3-5x slower than a multiply and a sum over the keys
+# (1920 rows of 12 keys at d_head 32: 457 against 125 us). Such products are a decoding step's:
+# its self-attention over the first 400 / d_head keys, its cross-attention over short sources.
+SMALL_BMM = 400
+
+
+def weigh_values(p: Tensor, v: Tensor) -> Tensor:
+    """`p @ v`, the attention weights' sum of the values, spelled out where torch's bmm would take
+    its plain loop in float32 inference (see the note above; equal within rounding, not bitwise).
+
+    Shape: p (..., T, S), v (..., S, d_head) -> (..., T, d_head)."""
+    if (p.size(-2) == 1 and p.size(-1) * v.size(-1) < SMALL_BMM and p.dtype == v.dtype == torch.float32
+            and p.device.type == "cpu" and not (torch.is_grad_enabled() and (p.requires_grad or v.requires_grad))):
+        return (v * p.transpose(-1, -2)).sum(-2, keepdim=True)
+    return p @ v
 
 
 def softmax_rows(x: Tensor, dtype: torch.dtype) -> Tensor:
@@ -453,14 +472,18 @@ def softmax_rows(x: Tensor, short: int, min_rows: int) -> Tensor:
         return e.div_(e.sum(-1, True))
     return torch.softmax(x, -1, torch.float32)
 
-def attend(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], scale: float, short: int, min_rows: int) -> Tensor:
+def attend(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], scale: float, short: int, min_rows: int,
+           small: int) -> Tensor:
     B, H, T, dh, S = q.size(0), q.size(1), q.size(2), q.size(3), k.size(2)
     q3, kt = q.reshape(B * H, T, dh), k.reshape(B * H, S, dh).transpose(1, 2)
     if bias is None:
         scores = torch.bmm(q3 * scale, kt)
     else:
         scores = torch.baddbmm(bias, q3, kt, beta=1, alpha=scale)
-    return torch.matmul(softmax_rows(scores, short, min_rows).view(B, H, T, S), v)
+    p = softmax_rows(scores, short, min_rows).view(B, H, T, S)
+    if T == 1 and S * dh < small:
+        return (v * p.transpose(-1, -2)).sum(-2, True)
+    return torch.matmul(p, v)
 
 def residual(x: Tensor, y: Tensor, w: Tensor, b: Tensor, eps: float, norm_first: bool) -> Tensor:
     if norm_first:
@@ -479,15 +502,15 @@ def after_append(x: Tensor, q: Tensor, k: Tensor, v: Tensor, ck: Tensor, cv: Ten
                  w1: __torch__.torch.classes.quantized.LinearPackedParamsBase,
                  w2: __torch__.torch.classes.quantized.LinearPackedParamsBase,
                  norms: List[Tensor], eps: float, scale: float, norm_first: bool, act: int,
-                 rr: bool, short: int, min_rows: int) -> Tensor:
+                 rr: bool, short: int, min_rows: int, small: int) -> Tensor:
     b, D, H, N = x.size(0), x.size(1), q.size(1), ck.size(0)
-    ctx = attend(q, k, v, None, scale, short, min_rows)
+    ctx = attend(q, k, v, None, scale, short, min_rows, small)
     x = residual(x, int8_op(ctx.transpose(1, 2).reshape(b, D), wo, False, rr), norms[0], norms[1], eps, norm_first)
     h = sublayer_input(x, norms[2], norms[3], eps, norm_first)
     qc = int8_op(h, wq, False, rr).view(b, 1, H, D // H).transpose(1, 2)
     if b > N:
         qc = qc.reshape(N, b // N, H, 1, D // H).transpose(1, 2).reshape(N, H, b // N, D // H)
-    ctx = attend(qc, ck, cv, bias, scale, short, min_rows)
+    ctx = attend(qc, ck, cv, bias, scale, short, min_rows, small)
     x = residual(x, int8_op(ctx.transpose(1, 2).reshape(b, D), wco, False, rr), norms[2], norms[3], eps, norm_first)
     h = sublayer_input(x, norms[4], norms[5], eps, norm_first)
     if act == 0:
@@ -556,7 +579,7 @@ class _StepPlan:
             q, k, v = call(h, p.qkv, False, rr).view(b, 1, 3, H, D // H).permute(2, 0, 3, 1, 4).unbind(0)
             k, v = lc.append(k, v)  # (b, H, t, dh)
             x = self.unit.after_append(x, q, k, v, lc.cross_k, lc.cross_v, bias, *p.packs, p.norms, self.eps, scale,
-                                       self.norm_first, self.act, rr, SHORT_ROW, SHORT_ROWS_MIN)
+                                       self.norm_first, self.act, rr, SHORT_ROW, SHORT_ROWS_MIN, SMALL_BMM)
         return x if decoder.norm is None else _layer_norm(decoder.norm, x)
 
 

@@ -296,6 +296,20 @@ class _RowTopk:
         return torch.cat(vals), torch.cat(ids)
 
 
+def _survivors(done: Tensor) -> Tensor:
+    """The rows that go on, each finished row's place taken by one of the last live rows rather than
+    all of them moving up: the cache then moves just those rows, in place (`DecoderCache.reorder`).
+
+    Shape: done (b,) bool -> (b',) long, b' = live rows."""
+    live = ~done
+    n = int(live.sum())
+    keep = torch.arange(n, device=done.device)
+    holes = done[:n].nonzero().squeeze(1)
+    if holes.numel():
+        keep[holes] = live[n:].nonzero().squeeze(1) + n
+    return keep
+
+
 @torch.inference_mode()  # no autograd bookkeeping at all (a few % per step over no_grad)
 def greedy_search(model: SearchModel[C], src: Tensor, bos_id: int, eos_id: int, max_len_a: float = 1.0,
                   max_len_b: int = 50, min_len: int = 0, use_cache: bool = True,
@@ -330,7 +344,7 @@ def greedy_search(model: SearchModel[C], src: Tensor, bos_id: int, eos_id: int, 
                 out[row] = ids[:-1] if ids[-1] == eos_id else ids
                 if on_done is not None:
                     on_done(row, out[row])
-            keep = (~done).nonzero().squeeze(1)
+            keep = _survivors(done)
             alive, tokens = alive[keep], tokens[keep]
             if cache is not None:
                 cache.reorder(keep)
@@ -407,7 +421,7 @@ def beam_search(model: SearchModel[C], src: Tensor, bos_id: int, eos_id: int, be
         if on_done is not None and bool(done.any()):
             for s in sent[done].tolist():
                 on_done(s, _best(finals[s], nbest))
-        keep = (~done).nonzero().squeeze(1) if bool(done.any()) else None
+        keep = _survivors(done) if bool(done.any()) else None
         if keep is not None:
             if keep.numel() == 0:
                 break
