@@ -164,6 +164,38 @@ def test_packed_round_trip():
     assert torch.equal(packed.unpack(packed.pack(x)), x * keep[..., None])
 
 
+@pytest.mark.parametrize("cross", [False, True])
+def test_attention_over_packed_tokens_is_the_padded_layouts(cross):
+    """`kernels.packed_attention` gives the padded layout's outputs and gradients at the real
+    tokens, and without autograd (heads gathered straight from the real tokens, head-major) bitwise
+    what it gives with; a query whose keys are all padding (a sentence without source tokens)
+    averages zeros there."""
+    from aiayn.model import MultiHeadAttention
+
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(16, 4, 0.0, cross=cross)
+    keep = torch.tensor([[True] * 5, [True, True, True, False, False], [True, False, False, False, False]])
+    mem_keep = torch.tensor([[True] * 4, [True, True, False, False], [False] * 4]) if cross else keep
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    mem = (torch.randn(3, 4, 16) * mem_keep[..., None]).requires_grad_() if cross else None
+    p, mp = Packed.from_keep(keep), Packed.from_keep(mem_keep)
+    want = p.pack(mha(x, mem, mem_keep, is_causal=not cross)[0])
+    got = mha(p.pack(x), None if mem is None else mp.pack(mem), mem_keep, is_causal=not cross, packed=p,
+              mem_packed=mp if cross else None)[0]
+    real = slice(0, 8) if cross else slice(None)  # (cross) the third sentence (row 8) has no source token
+    torch.testing.assert_close(got[real], want[real], rtol=1e-6, atol=1e-6)
+    if cross:
+        assert torch.equal(got[8:].detach(), mha.out_proj.bias.detach()[None])
+    grads = [torch.autograd.grad(y[real].square().sum(), [x, mha.out_proj.weight] + ([mem] if cross else []))
+             for y in (want, got)]
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # without autograd the heads go head-major (Packed.heads): bitwise the same
+        fast = mha(p.pack(x), None if mem is None else mp.pack(mem), mem_keep, is_causal=not cross, packed=p,
+                   mem_packed=mp if cross else None)[0]
+    assert torch.equal(fast, got.detach())
+
+
 def test_loss_gradients_equal_full_cross_entropy():
     model = tiny(dropout=0.0)
     src, tgt_in = padded_batch()

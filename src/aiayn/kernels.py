@@ -334,6 +334,42 @@ SHORT_ROW = {"AVX512": 16, "AVX2": 8}.get(torch.backends.cpu.get_cpu_capability(
 SHORT_ROWS_MIN = 64
 
 
+def packed_attention(mha: Any, x: Tensor, memory: Tensor | None, key_keep: Tensor | None, is_causal: bool,
+                     packed: "Packed", mem_packed: "Packed | None") -> Tensor:
+    """`MultiHeadAttention` over packed tokens, up to its output projection.
+
+    Without autograd (encoding for search), q, k and v go from the projections of the real tokens
+    straight into head-major batches (H, B, T, d_head), and the context straight back to the real
+    tokens (`Packed.heads`, `Packed.merge_heads`): one copy each way, where spreading to (B, T, d)
+    with zeros, splitting heads and packing again take five (the encoder 4-5% faster). Attention is
+    the same for each (head, sentence) in either order: the sentences take the place of the heads,
+    and the mask broadcasts over them. With autograd (training) the spread layout is kept: its
+    backward is the cheaper (a bf16 training step 6% faster).
+
+    Shape: x (N, d), memory (N_src, d), or (B, S, d) without `mem_packed` (cross), key_keep (B, S)
+    or (B, T, S) -> (N, d)."""
+    hm = not torch.is_grad_enabled()  # head-major
+
+    def heads(p: Packed | None, y: Tensor, n: int) -> tuple[Tensor, ...]:
+        if hm and p is not None:
+            return p.heads(y, n, mha.n_heads)  # n x (H, B, T, d_head)
+        hs = mha._heads(y if p is None else p.unpack(y), n)  # n x (B, H, T, d_head)
+        return tuple(h.transpose(0, 1) for h in hs) if hm else hs
+
+    if mha.cross:
+        assert memory is not None, "cross-attention needs the encoder output"
+        q, (k, v) = heads(packed, mha.q_proj(x), 1)[0], heads(mem_packed, mha.kv_proj(memory), 2)
+    else:
+        q, k, v = heads(packed, mha.qkv_proj(x), 3)
+    mask = None if key_keep is None else key_keep[:, None] if key_keep.dim() == 3 else key_keep[:, None, None, :]
+    if mask is not None and hm:
+        mask = mask.transpose(0, 1)  # (1, B, T | 1, S)
+    ctx, _ = attention(q, k, v, mask, is_causal, mha.dropout if mha.training else 0.0, mha.training)
+    if hm:
+        return packed.merge_heads(ctx)
+    return packed.pack(ctx.transpose(1, 2).reshape(packed.B, packed.T, -1))
+
+
 # torch 2.13's CPU bmm multiplies matrices of fewer than SMALL_BMM multiply-adds (contraction x
 # rows x columns) in a plain loop rather than MKL's kernels. For one query's weighted sum of
 # values (1 x S by S x d_head) that loop is 3-5x slower than a multiply and a sum over the keys
@@ -634,6 +670,7 @@ class Packed:
     idx: Tensor  # (N,) flat positions of the real tokens in (B*T)
     B: int
     T: int
+    _slots: tuple[Tensor, Tensor] | None = field(default=None, repr=False, compare=False)  # see `slots`
 
     @classmethod
     def from_keep(cls, keep: Tensor) -> "Packed":
@@ -651,6 +688,37 @@ class Packed:
     def unpack(self, x: Tensor) -> Tensor:
         """(N, C) -> (B, T, C), zeros at the padding"""
         return x.new_zeros(self.B * self.T, x.size(-1)).index_copy_(0, self.idx, x).view(self.B, self.T, -1)
+
+    def slots(self) -> tuple[Tensor, Tensor]:
+        """For each of the B*T padded positions the packed row it reads (a padding position reads
+        row 0), and the padding positions. Shape: -> (B*T,), (B*T - N,) long."""
+        if self._slots is None:
+            n, dev = self.idx.numel(), self.idx.device
+            rows = torch.zeros(self.B * self.T, dtype=torch.long, device=dev)
+            rows.index_copy_(0, self.idx, torch.arange(n, device=dev))
+            pads = torch.ones(self.B * self.T, dtype=torch.bool, device=dev).index_fill_(0, self.idx, False)
+            self._slots = (rows, pads.nonzero().squeeze(1))
+        return self._slots
+
+    def heads(self, x: Tensor, n: int, H: int) -> tuple[Tensor, ...]:
+        """n projections of the real tokens (q, k, v side by side) split into heads and spread over
+        the padded positions, head-major, in one copy. The padding holds the values of row 0 except
+        in the last projection (the values), where it holds zeros: a query whose keys are all
+        padding averages them, as over zeros in the padded layout; keys at the padding are masked.
+
+        Shape: x (N, n*H*d_head) -> n tensors (H, B, T, d_head)."""
+        dh = x.size(1) // (n * H)
+        rows, pads = self.slots()
+        out = x.view(x.size(0), n * H, dh).transpose(0, 1).index_select(1, rows)  # (nH, B*T, dh)
+        if pads.numel():
+            out[-H:].index_fill_(1, pads, 0)
+        return out.view(n, H, self.B, self.T, dh).unbind(0)
+
+    def merge_heads(self, ctx: Tensor) -> Tensor:
+        """The real tokens' rows of a head-major result, heads side by side, in one copy.
+        Shape: (H, B, T, d_head) -> (N, H*d_head)."""
+        H, dh = ctx.size(0), ctx.size(3)
+        return ctx.permute(1, 2, 0, 3).reshape(self.B * self.T, H, dh).index_select(0, self.idx).view(-1, H * dh)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Packed":
         return Packed(self.idx.to(device, non_blocking=non_blocking), self.B, self.T)

@@ -123,21 +123,19 @@ class MultiHeadAttention(nn.Module):
         """Shape: x (B, T, d); memory (B, S, d); key_keep (B, S) or (B, T, S) bool -> (B, T, d).
 
         With `packed` (`mem_packed`), x (memory) holds only the real tokens, (N, d), and so does
-        the output."""
-        B, T, D = (packed.B, packed.T, x.size(-1)) if packed is not None else x.shape
-
-        def padded(y: Tensor) -> Tensor:
-            return y if packed is None else packed.unpack(y)
-
+        the output (`kernels.packed_attention`; no weights, no cache)."""
+        if packed is not None:
+            return self.out_proj(kernels.packed_attention(self, x, memory, key_keep, is_causal, packed, mem_packed)), None
+        B, T, D = x.shape
         if self.cross:
-            q = self._heads(padded(self.q_proj(x)), 1)[0]  # (B, H, T, d_head)
+            q = self._heads(self.q_proj(x), 1)[0]  # (B, H, T, d_head)
             if cache is not None:  # a sentence's beam rows share its keys: q (N, H, G*T, d_head)
                 q, k, v = cache.cross(q)
             else:
                 assert memory is not None, "cross-attention needs the encoder output or a cache"
                 k, v = self.project_kv(memory, mem_packed)
         else:
-            q, k, v = self._heads(padded(self.qkv_proj(x)), 3)
+            q, k, v = self._heads(self.qkv_proj(x), 3)
             if cache is not None:
                 k, v = cache.append(k, v)  # (B, H, t+T, d_head)
         mask = None if key_keep is None else (key_keep[:, None] if key_keep.dim() == 3 else _key_mask(key_keep))
@@ -149,7 +147,7 @@ class MultiHeadAttention(nn.Module):
             ctx = ungroup(ctx, B, T)
             weights = None if weights is None else ungroup(weights, B, T)
         ctx = ctx.transpose(1, 2).reshape(B, T, D)
-        return self.out_proj(ctx if packed is None else packed.pack(ctx)), weights
+        return self.out_proj(ctx), weights
 
 
 class FeedForward(nn.Module):
