@@ -700,25 +700,26 @@ class Packed:
             self._slots = (rows, pads.nonzero().squeeze(1))
         return self._slots
 
-    def heads(self, x: Tensor, n: int, H: int) -> tuple[Tensor, ...]:
-        """n projections of the real tokens (q, k, v side by side) split into heads and spread over
-        the padded positions, head-major, in one copy. The padding holds the values of row 0 except
-        in the last projection (the values), where it holds zeros: a query whose keys are all
-        padding averages them, as over zeros in the padded layout; keys at the padding are masked.
+    def heads(self, x: Tensor, n: int, H: int, by_sentence: bool = False) -> tuple[Tensor, ...]:
+        """n projections of the real tokens (q, k, v side by side) spread over the padded positions,
+        zeros at the padding, and split into heads: a gather of whole rows, then one copy into the
+        heads' layout, head-major (attention over packed tokens) or `by_sentence` (a decoding
+        cache's keys and values).
 
-        Shape: x (N, n*H*d_head) -> n tensors (H, B, T, d_head)."""
-        dh = x.size(1) // (n * H)
+        Shape: x (N, n*H*d_head) -> n tensors (H, B, T, d_head), or (B, H, T, d_head) by_sentence."""
         rows, pads = self.slots()
-        out = x.view(x.size(0), n * H, dh).transpose(0, 1).index_select(1, rows)  # (nH, B*T, dh)
+        spread = x.index_select(0, rows).view(self.B, self.T, n, H, -1)  # (B, T, n, H, dh)
         if pads.numel():
-            out[-H:].index_fill_(1, pads, 0)
-        return out.view(n, H, self.B, self.T, dh).unbind(0)
+            spread.view(self.B * self.T, -1).index_fill_(0, pads, 0)
+        out = spread.permute((2, 0, 3, 1, 4) if by_sentence else (2, 3, 0, 1, 4)).contiguous()
+        return tuple(out[i] for i in range(n))  # not unbind: a cache moves rows of its keys in place
 
     def merge_heads(self, ctx: Tensor) -> Tensor:
-        """The real tokens' rows of a head-major result, heads side by side, in one copy.
+        """The real tokens' rows of a head-major result, heads side by side.
         Shape: (H, B, T, d_head) -> (N, H*d_head)."""
         H, dh = ctx.size(0), ctx.size(3)
-        return ctx.permute(1, 2, 0, 3).reshape(self.B * self.T, H, dh).index_select(0, self.idx).view(-1, H * dh)
+        real = ctx.reshape(H, self.B * self.T, dh).index_select(1, self.idx)  # (H, N, dh)
+        return real.transpose(0, 1).reshape(-1, H * dh)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Packed":
         return Packed(self.idx.to(device, non_blocking=non_blocking), self.B, self.T)

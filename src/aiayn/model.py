@@ -106,7 +106,10 @@ class MultiHeadAttention(nn.Module):
     def project_kv(self, memory: Tensor, packed: Packed | None = None) -> tuple[Tensor, Tensor]:
         """Cross-attention keys/values from the encoder output; computed once per sentence."""
         kv = self.kv_proj(memory)  # (B, S, 2d), or (N_src, 2d) when packed
-        k, v = self._heads(kv if packed is None else packed.unpack(kv), 2)  # (B, H, S, d_head) each
+        if packed is not None:  # zeros at the padding, contiguous
+            k, v = packed.heads(kv, 2, self.n_heads, by_sentence=True)  # (B, H, S, d_head) each
+        else:
+            k, v = self._heads(kv, 2)
         return k, v
 
     def forward(
