@@ -125,8 +125,8 @@ def test_beam_search_is_unchanged_by_grad_mode(beam):
     assert [[t for t, _ in h] for h in fast] == [[t for t, _ in h] for h in plain]
 
 
-def test_moves_allow_in_place_only_rows_that_stay_or_fill_a_place_from_past_the_new_end():
-    from aiayn.cache import moves
+def test_rows_move_in_place_when_few_move_and_give_the_selection_whatever_it_is():
+    from aiayn.cache import _keep_rows, moves
 
     def mv(idx, rows):
         m = moves(torch.tensor(idx), rows)
@@ -134,11 +134,33 @@ def test_moves_allow_in_place_only_rows_that_stay_or_fill_a_place_from_past_the_
 
     assert mv([0, 4, 2], 5) == ([1], [4])  # row 1 left, the last row takes its place
     assert mv([0, 1, 2], 5) == ([], [])  # the last rows left
-    assert mv([3, 4], 5) == ([0, 1], [3, 4])
-    assert mv([0, 2, 3], 4) is None  # rows moving up: a source (2) is also a place written (new row 2)
-    assert mv([1, 0], 2) is None  # a swap: one would be written before it is read
-    assert mv([0, 3, 3], 4) is None  # one row twice
+    assert mv([0, 2, 3], 4) is None  # most rows move up: a copy is cheaper
+    assert mv([1, 0], 2) is None
     assert mv([0, 1, 2], 2) is None  # more rows than there are
+    g = torch.Generator().manual_seed(2)
+    for _ in range(100):  # any selection, duplicates and swaps too, done in place equals the copy
+        rows = int(torch.randint(1, 9, (1,), generator=g))
+        idx = torch.randint(0, rows, (int(torch.randint(1, rows + 1, (1,), generator=g)),), generator=g)
+        dst = idx.ne(torch.arange(idx.numel())).nonzero().squeeze(1)
+        x = torch.randn(rows, 3, generator=g)
+        want = x[idx]
+        assert torch.equal(_keep_rows(x, idx, (dst, idx[dst])), want)
+
+
+def test_a_cache_made_in_inference_mode_is_reordered_outside_it_by_a_copy():
+    from aiayn.search import _survivors
+
+    model = tiny()
+    src = torch.randint(4, V, (4, 5), generator=torch.Generator().manual_seed(7))
+    with torch.inference_mode():
+        keep = src.ne(0)
+        cache = model.new_cache(model.encode(src, keep), keep)
+        model.decode(torch.full((4, 1), 5), None, cache=cache)
+    rows = _survivors(torch.tensor([False, True, False, False]))  # [0, 3, 2]: row 3 moves in place
+    cross = cache.layers[0].cross_k.clone()
+    with torch.no_grad():
+        cache.reorder(rows)
+    assert torch.equal(cache.layers[0].cross_k, cross[rows])
 
 
 def test_greedy_survivors_keep_the_live_rows_and_fill_each_place_from_the_end():

@@ -311,6 +311,8 @@ def test_encode_and_cache_skip_padding_with_the_same_values():
     m = keep[:, None, :, None]  # (B, 1, S, 1)
     assert torch.allclose(cache.layers[1].cross_k * m, k * m, atol=1e-6)
     assert torch.allclose(cache.layers[1].cross_v * m, v * m, atol=1e-6)
+    for t in (cache.layers[1].cross_k, cache.layers[1].cross_v):
+        assert t.is_contiguous() and t.masked_select(~m).eq(0).all()  # zeros at the padding
 
 
 @pytest.mark.parametrize("norm_first", [False, True])

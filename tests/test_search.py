@@ -309,6 +309,19 @@ def test_sentences_leaving_in_place_change_nothing(beam, monkeypatch):
         assert runs[0] == runs[1]
 
 
+def test_a_batch_without_any_source_token_decodes_as_with_autograd_on():
+    """The encoder's gathers over packed tokens have nothing to gather from: zeros, as the spread
+    layout (taken with autograd on) gives."""
+    model, src = random_model(), torch.zeros(2, 3, dtype=torch.long)
+    with torch.no_grad():
+        fast = model.encode(src)
+    with torch.enable_grad():
+        spread = model.encode(src)
+    assert torch.equal(fast, spread.detach())
+    assert greedy_search(model, src, BOS, EOS, max_len_b=3) == greedy_search(model, src[:1], BOS, EOS, max_len_b=3) * 2
+    assert len(beam_search(model, src, BOS, EOS, beam=2, max_len_b=3)) == 2
+
+
 def test_batch_invariance():
     model = random_model()
     batch = random_batch([4, 11, 9, 12])

@@ -104,22 +104,23 @@ Moves = tuple[Tensor, Tensor]  # (destination rows, source rows) of a selection 
 
 
 def moves(indices: Tensor, rows: int) -> Moves | None:
-    """The rows that keeping `indices` of `rows` rows moves, if that can be done in place: every new
-    row i is old row i or comes from at or past the new end (each such row once), so no row is
-    written before it is read. None otherwise. Shape: indices (n,) -> (m,), (m,)."""
+    """The rows that keeping `indices` of `rows` rows moves (new row i is old row indices[i]), if
+    moving them in place pays: at most half of the new rows move, as when finished sentences'
+    places are taken by the last live ones. None otherwise (a copy is cheaper). Any selection can
+    be done in place (`_keep_rows` reads every moved row before it writes one).
+    Shape: indices (n,) -> (m,), (m,)."""
     n = indices.numel()
     if n > rows:
         return None
     dst = indices.ne(torch.arange(n, device=indices.device)).nonzero().squeeze(1)
-    src = indices.index_select(0, dst)
-    if src.numel() and (bool(src.lt(n).any()) or src.unique().numel() != src.numel()):
-        return None
-    return dst, src
+    return (dst, indices.index_select(0, dst)) if 2 * dst.numel() <= n else None
 
 
 def _keep_rows(x: Tensor, indices: Tensor, m: Moves | None) -> Tensor:
-    """x[indices]: in place by the moves `m` of `indices` if given, else a copy. Shape: (R, ...) -> (n, ...)."""
-    if m is None:
+    """x[indices]: in place by the moves `m` of `indices` if given, else a copy. An inference
+    tensor outside inference mode (a cache made by search, reordered by hand) is copied: it cannot
+    be written there. Shape: (R, ...) -> (n, ...)."""
+    if m is None or (torch.is_inference(x) and not torch.is_inference_mode_enabled()):
         return x.index_select(0, indices)
     if m[0].numel():
         x.index_copy_(0, m[0], x.index_select(0, m[1]))
@@ -134,8 +135,8 @@ class DecoderCache:
     r // beam. `reorder(indices, beam)` selects rows: beam search gives every sentence `beam` rows,
     reorders hypotheses and drops finished sentences. Source-side state
     (cross-attention keys/values, `src_keep`) is kept once per sentence and only copied when the
-    set of sentences changes; where the sentences that stay are where they were or take the places
-    of those that left (`moves`: greedy search's order, `search._survivors`), only those move, in
+    set of sentences changes; where few of the sentences that stay change places (`moves`: the
+    last live ones taking the places of those that left, `search._survivors`), only those move, in
     place (greedy int8, test_2016_flickr: 2-4% of a search; docs/speed.md).
     """
 

@@ -334,40 +334,15 @@ SHORT_ROW = {"AVX512": 16, "AVX2": 8}.get(torch.backends.cpu.get_cpu_capability(
 SHORT_ROWS_MIN = 64
 
 
-def packed_attention(mha: Any, x: Tensor, memory: Tensor | None, key_keep: Tensor | None, is_causal: bool,
-                     packed: "Packed", mem_packed: "Packed | None") -> Tensor:
-    """`MultiHeadAttention` over packed tokens, up to its output projection.
-
-    Without autograd (encoding for search), q, k and v go from the projections of the real tokens
-    straight into head-major batches (H, B, T, d_head), and the context straight back to the real
-    tokens (`Packed.heads`, `Packed.merge_heads`): one copy each way, where spreading to (B, T, d)
-    with zeros, splitting heads and packing again take five (the encoder 4-5% faster). Attention is
-    the same for each (head, sentence) in either order: the sentences take the place of the heads,
-    and the mask broadcasts over them. With autograd (training) the spread layout is kept: its
-    backward is the cheaper (a bf16 training step 6% faster).
-
-    Shape: x (N, d), memory (N_src, d), or (B, S, d) without `mem_packed` (cross), key_keep (B, S)
-    or (B, T, S) -> (N, d)."""
-    hm = not torch.is_grad_enabled()  # head-major
-
-    def heads(p: Packed | None, y: Tensor, n: int) -> tuple[Tensor, ...]:
-        if hm and p is not None:
-            return p.heads(y, n, mha.n_heads)  # n x (H, B, T, d_head)
-        hs = mha._heads(y if p is None else p.unpack(y), n)  # n x (B, H, T, d_head)
-        return tuple(h.transpose(0, 1) for h in hs) if hm else hs
-
-    if mha.cross:
-        assert memory is not None, "cross-attention needs the encoder output"
-        q, (k, v) = heads(packed, mha.q_proj(x), 1)[0], heads(mem_packed, mha.kv_proj(memory), 2)
-    else:
-        q, k, v = heads(packed, mha.qkv_proj(x), 3)
-    mask = None if key_keep is None else key_keep[:, None] if key_keep.dim() == 3 else key_keep[:, None, None, :]
-    if mask is not None and hm:
-        mask = mask.transpose(0, 1)  # (1, B, T | 1, S)
-    ctx, _ = attention(q, k, v, mask, is_causal, mha.dropout if mha.training else 0.0, mha.training)
-    if hm:
-        return packed.merge_heads(ctx)
-    return packed.pack(ctx.transpose(1, 2).reshape(packed.B, packed.T, -1))
+def softmax_rows(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """`torch.softmax(x, -1, dtype=dtype)`, spelled out in float32 inference over many short rows
+    (see the note above; equal within rounding, not bitwise). Shape: (..., S) -> (..., S)."""
+    S = x.size(-1)
+    if (0 < S < SHORT_ROW and x.dtype == dtype == torch.float32 and x.device.type == "cpu"
+            and x.numel() >= SHORT_ROWS_MIN * S and not (torch.is_grad_enabled() and x.requires_grad)):
+        e = (x - x.amax(-1, keepdim=True)).exp_()
+        return e.div_(e.sum(-1, keepdim=True))
+    return torch.softmax(x, -1, dtype=dtype)
 
 
 # torch 2.13's CPU bmm multiplies matrices of fewer than SMALL_BMM multiply-adds (contraction x
@@ -387,17 +362,6 @@ def weigh_values(p: Tensor, v: Tensor) -> Tensor:
             and p.device.type == "cpu" and not (torch.is_grad_enabled() and (p.requires_grad or v.requires_grad))):
         return (v * p.transpose(-1, -2)).sum(-2, keepdim=True)
     return p @ v
-
-
-def softmax_rows(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """`torch.softmax(x, -1, dtype=dtype)`, spelled out in float32 inference over many short rows
-    (see the note above; equal within rounding, not bitwise). Shape: (..., S) -> (..., S)."""
-    S = x.size(-1)
-    if (0 < S < SHORT_ROW and x.dtype == dtype == torch.float32 and x.device.type == "cpu"
-            and x.numel() >= SHORT_ROWS_MIN * S and not (torch.is_grad_enabled() and x.requires_grad)):
-        e = (x - x.amax(-1, keepdim=True)).exp_()
-        return e.div_(e.sum(-1, keepdim=True))
-    return torch.softmax(x, -1, dtype=dtype)
 
 
 def _mask_bias(mask: Tensor, B: int, H: int, dtype: torch.dtype) -> Tensor:
@@ -708,6 +672,9 @@ class Packed:
 
         Shape: x (N, n*H*d_head) -> n tensors (H, B, T, d_head), or (B, H, T, d_head) by_sentence."""
         rows, pads = self.slots()
+        if x.size(0) == 0:  # no real token at all: nothing to gather from
+            dh = x.size(1) // (n * H)
+            return tuple(x.new_zeros((self.B, H, self.T, dh) if by_sentence else (H, self.B, self.T, dh)) for _ in range(n))
         spread = x.index_select(0, rows).view(self.B, self.T, n, H, -1)  # (B, T, n, H, dh)
         if pads.numel():
             spread.view(self.B * self.T, -1).index_fill_(0, pads, 0)
@@ -726,6 +693,43 @@ class Packed:
 
     def pin_memory(self) -> "Packed":
         return Packed(self.idx.pin_memory(), self.B, self.T)
+
+
+def packed_attention(mha: Any, x: Tensor, memory: Tensor | None, key_keep: Tensor | None, is_causal: bool,
+                     packed: "Packed", mem_packed: "Packed | None") -> Tensor:
+    """`MultiHeadAttention` over packed tokens, up to its output projection.
+
+    Without autograd (encoding for search), q, k and v go from the projections of the real tokens
+    into head-major batches (H, B, T, d_head), and the context back to the real tokens
+    (`Packed.heads`, `Packed.merge_heads`): two copies each way, where spreading to (B, T, d) with
+    zeros, splitting heads and packing again take five (the encoder 3% faster natively, 1% under
+    AVX2; docs/speed.md). Attention is the same for each (head, sentence) in either order: the
+    sentences take the place of the heads, and the mask broadcasts over them. With autograd
+    (training) the spread layout is kept: its backward is the cheaper (a bf16 training step 6%
+    faster).
+
+    Shape: x (N, d), memory (N_src, d), or (B, S, d) without `mem_packed` (cross), key_keep (B, S)
+    or (B, T, S) -> (N, d)."""
+    hm = not torch.is_grad_enabled()  # head-major
+
+    def heads(p: Packed | None, y: Tensor, n: int) -> tuple[Tensor, ...]:
+        if hm and p is not None:
+            return p.heads(y, n, mha.n_heads)  # n x (H, B, T, d_head)
+        hs = mha._heads(y if p is None else p.unpack(y), n)  # n x (B, H, T, d_head)
+        return tuple(h.transpose(0, 1) for h in hs) if hm else hs
+
+    if mha.cross:
+        assert memory is not None, "cross-attention needs the encoder output"
+        q, (k, v) = heads(packed, mha.q_proj(x), 1)[0], heads(mem_packed, mha.kv_proj(memory), 2)
+    else:
+        q, k, v = heads(packed, mha.qkv_proj(x), 3)
+    mask = None if key_keep is None else key_keep[:, None] if key_keep.dim() == 3 else key_keep[:, None, None, :]
+    if mask is not None and hm:
+        mask = mask.transpose(0, 1)  # (1, B, T | 1, S)
+    ctx, _ = attention(q, k, v, mask, is_causal, mha.dropout if mha.training else 0.0, mha.training)
+    if hm:
+        return packed.merge_heads(ctx)
+    return packed.pack(ctx.transpose(1, 2).reshape(packed.B, packed.T, -1))
 
 
 @dataclass

@@ -106,10 +106,8 @@ class MultiHeadAttention(nn.Module):
     def project_kv(self, memory: Tensor, packed: Packed | None = None) -> tuple[Tensor, Tensor]:
         """Cross-attention keys/values from the encoder output; computed once per sentence."""
         kv = self.kv_proj(memory)  # (B, S, 2d), or (N_src, 2d) when packed
-        if packed is not None:  # zeros at the padding, contiguous
-            k, v = packed.heads(kv, 2, self.n_heads, by_sentence=True)  # (B, H, S, d_head) each
-        else:
-            k, v = self._heads(kv, 2)
+        # (B, H, S, d_head) each; packed: zeros at the padding, contiguous
+        k, v = self._heads(kv, 2) if packed is None else packed.heads(kv, 2, self.n_heads, by_sentence=True)
         return k, v
 
     def forward(
@@ -128,6 +126,7 @@ class MultiHeadAttention(nn.Module):
         With `packed` (`mem_packed`), x (memory) holds only the real tokens, (N, d), and so does
         the output (`kernels.packed_attention`; no weights, no cache)."""
         if packed is not None:
+            assert cache is None and not need_weights, "packed tokens: no cache, no weights (plots run padded)"
             return self.out_proj(kernels.packed_attention(self, x, memory, key_keep, is_causal, packed, mem_packed)), None
         B, T, D = x.shape
         if self.cross:
