@@ -354,14 +354,28 @@ def test_cached_decoding_after_reorder():
     assert torch.allclose(got, want, atol=1e-5)
 
 
-def test_layer_cache_reuses_two_buffers_and_keeps_values():
+def _compiled_append(cache: LayerCache, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What search's compiled int8 step does with a layer's cache: `room`, the compiled append, `appended`."""
+    from aiayn import kernels
+
+    old_k, old_v, spare_k, spare_v = cache.room(k.size(0), k)
+    unit = kernels._compiled()
+    got = unit.append_kv(old_k, cache.pending, k, spare_k), unit.append_kv(old_v, cache.pending, v, spare_v)
+    cache.appended(*got)
+    return got
+
+
+@pytest.mark.parametrize("how", ["append", "compiled"])
+def test_layer_cache_reuses_two_buffers_and_keeps_values(how):
     """Appends with reorders (rows duplicated, dropped, shrinking) give exactly index_select + cat,
-    while the storage takes turns between two buffers: nothing new once they are big enough."""
+    while the storage takes turns between two buffers: nothing new once they are big enough; the
+    same for the compiled int8 step's appends (`LayerCache.room`, `appended`)."""
     g = torch.Generator().manual_seed(0)
     H, d = 2, 3
     k0, v0 = torch.randn(6, H, 1, d, generator=g), torch.randn(6, H, 1, d, generator=g)
     cache = LayerCache(torch.zeros(6, H, 1, d), torch.zeros(6, H, 1, d))
-    ref_k, ref_v = cache.append(k0, v0)
+    append = cache.append if how == "append" else lambda k, v: _compiled_append(cache, k, v)
+    ref_k, ref_v = append(k0, v0)
     ref_k, ref_v = ref_k.clone(), ref_v.clone()
     storages = []
     rows = 6
@@ -371,7 +385,7 @@ def test_layer_cache_reuses_two_buffers_and_keeps_values():
         order = torch.randint(0, ref_k.size(0), (rows,), generator=g)
         cache.reorder_rows(order)
         k, v = torch.randn(rows, H, 1, d, generator=g), torch.randn(rows, H, 1, d, generator=g)
-        got_k, got_v = cache.append(k, v)
+        got_k, got_v = append(k, v)
         ref_k = torch.cat([ref_k.index_select(0, order), k], 2)
         ref_v = torch.cat([ref_v.index_select(0, order), v], 2)
         assert torch.equal(got_k, ref_k) and torch.equal(got_v, ref_v)

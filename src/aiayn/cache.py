@@ -49,6 +49,23 @@ class LayerCache:
         self.pending = None
         return self.self_k, self.self_v
 
+    def room(self, R: int, like: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """For an append done elsewhere (search's compiled int8 step): the keys and values so far
+        (empty at the first step) and flat storage for R rows of them with one more position, to be
+        handed back with `appended`. Shape: -> (R', H, t, d_head) twice, then two flat buffers."""
+        H, d = self.cross_k.size(1), self.cross_k.size(3)
+        if self.self_k is None or self.self_v is None:
+            self.self_k = self.self_v = like.new_empty(R, H, 0, d)
+        need = R * H * (self.self_k.size(2) + 1) * d
+        self.spare = [_storage(s, need, R * H * d, like) for s in self.spare]
+        return self.self_k, self.self_v, *self.spare  # type: ignore[return-value]
+
+    def appended(self, k: Tensor, v: Tensor) -> None:
+        """Take the keys/values that an append into `room`'s storage made; the old ones' storage
+        is the next step's. Shape: k, v (R, H, t + 1, d_head)."""
+        self.spare = [_reusable(old) for old in (self.self_k, self.self_v)]
+        self.self_k, self.self_v, self.pending = k, v, None
+
     def cross(self, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The cached cross-attention keys/values, and `q` regrouped to read them: the G rows of a
         sentence (its beam) attend as G*T queries of that sentence, so its keys are never copied.
@@ -84,18 +101,29 @@ def _select_cat(old: Tensor, rows: Tensor | None, new: Tensor, spare: Tensor | N
         return torch.cat([old if rows is None else old.index_select(0, rows), new], dim=2), None
     (R, H, T, d), t = new.shape, old.size(2)
     need = R * H * (t + T) * d
-    if spare is None or spare.numel() < need or spare.dtype != new.dtype or spare.device != new.device:
-        # room for 8 more positions, so that the next steps can reuse it as the rows shrink
-        spare = new.new_empty(need + R * H * 8 * d)
+    spare = _storage(spare, need, R * H * d, new)
     out = spare.narrow(0, 0, need).view(R, H, t + T, d)  # (narrow and cat: a few us less a call than slicing)
     if rows is None:
         torch.cat([old, new], 2, out=out)
     else:
         torch.index_select(old, 0, rows, out=out.narrow(2, 0, t))
         out.narrow(2, t, T).copy_(new)
-    base = old._base if old._base is not None else old
-    # old's storage is ours to reuse only if it is a flat buffer made here (not a projection's output)
-    return out, (base if base.dim() == 1 and base.is_contiguous() else None)
+    return out, _reusable(old)
+
+
+def _storage(spare: Tensor | None, need: int, position: int, like: Tensor) -> Tensor:
+    """`spare` if it holds `need` elements of `like`'s kind, else a new flat buffer with room for
+    8 more positions (of `position` elements), so that the next steps can reuse it as rows shrink."""
+    if spare is None or spare.numel() < need or spare.dtype != like.dtype or spare.device != like.device:
+        return like.new_empty(need + 8 * position)
+    return spare
+
+
+def _reusable(old: Tensor | None) -> Tensor | None:
+    """old's storage, if it is a flat buffer made here (not a projection's output): free to reuse
+    once old is replaced."""
+    base = None if old is None else (old._base if old._base is not None else old)
+    return base if base is not None and base.dim() == 1 and base.is_contiguous() else None
 
 
 IN_PLACE = True  # False: sentences leaving the batch always copy the source side (for comparison)

@@ -26,7 +26,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Generic, NamedTuple, TypeVar, cast
+from typing import Any, Generic, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -459,11 +459,13 @@ def _attention_step(mha: Any, x: Tensor, cache: Any, key_keep: Tensor | None = N
 # ------------------------------------------------------------ search's int8 step, compiled
 # Once few sentences are left in a batch, the Python between a step's ~100 operations costs more
 # than they do. In the common case (int8 weights, float32, inference, keys short enough for the
-# explicit attention) a decoder layer's work after its self-attention append runs as one compiled
-# TorchScript function: the operations of `decoder_step` in the same order, so bitwise the same
-# results, dispatched from C++ (a greedy step at one sentence 0.47 -> 0.33 ms, at 4 0.63 -> 0.47
-# ms; docs/speed.md). Anything else, or a failure to compile, takes the Python step. Compiled with
-# `_INT8_SOURCE` (`_compiled`).
+# explicit attention) the whole decoder stack runs as one compiled TorchScript call
+# (`decoder_layers`), the self-attention appends included, into storage that the cache hands out
+# (`LayerCache.room`): the operations of `decoder_step` in the same order, so bitwise the same
+# results, dispatched from C++ (a greedy step at one sentence 0.47 -> 0.33 ms with each layer's
+# work after its append compiled, 0.64 -> 0.55 ms on another CPU with the whole stack; docs/speed.md).
+# Anything else, or a failure to compile, takes the Python step. Compiled with `_INT8_SOURCE`
+# (`_compiled`).
 _STEP_SOURCE = """
 def softmax_rows(x: Tensor, short: int, min_rows: int) -> Tensor:
     S = x.size(-1)
@@ -520,23 +522,48 @@ def after_append(x: Tensor, q: Tensor, k: Tensor, v: Tensor, ck: Tensor, cv: Ten
     else:
         f = int8_op(torch.ops.aten.silu(int8_op(h, w1, False, rr)), w2, False, rr)
     return residual(x, f, norms[4], norms[5], eps, norm_first)
+
+def append_kv(old: Tensor, rows: Optional[Tensor], new: Tensor, spare: Tensor) -> Tensor:
+    R, H, T, d, t = new.size(0), new.size(1), new.size(2), new.size(3), old.size(2)
+    out = spare.narrow(0, 0, R * H * (t + T) * d).view([R, H, t + T, d])
+    if rows is None:
+        torch.cat([old, new], 2, out=out)
+    else:
+        torch.index_select(old, 0, rows, out=out.narrow(2, 0, t))
+        out.narrow(2, t, T).copy_(new)
+    return out
+
+def decoder_layers(x: Tensor, qkv: List[__torch__.torch.classes.quantized.LinearPackedParamsBase],
+                   packs: List[List[__torch__.torch.classes.quantized.LinearPackedParamsBase]],
+                   norms: List[List[Tensor]], old_k: List[Tensor], old_v: List[Tensor], spare_k: List[Tensor],
+                   spare_v: List[Tensor], rows: Optional[Tensor], ck: List[Tensor], cv: List[Tensor], bias: Tensor,
+                   H: int, eps: float, scale: float, norm_first: bool, act: int, rr: bool, short: int,
+                   min_rows: int, small: int) -> Tuple[Tensor, List[Tensor], List[Tensor]]:
+    b, D = x.size(0), x.size(1)
+    ks: List[Tensor] = []
+    vs: List[Tensor] = []
+    for i in range(len(qkv)):
+        h = sublayer_input(x, norms[i][0], norms[i][1], eps, norm_first)
+        y = int8_op(h, qkv[i], False, rr).view([b, 1, 3, H, D // H]).permute([2, 0, 3, 1, 4])
+        k = append_kv(old_k[i], rows, y[1], spare_k[i])
+        v = append_kv(old_v[i], rows, y[2], spare_v[i])
+        p = packs[i]
+        x = after_append(x, y[0], k, v, ck[i], cv[i], bias, p[0], p[1], p[2], p[3], p[4], norms[i], eps, scale,
+                         norm_first, act, rr, short, min_rows, small)
+        ks.append(k)
+        vs.append(v)
+    return x, ks, vs
 """
 _ACTIVATIONS = (F.relu, F.gelu, F.silu)  # FeedForward.act -> `act` above
-
-
-class _LayerPlan(NamedTuple):
-    """One decoder layer's int8 packs (FBGEMM) and its norms' weights and biases."""
-
-    qkv: Any
-    packs: tuple[Any, ...]  # self-attention out, cross-attention q and out, feed-forward w1, w2
-    norms: list[Tensor]  # norm1 weight, bias, norm2 weight, bias, norm3 weight, bias
 
 
 @dataclass
 class _StepPlan:
     """The compiled step's arguments for one search: each layer's int8 weights and norms."""
 
-    layers: list[_LayerPlan]
+    qkv: list[Any]  # per layer: the self-attention's fused q/k/v projection (an FBGEMM pack)
+    packs: list[list[Any]]  # per layer: self-attention out, cross-attention q and out, feed-forward w1, w2
+    norms: list[list[Tensor]]  # per layer: norm1 weight, bias, norm2 weight, bias, norm3 weight, bias
     heads: int
     eps: float
     norm_first: bool
@@ -557,11 +584,12 @@ class _StepPlan:
             return None
         plan = [_layer_plan(layer) for layer in layers]
         unit = _compiled()
-        if not unit or not hasattr(unit, "after_append") or any(p is None for p in plan):
+        if not unit or not hasattr(unit, "decoder_layers") or any(p is None for p in plan):
             return None
         first = layers[0]
-        return cls([p for p in plan if p is not None], first.self_attn.n_heads, first.norm1.eps,
-                   bool(first.norm_first), _ACTIVATIONS.index(first.ff.act), unit)
+        return cls([p[0][0] for p in plan if p], [p[0][1:] for p in plan if p], [p[1] for p in plan if p],
+                   first.self_attn.n_heads, first.norm1.eps, bool(first.norm_first),
+                   _ACTIVATIONS.index(first.ff.act), unit)
 
     def applies(self, x: Tensor, cache: Any) -> bool:
         """Per step: float32 on the CPU, no autocast, no autograd, keys the explicit attention takes."""
@@ -573,19 +601,22 @@ class _StepPlan:
         """`decoder_step`'s work. Shape: x (b, d) -> (b, d)."""
         (b, D), H = x.shape, self.heads
         bias = self.bias.get(src_keep[:, None, None, :], src_keep.size(0), H, torch.float32, source=src_keep)  # (N*H | 1, 1, S)
-        call, rr, scale = _INT8_CALL or _int8_caller(), _INT8_REDUCE_RANGE, 1.0 / math.sqrt(D // H)
-        for p, lc in zip(self.layers, cache.layers, strict=True):
-            h = F.layer_norm(x, (D,), p.norms[0], p.norms[1], self.eps) if self.norm_first else x
-            q, k, v = call(h, p.qkv, False, rr).view(b, 1, 3, H, D // H).permute(2, 0, 3, 1, 4).unbind(0)
-            k, v = lc.append(k, v)  # (b, H, t, dh)
-            x = self.unit.after_append(x, q, k, v, lc.cross_k, lc.cross_v, bias, *p.packs, p.norms, self.eps, scale,
-                                       self.norm_first, self.act, rr, SHORT_ROW, SHORT_ROWS_MIN, SMALL_BMM)
+        rooms = [lc.room(b, x) for lc in cache.layers]  # keys, values so far and storage for one more
+        old_k, old_v, spare_k, spare_v = (list(t) for t in zip(*rooms, strict=True))
+        x, ks, vs = self.unit.decoder_layers(
+            x, self.qkv, self.packs, self.norms, old_k, old_v, spare_k, spare_v,
+            cache.layers[0].pending,  # (every layer's rows are reordered alike)
+            [lc.cross_k for lc in cache.layers], [lc.cross_v for lc in cache.layers], bias, H, self.eps,
+            1.0 / math.sqrt(D // H), self.norm_first, self.act, _INT8_REDUCE_RANGE, SHORT_ROW, SHORT_ROWS_MIN, SMALL_BMM)
+        for lc, k, v in zip(cache.layers, ks, vs, strict=True):
+            lc.appended(k, v)
         return x if decoder.norm is None else _layer_norm(decoder.norm, x)
 
 
-def _layer_plan(layer: Any) -> _LayerPlan | None:
-    """One layer's int8 packs and norm tensors, or None if one of its linear layers is not int8
-    (FBGEMM only: a oneDNN copy for wide layers takes the Python step)."""
+def _layer_plan(layer: Any) -> tuple[list[Any], list[Tensor]] | None:
+    """One layer's int8 packs (q/k/v, self-attention out, cross-attention q and out, feed-forward w1,
+    w2) and norm tensors, or None if one of its linear layers is not int8 (FBGEMM only: a oneDNN
+    copy for wide layers takes the Python step)."""
     sa, ca, ff = layer.self_attn, layer.cross_attn, layer.ff
     packs = []
     for w in (sa.qkv_proj.weight, sa.out_proj.weight, ca.q_proj.weight, ca.out_proj.weight, ff.w1.weight, ff.w2.weight):
@@ -596,7 +627,7 @@ def _layer_plan(layer: Any) -> _LayerPlan | None:
     norms = [t for n in (layer.norm1, layer.norm2, layer.norm3) for t in (n.weight, n.bias)]
     if any(t is None or t.dtype != torch.float32 for t in norms):
         return None
-    return _LayerPlan(packs[0], tuple(packs[1:]), norms)
+    return packs, norms
 
 
 # ---------------------------------------------------------------------------------- dropout
