@@ -395,6 +395,46 @@ def test_layer_cache_reuses_two_buffers_and_keeps_values(how):
     assert len(set(storages)) <= 4
     assert all(a != b for a, b in zip(storages, storages[1:]))  # never written over while read
 
+@pytest.mark.parametrize("how", ["append", "compiled"])
+def test_layer_cache_reuses_two_buffers_under_inference_mode(how):
+    """Search runs under inference mode, where views record no `_base`: the two buffers still take
+    turns (the cache keeps its storage itself; found through `_base`, it was never reused there)."""
+    H, d, rows = 2, 3, 4
+    with torch.inference_mode():
+        cache = LayerCache(torch.zeros(rows, H, 1, d), torch.zeros(rows, H, 1, d))
+        append = cache.append if how == "append" else lambda k, v: _compiled_append(cache, k, v)
+        storages = []
+        for _ in range(8):
+            got_k, _ = append(torch.randn(rows, H, 1, d), torch.randn(rows, H, 1, d))
+            storages.append(got_k.untyped_storage().data_ptr())
+        assert cache.spare[0] is not None  # the storage of the keys before, for the next step
+    assert len(set(storages)) <= 4
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_a_cache_stepped_in_inference_mode_goes_on_outside_it(int8):
+    """Buffers made under inference mode cannot be written outside it: a cache stepped there and
+    continued under no_grad takes new storage (and gives the same states as one step by step)."""
+    from aiayn.kernels import quantize_int8
+
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", src_vocab_size=20, tgt_vocab_size=20)).eval().requires_grad_(False)
+    if int8:
+        quantize_int8(model)
+    src = torch.randint(4, 20, (3, 5), generator=torch.Generator().manual_seed(1))
+    keep = src.ne(0)
+    got, want = [], []
+    for modes in ([torch.inference_mode] * 3 + [torch.no_grad] * 3, [torch.no_grad] * 6):
+        out = got if modes[0] is torch.inference_mode else want
+        with modes[0]():
+            cache = model.new_cache(model.encode(src, keep), keep)
+        for step, mode in enumerate(modes):
+            with mode():
+                out.append(model.decode(torch.full((3, 1), 5 + step), None, cache=cache, project=False).clone())
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 def test_fully_padded_source_row_gives_no_nan():
     model = tiny()
     model.train()  # dropout paths too

@@ -3,7 +3,9 @@ self-attention run one position at a time), and reordered for beam search (Secti
 
 Search (`aiayn.search`) decodes token by token; without a cache every step would recompute the keys
 and values of the whole prefix and of the source. `Transformer.new_cache` fills the cross-attention
-keys/values once from the encoder output; `MultiHeadAttention` appends the self-attention ones.
+keys/values once from the encoder output; `MultiHeadAttention` appends the self-attention ones
+(`LayerCache.append`), or search's compiled int8 step does, into storage the cache hands out
+(`LayerCache.room`, `LayerCache.appended`).
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ class LayerCache:
     the new positions at every step and stay contiguous (CPU batched matmuls copy strided operands
     first, which cost more than a preallocated buffer saves). A reorder is lazy: the rows are
     selected by the next `append`, in the same single copy that adds the new positions. That copy
-    goes into the storage the step before last used (two buffers per tensor, taking turns), so a
-    step allocates nothing large: fresh memory of that size would cost page faults at every step.
+    goes into the storage the step before last used (two buffers per tensor, taking turns, kept in
+    `flat` and `spare`), so a step allocates nothing large: fresh memory of that size would cost
+    page faults at every step. `append` does that copy; search's compiled int8 step does it in
+    TorchScript, between `room` and `appended`.
     The keys/values that `append` returns are therefore only valid until the next `append`.
     """
 
@@ -34,7 +38,11 @@ class LayerCache:
     self_k: Tensor | None = None  # (R, H, t, d_head), R = N * beam rows, before `pending` is applied
     self_v: Tensor | None = None
     pending: Tensor | None = None  # (R',) rows of self_k/self_v that the next append keeps
-    spare: list[Tensor | None] = field(default_factory=lambda: [None, None])  # flat storage for the next k, v
+    # Flat storage: what self_k, self_v view (None where they are not in storage of ours), and
+    # the other buffer of each pair, for the next append. Kept here rather than found through a
+    # view's `_base`, which views made under inference mode do not record.
+    flat: list[Tensor | None] = field(default_factory=lambda: [None, None])
+    spare: list[Tensor | None] = field(default_factory=lambda: [None, None])
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store the new positions; return every key/value so far (valid until the next append).
@@ -43,27 +51,33 @@ class LayerCache:
         """
         if self.self_k is None or self.self_v is None:  # the first step (both are set together)
             self.self_k, self.self_v = k, v
+        elif torch.is_grad_enabled() and any(x.requires_grad for x in (k, v, self.self_k, self.self_v)):
+            rows = self.pending  # autograd cannot record a copy into storage (out=)
+            self.self_k, self.self_v = (torch.cat([old if rows is None else old.index_select(0, rows), new], dim=2)
+                                        for old, new in ((self.self_k, k), (self.self_v, v)))
+            self.flat = [None, None]
         else:
-            self.self_k, self.spare[0] = _select_cat(self.self_k, self.pending, k, self.spare[0])
-            self.self_v, self.spare[1] = _select_cat(self.self_v, self.pending, v, self.spare[1])
+            old_k, old_v, store_k, store_v = self.room(k.size(0), k, k.size(2))
+            self.appended(_select_cat(old_k, self.pending, k, store_k), _select_cat(old_v, self.pending, v, store_v))
         self.pending = None
         return self.self_k, self.self_v
 
-    def room(self, R: int, like: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """For an append done elsewhere (search's compiled int8 step): the keys and values so far
-        (empty at the first step) and flat storage for R rows of them with one more position, to be
-        handed back with `appended`. Shape: -> (R', H, t, d_head) twice, then two flat buffers."""
+    def room(self, R: int, like: Tensor, T: int = 1) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The keys and values so far (empty before the first step) and flat storage for R rows of
+        them with T more positions, for an append that `appended` then records (`append`'s, or
+        search's compiled int8 step's). Shape: -> (R', H, t, d_head) twice, then two flat buffers."""
         H, d = self.cross_k.size(1), self.cross_k.size(3)
         if self.self_k is None or self.self_v is None:
             self.self_k = self.self_v = like.new_empty(R, H, 0, d)
-        need = R * H * (self.self_k.size(2) + 1) * d
-        self.spare = [_storage(s, need, R * H * d, like) for s in self.spare]
-        return self.self_k, self.self_v, *self.spare  # type: ignore[return-value]
+        need = R * H * (self.self_k.size(2) + T) * d
+        store_k, store_v = (_storage(s, need, R * H * d, like) for s in self.spare)
+        self.spare = [store_k, store_v]
+        return self.self_k, self.self_v, store_k, store_v
 
     def appended(self, k: Tensor, v: Tensor) -> None:
-        """Take the keys/values that an append into `room`'s storage made; the old ones' storage
-        is the next step's. Shape: k, v (R, H, t + 1, d_head)."""
-        self.spare = [_reusable(old) for old in (self.self_k, self.self_v)]
+        """Take the keys/values that an append wrote into `room`'s storage; the storage of the ones
+        before is the next append's. Shape: k, v (R, H, t + T, d_head)."""
+        self.flat, self.spare = self.spare, self.flat
         self.self_k, self.self_v, self.pending = k, v, None
 
     def cross(self, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -92,38 +106,28 @@ def ungroup(x: Tensor, rows: int, T: int) -> Tensor:
     return x.reshape(N, H, rows // N, T, x.size(-1)).transpose(1, 2).reshape(rows, H, T, x.size(-1))
 
 
-def _select_cat(old: Tensor, rows: Tensor | None, new: Tensor, spare: Tensor | None) -> tuple[Tensor, Tensor | None]:
-    """cat([old[rows], new], dim=2) in one copy, written into `spare` (flat storage) when it is large
-    enough. Returns the result and the storage to use next time (old's, if it was one of ours).
+def _select_cat(old: Tensor, rows: Tensor | None, new: Tensor, storage: Tensor) -> Tensor:
+    """cat([old[rows], new], dim=2) in one copy, written into the flat `storage` (`LayerCache.room`).
 
     Shape: old (R, H, t, d), new (R', H, T, d) -> (R', H, t+T, d)."""
-    if torch.is_grad_enabled() and (old.requires_grad or new.requires_grad):  # autograd cannot record out=
-        return torch.cat([old if rows is None else old.index_select(0, rows), new], dim=2), None
     (R, H, T, d), t = new.shape, old.size(2)
-    need = R * H * (t + T) * d
-    spare = _storage(spare, need, R * H * d, new)
-    out = spare.narrow(0, 0, need).view(R, H, t + T, d)  # (narrow and cat: a few us less a call than slicing)
+    out = storage.narrow(0, 0, R * H * (t + T) * d).view(R, H, t + T, d)  # (a few us less a call than slicing)
     if rows is None:
         torch.cat([old, new], 2, out=out)
     else:
         torch.index_select(old, 0, rows, out=out.narrow(2, 0, t))
         out.narrow(2, t, T).copy_(new)
-    return out, _reusable(old)
+    return out
 
 
 def _storage(spare: Tensor | None, need: int, position: int, like: Tensor) -> Tensor:
-    """`spare` if it holds `need` elements of `like`'s kind, else a new flat buffer with room for
-    8 more positions (of `position` elements), so that the next steps can reuse it as rows shrink."""
-    if spare is None or spare.numel() < need or spare.dtype != like.dtype or spare.device != like.device:
+    """`spare` if it holds `need` elements of `like`'s kind and may be written here, else a new
+    flat buffer with room for 8 more positions (of `position` elements), so that the next steps
+    can reuse it as rows shrink. A buffer made under inference mode cannot be written outside it."""
+    if (spare is None or spare.numel() < need or spare.dtype != like.dtype or spare.device != like.device
+            or (torch.is_inference(spare) and not torch.is_inference_mode_enabled())):
         return like.new_empty(need + 8 * position)
     return spare
-
-
-def _reusable(old: Tensor | None) -> Tensor | None:
-    """old's storage, if it is a flat buffer made here (not a projection's output): free to reuse
-    once old is replaced."""
-    base = None if old is None else (old._base if old._base is not None else old)
-    return base if base is not None and base.dim() == 1 and base.is_contiguous() else None
 
 
 IN_PLACE = True  # False: sentences leaving the batch always copy the source side (for comparison)

@@ -26,7 +26,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, Generic, NamedTuple, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -306,17 +306,19 @@ def _explicit_attention(
     if is_causal:
         causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)  # (T, S)
         mask = causal if mask is None else mask & causal
-    q3, kt = q.reshape(B * H, T, d_head), k.reshape(B * H, S, d_head).transpose(1, 2)  # (BH, T, dh), (BH, dh, S)
+    kt = k.reshape(B * H, S, d_head).transpose(1, 2)  # (BH, dh, S)
     scale = 1.0 / math.sqrt(d_head)
     dev = q.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else torch.promote_types(q.dtype, k.dtype)
     if mask is None or dtype == torch.float16:
-        scores = torch.bmm(q3 * scale, kt)  # (BH, T, S); scaled first: q k^T may overflow float16
+        # (BH, T, S); scaled first, as q k^T may overflow float16, and before the reshape, which
+        # then has a contiguous product to view rather than a strided q to copy
+        scores = torch.bmm((q * scale).reshape(B * H, T, d_head), kt)
         if mask is not None:
             scores = scores.view(B, H, T, S).masked_fill(~mask, torch.finfo(scores.dtype).min).view(B * H, T, S)
     else:
         additive = _mask_bias(mask, B, H, dtype) if bias is None else bias.get(mask, B, H, dtype)
-        scores = torch.baddbmm(additive, q3, kt, alpha=scale)  # (BH, T, S)
+        scores = torch.baddbmm(additive, q.reshape(B * H, T, d_head), kt, alpha=scale)  # (BH, T, S)
     exact = torch.promote_types(scores.dtype, torch.float32)  # float32, or float64 kept as it is
     weights = softmax_rows(scores, exact).to(scores.dtype).view(B, H, T, S)
     attn = dropout(weights, dropout_p, training)
@@ -400,7 +402,7 @@ def decoder_step(decoder: Any, x: Tensor, cache: Any, src_keep: Tensor) -> Tenso
     module calls, and with the source mask's additive form made once per step rather than per layer.
     Once few sentences are left in a batch these cost as much as the arithmetic (int8, a step at
     one sentence: 0.69 -> 0.63 ms, measured in one process; docs/speed.md), and in the common int8
-    case each layer's work runs compiled (`_StepPlan`, the same operations). Dropout follows each
+    case the whole stack runs compiled (`_StepPlan`, the same operations). Dropout follows each
     module's `training` as forward does; forward hooks of the modules do not run here.
 
     Shape: x (b, d), src_keep (N, S) bool -> (b, d); b = N * beam rows."""
@@ -477,11 +479,11 @@ def softmax_rows(x: Tensor, short: int, min_rows: int) -> Tensor:
 def attend(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], scale: float, short: int, min_rows: int,
            small: int) -> Tensor:
     B, H, T, dh, S = q.size(0), q.size(1), q.size(2), q.size(3), k.size(2)
-    q3, kt = q.reshape(B * H, T, dh), k.reshape(B * H, S, dh).transpose(1, 2)
+    kt = k.reshape(B * H, S, dh).transpose(1, 2)
     if bias is None:
-        scores = torch.bmm(q3 * scale, kt)
+        scores = torch.bmm((q * scale).reshape(B * H, T, dh), kt)
     else:
-        scores = torch.baddbmm(bias, q3, kt, beta=1, alpha=scale)
+        scores = torch.baddbmm(bias, q.reshape(B * H, T, dh), kt, beta=1, alpha=scale)
     p = softmax_rows(scores, short, min_rows).view(B, H, T, S)
     if T == 1 and S * dh < small:
         return (v * p.transpose(-1, -2)).sum(-2, True)
@@ -587,9 +589,10 @@ class _StepPlan:
         if not unit or not hasattr(unit, "decoder_layers") or any(p is None for p in plan):
             return None
         first = layers[0]
-        return cls([p[0][0] for p in plan if p], [p[0][1:] for p in plan if p], [p[1] for p in plan if p],
-                   first.self_attn.n_heads, first.norm1.eps, bool(first.norm_first),
-                   _ACTIVATIONS.index(first.ff.act), unit)
+        layer_plans = [p for p in plan if p is not None]
+        return cls([p.packs[0] for p in layer_plans], [p.packs[1:] for p in layer_plans],
+                   [p.norms for p in layer_plans], first.self_attn.n_heads, first.norm1.eps,
+                   bool(first.norm_first), _ACTIVATIONS.index(first.ff.act), unit)
 
     def applies(self, x: Tensor, cache: Any) -> bool:
         """Per step: float32 on the CPU, no autocast, no autograd, keys the explicit attention takes."""
@@ -613,10 +616,16 @@ class _StepPlan:
         return x if decoder.norm is None else _layer_norm(decoder.norm, x)
 
 
-def _layer_plan(layer: Any) -> tuple[list[Any], list[Tensor]] | None:
-    """One layer's int8 packs (q/k/v, self-attention out, cross-attention q and out, feed-forward w1,
-    w2) and norm tensors, or None if one of its linear layers is not int8 (FBGEMM only: a oneDNN
-    copy for wide layers takes the Python step)."""
+class _LayerPlan(NamedTuple):
+    """One decoder layer's part of the compiled step's arguments."""
+
+    packs: list[Any]  # FBGEMM packs: q/k/v, self-attention out, cross-attention q and out, feed-forward w1, w2
+    norms: list[Tensor]  # norm1 weight, bias, norm2 weight, bias, norm3 weight, bias
+
+
+def _layer_plan(layer: Any) -> _LayerPlan | None:
+    """One layer's int8 packs and norm tensors, or None if one of its linear layers is not int8
+    (FBGEMM only: a oneDNN copy for wide layers takes the Python step)."""
     sa, ca, ff = layer.self_attn, layer.cross_attn, layer.ff
     packs = []
     for w in (sa.qkv_proj.weight, sa.out_proj.weight, ca.q_proj.weight, ca.out_proj.weight, ff.w1.weight, ff.w2.weight):
@@ -627,7 +636,7 @@ def _layer_plan(layer: Any) -> tuple[list[Any], list[Tensor]] | None:
     norms = [t for n in (layer.norm1, layer.norm2, layer.norm3) for t in (n.weight, n.bias)]
     if any(t is None or t.dtype != torch.float32 for t in norms):
         return None
-    return packs, norms
+    return _LayerPlan(packs, norms)
 
 
 # ---------------------------------------------------------------------------------- dropout
