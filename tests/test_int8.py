@@ -127,20 +127,20 @@ def test_first_int8_calls_on_several_threads_compile_once(monkeypatch):
 
 def test_wide_layer_does_not_saturate_without_vnni():
     """Under AVX2 (no VNNI) int8 GEMMs add pairs of u8 x s8 products in saturating 16 bits; with
-    7-bit inputs no pair can saturate, on the oneDNN copy too. Inputs and weights that would
-    saturate 8-bit pairs (all large and positive against all negative: ~10% off) stay exact."""
+    7-bit inputs no pair can saturate, on the oneDNN copy too (which a wide layer keeps under AVX2,
+    from 128 rows). Inputs and weights that would saturate 8-bit pairs (all large and positive
+    against all negative: ~10% off) stay exact."""
     if kernels.WIDE_ENGINE not in torch.backends.quantized.supported_engines:
         pytest.skip("no oneDNN quantized engine in this torch")
     code = """
 import torch
 from aiayn import kernels
-torch.backends.cpu.get_cpu_capability = lambda: "AVX512"  # keep the oneDNN copy whatever ATen says
 torch.manual_seed(0)
 layer = torch.nn.Linear(64, 64 * kernels.WIDE_RATIO, bias=False).requires_grad_(False)
 layer.weight.copy_(-torch.rand_like(layer.weight) - 0.5)
 kernels.quantize_int8(layer)
 assert kernels._INT8[id(layer.weight)][2] is not None
-x = torch.rand(kernels.WIDE_MIN_ROWS, 64) * 10 + 5
+x = torch.rand(kernels.WIDE_MIN_ROWS["AVX2"], 64) * 10 + 5  # the copy runs (from 128 rows under AVX2)
 want = x @ layer.weight.t()
 got = kernels.inference_linear(x, layer.weight)
 print(float((got - want).abs().max() / want.abs().max()))
@@ -149,6 +149,26 @@ print(float((got - want).abs().max() / want.abs().max()))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert float(r.stdout.strip()) < 0.01
+
+
+@pytest.mark.parametrize(("isa", "rows"), [("AVX512", 32), ("AVX2", 128), ("DEFAULT", 0)])
+def test_wide_layers_keep_a_onednn_copy_that_runs_from_the_rows_measured_for_the_isa(monkeypatch, isa, rows):
+    """The vocabulary's shape keeps a oneDNN copy that runs from 32 rows on AVX-512, from 128 under
+    AVX2 (where FBGEMM is faster below that), none elsewhere; a layer of d_ff's shape keeps none."""
+    if kernels.WIDE_ENGINE not in torch.backends.quantized.supported_engines:
+        pytest.skip("no oneDNN quantized engine in this torch")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: isa)
+    wide = torch.nn.Linear(32, 32 * kernels.WIDE_RATIO).requires_grad_(False)
+    ff = torch.nn.Linear(32, 128).requires_grad_(False)
+    kernels.quantize_int8(wide)
+    kernels.quantize_int8(ff)
+    copy = kernels._INT8[id(wide.weight)][2]
+    assert (copy[1] if copy else 0) == rows and kernels._INT8[id(ff.weight)][2] is None
+    calls = []
+    monkeypatch.setattr(kernels, "_INT8_CALL", lambda x, packed, relu, rr: calls.append(packed) or x.new_zeros(x.size(0), 256))
+    for n in (rows - 1, rows) if rows else (1, 512):
+        kernels.inference_linear(torch.randn(n, 32), wide.weight, wide.bias)
+    assert [p is not kernels._INT8[id(wide.weight)][1] for p in calls] == ([False, True] if rows else [False, False])
 
 
 def test_searches_on_the_wide_copies_choose_what_fbgemm_alone_chooses(trained, monkeypatch):

@@ -114,26 +114,29 @@ def inference_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, relu
 # for this backend) keep those sums exact on every CPU.
 # FBGEMM, not oneDNN: a oneDNN-packed weight kept the ReLU of its first call for later calls
 # without it (docs/speed.md); FBGEMM follows FBGEMM_ENABLE_INSTRUCTIONS=AVX2 where a CPU must be
-# treated as AVX2-only (the oneDNN copy below follows ATen's ATEN_CPU_CAPABILITY=avx2, which drops it).
+# treated as AVX2-only (the oneDNN copy below follows ONEDNN_MAX_CPU_ISA=AVX2; ATen's
+# ATEN_CPU_CAPABILITY=avx2 sets the rows from which it runs).
 #
 # One exception, measured (docs/speed.md, "Figures behind choices in the code"): a wide layer (the
-# projection to the vocabulary) on 32 rows or more runs faster on oneDNN's int8 GEMM where ATen
-# runs AVX-512 (1.3-1.65x at 256 x 8000; FBGEMM is faster on fewer rows and on AVX2), so such a
-# weight keeps a oneDNN copy too. It is only ever called without a fused ReLU.
-_INT8: dict[int, tuple[weakref.ref, object, object | None]] = {}  # id(weight) -> (ref, FBGEMM pack, oneDNN pack)
+# projection to the vocabulary) runs faster on oneDNN's int8 GEMM from 32 rows where ATen runs
+# AVX-512 (1.3-1.65x at 256 x 8000) and from 128 rows under AVX2 (1.15x on one CPU, even on
+# another; FBGEMM is faster on fewer rows), so such a weight keeps a oneDNN copy too, with the row
+# count from which it runs. It is only ever called without a fused ReLU.
+Wide = tuple[object, int]  # a wide layer's oneDNN pack, and from how many rows it runs
+_INT8: dict[int, tuple[weakref.ref, object, Wide | None]] = {}  # id(weight) -> (ref, FBGEMM pack, oneDNN)
 _INT8_REDUCE_RANGE = True
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 INT8_ENGINE = "fbgemm"
 WIDE_ENGINE = "onednn"
-WIDE_MIN_ROWS = 32  # below this FBGEMM is faster even on wide layers
+WIDE_MIN_ROWS = {"AVX512": 32, "AVX2": 128}  # per ATen's ISA: below this FBGEMM is faster even on wide layers
 WIDE_RATIO = 8  # a layer is wide when it has at least this many outputs per input (not d_ff = 4 d_model)
 
 
-def _int8_linear(x: Tensor, fbgemm: object, wide: object | None, relu: bool) -> Tensor:
+def _int8_linear(x: Tensor, fbgemm: object, wide: Wide | None, relu: bool) -> Tensor:
     """x (..., in) float32 -> (..., out) float32 on the int8 weight; see the note above."""
     call = _INT8_CALL or _int8_caller()
-    if wide is not None and x.numel() >= WIDE_MIN_ROWS * x.size(-1):
-        y = call(x, wide, False, _INT8_REDUCE_RANGE)  # never a fused ReLU here
+    if wide is not None and x.numel() >= wide[1] * x.size(-1):
+        y = call(x, wide[0], False, _INT8_REDUCE_RANGE)  # never a fused ReLU here
         return y.relu_() if relu else y
     return call(x, fbgemm, relu, _INT8_REDUCE_RANGE)
 
@@ -189,9 +192,11 @@ def _int8_caller() -> Callable[[Tensor, Any, bool, bool], Tensor]:
     return _INT8_CALL
 
 
-def _wide_engine_pays(weight: Tensor) -> bool:
-    return (weight.size(0) >= WIDE_RATIO * weight.size(1) and torch.backends.cpu.get_cpu_capability() == "AVX512"
-            and WIDE_ENGINE in torch.backends.quantized.supported_engines)
+def _wide_rows(weight: Tensor) -> int:
+    """From how many rows `weight` runs on a oneDNN copy (0: it keeps none); see the note above."""
+    if weight.size(0) < WIDE_RATIO * weight.size(1) or WIDE_ENGINE not in torch.backends.quantized.supported_engines:
+        return 0
+    return WIDE_MIN_ROWS.get(torch.backends.cpu.get_cpu_capability(), 0)
 
 
 def int8_unavailable() -> str | None:
@@ -240,7 +245,8 @@ def quantize_int8(model: ModuleT, output: bool = True) -> ModuleT:
     for w, b in pairs:
         if w.requires_grad or w.device.type != "cpu":
             raise ValueError("quantize_int8 takes a frozen model on the CPU")
-        wide = _pack_int8(w, b, WIDE_ENGINE) if _wide_engine_pays(w) else None
+        rows = _wide_rows(w)
+        wide = (_pack_int8(w, b, WIDE_ENGINE), rows) if rows else None
         _INT8[id(w)] = (weakref.ref(w, _forget_int8(id(w))), _pack_int8(w, b), wide)  # dropped with the weight
     return model
 
