@@ -358,7 +358,7 @@ def _compiled_append(cache: LayerCache, k: torch.Tensor, v: torch.Tensor) -> tup
     """What search's compiled int8 step does with a layer's cache: `room`, the compiled append, `appended`."""
     from aiayn import kernels
 
-    old_k, old_v, spare_k, spare_v = cache.room(k.size(0), k)
+    old_k, old_v, spare_k, spare_v = cache.room(k.shape, k)
     unit = kernels._compiled()
     got = unit.append_kv(old_k, cache.pending, k, spare_k), unit.append_kv(old_v, cache.pending, v, spare_v)
     cache.appended(*got)
@@ -409,6 +409,18 @@ def test_layer_cache_reuses_two_buffers_under_inference_mode(how):
             storages.append(got_k.untyped_storage().data_ptr())
         assert cache.spare[0] is not None  # the storage of the keys before, for the next step
     assert len(set(storages)) <= 4
+
+
+def test_layer_cache_sizes_its_storage_from_the_new_keys():
+    """The self-attention keys may have another shape per position than the cross-attention's
+    (a cache made by hand): storage is sized from the keys appended."""
+    cache = LayerCache(torch.zeros(2, 1, 1, 4), torch.zeros(2, 1, 1, 4))
+    want = torch.zeros(2, 2, 0, 3)
+    for _ in range(40):  # past the 8 spare positions of a buffer sized from the cross keys
+        k = torch.randn(2, 2, 1, 3)
+        want = torch.cat([want, k], 2)
+        got, _ = cache.append(k, k)
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("int8", [False, True])

@@ -57,16 +57,17 @@ class LayerCache:
                                         for old, new in ((self.self_k, k), (self.self_v, v)))
             self.flat = [None, None]
         else:
-            old_k, old_v, store_k, store_v = self.room(k.size(0), k, k.size(2))
+            old_k, old_v, store_k, store_v = self.room(k.shape, k)
             self.appended(_select_cat(old_k, self.pending, k, store_k), _select_cat(old_v, self.pending, v, store_v))
         self.pending = None
         return self.self_k, self.self_v
 
-    def room(self, R: int, like: Tensor, T: int = 1) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """The keys and values so far (empty before the first step) and flat storage for R rows of
-        them with T more positions, for an append that `appended` then records (`append`'s, or
-        search's compiled int8 step's). Shape: -> (R', H, t, d_head) twice, then two flat buffers."""
-        H, d = self.cross_k.size(1), self.cross_k.size(3)
+    def room(self, new: tuple[int, ...], like: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The keys and values so far (empty before the first step) and flat storage for them with
+        the new positions, of shape `new` (R, H, T, d_head), for an append that `appended` then
+        records (`append`'s, or search's compiled int8 step's); `like` gives dtype and device.
+        Shape: -> (R', H, t, d_head) twice, then two flat buffers."""
+        R, H, T, d = new
         if self.self_k is None or self.self_v is None:
             self.self_k = self.self_v = like.new_empty(R, H, 0, d)
         need = R * H * (self.self_k.size(2) + T) * d

@@ -610,7 +610,7 @@ class _StepPlan:
         """`decoder_step`'s work. Shape: x (b, d) -> (b, d)."""
         (b, D), H = x.shape, self.heads
         bias = self.bias.get(src_keep[:, None, None, :], src_keep.size(0), H, torch.float32, source=src_keep)  # (N*H | 1, 1, S)
-        rooms = [lc.room(b, x) for lc in cache.layers]  # keys, values so far and storage for one more
+        rooms = [lc.room((b, H, 1, D // H), x) for lc in cache.layers]  # keys, values so far, storage for one more
         old_k, old_v, spare_k, spare_v = (list(t) for t in zip(*rooms, strict=True))
         x, ks, vs = self.unit.decoder_layers(
             x, self.qkv, self.packs, self.norms, old_k, old_v, spare_k, spare_v,
