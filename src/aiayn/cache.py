@@ -109,6 +109,7 @@ def ungroup(x: Tensor, rows: int, T: int) -> Tensor:
 
 def _select_cat(old: Tensor, rows: Tensor | None, new: Tensor, storage: Tensor) -> Tensor:
     """cat([old[rows], new], dim=2) in one copy, written into the flat `storage` (`LayerCache.room`).
+    Its compiled twin is `append_kv` in `kernels._STEP_SOURCE` (tests/test_model.py runs both).
 
     Shape: old (R, H, t, d), new (R', H, T, d) -> (R', H, t+T, d)."""
     (R, H, T, d), t = new.shape, old.size(2)
