@@ -395,6 +395,7 @@ def test_layer_cache_reuses_two_buffers_and_keeps_values(how):
     assert len(set(storages)) <= 4
     assert all(a != b for a, b in zip(storages, storages[1:]))  # never written over while read
 
+
 @pytest.mark.parametrize("how", ["append", "compiled"])
 def test_layer_cache_reuses_two_buffers_under_inference_mode(how):
     """Search runs under inference mode, where views record no `_base`: the two buffers still take
