@@ -62,7 +62,7 @@ def test_wide_layers_agree_on_both_engines(monkeypatch, rows):
     assert wide is not None
     x = torch.randn(rows, 32)
     with torch.inference_mode():
-        want = torch.ops.quantized.linear_dynamic(x, fbgemm, True)
+        want = torch.ops.quantized.linear_dynamic(x, fbgemm, kernels._INT8_REDUCE_RANGE)
         got = kernels.inference_linear(x, layer.weight, layer.bias)
         relu = kernels.inference_linear(x, layer.weight, layer.bias, relu=True)
     assert torch.allclose(got, want, atol=1e-5) and (want < 0).any()
@@ -92,7 +92,7 @@ def test_the_int8_ops_give_the_same_results_compiled_or_not(monkeypatch, compile
         for engine, relu in calls:
             packed = kernels._pack_int8(w, b, engine)
             want = (torch.ops.quantized.linear_relu_dynamic if relu else torch.ops.quantized.linear_dynamic)(
-                x, packed, True)
+                x, packed, kernels._INT8_REDUCE_RANGE)
             assert torch.equal(kernels._int8_linear(x, packed, None, relu), want)
     assert isinstance(kernels._INT8_CALL, torch.jit.ScriptFunction) == compiled
 
@@ -114,7 +114,7 @@ def test_first_int8_calls_on_several_threads_compile_once(monkeypatch):
     monkeypatch.setattr(kernels, "_INT8_CALL", None)
     monkeypatch.setattr(kernels, "_COMPILED", None)
     packed, x = kernels._pack_int8(torch.randn(8, 4), None), torch.randn(2, 4)
-    want = torch.ops.quantized.linear_dynamic(x, packed, True)
+    want = torch.ops.quantized.linear_dynamic(x, packed, kernels._INT8_REDUCE_RANGE)
     got: list[torch.Tensor] = []
     threads = [threading.Thread(target=lambda: got.append(kernels._int8_linear(x, packed, None, False)))
                for _ in range(3)]
@@ -125,30 +125,50 @@ def test_first_int8_calls_on_several_threads_compile_once(monkeypatch):
     assert len(compiled) == 1 and len(got) == 3 and all(torch.equal(g, want) for g in got)
 
 
-def test_wide_layer_does_not_saturate_without_vnni():
-    """Under AVX2 (no VNNI) int8 GEMMs add pairs of u8 x s8 products in saturating 16 bits; with
-    7-bit inputs no pair can saturate, on the oneDNN copy too (which a wide layer keeps under AVX2,
-    from 128 rows). Inputs and weights that would saturate 8-bit pairs (all large and positive
-    against all negative: ~10% off) stay exact."""
-    if kernels.WIDE_ENGINE not in torch.backends.quantized.supported_engines:
-        pytest.skip("no oneDNN quantized engine in this torch")
-    code = """
-import torch
+_EXACT_CODE = """
+import json, torch
 from aiayn import kernels
+
+def reference(x, packed):  # 8-bit inputs per tensor, the stored int8 weights, integer sums in float64
+    xq = torch.quantize_per_tensor_dynamic(x, torch.quint8, False)
+    wq = torch.ops.quantized.linear_unpack(packed)[0]
+    y = (xq.int_repr().double() - xq.q_zero_point()) @ wq.int_repr().double().t()
+    return (y * xq.q_scale() * wq.q_per_channel_scales().double()).float(), int(wq.int_repr().abs().max())
+
 torch.manual_seed(0)
 layer = torch.nn.Linear(64, 64 * kernels.WIDE_RATIO, bias=False).requires_grad_(False)
-layer.weight.copy_(-torch.rand_like(layer.weight) - 0.5)
-kernels.quantize_int8(layer)
-assert kernels._INT8[id(layer.weight)][2] is not None
-x = torch.rand(kernels.WIDE_MIN_ROWS["AVX2"], 64) * 10 + 5  # the copy runs (from 128 rows under AVX2)
-want = x @ layer.weight.t()
-got = kernels.inference_linear(x, layer.weight)
-print(float((got - want).abs().max() / want.abs().max()))
+layer.weight.copy_(-torch.rand_like(layer.weight) - 0.5)  # all negative against inputs all positive:
+kernels.quantize_int8(layer)                               # the pairs that saturate 16 bits
+_, fbgemm, wide = kernels._INT8[id(layer.weight)]
+out = []
+for rows in (5, 128):  # FBGEMM alone, and the oneDNN copy (from 32 rows on AVX-512, 128 under AVX2)
+    x = torch.rand(rows, 64) * 10 + 5
+    want, top = reference(x, fbgemm)
+    got = kernels.inference_linear(x, layer.weight)
+    out.append([float((got - want).abs().max() / want.abs().max()), top])
+print(json.dumps({"wide": wide is not None, "rows": out}))
 """
-    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"}
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_int8_linear_is_exact_integer_arithmetic_on_8_bit_inputs_and_7_bit_weights(isa):
+    """An int8 linear computes exactly what its integers say: the input quantized to 8 bits, the
+    weight's 7-bit values ([-63, 63]), sums without saturation, on FBGEMM and on a wide layer's
+    oneDNN copy, natively and under AVX2, where no VNNI adds pairs of u8 x s8 products in 16 bits:
+    with 8-bit weights such pairs saturate (13-17% off on this input), with 7-bit inputs (torch's
+    default) the result is 0.1% off the 8-bit reference."""
+    if kernels.WIDE_ENGINE not in torch.backends.quantized.supported_engines:
+        pytest.skip("no oneDNN quantized engine in this torch")
+    env = dict(os.environ)
+    if isa == "avx2":
+        env.update(ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2", FBGEMM_ENABLE_INSTRUCTIONS="AVX2")
+    r = subprocess.run([sys.executable, "-c", _EXACT_CODE], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert float(r.stdout.strip()) < 0.01
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["wide"]
+    for err, top in res["rows"]:
+        assert top == kernels.INT8_WEIGHT_MAX == 63
+        assert err < 1e-5, res
 
 
 @pytest.mark.parametrize(("isa", "rows"), [("AVX512", 32), ("AVX2", 128), ("DEFAULT", 0)])
@@ -174,7 +194,9 @@ def test_wide_layers_keep_a_onednn_copy_that_runs_from_the_rows_measured_for_the
 def test_searches_on_the_wide_copies_choose_what_fbgemm_alone_chooses(trained, monkeypatch):
     """Greedy and beam search with oneDNN copies of the wide layers (every layer made wide here,
     the projection included, and AVX-512 said) choose the tokens of FBGEMM alone, on 60 sentences
-    in one batch (so the copies run: 32 rows or more)."""
+    in one batch (so the copies run: 32 rows or more). The two engines round the float32 scales
+    apart (~1e-7), which can swap beam 4's choice between hypotheses within a hair of each other:
+    one sentence of the 60 here (0.004 apart in beam 4), in greedy or beam 4."""
     if kernels.WIDE_ENGINE not in torch.backends.quantized.supported_engines:
         pytest.skip("no oneDNN quantized engine in this torch")
     _, model, toks, lines = trained
@@ -186,17 +208,21 @@ def test_searches_on_the_wide_copies_choose_what_fbgemm_alone_chooses(trained, m
     assert kernels._INT8[id(wide.model.output_weight)][2] is not None
     assert kernels._INT8[id(alone.model.output_weight)][2] is None
     for beam in (1, 4):
-        want = [nb[0][0] for nb in alone.search_ids(lines, beam=beam)]
-        got = [nb[0][0] for nb in wide.search_ids(lines, beam=beam)]
-        assert got == want, beam
+        want, got = alone.search_ids(lines, beam=beam), wide.search_ids(lines, beam=beam)
+        apart = [(w[0][1], g[0][1]) for w, g in zip(want, got) if w[0][0] != g[0][0]]
+        assert len(apart) <= 1, (beam, apart)
+        assert beam == 1 or all(abs(a - b) < 0.01 for a, b in apart), apart  # greedy reports no scores
 
 
 def test_int8_translations_match_fp32(trained):
-    """On a trained model int8 picks the tokens fp32 picks: greedy all but at most one sentence of
-    60, beam 4 (where near-equal hypotheses can swap ranks) nine in ten; ids compared."""
+    """On a trained model int8 picks the tokens fp32 picks: greedy all but at most two sentences of
+    60, beam 4 (where near-equal hypotheses can swap ranks) nine in ten; ids compared. (This small
+    model has a few near calls: 8-bit inputs with 7-bit weights agree on 58 and 59, greedy and beam,
+    torch's default of 7-bit inputs with 8-bit weights on 59 and 58. On Multi30k the first agrees
+    far more often: docs/speed.md.)"""
     _, model, toks, lines = trained
     fp32, int8 = Translator(model, toks), Translator(model, toks, precision="int8")
-    for beam, at_least in ((1, 59), (4, 54)):
+    for beam, at_least in ((1, 58), (4, 54)):
         want = [nb[0][0] for nb in fp32.search_ids(lines, beam=beam)]
         got = [nb[0][0] for nb in int8.search_ids(lines, beam=beam)]
         assert sum(a == b for a, b in zip(want, got)) >= at_least, beam

@@ -104,14 +104,17 @@ def inference_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, relu
 # ------------------------------------------------------------------ int8 decoding on the CPU
 # `Translator(precision="int8")`: the linear layers of a frozen copy of the model run on PyTorch's
 # own dynamically quantized GEMMs (`torch.ops.quantized.linear_dynamic`, FBGEMM): each weight is
-# quantized once, per output row, to int8; each call quantizes its input to 8 bits per tensor from
-# the input's own range, multiplies in integers and returns float32. The int8 weights live beside
+# quantized once, per output row, to 7 bits (int8 in [-63, 63]); each call quantizes its input to
+# 8 bits per tensor from the input's own range, multiplies in integers and returns float32. The int8 weights live beside
 # the model, keyed by the float weight like the packed ones above, so the model, its state_dict
 # and checkpoints are untouched; every other operation (attention over the cache, softmax, layer
 # norm, embeddings) stays in float32, where int8 would not pay: they are a small part of a step
-# and the most sensitive to rounding. FBGEMM has no VNNI on an AVX2-only CPU and adds adjacent
-# u8 x s8 products in saturating 16 bits there; 7-bit inputs (`reduce_range`, torch's own default
-# for this backend) keep those sums exact on every CPU.
+# and the most sensitive to rounding. Without VNNI (an AVX2-only CPU) FBGEMM and oneDNN add adjacent
+# u8 x s8 products in saturating 16 bits; 7-bit weights keep those sums exact on every CPU
+# (2 * 255 * 63 < 2^15), as oneDNN's guide to int8 advises. Torch's own default for this backend
+# gives the bit up on the inputs instead (`reduce_range`): a per-tensor scale over a whole batch
+# is the coarser of the two, and Multi30k's int8 translations equal fp32's more often with 8-bit
+# inputs (greedy 882 and 880 of 1000 natively and under AVX2 against 843 and 839; docs/speed.md).
 # FBGEMM, not oneDNN: a oneDNN-packed weight kept the ReLU of its first call for later calls
 # without it (docs/speed.md); FBGEMM follows FBGEMM_ENABLE_INSTRUCTIONS=AVX2 where a CPU must be
 # treated as AVX2-only (the oneDNN copy below follows ONEDNN_MAX_CPU_ISA=AVX2; ATen's
@@ -124,7 +127,8 @@ def inference_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, relu
 # count from which it runs. It is only ever called without a fused ReLU.
 Wide = tuple[object, int]  # a wide layer's oneDNN pack, and from how many rows it runs
 _INT8: dict[int, tuple[weakref.ref, object, Wide | None]] = {}  # id(weight) -> (ref, FBGEMM pack, oneDNN)
-_INT8_REDUCE_RANGE = True
+_INT8_REDUCE_RANGE = False  # 8-bit inputs: the weights give up the bit (see above)
+INT8_WEIGHT_MAX = 63  # 7-bit weights
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 INT8_ENGINE = "fbgemm"
 WIDE_ENGINE = "onednn"
@@ -209,9 +213,10 @@ def int8_unavailable() -> str | None:
 
 
 def _pack_int8(weight: Tensor, bias: Tensor | None, engine: str = INT8_ENGINE) -> object:
-    """`engine`'s packed int8 copy of a float weight (N, K): symmetric, one scale per output row."""
+    """`engine`'s packed int8 copy of a float weight (N, K): symmetric, one scale per output row,
+    values in [-INT8_WEIGHT_MAX, INT8_WEIGHT_MAX] (see the note above)."""
     w = weight.detach().float()
-    scale = (w.abs().amax(1) / 127).clamp_min(1e-12).double()  # (N,)
+    scale = (w.abs().amax(1) / INT8_WEIGHT_MAX).clamp_min(1e-12).double()  # (N,)
     with warnings.catch_warnings():  # torch 2.13 marks quantized tensors deprecated; the kernels are its own
         warnings.simplefilter("ignore", UserWarning)
         qw = torch.quantize_per_channel(w, scale, torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8)
