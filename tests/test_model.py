@@ -164,6 +164,24 @@ def test_packed_round_trip():
     assert torch.equal(packed.unpack(packed.pack(x)), x * keep[..., None])
 
 
+@pytest.mark.parametrize("by_sentence", [False, True])
+def test_packed_heads_and_merge_are_the_padded_layouts_split(by_sentence):
+    """`Packed.heads` (one gather) is the projections spread over the padded positions with zeros,
+    split into heads, in either layout; `merge_heads` takes a head-major result back to the real
+    tokens. Twice on one batch (the second reuses the gather's index), and for every n."""
+    keep = torch.tensor([[True, True, True, False], [True, False, False, False], [True, True, True, True]])
+    p = Packed.from_keep(keep)
+    H, dh = 2, 3
+    for n in (1, 2, 3, 2):
+        x = torch.randn(int(keep.sum()), n * H * dh)
+        spread = p.unpack(x).view(3, 4, n, H, dh)  # (B, T, n, H, dh)
+        want = spread.permute((2, 0, 3, 1, 4) if by_sentence else (2, 3, 0, 1, 4))
+        got = p.heads(x, n, H, by_sentence=by_sentence)
+        assert len(got) == n and all(torch.equal(g, w) and g.is_contiguous() for g, w in zip(got, want))
+    ctx = torch.randn(H, 3, 4, dh)
+    assert torch.equal(p.merge_heads(ctx), p.pack(ctx.permute(1, 2, 0, 3).reshape(3, 4, H * dh)))
+
+
 @pytest.mark.parametrize("cross", [False, True])
 def test_attention_over_packed_tokens_is_the_padded_layouts(cross):
     """`kernels.packed_attention` gives the padded layout's outputs and gradients at the real

@@ -685,7 +685,7 @@ class Packed:
     idx: Tensor  # (N,) flat positions of the real tokens in (B*T)
     B: int
     T: int
-    _slots: tuple[Tensor, Tensor] | None = field(default=None, repr=False, compare=False)  # see `slots`
+    _gathers: dict[tuple, Any] = field(default_factory=dict, repr=False, compare=False)  # see `_gather`
 
     @classmethod
     def from_keep(cls, keep: Tensor) -> "Packed":
@@ -704,40 +704,53 @@ class Packed:
         """(N, C) -> (B, T, C), zeros at the padding"""
         return x.new_zeros(self.B * self.T, x.size(-1)).index_copy_(0, self.idx, x).view(self.B, self.T, -1)
 
-    def slots(self) -> tuple[Tensor, Tensor]:
-        """For each of the B*T padded positions the packed row it reads (a padding position reads
-        row 0), and the padding positions. Shape: -> (B*T,), (B*T - N,) long."""
-        if self._slots is None:
-            n, dev = self.idx.numel(), self.idx.device
-            rows = torch.zeros(self.B * self.T, dtype=torch.long, device=dev)
-            rows.index_copy_(0, self.idx, torch.arange(n, device=dev))
-            pads = torch.ones(self.B * self.T, dtype=torch.bool, device=dev).index_fill_(0, self.idx, False)
-            self._slots = (rows, pads.nonzero().squeeze(1))
-        return self._slots
+    def _gather(self, n: int, H: int, by_sentence: bool) -> tuple[Tensor, Tensor]:
+        """For `heads`: which d_head-wide row of the projections (N*n*H of them) each row of the
+        result reads, in the result's order (n, H, B, T) or by_sentence (n, B, H, T) (a padding
+        position reads row 0), and the result's rows at the padding. Made once per batch and layout:
+        every layer of a stack reuses them. Shape: -> (n*H*B*T,), (n*H*(B*T - N),) long."""
+        key = (n, H, by_sentence)
+        if key not in self._gathers:
+            B, T, dev = self.B, self.T, self.idx.device
+            src_row = torch.zeros(B * T, dtype=torch.long, device=dev)  # packed row of each padded position
+            src_row.index_copy_(0, self.idx, torch.arange(self.idx.numel(), device=dev))
+            pad = torch.ones(B * T, dtype=torch.bool, device=dev).index_fill_(0, self.idx, False)
+            part = torch.arange(n, device=dev).view(n, 1, 1, 1) * H
+            head = torch.arange(H, device=dev).view((1, 1, H, 1) if by_sentence else (1, H, 1, 1))
+            src_row, pad = (t.view((1, B, 1, T) if by_sentence else (1, 1, B, T)) for t in (src_row, pad))
+            order = (n, B, H, T) if by_sentence else (n, H, B, T)
+            self._gathers[key] = ((src_row * (n * H) + part + head).flatten(),
+                                  pad.expand(order).flatten().nonzero().squeeze(1))
+        return self._gathers[key]
 
     def heads(self, x: Tensor, n: int, H: int, by_sentence: bool = False) -> tuple[Tensor, ...]:
         """n projections of the real tokens (q, k, v side by side) spread over the padded positions,
-        zeros at the padding, and split into heads: a gather of whole rows, then one copy into the
-        heads' layout, head-major (attention over packed tokens) or `by_sentence` (a decoding
-        cache's keys and values).
+        zeros at the padding, and split into heads, head-major (attention over packed tokens) or
+        `by_sentence` (a decoding cache's keys and values): one gather of d_head-wide rows, where a
+        gather of whole rows and a copy into the heads' layout took two (0.9 -> 0.5 ms for the
+        keys and values of 186 sentences of 22 tokens at d 256; docs/speed.md).
 
         Shape: x (N, n*H*d_head) -> n tensors (H, B, T, d_head), or (B, H, T, d_head) by_sentence."""
-        rows, pads = self.slots()
+        dh = x.size(1) // (n * H)
+        shape = (n, self.B, H, self.T, dh) if by_sentence else (n, H, self.B, self.T, dh)
         if x.size(0) == 0:  # no real token at all: nothing to gather from
-            dh = x.size(1) // (n * H)
-            return tuple(x.new_zeros((self.B, H, self.T, dh) if by_sentence else (H, self.B, self.T, dh)) for _ in range(n))
-        spread = x.index_select(0, rows).view(self.B, self.T, n, H, -1)  # (B, T, n, H, dh)
-        if pads.numel():
-            spread.view(self.B * self.T, -1).index_fill_(0, pads, 0)
-        out = spread.permute((2, 0, 3, 1, 4) if by_sentence else (2, 3, 0, 1, 4)).contiguous()
+            out = x.new_zeros(shape)
+        else:
+            rows, pads = self._gather(n, H, by_sentence)
+            out = x.reshape(-1, dh).index_select(0, rows)  # (n*B*H*T | n*H*B*T, dh)
+            if pads.numel():
+                out.index_fill_(0, pads, 0)
+            out = out.view(shape)
         return tuple(out[i] for i in range(n))  # not unbind: a cache moves rows of its keys in place
 
     def merge_heads(self, ctx: Tensor) -> Tensor:
-        """The real tokens' rows of a head-major result, heads side by side.
-        Shape: (H, B, T, d_head) -> (N, H*d_head)."""
-        H, dh = ctx.size(0), ctx.size(3)
-        real = ctx.reshape(H, self.B * self.T, dh).index_select(1, self.idx)  # (H, N, dh)
-        return real.transpose(0, 1).reshape(-1, H * dh)
+        """The real tokens' rows of a head-major result, heads side by side: one gather of
+        d_head-wide rows. Shape: (H, B, T, d_head) -> (N, H*d_head)."""
+        H, dh, BT = ctx.size(0), ctx.size(3), self.B * self.T
+        key = ("merge", H)
+        if key not in self._gathers:  # (N, H): row h*B*T + position of the token
+            self._gathers[key] = (self.idx.view(-1, 1) + torch.arange(H, device=ctx.device) * BT).flatten()
+        return ctx.reshape(H * BT, dh).index_select(0, self._gathers[key]).view(-1, H * dh)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Packed":
         return Packed(self.idx.to(device, non_blocking=non_blocking), self.B, self.T)
@@ -752,9 +765,9 @@ def packed_attention(mha: Any, x: Tensor, memory: Tensor | None, key_keep: Tenso
 
     Without autograd (encoding for search), q, k and v go from the projections of the real tokens
     into head-major batches (H, B, T, d_head), and the context back to the real tokens
-    (`Packed.heads`, `Packed.merge_heads`): two copies each way, where spreading to (B, T, d) with
-    zeros, splitting heads and packing again take five (the encoder 3% faster natively, 1% under
-    AVX2; docs/speed.md). Attention is the same for each (head, sentence) in either order: the
+    (`Packed.heads`, `Packed.merge_heads`): one gather each way, where spreading to (B, T, d) with
+    zeros, splitting heads and packing again take five copies (two each way: the encoder 3% faster
+    natively, 1% under AVX2; one: docs/speed.md). Attention is the same for each (head, sentence) in either order: the
     sentences take the place of the heads, and the mask broadcasts over them. With autograd
     (training) the spread layout is kept: its backward is the cheaper (a bf16 training step 6%
     faster).
