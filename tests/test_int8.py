@@ -171,24 +171,30 @@ def test_int8_linear_is_exact_integer_arithmetic_on_8_bit_inputs_and_7_bit_weigh
         assert err < 1e-5, res
 
 
-@pytest.mark.parametrize(("isa", "rows"), [("AVX512", 32), ("AVX2", 128), ("DEFAULT", 0)])
-def test_wide_layers_keep_a_onednn_copy_that_runs_from_the_rows_measured_for_the_isa(monkeypatch, isa, rows):
+@pytest.mark.parametrize(("isa", "wide_rows", "broad_rows"), [("AVX512", 32, 0), ("AVX2", 128, 1024), ("DEFAULT", 0, 0)])
+def test_layers_keep_a_onednn_copy_that_runs_from_the_rows_measured_for_the_isa(monkeypatch, isa, wide_rows,
+                                                                                 broad_rows):
     """The vocabulary's shape keeps a oneDNN copy that runs from 32 rows on AVX-512, from 128 under
-    AVX2 (where FBGEMM is faster below that), none elsewhere; a layer of d_ff's shape keeps none."""
+    AVX2 (where FBGEMM is faster below that), none elsewhere; a broad layer (d_ff's shape) keeps
+    one under AVX2 only, from 1024 rows; a square layer never."""
     if kernels.WIDE_ENGINE not in torch.backends.quantized.supported_engines:
         pytest.skip("no oneDNN quantized engine in this torch")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: isa)
     wide = torch.nn.Linear(32, 32 * kernels.WIDE_RATIO).requires_grad_(False)
-    ff = torch.nn.Linear(32, 128).requires_grad_(False)
-    kernels.quantize_int8(wide)
-    kernels.quantize_int8(ff)
-    copy = kernels._INT8[id(wide.weight)][2]
-    assert (copy[1] if copy else 0) == rows and kernels._INT8[id(ff.weight)][2] is None
+    broad = torch.nn.Linear(32, 128).requires_grad_(False)
+    square = torch.nn.Linear(32, 32).requires_grad_(False)
+    for layer in (wide, broad, square):
+        kernels.quantize_int8(layer)
+    assert kernels._INT8[id(square.weight)][2] is None
     calls = []
     monkeypatch.setattr(kernels, "_INT8_CALL", lambda x, packed, relu, rr: calls.append(packed) or x.new_zeros(x.size(0), 256))
-    for n in (rows - 1, rows) if rows else (1, 512):
-        kernels.inference_linear(torch.randn(n, 32), wide.weight, wide.bias)
-    assert [p is not kernels._INT8[id(wide.weight)][1] for p in calls] == ([False, True] if rows else [False, False])
+    for layer, rows in ((wide, wide_rows), (broad, broad_rows)):
+        copy = kernels._INT8[id(layer.weight)][2]
+        assert (copy[1] if copy else 0) == rows
+        calls.clear()
+        for n in (rows - 1, rows) if rows else (1, 2048):
+            kernels.inference_linear(torch.randn(n, 32), layer.weight, layer.bias)
+        assert [p is not kernels._INT8[id(layer.weight)][1] for p in calls] == ([False, True] if rows else [False, False])
 
 
 def test_searches_on_the_wide_copies_choose_what_fbgemm_alone_chooses(trained, monkeypatch):

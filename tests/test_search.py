@@ -353,7 +353,7 @@ def _general_step(decoder, x, cache, src_keep):
 STEP_KINDS = ["post-norm", "pre-norm", "gelu", "swish", "int8", "int8 pre-norm", "int8 gelu", "int8 swish", "bf16",
               "fp16", "autocast", "sdpa", "dropout", "pre-norm dropout", "ff training", "int8 dropout",
               "int8 ff training", "int8 mixed eps", "int8 long self keys", "int8 long cross keys", "short rows",
-              "int8 short rows"]
+              "int8 short rows", "int8 onednn copies"]
 # kernels._StepPlan runs every step of these; "int8 long self keys" until the keys outgrow the explicit attention
 COMPILED = {"int8", "int8 pre-norm", "int8 gelu", "int8 swish", "int8 short rows"}
 LONG_KEYS = {"int8 long self keys": 9, "int8 long cross keys": 8}  # EXPLICIT_ATTENTION_MAX_KEYS; sources of 9
@@ -395,10 +395,17 @@ def test_decoder_step_is_the_general_path_exactly(kind, monkeypatch):
     with fewer calls: hidden states, greedy and beam results are bitwise those of the general path,
     through reorders, finished sentences and beam rows sharing their sentence's cross-attention keys;
     also under autocast, on SDPA, with dropout on (the same random numbers drawn), and on the
-    compiled int8 step (whose plan is refused where it does not apply, as under dropout)."""
+    compiled int8 step (whose plan is refused where it does not apply, as under dropout, and which
+    leaves a step to Python from the rows where a layer's oneDNN copy runs: 6 rows here)."""
     from aiayn import kernels
 
+    if kind == "int8 onednn copies":
+        if kernels.WIDE_ENGINE not in torch.backends.quantized.supported_engines:
+            pytest.skip("no oneDNN quantized engine in this torch")
+        monkeypatch.setattr(kernels, "BROAD_MIN_ROWS", {torch.backends.cpu.get_cpu_capability(): 6})
     model = _step_model(kind)
+    if kind == "int8 onednn copies":
+        assert kernels._INT8[id(model.decoder.layers[0].ff.w1.weight)][2][1] == 6
     if kind == "sdpa":
         monkeypatch.setattr(kernels, "EXPLICIT_ATTENTION_MAX_KEYS", 0)
     if kind in LONG_KEYS:
@@ -441,9 +448,10 @@ def test_decoder_step_is_the_general_path_exactly(kind, monkeypatch):
             out.append(beam_search(model, src, BOS, EOS, beam=3, nbest=3, max_len_b=12, **longer))
         runs.append(out)
     assert calls  # the fast path ran, compiled where it applies, and only there
-    assert all(calls) if kind in COMPILED else any(calls) if kind == "int8 long self keys" else not any(calls)
-    if kind == "int8 long self keys":
-        assert not all(calls)  # the longest searches outgrew the limit
+    partly = ("int8 long self keys", "int8 onednn copies")
+    assert all(calls) if kind in COMPILED else any(calls) if kind in partly else not any(calls)
+    if kind in partly:
+        assert not all(calls)  # the longest searches outgrew the limit; steps of 6 rows or more
     for got, want in zip(*runs):
         assert got == want if isinstance(got, list) else torch.equal(got, want)
 

@@ -120,12 +120,15 @@ def inference_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, relu
 # treated as AVX2-only (the oneDNN copy below follows ONEDNN_MAX_CPU_ISA=AVX2; ATen's
 # ATEN_CPU_CAPABILITY=avx2 sets the rows from which it runs).
 #
-# One exception, measured (docs/speed.md, "Figures behind choices in the code"): a wide layer (the
+# Two exceptions, measured (docs/speed.md, "Figures behind choices in the code"): a wide layer (the
 # projection to the vocabulary) runs faster on oneDNN's int8 GEMM from 32 rows where ATen runs
 # AVX-512 (1.3-1.65x at 256 x 8000) and from 128 rows under AVX2 (1.15x on one CPU, even on
-# another; FBGEMM is faster on fewer rows), so such a weight keeps a oneDNN copy too, with the row
+# another; FBGEMM is faster on fewer rows); and under AVX2 a broad layer (twice the outputs of its
+# inputs or more: q/k/v together, the cross-attention's k/v, the first feed-forward layer) from
+# 1024 rows, which the encoder has (6-12% faster there, 6% over an encoder's GEMMs with a new
+# batch shape each time; natively no faster). Such a weight keeps a oneDNN copy too, with the row
 # count from which it runs. It is only ever called without a fused ReLU.
-Wide = tuple[object, int]  # a wide layer's oneDNN pack, and from how many rows it runs
+Wide = tuple[object, int]  # a layer's oneDNN pack, and from how many rows it runs
 _INT8: dict[int, tuple[weakref.ref, object, Wide | None]] = {}  # id(weight) -> (ref, FBGEMM pack, oneDNN)
 _INT8_REDUCE_RANGE = False  # 8-bit inputs: the weights give up the bit (see above)
 INT8_WEIGHT_MAX = 63  # 7-bit weights
@@ -134,6 +137,8 @@ INT8_ENGINE = "fbgemm"
 WIDE_ENGINE = "onednn"
 WIDE_MIN_ROWS = {"AVX512": 32, "AVX2": 128}  # per ATen's ISA: below this FBGEMM is faster even on wide layers
 WIDE_RATIO = 8  # a layer is wide when it has at least this many outputs per input (not d_ff = 4 d_model)
+BROAD_MIN_ROWS = {"AVX2": 1024}  # per ATen's ISA, for broad layers: FBGEMM is as fast below (and natively)
+BROAD_RATIO = 2  # a layer is broad when it has at least this many outputs per input
 
 
 def _int8_linear(x: Tensor, fbgemm: object, wide: Wide | None, relu: bool) -> Tensor:
@@ -196,11 +201,15 @@ def _int8_caller() -> Callable[[Tensor, Any, bool, bool], Tensor]:
     return _INT8_CALL
 
 
-def _wide_rows(weight: Tensor) -> int:
+def _onednn_rows(weight: Tensor) -> int:
     """From how many rows `weight` runs on a oneDNN copy (0: it keeps none); see the note above."""
-    if weight.size(0) < WIDE_RATIO * weight.size(1) or WIDE_ENGINE not in torch.backends.quantized.supported_engines:
+    if WIDE_ENGINE not in torch.backends.quantized.supported_engines:
         return 0
-    return WIDE_MIN_ROWS.get(torch.backends.cpu.get_cpu_capability(), 0)
+    isa = torch.backends.cpu.get_cpu_capability()
+    for ratio, rows in ((WIDE_RATIO, WIDE_MIN_ROWS), (BROAD_RATIO, BROAD_MIN_ROWS)):
+        if weight.size(0) >= ratio * weight.size(1):
+            return rows.get(isa, 0)
+    return 0
 
 
 def int8_unavailable() -> str | None:
@@ -250,7 +259,7 @@ def quantize_int8(model: ModuleT, output: bool = True) -> ModuleT:
     for w, b in pairs:
         if w.requires_grad or w.device.type != "cpu":
             raise ValueError("quantize_int8 takes a frozen model on the CPU")
-        rows = _wide_rows(w)
+        rows = _onednn_rows(w)
         wide = (_pack_int8(w, b, WIDE_ENGINE), rows) if rows else None
         _INT8[id(w)] = (weakref.ref(w, _forget_int8(id(w))), _pack_int8(w, b), wide)  # dropped with the weight
     return model
@@ -582,6 +591,7 @@ class _StepPlan:
     norm_first: bool
     act: int
     unit: Any
+    copies_from: int  # steps with this many rows or more take the Python step (see `_layer_plan`)
     bias: MaskBias = field(default_factory=MaskBias)  # the source mask's additive form, kept across steps
 
     @classmethod
@@ -603,11 +613,14 @@ class _StepPlan:
         layer_plans = [p for p in plan if p is not None]
         return cls([p.packs[0] for p in layer_plans], [p.packs[1:] for p in layer_plans],
                    [p.norms for p in layer_plans], first.self_attn.n_heads, first.norm1.eps,
-                   bool(first.norm_first), _ACTIVATIONS.index(first.ff.act), unit)
+                   bool(first.norm_first), _ACTIVATIONS.index(first.ff.act), unit,
+                   min(p.copies_from for p in layer_plans))
 
     def applies(self, x: Tensor, cache: Any) -> bool:
-        """Per step: float32 on the CPU, no autocast, no autograd, keys the explicit attention takes."""
+        """Per step: float32 on the CPU, no autocast, no autograd, keys the explicit attention takes,
+        fewer rows than a oneDNN copy runs from."""
         return (x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_autocast_enabled("cpu")
+                and x.size(0) < self.copies_from
                 and not (torch.is_grad_enabled() and x.requires_grad)
                 and cache.length < EXPLICIT_ATTENTION_MAX_KEYS)
 
@@ -632,22 +645,29 @@ class _LayerPlan(NamedTuple):
 
     packs: list[Any]  # FBGEMM packs: q/k/v, self-attention out, cross-attention q and out, feed-forward w1, w2
     norms: list[Tensor]  # norm1 weight, bias, norm2 weight, bias, norm3 weight, bias
+    copies_from: int  # the fewest rows from which one of these weights runs on its oneDNN copy
+
+
+NO_COPY = 2**62  # `copies_from` where no weight keeps a oneDNN copy
 
 
 def _layer_plan(layer: Any) -> _LayerPlan | None:
-    """One layer's int8 packs and norm tensors, or None if one of its linear layers is not int8
-    (FBGEMM only: a oneDNN copy for wide layers takes the Python step)."""
+    """One layer's int8 packs and norm tensors, or None if one of its linear layers is not int8.
+    The compiled step runs FBGEMM only: a step with as many rows as a oneDNN copy runs from takes
+    the Python step."""
     sa, ca, ff = layer.self_attn, layer.cross_attn, layer.ff
-    packs = []
+    packs, copies_from = [], NO_COPY
     for w in (sa.qkv_proj.weight, sa.out_proj.weight, ca.q_proj.weight, ca.out_proj.weight, ff.w1.weight, ff.w2.weight):
         q = _INT8.get(id(w))
-        if q is None or q[0]() is not w or q[2] is not None:
+        if q is None or q[0]() is not w:
             return None
         packs.append(q[1])
+        if q[2] is not None:
+            copies_from = min(copies_from, q[2][1])
     norms = [t for n in (layer.norm1, layer.norm2, layer.norm3) for t in (n.weight, n.bias)]
     if any(t is None or t.dtype != torch.float32 for t in norms):
         return None
-    return _LayerPlan(packs, norms)
+    return _LayerPlan(packs, norms, copies_from)
 
 
 # ---------------------------------------------------------------------------------- dropout
