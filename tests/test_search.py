@@ -465,3 +465,37 @@ def test_a_three_dimensional_source_mask_takes_the_general_path():
         cache = model.new_cache(model.encode(src, keep), keep)
         h = model.decode(torch.full((2, 1), BOS), None, src_keep=keep[:, None, :], cache=cache, project=False)
     assert h.shape == (2, 1, model.cfg.d_model)
+
+
+def test_forbid_sets_minus_infinity_at_the_ids_inside_the_vocabulary():
+    """`_forbid` bans each id in range in every row (duplicates and ids past the vocabulary, such as
+    a pad id of another vocabulary, are harmless) and leaves the other columns alone."""
+    from aiayn.search import _forbid
+
+    x = torch.randn(3, 10)
+    want = x.clone()
+    want[:, [1, 4]] = float("-inf")
+    for _ in range(2):  # the second call reuses the index
+        got = x.clone()
+        _forbid(got, (4, 1, 4, 10, 99))
+        assert torch.equal(got, want)
+    same = x.clone()
+    _forbid(same, (10, 12))
+    assert torch.equal(same, x)
+
+
+def test_greedy_keeps_each_sentences_own_length_limit_as_rows_leave():
+    """Each sentence stops at its own limit, floor(a * its length + b), while others leave before
+    it (the last live rows take their places: the limits move with them); each output is what the
+    sentence gets alone. (EOS made unlikely: every sentence runs to its limit, at 2 to 8 tokens.)"""
+    model = _step_model("post-norm")
+    with torch.no_grad():
+        model.tgt_embed.weight[EOS] = 0.0  # tied: EOS's logit is its bias alone
+    src = random_batch([5, 9, 3, 7, 1, 8, 12, 4])
+    lengths = src.ne(0).sum(1).tolist()
+    with torch.inference_mode():
+        got = greedy_search(model, src, BOS, EOS, max_len_a=0.5, max_len_b=2)
+        alone = [greedy_search(model, src[i:i + 1, :n], BOS, EOS, max_len_a=0.5, max_len_b=2)[0]
+                 for i, n in enumerate(lengths)]
+    assert got == alone
+    assert [len(g) for g in got] == [int(0.5 * n + 2) for n in lengths] == [4, 6, 3, 5, 2, 6, 8, 4]
