@@ -482,6 +482,11 @@ def test_forbid_sets_minus_infinity_at_the_ids_inside_the_vocabulary():
     same = x.clone()
     _forbid(same, (10, 12))
     assert torch.equal(same, x)
+    with torch.inference_mode():  # the index made during a search serves autograd afterwards
+        _forbid(torch.zeros(1, 7), (2, 3))
+    y = torch.randn(2, 7, requires_grad=True) * 1.0
+    _forbid(y, (2, 3))
+    y.logsumexp(1).sum().backward()
 
 
 def test_greedy_keeps_each_sentences_own_length_limit_as_rows_leave():

@@ -125,7 +125,7 @@ def inference_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, relu
 # AVX-512 (1.3-1.65x at 256 x 8000) and from 128 rows under AVX2 (1.15x on one CPU, even on
 # another; FBGEMM is faster on fewer rows); and under AVX2 a broad layer (twice the outputs of its
 # inputs or more: q/k/v together, the cross-attention's k/v, the first feed-forward layer) from
-# 1024 rows, which the encoder has (6-12% faster there, 6% over an encoder's GEMMs with a new
+# 1024 rows, which the encoder has (8-15% faster there, 6% over an encoder's GEMMs with a new
 # batch shape each time; natively no faster). Such a weight keeps a oneDNN copy too, with the row
 # count from which it runs. It is only ever called without a fused ReLU.
 Wide = tuple[object, int]  # a layer's oneDNN pack, and from how many rows it runs
@@ -747,8 +747,8 @@ class Packed:
         """n projections of the real tokens (q, k, v side by side) spread over the padded positions,
         zeros at the padding, and split into heads, head-major (attention over packed tokens) or
         `by_sentence` (a decoding cache's keys and values): one gather of d_head-wide rows, where a
-        gather of whole rows and a copy into the heads' layout took two (0.9 -> 0.5 ms for the
-        keys and values of 186 sentences of 22 tokens at d 256; docs/speed.md).
+        gather of whole rows and a copy into the heads' layout took two (0.91 -> 0.47 ms for the
+        keys and values of 186 sentences of up to 22 tokens at d 256; docs/speed.md).
 
         Shape: x (N, n*H*d_head) -> n tensors (H, B, T, d_head), or (B, H, T, d_head) by_sentence."""
         dh = x.size(1) // (n * H)
@@ -786,9 +786,9 @@ def packed_attention(mha: Any, x: Tensor, memory: Tensor | None, key_keep: Tenso
     Without autograd (encoding for search), q, k and v go from the projections of the real tokens
     into head-major batches (H, B, T, d_head), and the context back to the real tokens
     (`Packed.heads`, `Packed.merge_heads`): one gather each way, where spreading to (B, T, d) with
-    zeros, splitting heads and packing again take five copies (two each way: the encoder 3% faster
-    natively, 1% under AVX2; one: docs/speed.md). Attention is the same for each (head, sentence) in either order: the
-    sentences take the place of the heads, and the mask broadcasts over them. With autograd
+    zeros, splitting heads and packing again take five copies (docs/speed.md, the figures table).
+    Attention is the same for each (head, sentence) in either order: the sentences take the place
+    of the heads, and the mask broadcasts over them. With autograd
     (training) the spread layout is kept: its backward is the cheaper (a bf16 training step 6%
     faster).
 

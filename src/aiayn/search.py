@@ -138,8 +138,9 @@ def _forbid(lprobs: Tensor, ids: tuple[int, ...]) -> None:
     key = (ids, lprobs.size(-1), lprobs.device)
     cols = _FORBIDDEN.get(key)
     if cols is None:
-        cols = _FORBIDDEN[key] = torch.tensor(sorted({i for i in ids if 0 <= i < key[1]}), dtype=torch.long,
-                                              device=lprobs.device)
+        with torch.inference_mode(False):  # made during a search, usable outside one too (autograd)
+            cols = _FORBIDDEN[key] = torch.tensor(sorted({i for i in ids if 0 <= i < key[1]}), dtype=torch.long,
+                                                  device=lprobs.device)
     if cols.numel():
         lprobs.index_fill_(-1, cols, float("-inf"))
 
