@@ -207,3 +207,50 @@ def test_sentences_leaving_a_greedy_cache_move_only_the_rows_that_fill_their_pla
         assert after[1] == before[1] and after[0] != before[0]  # moved in place; copied
         assert torch.equal(outs[0], outs[1])
         assert torch.equal(caches[1].src_keep, keep_src[rows])
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_layers_share_their_spare_buffers_and_decode_as_with_their_own(int8, monkeypatch):
+    """A search cache's layers share one pair of spare buffers: L layers hold L + 1 buffers per
+    tensor (keys, values), not 2L, and every step's keys stay intact: greedy and beam 3, through
+    reorders and rows leaving, give bitwise what a cache whose layers keep spares of their own
+    gives (int8 on the compiled step, whose appends get all layers' storage before the first runs;
+    fp32 also picks the tokens of decoding without a cache)."""
+    from aiayn.search import greedy_search
+
+    torch.manual_seed(1)
+    model = Transformer(preset("tiny", src_vocab_size=V, tgt_vocab_size=V, decoder_layers=3)).eval()
+    model.requires_grad_(False)
+    if int8:
+        if kernels.int8_unavailable() is not None:
+            pytest.skip("no FBGEMM int8 kernels in this torch")
+        kernels.quantize_int8(model)
+    made: list = []
+    shared_cache = model.new_cache
+
+    def own_spares(*args):
+        made.append(shared_cache(*args))
+        if own:
+            for lc in made[-1].layers:
+                lc.spare = [None, None]
+        return made[-1]
+
+    monkeypatch.setattr(model, "new_cache", own_spares)
+    src = torch.randint(4, V, (4, 6), generator=torch.Generator().manual_seed(5))
+    src[2, 4:] = 0
+    for search, kw in ((greedy_search, {}), (beam_search, {"beam": 3, "nbest": 3})):
+        runs = []
+        for own in (False, True):
+            with torch.inference_mode():
+                runs.append(search(model, src, 2, 3, max_len_b=9, min_len=5, **kw))
+            layers = made[-1].layers
+            for i in (0, 1):  # keys, values: each layer's storage, and the spare(s)
+                held = {t.untyped_storage().data_ptr() for t in [lc.flat[i] for lc in layers] + [lc.spare[i] for lc in layers]
+                        if t is not None}
+                assert len(held) == (2 if own else 1) * len(layers) + (0 if own else 1)
+        assert runs[0] == runs[1]
+        if not int8:
+            with torch.inference_mode():
+                plain = search(model, src, 2, 3, max_len_b=9, min_len=5, use_cache=False, **kw)
+            ids = (lambda out: out) if search is greedy_search else (lambda out: [[t for t, _ in h] for h in out])
+            assert ids(runs[0]) == ids(plain)

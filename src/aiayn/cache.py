@@ -30,6 +30,10 @@ class LayerCache:
     `flat` and `spare`), so a step allocates nothing large: fresh memory of that size would cost
     page faults at every step. `append` does that copy; search's compiled int8 step does it in
     TorchScript, between `room` and `appended`.
+    The layers of a `DecoderCache` share their spare buffers (`spare`, one list): each append takes
+    them and leaves there the buffers of the keys it replaces, which the next layer's append writes
+    into once this one has read them, or this layer's own next append where it is alone. L layers
+    then hold L + 1 buffers per tensor rather than 2L: beam search's peak memory is mostly this.
     The keys/values that `append` returns are therefore only valid until the next `append`.
     """
 
@@ -38,11 +42,13 @@ class LayerCache:
     self_k: Tensor | None = None  # (R, H, t, d_head), R = N * beam rows, before `pending` is applied
     self_v: Tensor | None = None
     pending: Tensor | None = None  # (R',) rows of self_k/self_v that the next append keeps
-    # Flat storage: what self_k, self_v view (None where they are not in storage of ours), and
-    # the other buffer of each pair, for the next append. Kept here rather than found through a
-    # view's `_base`, which views made under inference mode do not record.
+    # Flat storage: what self_k, self_v view (None where they are not in storage of ours), the
+    # buffers for the next append (shared by a DecoderCache's layers: changed in place, never
+    # rebound), and what the append between `room` and `appended` writes into. Kept here rather
+    # than found through a view's `_base`, which views made under inference mode do not record.
     flat: list[Tensor | None] = field(default_factory=lambda: [None, None])
     spare: list[Tensor | None] = field(default_factory=lambda: [None, None])
+    _room: list[Tensor | None] = field(default_factory=lambda: [None, None])
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store the new positions; return every key/value so far (valid until the next append).
@@ -71,14 +77,14 @@ class LayerCache:
         if self.self_k is None or self.self_v is None:
             self.self_k = self.self_v = like.new_empty(R, H, 0, d)
         need = R * H * (self.self_k.size(2) + T) * d
-        store_k, store_v = (_storage(s, need, R * H * d, like) for s in self.spare)
-        self.spare = [store_k, store_v]
-        return self.self_k, self.self_v, store_k, store_v
+        self._room = [_storage(s, need, R * H * d, like) for s in self.spare]
+        self.spare[:] = self.flat  # the next append's, written after this one has read them
+        return self.self_k, self.self_v, self._room[0], self._room[1]
 
     def appended(self, k: Tensor, v: Tensor) -> None:
-        """Take the keys/values that an append wrote into `room`'s storage; the storage of the ones
-        before is the next append's. Shape: k, v (R, H, t + T, d_head)."""
-        self.flat, self.spare = self.spare, self.flat
+        """Take the keys/values that an append wrote into `room`'s storage.
+        Shape: k, v (R, H, t + T, d_head)."""
+        self.flat, self._room = self._room, [None, None]
         self.self_k, self.self_v, self.pending = k, v, None
 
     def cross(self, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
