@@ -26,9 +26,8 @@ class LayerCache:
     the new positions at every step and stay contiguous (CPU batched matmuls copy strided operands
     first, which cost more than a preallocated buffer saves). A reorder is lazy: the rows are
     selected by the next `append`, in the same single copy that adds the new positions. That copy
-    goes into the storage the step before last used (two buffers per tensor, taking turns, kept in
-    `flat` and `spare`), so a step allocates nothing large: fresh memory of that size would cost
-    page faults at every step. `append` does that copy; search's compiled int8 step does it in
+    goes into storage an earlier append used (buffers taking turns, kept in `flat` and `spare`), so
+    a step allocates nothing large: fresh memory of that size would cost page faults at every step. `append` does that copy; search's compiled int8 step does it in
     TorchScript, between `room` and `appended`.
     The layers of a `DecoderCache` share their spare buffers (`spare`, one list): each append takes
     them and leaves there the buffers of the keys it replaces, which the next layer's append writes
