@@ -76,9 +76,10 @@ class LayerCache:
         if self.self_k is None or self.self_v is None:
             self.self_k = self.self_v = like.new_empty(R, H, 0, d)
         need = R * H * (self.self_k.size(2) + T) * d
-        self._room = [_storage(s, need, R * H * d, like) for s in self.spare]
+        store_k, store_v = (_storage(s, need, R * H * d, like) for s in self.spare)
+        self._room = [store_k, store_v]
         self.spare[:] = self.flat  # the next append's, written after this one has read them
-        return self.self_k, self.self_v, self._room[0], self._room[1]
+        return self.self_k, self.self_v, store_k, store_v
 
     def appended(self, k: Tensor, v: Tensor) -> None:
         """Take the keys/values that an append wrote into `room`'s storage.

@@ -350,7 +350,8 @@ class Transformer(nn.Module):
         real tokens only (the keys/values at the padding are zeros, and masked)."""
         packed = Packed.if_padded(src_keep)
         mem = memory if packed is None else packed.pack(memory)  # (B, S, d) or (N_src, d)
-        layers, spare = [], [None, None]  # the layers share their spare buffers (`LayerCache`)
+        layers = []
+        spare: list[Tensor | None] = [None, None]  # the layers share their spare buffers (`LayerCache`)
         for layer in self.decoder.layers:
             k, v = layer.cross_attn.project_kv(mem, packed)  # (B, H, S, d_head) each
             layers.append(LayerCache(k.contiguous(), v.contiguous(), spare=spare))  # contiguous: read at every step
