@@ -27,8 +27,9 @@ class LayerCache:
     first, which cost more than a preallocated buffer saves). A reorder is lazy: the rows are
     selected by the next `append`, in the same single copy that adds the new positions. That copy
     goes into storage an earlier append used (buffers taking turns, kept in `flat` and `spare`), so
-    a step allocates nothing large: fresh memory of that size would cost page faults at every step. `append` does that copy; search's compiled int8 step does it in
-    TorchScript, between `room` and `appended`.
+    a step allocates nothing large: fresh memory of that size would cost page faults at every step.
+    `append` does that copy; search's compiled int8 step does it in TorchScript, between `room` and
+    `appended`.
     The layers of a `DecoderCache` share their spare buffers (`spare`, one list): each append takes
     them and leaves there the buffers of the keys it replaces, which the next layer's append writes
     into once this one has read them, or this layer's own next append where it is alone. L layers

@@ -128,8 +128,8 @@ def inference_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, relu
 # 1024 rows, which the encoder has (8-15% faster there, 6% over an encoder's GEMMs with a new
 # batch shape each time; natively no faster). Such a weight keeps a oneDNN copy too, with the row
 # count from which it runs. It is only ever called without a fused ReLU.
-Wide = tuple[object, int]  # a layer's oneDNN pack, and from how many rows it runs
-_INT8: dict[int, tuple[weakref.ref, object, Wide | None]] = {}  # id(weight) -> (ref, FBGEMM pack, oneDNN)
+OneDnnCopy = tuple[object, int]  # a layer's oneDNN pack (wide or broad), and from how many rows it runs
+_INT8: dict[int, tuple[weakref.ref, object, OneDnnCopy | None]] = {}  # id(weight) -> (ref, FBGEMM pack, oneDNN)
 _INT8_REDUCE_RANGE = False  # 8-bit inputs: the weights give up the bit (see above)
 INT8_WEIGHT_MAX = 63  # 7-bit weights
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
@@ -141,11 +141,11 @@ BROAD_MIN_ROWS = {"AVX2": 1024}  # per ATen's ISA, for broad layers: FBGEMM is a
 BROAD_RATIO = 2  # a layer is broad when it has at least this many outputs per input
 
 
-def _int8_linear(x: Tensor, fbgemm: object, wide: Wide | None, relu: bool) -> Tensor:
+def _int8_linear(x: Tensor, fbgemm: object, copy: OneDnnCopy | None, relu: bool) -> Tensor:
     """x (..., in) float32 -> (..., out) float32 on the int8 weight; see the note above."""
     call = _INT8_CALL or _int8_caller()
-    if wide is not None and x.numel() >= wide[1] * x.size(-1):
-        y = call(x, wide[0], False, _INT8_REDUCE_RANGE)  # never a fused ReLU here
+    if copy is not None and x.numel() >= copy[1] * x.size(-1):
+        y = call(x, copy[0], False, _INT8_REDUCE_RANGE)  # never a fused ReLU here
         return y.relu_() if relu else y
     return call(x, fbgemm, relu, _INT8_REDUCE_RANGE)
 
@@ -260,8 +260,8 @@ def quantize_int8(model: ModuleT, output: bool = True) -> ModuleT:
         if w.requires_grad or w.device.type != "cpu":
             raise ValueError("quantize_int8 takes a frozen model on the CPU")
         rows = _onednn_rows(w)
-        wide = (_pack_int8(w, b, WIDE_ENGINE), rows) if rows else None
-        _INT8[id(w)] = (weakref.ref(w, _forget_int8(id(w))), _pack_int8(w, b), wide)  # dropped with the weight
+        copy = (_pack_int8(w, b, WIDE_ENGINE), rows) if rows else None
+        _INT8[id(w)] = (weakref.ref(w, _forget_int8(id(w))), _pack_int8(w, b), copy)  # dropped with the weight
     return model
 
 
