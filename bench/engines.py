@@ -21,7 +21,7 @@ table, aiayn's speed-up over HF and CTranslate2 float32 per mode (and over HF bf
 
 `--device cuda` runs aiayn and HF on the GPU (without CTranslate2, whose CPU engine has no place in
 that table), adds HF on a bfloat16 copy of the Marian model beside aiayn's bf16 (like for like),
-and waits for the GPU before each clock reading. A peer that is not installed is left out.
+runs HF's attention on aiayn's backends there (not cuDNN's), and waits for the GPU before each clock reading. A peer that is not installed is left out.
 On a GPU, pass `--max-tokens 4096 --batch-size 256`, the batches of `aiayn translate`: small
 batches leave it idle. `--quick` takes the first 48 sentences (a smoke run).
 
@@ -41,9 +41,11 @@ import platform
 import sys
 import tempfile
 import time
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
+from torch.nn.attention import sdpa_kernel
 
 from aiayn.checkpoint import load_checkpoint, save_checkpoint
 from aiayn.config import preset
@@ -51,7 +53,7 @@ from aiayn.data.text import multi30k_paths
 from aiayn.evaluate import corpus_scores
 from aiayn.export import export_ctranslate2, export_hf
 from aiayn.files import read_lines
-from aiayn.kernels import SLOW_BF16, cpu_has_fast_bf16
+from aiayn.kernels import GPU_ATTENTION_BACKENDS, SLOW_BF16, cpu_has_fast_bf16
 from aiayn.model import Transformer
 from aiayn.search import beam_search, greedy_search
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizers
@@ -59,6 +61,13 @@ from aiayn.translate import CT2Translator
 from decode import batches, padded  # bench/decode.py: the same batches for every engine
 
 A, B = 1.0, 50  # aiayn's length limit: floor(A * source length + B)
+
+
+def attention_backends(dev: torch.device) -> AbstractContextManager:
+    """HF's attention off the CPU on the backends aiayn's takes there (not cuDNN's, which builds a
+    graph for each new shape: 15-20x slower searches in bf16 on an H200), so that the two compare
+    like for like."""
+    return nullcontext() if dev.type == "cpu" else sdpa_kernel(GPU_ATTENTION_BACKENDS)
 
 
 def hf_strip(row: list[int]) -> list[int]:
@@ -160,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         def hf_gen(beam: int, a: float, m=hf):  # type: ignore[no-untyped-def]
             def go(idx: list[int]) -> list[list[int]]:
                 s = padded(encoded, idx).to(dev)
-                with torch.no_grad():
+                with torch.no_grad(), attention_backends(dev):
                     out = m.generate(input_ids=s, attention_mask=s.ne(PAD_ID), num_beams=beam, do_sample=False,
                                      length_penalty=a, early_stopping=True,
                                      max_new_tokens=max(limits[i] for i in idx) + 1)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 31 (Part B) on one card, in two parts that fit one device call each:
-#   bash bench/gpu.sh OUTDIR 1    CUDA tests (pytest -m cuda) + training throughput (bench/gpu_train.py)
+#   bash bench/gpu.sh OUTDIR 1    CUDA tests (pytest -m cuda), a profile of the base training step, training
+#                                 throughput (bench/gpu_train.py)
 #   bash bench/gpu.sh OUTDIR 2    Multi30k de->en: 4 minutes of training, averaged, beam-4 test BLEU;
 #                                 then beam-4 decoding against transformers' generate
 #   bash bench/gpu.sh OUTDIR      both parts
@@ -9,10 +10,11 @@
 # Run from the checkout's root with aiayn's sources in src/ (no install needed) and Multi30k in
 # $AIAYN_DATA/multi30k (default: .data/multi30k in the checkout); docs/gpu.md says how.
 # Every step runs under `timeout` (GPU_SH_T_<STEP> seconds overrides its limit); a failed step makes
-# the exit status 1, and the other steps still run. The limits add up to 12.2 minutes (5.2 for part 1,
-# 7 for part 2; 13.2 with the kill margins): with a machine's start, inside a session's 15 minutes. OUTDIR gets flat files only (a device call brings
-# back at most 8): summary.md (card, versions, one line per step), gpu.log (every step's output),
-# and each step's tables.
+# the exit status 1, and the other steps still run. The limits add up to 13 minutes (6.25 for part 1,
+# 6.75 for part 2; 14.25 with the kill margins, which only a step that overruns uses): with a
+# machine's start (47 s on the first run), inside a session's 15 minutes. OUTDIR gets flat files only
+# (a device call brings back at most 8; part 1 writes 8): summary.md (card, versions, one line per
+# step), gpu.log (every step's output), and each step's tables.
 set -uo pipefail
 
 usage="usage: bash bench/gpu.sh OUTDIR [1|2|all] [--cpu-smoke]"
@@ -88,6 +90,14 @@ train_throughput() {  # bench/gpu_train.py; it starts no new contender after LIM
   fi
 }
 
+train_profile() {  # bench/gpu_train.py --profile: where the time of aiayn's base step at 25k tokens goes
+  if [ "$dry" = 1 ]; then
+    $PY bench/gpu_train.py --device cpu --quick --profile --threads 1 --out "$out"
+  else
+    $PY bench/gpu_train.py --profile --sizes base --tokens 25000 --out "$out"
+  fi
+}
+
 fake_multi30k() {  # fake_multi30k DIR: a tiny de-en corpus in Multi30k's file names (for the dry run)
   $PY - "$1" <<'EOF'
 import random, sys
@@ -139,7 +149,7 @@ decode() {  # decode CHECKPOINT: writes OUTDIR/decode.json
 
 # ---------------------------------------------------------------------------------------------- run
 
-export -f cuda_tests train_throughput fake_multi30k multi30k decode
+export -f cuda_tests train_profile train_throughput fake_multi30k multi30k decode
 export out dry PY AIAYN device
 
 {
@@ -165,9 +175,10 @@ if [ "$dry" != 1 ] && ! $PY -c 'import sys, torch; sys.exit(not torch.cuda.is_av
 fi
 
 if [ "$part" != 2 ]; then
-  rm -f "$out"/{cuda_tests.xml,cuda.md,sdpa_kernels.md,gpu_train.md,gpu_train.json}  # no stale tables
-  step cuda_tests 110 "pytest -m cuda; cuda.md, sdpa_kernels.md, cuda_tests.xml" cuda_tests
-  step train_throughput 200 "gpu_train.md, gpu_train.json" train_throughput 200
+  rm -f "$out"/{cuda_tests.xml,cuda.md,sdpa_kernels.md,gpu_profile.md,gpu_train.md,gpu_train.json}  # no stale tables
+  step cuda_tests 90 "pytest -m cuda; cuda.md, sdpa_kernels.md, cuda_tests.xml" cuda_tests
+  step train_profile 45 "gpu_profile.md: aiayn base at 25k tokens under torch.profiler" train_profile
+  step train_throughput 240 "gpu_train.md, gpu_train.json" train_throughput 240
 fi
 if [ "$part" != 1 ]; then
   rm -f "$out"/{multi30k.json,decode.json}
@@ -182,12 +193,12 @@ if [ "$part" != 1 ]; then
   fi
   note() { [ "$1" = 1 ] && echo "$2" || echo "$2; PLACEHOLDER, not wired yet"; }
   step multi30k 330 "$(note $MULTI30K_WIRED 'multi30k.json: test_2016_flickr BLEU, beam 4')" multi30k "$run"
-  step decode 90 "$(note $DECODE_WIRED 'decode.json: sentences/s vs generate')" decode "$run/averaged"
+  step decode 75 "$(note $DECODE_WIRED 'decode.json: sentences/s vs generate')" decode "$run/averaged"
 fi
 
 echo
 cat "$summary"
-for table in "$out"/gpu_train.md "$out"/cuda.md "$out"/sdpa_kernels.md; do
+for table in "$out"/gpu_train.md "$out"/cuda.md "$out"/sdpa_kernels.md "$out"/gpu_profile.md; do
   [ -e "$table" ] && { echo; cat "$table"; }
 done
 for f in "$out"/multi30k.json "$out"/decode.json; do

@@ -22,6 +22,7 @@ hours for the paper's 100k base and 300k big steps at 25,000 tokens per step.
 
     python bench/gpu_train.py --out runs/gpu-train             # on a GPU: about 3-4 minutes
     python bench/gpu_train.py --device cpu --quick --out DIR   # tiny shapes: a smoke run in seconds
+    python bench/gpu_train.py --profile --sizes base --tokens 25000 --out DIR   # where a step's time goes
 
 Batches are placed on the device before timing (the input pipeline is not measured); each step
 reads its loss back to the host once, as `aiayn train` does. The tables are rewritten after each
@@ -335,6 +336,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="folder for gpu_train.md and gpu_train.json")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true",
+                   help="profile aiayn's eager step at the first of --sizes and --tokens instead (gpu_profile.md)")
     args = p.parse_args(argv)
     if args.quick:
         args.sizes, args.tokens, args.vocab = "tiny", "400,150", 500
@@ -450,6 +453,45 @@ def time_rounds(live: list[tuple[Contender, Row]], timed: list[Step], rounds: in
               f"{row.micro} micro", flush=True)
 
 
+def profile(args: argparse.Namespace, device: torch.device) -> int:
+    """`--profile`: aiayn's eager step at the first size and step size under torch.profiler, once
+    warm: how much of a step's wall time the GPU is busy, how many kernels a step launches, and the
+    operators that take the GPU's time and the host's. Written to OUT/gpu_profile.md."""
+    from torch.profiler import DeviceType, ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    size, tokens = args.sizes.split(",")[0], int(args.tokens.split(",")[0])
+    cfg = preset(size, src_vocab_size=args.vocab, tgt_vocab_size=args.vocab)
+    warmup, timed = make_steps(tokens, args)
+    c = make_contender("aiayn", cfg, device, args.precision, args.seed)
+    warm(c, warmup)
+    fitting(c, timed)  # every timed shape seen once (attention backends, the allocator)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch_profile(activities=acts) as prof:
+        wall = fitting(c, timed)
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    busy_us = sum(e.device_time for e in kernels) if kernels else 0.0
+    n = len(timed)
+    sort = "self_device_time_total" if kernels else "self_cpu_time_total"
+    lines = [f"# Profile: aiayn {size}, {tokens:,} tokens/step, {args.precision}, eager, {n} steps "
+             f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, torch {torch.__version__})", "",
+             f"- wall {1e3 * wall / n:.1f} ms a step" + (
+                 f"; GPU kernels busy {busy_us / 1e3 / n:.1f} ms a step ({busy_us / 1e4 / wall:.0f}% of the wall "
+                 f"time); {len(kernels) / n:.0f} kernel launches a step" if kernels else " (no GPU kernels seen)"),
+             f"- {c.micro} micro-batches a step", "",
+             "## By GPU time (self)" if kernels else "## By host time (self)", "", "```",
+             prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60), "```"]
+    if kernels:
+        lines += ["", "## By host time (self)", "", "```",
+                  prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60), "```"]
+    text = "\n".join(lines) + "\n"
+    print(text, flush=True)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gpu_profile.md").write_text(text, encoding="utf-8")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     device = torch.device(args.device)
@@ -458,6 +500,8 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("bench/gpu_train.py: --device cuda, but torch sees no CUDA device; use --device cpu --quick", file=sys.stderr)
         return 2
+    if args.profile:
+        return profile(args, device)
     started = time.perf_counter()
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     n_mm = 256 if device.type == "cpu" else 8192

@@ -42,11 +42,12 @@ def test_part_1_runs_the_cuda_tests_and_the_training_bench(tmp_path):
     r = gpu_sh(str(out), "1", "--cpu-smoke", env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     s = steps(out)
-    assert list(s) == ["cuda_tests", "train_throughput"] and all(v[0] == "ok" for v in s.values())
+    assert list(s) == ["cuda_tests", "train_profile", "train_throughput"] and all(v[0] == "ok" for v in s.values())
     assert "dry run on the CPU" in (out / "summary.md").read_text()
     assert re.search(r"^torch \S+ CUDA \S+ \| no CUDA device$", (out / "summary.md").read_text(), re.M)
     files = {p.name for p in out.iterdir()}
-    assert {"summary.md", "gpu.log", "cuda_tests.xml", "gpu_train.md", "gpu_train.json"} <= files
+    assert {"summary.md", "gpu.log", "cuda_tests.xml", "gpu_profile.md", "gpu_train.md", "gpu_train.json"} <= files
+    assert "aten::" in (out / "gpu_profile.md").read_text()  # the profiler's operator table
     if CUDA_TESTS.exists():  # the dry run runs the CUDA module on the CPU: its reports are made
         assert {"cuda.md", "sdpa_kernels.md"} <= files
     assert len(files) <= 8 and all(p.is_file() for p in out.iterdir())  # what one device call brings back

@@ -292,3 +292,36 @@ def test_weigh_values_leaves_autograd_and_other_dtypes_to_torch():
     assert torch.equal(got, p @ vg)
     got.sum().backward()
     assert vg.grad is not None
+
+
+@pytest.mark.parametrize("compiling", [False, True])
+def test_attention_off_the_cpu_never_takes_cudnn_and_leaves_the_switch_as_it_was(monkeypatch, compiling):
+    """cuDNN's attention builds a graph per new shape; aiayn's shapes change every batch and search
+    step (on an H200 it made beam search 15-20x slower). Meta tensors stand for a GPU here: what
+    counts is the backend switch seen inside the SDPA call, and that it is restored after."""
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(*a, **k):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*a, **k)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)  # the sdpa_kernel path
+    q = torch.randn(2, 4, 3, 8, device="meta")
+    k = torch.randn(2, 4, 300, 8, device="meta")  # past the CPU's spelled-out path too
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    for keys in (q, k):
+        out, _ = kernels.attention(q, keys, keys, None, False, 0.0, False)
+        assert out.shape == q.shape
+    assert seen == [False, False] and torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)  # a user's own choice stays
+    try:
+        kernels.attention(q, k, k, None, False, 0.0, False)
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+    seen.clear()
+    cpu = torch.randn(2, 4, 300, 8)
+    kernels.attention(cpu, cpu, cpu, None, False, 0.0, False)
+    assert seen == [True]  # the CPU's call is left alone

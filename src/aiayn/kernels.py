@@ -9,7 +9,8 @@ moves by at most 2^-17).
   `aiayn.model` calls it as `kernels.inference_linear`, which is also where bench/decode.py counts.
 - `attention`: scaled dot-product attention on the faster path for the device, the spelled-out
   matmul-softmax-matmul for short keys on the CPU (and whenever the weights are wanted, for plots),
-  else `F.scaled_dot_product_attention`.
+  else `F.scaled_dot_product_attention` (off the CPU never on cuDNN's backend, which pays for each
+  new shape).
 - `decoder_step`: the decoder for one new position on the key/value cache (search's steps), the
   same operations as its forward with fewer calls; for int8 models compiled with TorchScript.
 - `Packed`: the position-wise layers run on the real tokens of a padded batch only (training);
@@ -32,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # ------------------------------------------------------------------ inference GEMMs on the CPU
 # Decoding runs every linear layer on a few hundred rows at a time, where a weight pre-packed in
@@ -299,7 +301,33 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: b
     if need_weights or _explicit_is_faster(q, k):
         ctx, weights = _explicit_attention(q, k, v, mask, is_causal, dropout_p, training, bias)
         return ctx, (weights if need_weights else None)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal), None
+    if q.device.type == "cpu":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal), None
+    return _sdpa_without_cudnn(q, k, v, mask, dropout_p, is_causal), None
+
+
+# Off the CPU, never cuDNN's attention: it builds an execution graph for each new shape (tenths of a
+# second each), and aiayn's shapes change with every batch and every search step. Torch 2.11 picks it
+# for bf16 on an H200, where it made beam search 15-20x slower and the first epoch of training 1 s a
+# step (docs/gpu.md). Flash and memory-efficient attention have no such cost.
+GPU_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def _sdpa_without_cudnn(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float,
+                        is_causal: bool) -> Tensor:
+    """`F.scaled_dot_product_attention` with cuDNN's backend switched off for this call only. The
+    switch is two flag writes (1 us); `sdpa_kernel`, which torch.compile can trace, costs 10-25 us
+    a call, too much for search's small steps, so it serves only compiled code."""
+    if torch.compiler.is_compiling():
+        with sdpa_kernel(GPU_ATTENTION_BACKENDS):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+    if not torch.backends.cuda.cudnn_sdp_enabled():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
 
 
 def _explicit_is_faster(q: Tensor, k: Tensor) -> bool:
