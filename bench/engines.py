@@ -43,6 +43,7 @@ import tempfile
 import time
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.nn.attention import sdpa_kernel
@@ -59,6 +60,7 @@ from aiayn.search import beam_search, greedy_search
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizers
 from aiayn.translate import CT2Translator
 from decode import batches, padded  # bench/decode.py: the same batches for every engine
+from profiling import summary  # bench/profiling.py
 
 A, B = 1.0, 50  # aiayn's length limit: floor(A * source length + B)
 
@@ -93,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0, help="threads for torch and CTranslate2 (0: torch's default)")
     ap.add_argument("--skip", default="", help="comma-separated: bf16,hf,ct2,int8")
+    ap.add_argument("--profile", metavar="FILE",
+                    help="after the timings, profile aiayn's and HF's searches on the widest batch into FILE (markdown)")
     ap.add_argument("--identity", action="store_true", help="also run aiayn and HF beam search with alpha = 0")
     args = ap.parse_args(argv)
     if args.threads:
@@ -252,11 +256,36 @@ def main(argv: list[str] | None = None) -> int:
     for name, mode, dt, sps, tps, bleu, same in rows:
         print(f"| {name} | {mode} | {dt:.2f} | {sps:.1f} | {tps:.0f} | {dt / base[mode]:.2f}x | {bleu:.2f} | "
               f"{same}/{n} |")
+    if args.profile:
+        profile_systems(systems, groups[0], outs, wait, dev, Path(args.profile))
     if args.json:
         keys = ("system", "search", "seconds", "sentences_per_s", "tokens_per_s", "bleu", "identical")
         Path(args.json).write_text(json.dumps({"device": str(dev) + card, "model": what, "n": n,
                                                "rows": [dict(zip(keys, r)) for r in rows]}, indent=2) + "\n")
     return 0
+
+
+def profile_systems(systems: dict, idx: list[int], outs: dict, wait: Any, dev: torch.device, path: Path) -> None:
+    """`--profile FILE`: aiayn's and HF's fp32 and bf16 searches on the widest batch under
+    torch.profiler (bench/profiling.py), after the timed runs; markdown to FILE."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    card = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
+    parts = [f"# Profile: search on the widest batch ({len(idx)} sentences)\n\n{card}, torch {torch.__version__}\n"]
+    for (name, mode), fn in systems.items():
+        if not (name.startswith("aiayn") or name.startswith("HF generate")) or "alpha 0" in name or "EOS" in name:
+            continue
+        steps = 1 + max(len(outs[(name, mode)][i]) for i in idx)  # the batch's last sentence ends the search
+        wait()
+        with profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            fn(idx)
+            wait()
+            wall = time.perf_counter() - t0
+        parts.append(summary(prof, wall, f"{name}, {mode}: {steps} steps", per=steps))
+        print(f"  profiled {name} {mode}", flush=True)
+    path.write_text("\n".join(parts), encoding="utf-8")
 
 
 if __name__ == "__main__":

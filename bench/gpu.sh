@@ -140,11 +140,11 @@ multi30k() {  # multi30k RUN_DIR: writes OUTDIR/multi30k.json (the test BLEU lin
 # transformers' generate on its `aiayn export --to hf` Marian copy (fp32, bf16) on the same card,
 # in the batches of `aiayn translate`: sentences/s, BLEU, outputs identical to aiayn fp32's, speed-ups.
 DECODE_WIRED=1
-decode() {  # decode CHECKPOINT: writes OUTDIR/decode.json
+decode() {  # decode CHECKPOINT: writes OUTDIR/decode.json and OUTDIR/decode_profile.md
   local quick=()
   [ "$dry" = 1 ] && quick=(--quick --skip ct2)
   $PY bench/engines.py --checkpoint "$1" --device "$device" --max-tokens 4096 --batch-size 256 \
-    --json "$out/decode.json" "${quick[@]}"
+    --json "$out/decode.json" --profile "$out/decode_profile.md" "${quick[@]}"
 }
 
 # ---------------------------------------------------------------------------------------------- run
@@ -176,12 +176,12 @@ fi
 
 if [ "$part" != 2 ]; then
   rm -f "$out"/{cuda_tests.xml,cuda.md,sdpa_kernels.md,gpu_profile.md,gpu_train.md,gpu_train.json}  # no stale tables
-  step cuda_tests 90 "pytest -m cuda; cuda.md, sdpa_kernels.md, cuda_tests.xml" cuda_tests
+  step cuda_tests 100 "pytest -m cuda; cuda.md, sdpa_kernels.md, cuda_tests.xml" cuda_tests
   step train_profile 45 "gpu_profile.md: aiayn base at 25k tokens under torch.profiler" train_profile
   step train_throughput 240 "gpu_train.md, gpu_train.json" train_throughput 240
 fi
 if [ "$part" != 1 ]; then
-  rm -f "$out"/{multi30k.json,decode.json}
+  rm -f "$out"/{multi30k.json,decode.json,decode_profile.md}
   if [ "$dry" = 1 ]; then
     tmp=$(mktemp -d)
     trap 'rm -rf "$tmp"' EXIT
@@ -193,7 +193,7 @@ if [ "$part" != 1 ]; then
   fi
   note() { [ "$1" = 1 ] && echo "$2" || echo "$2; PLACEHOLDER, not wired yet"; }
   step multi30k 330 "$(note $MULTI30K_WIRED 'multi30k.json: test_2016_flickr BLEU, beam 4')" multi30k "$run"
-  step decode 75 "$(note $DECODE_WIRED 'decode.json: sentences/s vs generate')" decode "$run/averaged"
+  step decode 90 "$(note $DECODE_WIRED 'decode.json: sentences/s vs generate; decode_profile.md')" decode "$run/averaged"
 fi
 
 echo

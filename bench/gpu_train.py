@@ -43,13 +43,14 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # peer.py, train_step.py
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # peer.py, profiling.py, train_step.py
 
 from aiayn.config import ModelConfig, TrainConfig, preset  # noqa: E402
 from aiayn.data.text import Batch  # noqa: E402
 from aiayn.model import Transformer  # noqa: E402
 from aiayn.tokenizer import BOS_ID as BOS, EOS_ID as EOS, PAD_ID as PAD  # noqa: E402
 from peer import PeerLoss, peak_matmul_flops, sync  # noqa: E402
+from profiling import summary  # noqa: E402
 from train_step import step_flops  # noqa: E402
 
 from aiayn.trainer import Dist, Trainer  # noqa: E402
@@ -455,9 +456,8 @@ def time_rounds(live: list[tuple[Contender, Row]], timed: list[Step], rounds: in
 
 def profile(args: argparse.Namespace, device: torch.device) -> int:
     """`--profile`: aiayn's eager step at the first size and step size under torch.profiler, once
-    warm: how much of a step's wall time the GPU is busy, how many kernels a step launches, and the
-    operators that take the GPU's time and the host's. Written to OUT/gpu_profile.md."""
-    from torch.profiler import DeviceType, ProfilerActivity
+    warm (bench/profiling.py says what is reported). Written to OUT/gpu_profile.md."""
+    from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     size, tokens = args.sizes.split(",")[0], int(args.tokens.split(",")[0])
@@ -469,22 +469,10 @@ def profile(args: argparse.Namespace, device: torch.device) -> int:
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch_profile(activities=acts) as prof:
         wall = fitting(c, timed)
-    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    busy_us = sum(e.device_time for e in kernels) if kernels else 0.0
-    n = len(timed)
-    sort = "self_device_time_total" if kernels else "self_cpu_time_total"
-    lines = [f"# Profile: aiayn {size}, {tokens:,} tokens/step, {args.precision}, eager, {n} steps "
-             f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, torch {torch.__version__})", "",
-             f"- wall {1e3 * wall / n:.1f} ms a step" + (
-                 f"; GPU kernels busy {busy_us / 1e3 / n:.1f} ms a step ({busy_us / 1e4 / wall:.0f}% of the wall "
-                 f"time); {len(kernels) / n:.0f} kernel launches a step" if kernels else " (no GPU kernels seen)"),
-             f"- {c.micro} micro-batches a step", "",
-             "## By GPU time (self)" if kernels else "## By host time (self)", "", "```",
-             prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60), "```"]
-    if kernels:
-        lines += ["", "## By host time (self)", "", "```",
-                  prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60), "```"]
-    text = "\n".join(lines) + "\n"
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    text = (f"# Profile: aiayn's training step\n\n{card}, torch {torch.__version__}; {c.micro} micro-batches a step\n\n"
+            + summary(prof, wall, f"aiayn {size}, {tokens:,} tokens/step, {args.precision}, eager, {len(timed)} steps",
+                      per=len(timed)))
     print(text, flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

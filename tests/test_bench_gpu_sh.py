@@ -89,6 +89,7 @@ def test_part_2_trains_averages_and_scores_a_tiny_multi30k(tmp_path):
     assert score["beam"] == 4 and score["bleu"] >= 0 and score["source"].endswith("test_2016_flickr.de")
     if re.search(r"^DECODE_WIRED=1$", SCRIPT.read_text(), re.M):
         assert s["decode"][0] == "ok" and r.returncode == 0
+        assert "## aiayn fp32, beam 4: " in (out / "decode_profile.md").read_text()  # where a search's time goes
     else:  # not wired yet: the summary says so
         assert "PLACEHOLDER, not wired yet" in s["decode"][3]
     assert not any(p.is_dir() for p in out.iterdir())  # checkpoints stay out of OUTDIR

@@ -44,7 +44,8 @@ def test_profile_writes_where_the_steps_time_goes(tmp_path, one_thread):
     bench = load_bench()
     assert bench.main(["--device", "cpu", "--quick", "--profile", "--out", str(tmp_path)]) == 0
     md = (tmp_path / "gpu_profile.md").read_text()
-    assert md.startswith("# Profile: aiayn tiny, 400 tokens/step, bf16, eager, 2 steps (CPU")
+    assert md.startswith("# Profile: aiayn's training step\n\nCPU, torch")
+    assert "## aiayn tiny, 400 tokens/step, bf16, eager, 2 steps" in md
     assert re.search(r"^- wall [\d.]+ ms a step \(no GPU kernels seen\)$", md, re.M)
     assert "aten::mm" in md and "Self CPU" in md  # the profiler's operator table
     assert not (tmp_path / "gpu_train.md").exists()  # a profile only, no throughput table
