@@ -67,8 +67,8 @@ A, B = 1.0, 50  # aiayn's length limit: floor(A * source length + B)
 
 def attention_backends(dev: torch.device) -> AbstractContextManager:
     """HF's attention off the CPU on the backends aiayn's takes there (not cuDNN's, which builds a
-    graph for each new shape: 15-20x slower searches in bf16 on an H200), so that the two compare
-    like for like."""
+    graph for each new shape: on an H200 its bf16 searches ran 5-12x slower than fp32, aiayn's
+    13-23x), so that the two compare like for like."""
     return nullcontext() if dev.type == "cpu" else sdpa_kernel(GPU_ATTENTION_BACKENDS)
 
 
@@ -256,12 +256,12 @@ def main(argv: list[str] | None = None) -> int:
     for name, mode, dt, sps, tps, bleu, same in rows:
         print(f"| {name} | {mode} | {dt:.2f} | {sps:.1f} | {tps:.0f} | {dt / base[mode]:.2f}x | {bleu:.2f} | "
               f"{same}/{n} |")
-    if args.profile:
-        profile_systems(systems, groups[0], outs, wait, dev, Path(args.profile))
     if args.json:
         keys = ("system", "search", "seconds", "sentences_per_s", "tokens_per_s", "bleu", "identical")
         Path(args.json).write_text(json.dumps({"device": str(dev) + card, "model": what, "n": n,
                                                "rows": [dict(zip(keys, r)) for r in rows]}, indent=2) + "\n")
+    if args.profile:  # after the rows are safe: a profile that overruns a time limit costs only itself
+        profile_systems(systems, groups[0], outs, wait, dev, Path(args.profile))
     return 0
 
 
@@ -278,12 +278,16 @@ def profile_systems(systems: dict, idx: list[int], outs: dict, wait: Any, dev: t
             continue
         steps = 1 + max(len(outs[(name, mode)][i]) for i in idx)  # the batch's last sentence ends the search
         wait()
+        t0 = time.perf_counter()
+        fn(idx)
+        wait()
+        plain = time.perf_counter() - t0
         with profile(activities=acts) as prof:
             t0 = time.perf_counter()
             fn(idx)
             wait()
             wall = time.perf_counter() - t0
-        parts.append(summary(prof, wall, f"{name}, {mode}: {steps} steps", per=steps))
+        parts.append(summary(prof, wall, f"{name}, {mode}: {steps} steps", per=steps, plain_s=plain))
         print(f"  profiled {name} {mode}", flush=True)
     path.write_text("\n".join(parts), encoding="utf-8")
 

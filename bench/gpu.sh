@@ -10,9 +10,10 @@
 # Run from the checkout's root with aiayn's sources in src/ (no install needed) and Multi30k in
 # $AIAYN_DATA/multi30k (default: .data/multi30k in the checkout); docs/gpu.md says how.
 # Every step runs under `timeout` (GPU_SH_T_<STEP> seconds overrides its limit); a failed step makes
-# the exit status 1, and the other steps still run. The limits add up to 13 minutes (6.25 for part 1,
-# 6.75 for part 2; 14.25 with the kill margins, which only a step that overruns uses): with a
-# machine's start (47 s on the first run), inside a session's 15 minutes. OUTDIR gets flat files only
+# the exit status 1, and the other steps still run. The limits add up to 12.8 minutes (6 for part 1,
+# 6.8 for part 2), 13.6 with a machine's start (47 s on the first run); a step that overruns its
+# limit gets 15 s more before it is killed, so even three overruns stay inside a session's 15
+# minutes. OUTDIR gets flat files only
 # (a device call brings back at most 8; part 1 writes 8): summary.md (card, versions, one line per
 # step), gpu.log (every step's output), and each step's tables.
 set -uo pipefail
@@ -177,8 +178,8 @@ fi
 if [ "$part" != 2 ]; then
   rm -f "$out"/{cuda_tests.xml,cuda.md,sdpa_kernels.md,gpu_profile.md,gpu_train.md,gpu_train.json}  # no stale tables
   step cuda_tests 100 "pytest -m cuda; cuda.md, sdpa_kernels.md, cuda_tests.xml" cuda_tests
-  step train_profile 45 "gpu_profile.md: aiayn base at 25k tokens under torch.profiler" train_profile
-  step train_throughput 240 "gpu_train.md, gpu_train.json" train_throughput 240
+  step train_profile 40 "gpu_profile.md: aiayn base at 25k tokens under torch.profiler" train_profile
+  step train_throughput 220 "gpu_train.md, gpu_train.json" train_throughput 220
 fi
 if [ "$part" != 1 ]; then
   rm -f "$out"/{multi30k.json,decode.json,decode_profile.md}
@@ -192,7 +193,7 @@ if [ "$part" != 1 ]; then
     run=$root/runs/gpu-multi30k  # checkpoints stay out of OUTDIR (a device call brings back 8 files)
   fi
   note() { [ "$1" = 1 ] && echo "$2" || echo "$2; PLACEHOLDER, not wired yet"; }
-  step multi30k 330 "$(note $MULTI30K_WIRED 'multi30k.json: test_2016_flickr BLEU, beam 4')" multi30k "$run"
+  step multi30k 320 "$(note $MULTI30K_WIRED 'multi30k.json: test_2016_flickr BLEU, beam 4')" multi30k "$run"
   step decode 90 "$(note $DECODE_WIRED 'decode.json: sentences/s vs generate; decode_profile.md')" decode "$run/averaged"
 fi
 

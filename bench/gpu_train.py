@@ -466,13 +466,14 @@ def profile(args: argparse.Namespace, device: torch.device) -> int:
     c = make_contender("aiayn", cfg, device, args.precision, args.seed)
     warm(c, warmup)
     fitting(c, timed)  # every timed shape seen once (attention backends, the allocator)
+    plain = fitting(c, timed)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch_profile(activities=acts) as prof:
         wall = fitting(c, timed)
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     text = (f"# Profile: aiayn's training step\n\n{card}, torch {torch.__version__}; {c.micro} micro-batches a step\n\n"
             + summary(prof, wall, f"aiayn {size}, {tokens:,} tokens/step, {args.precision}, eager, {len(timed)} steps",
-                      per=len(timed)))
+                      per=len(timed), plain_s=plain))
     print(text, flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -46,9 +46,24 @@ def test_profile_writes_where_the_steps_time_goes(tmp_path, one_thread):
     md = (tmp_path / "gpu_profile.md").read_text()
     assert md.startswith("# Profile: aiayn's training step\n\nCPU, torch")
     assert "## aiayn tiny, 400 tokens/step, bf16, eager, 2 steps" in md
-    assert re.search(r"^- wall [\d.]+ ms a step \(no GPU kernels seen\)$", md, re.M)
+    line = r"^- wall [\d.]+ ms a step profiled, [\d.]+ without the profiler \(no GPU kernels seen\)$"
+    assert re.search(line, md, re.M)
     assert "aten::mm" in md and "Self CPU" in md  # the profiler's operator table
     assert not (tmp_path / "gpu_train.md").exists()  # a profile only, no throughput table
+
+
+def test_gpu_work_counts_kernels_and_copies_apart_and_not_annotations():
+    from types import SimpleNamespace as E
+
+    from torch.profiler import DeviceType
+
+    profiling = benches.load("profiling.py")
+    events = [E(name="sm90_gemm", device_type=DeviceType.CUDA, is_user_annotation=False),
+              E(name="Memcpy HtoD (Pinned -> Device)", device_type=DeviceType.CUDA, is_user_annotation=False),
+              E(name="Optimizer.step#Adam.step", device_type=DeviceType.CUDA, is_user_annotation=True),
+              E(name="aten::mm", device_type=DeviceType.CPU, is_user_annotation=False)]
+    kernels, moves = profiling.gpu_work(E(events=lambda: events))
+    assert [e.name for e in kernels] == ["sm90_gemm"] and [e.name for e in moves] == ["Memcpy HtoD (Pinned -> Device)"]
 
 
 def test_budget_skips_contenders_and_still_writes(tmp_path, one_thread):

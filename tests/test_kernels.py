@@ -294,11 +294,13 @@ def test_weigh_values_leaves_autograd_and_other_dtypes_to_torch():
     assert vg.grad is not None
 
 
-@pytest.mark.parametrize("compiling", [False, True])
-def test_attention_off_the_cpu_never_takes_cudnn_and_leaves_the_switch_as_it_was(monkeypatch, compiling):
-    """cuDNN's attention builds a graph per new shape; aiayn's shapes change every batch and search
-    step (on an H200 it made beam search 15-20x slower). Meta tensors stand for a GPU here: what
-    counts is the backend switch seen inside the SDPA call, and that it is restored after."""
+@pytest.fixture()
+def cudnn_attention_restored(monkeypatch):
+    """aiayn's first attention off the CPU switches cuDNN's SDPA backend off for the process: each
+    test starts before that first call and leaves the switch as it found it."""
+    monkeypatch.setattr(kernels, "_cudnn_attention_off", False)
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
     seen = []
     sdpa = F.scaled_dot_product_attention
 
@@ -307,21 +309,36 @@ def test_attention_off_the_cpu_never_takes_cudnn_and_leaves_the_switch_as_it_was
         return sdpa(*a, **k)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)  # the sdpa_kernel path
+    yield seen
+    torch.backends.cuda.enable_cudnn_sdp(was)
+
+
+def test_attention_off_the_cpu_never_takes_cudnn(cudnn_attention_restored):
+    """cuDNN's attention builds a graph per new shape; aiayn's shapes change every batch and search
+    step (on an H200 it made bf16 search 13-23x slower than fp32). Meta tensors stand for a GPU here:
+    what counts is the backend switch seen inside the SDPA call."""
+    seen = cudnn_attention_restored
     q = torch.randn(2, 4, 3, 8, device="meta")
     k = torch.randn(2, 4, 300, 8, device="meta")  # past the CPU's spelled-out path too
-    assert torch.backends.cuda.cudnn_sdp_enabled()
     for keys in (q, k):
         out, _ = kernels.attention(q, keys, keys, None, False, 0.0, False)
         assert out.shape == q.shape
-    assert seen == [False, False] and torch.backends.cuda.cudnn_sdp_enabled()
-    torch.backends.cuda.enable_cudnn_sdp(False)  # a user's own choice stays
-    try:
-        kernels.attention(q, k, k, None, False, 0.0, False)
-        assert not torch.backends.cuda.cudnn_sdp_enabled()
-    finally:
-        torch.backends.cuda.enable_cudnn_sdp(True)
-    seen.clear()
+    assert seen == [False, False] and not torch.backends.cuda.cudnn_sdp_enabled()  # off once, for good
+    torch.backends.cuda.enable_cudnn_sdp(True)  # a program's own choice after that stands
+    kernels.attention(q, k, k, None, False, 0.0, False)
+    assert seen[-1] and torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_the_cpus_attention_leaves_cudnn_alone(cudnn_attention_restored):
+    seen = cudnn_attention_restored
     cpu = torch.randn(2, 4, 300, 8)
     kernels.attention(cpu, cpu, cpu, None, False, 0.0, False)
-    assert seen == [True]  # the CPU's call is left alone
+    assert seen == [True] and torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_compiled_attention_off_the_cpu_never_takes_cudnn(cudnn_attention_restored, monkeypatch):
+    seen = cudnn_attention_restored
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # the traced path: `sdpa_kernel`
+    q = torch.randn(2, 4, 300, 8, device="meta")
+    kernels.attention(q, q, q, None, False, 0.0, False)
+    assert seen == [False] and torch.backends.cuda.cudnn_sdp_enabled()  # inside the graph only

@@ -308,26 +308,28 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: b
 
 # Off the CPU, never cuDNN's attention: it builds an execution graph for each new shape (tenths of a
 # second each), and aiayn's shapes change with every batch and every search step. Torch 2.11 picks it
-# for bf16 on an H200, where it made beam search 15-20x slower and the first epoch of training 1 s a
-# step (docs/gpu.md). Flash and memory-efficient attention have no such cost.
+# for bf16 on an H200, where it made bf16 search 13-23x slower than fp32 and the first steps of
+# training take about a second each (docs/gpu.md). Flash and memory-efficient attention have no such cost.
 GPU_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+_cudnn_attention_off = False  # set by the first attention off the CPU
 
 
 def _sdpa_without_cudnn(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float,
                         is_causal: bool) -> Tensor:
-    """`F.scaled_dot_product_attention` with cuDNN's backend switched off for this call only. The
-    switch is two flag writes (1 us); `sdpa_kernel`, which torch.compile can trace, costs 10-25 us
-    a call, too much for search's small steps, so it serves only compiled code."""
+    """`F.scaled_dot_product_attention` without cuDNN's backend. The first call switches it off for
+    the process (`torch.backends.cuda.enable_cudnn_sdp(False)`), once: switching it off and back
+    around each call would race between threads, and `sdpa_kernel` costs 10-25 us a call, too much
+    for search's small steps. A program that wants cuDNN's attention back switches it on after
+    aiayn's first call (aiayn's attention then takes it too). Compiled code takes `sdpa_kernel`,
+    which torch.compile traces into the graph (it also switches flash, memory-efficient and math on)."""
+    global _cudnn_attention_off
     if torch.compiler.is_compiling():
         with sdpa_kernel(GPU_ATTENTION_BACKENDS):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
-    if not torch.backends.cuda.cudnn_sdp_enabled():
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
-    torch.backends.cuda.enable_cudnn_sdp(False)
-    try:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
-    finally:
-        torch.backends.cuda.enable_cudnn_sdp(True)
+    if not _cudnn_attention_off:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        _cudnn_attention_off = True
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
 
 
 def _explicit_is_faster(q: Tensor, k: Tensor) -> bool:
