@@ -21,7 +21,8 @@ table, aiayn's speed-up over HF and CTranslate2 float32 per mode (and over HF bf
 
 `--device cuda` runs aiayn and HF on the GPU (without CTranslate2, whose CPU engine has no place in
 that table), adds HF on a bfloat16 copy of the Marian model beside aiayn's bf16 (like for like),
-runs HF's attention on aiayn's backends there (not cuDNN's), and waits for the GPU before each clock reading. A peer that is not installed is left out.
+runs HF's attention on aiayn's backends there (not cuDNN's), and waits for the GPU before each clock
+reading. A peer that is not installed is left out.
 On a GPU, pass `--max-tokens 4096 --batch-size 256`, the batches of `aiayn translate`: small
 batches leave it idle. `--quick` takes the first 48 sentences (a smoke run).
 
@@ -60,7 +61,7 @@ from aiayn.search import beam_search, greedy_search
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizers
 from aiayn.translate import CT2Translator
 from decode import batches, padded  # bench/decode.py: the same batches for every engine
-from profiling import summary  # bench/profiling.py
+from profiling import profiler, summary  # bench/profiling.py
 
 A, B = 1.0, 50  # aiayn's length limit: floor(A * source length + B)
 
@@ -268,9 +269,6 @@ def main(argv: list[str] | None = None) -> int:
 def profile_systems(systems: dict, idx: list[int], outs: dict, wait: Any, dev: torch.device, path: Path) -> None:
     """`--profile FILE`: aiayn's and HF's fp32 and bf16 searches on the widest batch under
     torch.profiler (bench/profiling.py), after the timed runs; markdown to FILE."""
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     card = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
     parts = [f"# Profile: search on the widest batch ({len(idx)} sentences)\n\n{card}, torch {torch.__version__}\n"]
     for (name, mode), fn in systems.items():
@@ -282,7 +280,7 @@ def profile_systems(systems: dict, idx: list[int], outs: dict, wait: Any, dev: t
         fn(idx)
         wait()
         plain = time.perf_counter() - t0
-        with profile(activities=acts) as prof:
+        with profiler(dev) as prof:
             t0 = time.perf_counter()
             fn(idx)
             wait()

@@ -50,7 +50,7 @@ from aiayn.data.text import Batch  # noqa: E402
 from aiayn.model import Transformer  # noqa: E402
 from aiayn.tokenizer import BOS_ID as BOS, EOS_ID as EOS, PAD_ID as PAD  # noqa: E402
 from peer import PeerLoss, peak_matmul_flops, sync  # noqa: E402
-from profiling import summary  # noqa: E402
+from profiling import profiler, summary  # noqa: E402
 from train_step import step_flops  # noqa: E402
 
 from aiayn.trainer import Dist, Trainer  # noqa: E402
@@ -457,9 +457,6 @@ def time_rounds(live: list[tuple[Contender, Row]], timed: list[Step], rounds: in
 def profile(args: argparse.Namespace, device: torch.device) -> int:
     """`--profile`: aiayn's eager step at the first size and step size under torch.profiler, once
     warm (bench/profiling.py says what is reported). Written to OUT/gpu_profile.md."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
     size, tokens = args.sizes.split(",")[0], int(args.tokens.split(",")[0])
     cfg = preset(size, src_vocab_size=args.vocab, tgt_vocab_size=args.vocab)
     warmup, timed = make_steps(tokens, args)
@@ -467,8 +464,7 @@ def profile(args: argparse.Namespace, device: torch.device) -> int:
     warm(c, warmup)
     fitting(c, timed)  # every timed shape seen once (attention backends, the allocator)
     plain = fitting(c, timed)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with torch_profile(activities=acts) as prof:
+    with profiler(device) as prof:
         wall = fitting(c, timed)
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     text = (f"# Profile: aiayn's training step\n\n{card}, torch {torch.__version__}; {c.micro} micro-batches a step\n\n"

@@ -13,7 +13,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch.profiler import DeviceType
+import torch
+from torch.profiler import DeviceType, ProfilerActivity, profile
+
+
+def profiler(device: torch.device) -> profile:
+    """torch.profiler over the host's operators, and the GPU's kernels where `device` is one."""
+    return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else []))
 
 
 def gpu_work(prof: Any) -> tuple[list[Any], list[Any]]:
