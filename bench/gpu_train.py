@@ -326,8 +326,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokens", default="25000,8000", help="comma-separated target tokens per optimizer step")
     p.add_argument("--vocab", type=int, default=37000, help="shared vocabulary size (the paper's en-de BPE)")
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"], help="autocast precision")
-    p.add_argument("--compile", default="peer", choices=["none", "peer", "all"],
-                   help="torch.compile nn.Transformer (peer, the default), both models (all), or neither")
+    p.add_argument("--compile", default="peer", choices=["none", "peer", "aiayn", "all"],
+                   help="torch.compile nn.Transformer (peer, the default), aiayn only, both models (all), or neither")
     p.add_argument("--steps", type=int, default=6, help="timed steps per round")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens there)")
     p.add_argument("--rounds", type=int, default=2, help="rounds alternating the contenders; each keeps its best")
@@ -353,7 +353,7 @@ def phases(compile_mode: str) -> list[list[str]]:
     names = [["aiayn", "nn.Transformer"]]
     if compile_mode in ("peer", "all"):
         names.append(["nn.Transformer+compile"])
-    if compile_mode == "all":
+    if compile_mode in ("aiayn", "all"):
         names.append(["aiayn+compile"])
     return names
 

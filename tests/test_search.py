@@ -54,7 +54,7 @@ class StubCache:
         self.sid = sid  # (b,)
         self.hist = torch.zeros(sid.numel(), 0, dtype=torch.long)  # (b, t) tokens fed so far
 
-    def reorder(self, indices: torch.Tensor, beam: int | None = None) -> None:
+    def reorder(self, indices: torch.Tensor, beam: int | None = None, same_sentences: bool = False) -> None:
         self.sid, self.hist = self.sid.index_select(0, indices), self.hist.index_select(0, indices)
 
 

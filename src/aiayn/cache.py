@@ -187,21 +187,22 @@ class DecoderCache:
     beam: int = 1  # decoder rows per sentence
     step_plan: Any = None  # `kernels.decoder_step`'s compiled plan for this search (False: none)
 
-    def reorder(self, indices: Tensor, beam: int | None = None) -> None:
+    def reorder(self, indices: Tensor, beam: int | None = None, same_sentences: bool = False) -> None:
         """Keep rows `indices` (R',): new row i continues old row indices[i].
 
         `beam` (default: unchanged) is the number of rows per sentence afterwards. With more than one
         row per sentence, before or after, the new rows must come in groups of `beam` that each
         come from one sentence's rows (beam search's reordering does); a group's sentence is that of
-        its first row.
+        its first row. `same_sentences` says that every sentence keeps its place (beam search knows
+        when none has left): the check, a host read of the device, is skipped then.
         """
         beam = self.beam if beam is None else int(beam)
         sentences = indices[::beam]
         if self.beam > 1:
             sentences = sentences.div(self.beam, rounding_mode="floor")
         N = self.src_keep.size(0)
-        unchanged = sentences.numel() == N and bool(
-            sentences.eq(torch.arange(N, device=sentences.device)).all())
+        unchanged = same_sentences or (sentences.numel() == N and bool(
+            sentences.eq(torch.arange(N, device=sentences.device)).all()))
         if not unchanged:  # sentences left the batch (or were permuted): select the source side
             m = moves(sentences, N) if IN_PLACE else None
             for layer in self.layers:

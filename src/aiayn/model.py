@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from aiayn import kernels
+from aiayn import graphs, kernels
 from aiayn.cache import DecoderCache, LayerCache, ungroup
 from aiayn.config import ModelConfig
 from aiayn.kernels import Layers, Linear, LossPacking, Packed
@@ -357,16 +357,8 @@ class Transformer(nn.Module):
             layers.append(LayerCache(k.contiguous(), v.contiguous(), spare=spare))  # contiguous: read at every step
         return DecoderCache(layers, src_keep)
 
-    def decode(
-        self,
-        tgt: Tensor,
-        memory: Tensor | None,
-        src_keep: Tensor | None = None,
-        tgt_keep: Tensor | None = None,
-        cache: DecoderCache | None = None,
-        weights: dict[str, list] | None = None,
-        project: bool = True,
-    ) -> Tensor:
+    def decode(self, tgt: Tensor, memory: Tensor | None, src_keep: Tensor | None = None, tgt_keep: Tensor | None = None,
+               cache: DecoderCache | None = None, weights: dict[str, list] | None = None, project: bool = True) -> Tensor:
         """Decoder hidden states projected to logits.
 
         Without a cache, `tgt` (B, T) is the whole prefix. With a cache, `tgt` holds only the new
@@ -391,12 +383,15 @@ class Transformer(nn.Module):
             self_keep = keep
         elif T > 1:
             is_causal = True
-        x = self.embed(tgt, self.tgt_embed, offset)
+        h = None  # search's steps: one CUDA graph on a GPU (where one applies), else fewer calls than the general path
         if cache is not None and T == 1 and self_keep is None and weights is None and src_keep is not None \
-                and src_keep.dim() == 2:  # search's steps: the same operations, fewer calls
-            h = kernels.decoder_step(self.decoder, x[:, 0], cache, src_keep)[:, None]
-        else:
-            h = self.decoder(x, memory, src_keep, self_keep, is_causal, cache, weights)
+                and src_keep.dim() == 2:
+            if graphs.ENABLED.get(tgt.device.type, False) and src_keep is cache.src_keep:
+                h = graphs.for_model(self).step(self, tgt[:, 0], cache)
+            h = (h if h is not None else kernels.decoder_step(self.decoder, self.embed(tgt, self.tgt_embed, offset)[:, 0],
+                                                             cache, src_keep))[:, None]
+        if h is None:
+            h = self.decoder(self.embed(tgt, self.tgt_embed, offset), memory, src_keep, self_keep, is_causal, cache, weights)
         if cache is not None:
             cache.length += T
         return self.project(h) if project else h

@@ -59,9 +59,10 @@ ScoredIds = tuple[list[int], float]  # a finished hypothesis: (token ids without
 class SearchCache(Protocol):
     """What search needs of a decoding cache (`aiayn.cache.DecoderCache` is the real one)."""
 
-    def reorder(self, indices: Tensor, beam: int | None = None) -> None:
+    def reorder(self, indices: Tensor, beam: int | None = None, same_sentences: bool = False) -> None:
         """Keep rows `indices`: new row i continues old row indices[i]; `beam` rows per sentence
-        afterwards (None: unchanged), in groups that each come from one sentence's rows."""
+        afterwards (None: unchanged), in groups that each come from one sentence's rows;
+        `same_sentences`: the caller knows that every sentence stays, in its place."""
         ...
 
 
@@ -179,7 +180,7 @@ def _topk_rows(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     Shape: x (m, V) -> values, indices (m, k)."""
     m, V = x.shape
     G = TOPK_GROUPS
-    if V % G or V // G < k or G * k >= V:
+    if V % G or V // G < k or G * k >= V or x.device.type != "cpu":  # measured on the CPU; a GPU's topk is one kernel
         return x.topk(k, dim=1)
     S = V // G
     cols = x.view(m, G, S).amax(1).topk(k, dim=1).indices  # (m, k)
@@ -277,7 +278,7 @@ class _RowTopk:
         if V < self.beam:
             raise AiaynError(f"--beam {self.beam} is larger than the target vocabulary ({V} tokens)")
         vals, ids = [], []
-        rows = min(ROW_BLOCK, n)
+        rows = min(ROW_BLOCK, n) if hidden.device.type == "cpu" else max(n, 1)  # a GPU takes every row at once
         for i in range(0, n, rows):
             blk = logits[i:i + rows]
             if self.by_block:
@@ -397,11 +398,12 @@ def beam_search(model: SearchModel[C], src: Tensor, bos_id: int, eos_id: int, be
     neg_inf = float("-inf")
     row_topk = _RowTopk(model, 2 * K, K, (pad, bos_id), eos_id)
     step = 0
+    soonest = int(max_len.min()) if B else 0  # the first step at which a live sentence's limit is reached
     while sent.numel():
         b = sent.numel()
         hidden = _hidden(model, tokens, memory, src_keep, cache)  # (b*R, d)
         at_limit = max_len.le(step)  # (b,) hypotheses hold max_len tokens: EOS is forced
-        forced = at_limit.repeat_interleave(R) if bool(at_limit.any()) else None  # (b*R,)
+        forced = at_limit.repeat_interleave(R) if step >= soonest else None  # (b*R,)
         row_lp, row_tok = row_topk(hidden, forced, step < min_len)  # (b*R, W)
         W = row_lp.size(1)
         cand = (row_lp + scores.view(-1, 1)).view(b, R * W)  # hypothesis score + token log-probability
@@ -415,31 +417,23 @@ def beam_search(model: SearchModel[C], src: Tensor, bos_id: int, eos_id: int, be
             if stop == "first":
                 fin &= (n_final.unsqueeze(1) + fin.long().cumsum(1)).le(K)  # at most K finished per sentence
             n_final = n_final + fin.sum(1)
-            fin_i, fin_j = fin.nonzero(as_tuple=True)
-            hyp_rows = fin_i * R + top_beam[fin_i, fin_j]
-            for s, ids, sc in zip(sent[fin_i].tolist(), tokens[hyp_rows, 1:].tolist(),
-                                  top_scores[fin_i, fin_j].tolist()):
-                finals[s].append((ids, sc / lp))
-            if stop == "best":  # keep the K best; the K-th is the score to beat
-                for i in set(fin_i.tolist()):
-                    s = int(sent[i])
-                    finals[s] = _best(finals[s], K)
-                    if len(finals[s]) == K:
-                        worst[i] = finals[s][-1][1]
+            _collect(finals, worst if stop == "best" else None, fin, sent, tokens, top_beam, top_scores, R, K, lp)
         cont_scores, cont_pos = top_scores.masked_fill(is_eos, neg_inf).topk(K, dim=1)  # (b, K)
         if stop == "first":
             full = n_final.ge(K)
         else:  # nothing live can still beat the K-th best finished (at the live hypotheses' length)
             full = (cont_scores[:, 0] / lp).le(worst)
         done = full | at_limit | cont_scores[:, 0].eq(neg_inf)  # (b,)
-        if on_done is not None and bool(done.any()):
+        any_done = bool(done.any())
+        if on_done is not None and any_done:
             for s in sent[done].tolist():
                 on_done(s, _best(finals[s], nbest))
-        keep = _survivors(done) if bool(done.any()) else None
+        keep = _survivors(done) if any_done else None
         if keep is not None:
             if keep.numel() == 0:
                 break
             sent, max_len, n_final, worst = sent[keep], max_len[keep], n_final[keep], worst[keep]
+            soonest = int(max_len.min())
             cont_scores, cont_pos, top_beam, top_tok = cont_scores[keep], cont_pos[keep], top_beam[keep], top_tok[keep]
             base = keep * R
         else:
@@ -448,12 +442,38 @@ def beam_search(model: SearchModel[C], src: Tensor, bos_id: int, eos_id: int, be
         tokens = torch.cat([tokens.index_select(0, src_rows), top_tok.gather(1, cont_pos).view(-1, 1)], dim=1)
         scores = cont_scores
         if cache is not None:
-            cache.reorder(src_rows, beam=K)  # K rows per sentence from now on; source side stays shared
+            # K rows per sentence from now on; the source side stays shared (and unchanged: no check)
+            cache.reorder(src_rows, beam=K, same_sentences=keep is None)
         else:
             memory, src_keep = memory.index_select(0, src_rows), src_keep.index_select(0, src_rows)
         R = K
         step += 1
     return [_best(hyps, nbest) for hyps in finals]
+
+
+def _collect(finals: list[list[ScoredIds]], worst: Tensor | None, fin: Tensor, sent: Tensor, tokens: Tensor,
+             top_beam: Tensor, top_scores: Tensor, R: int, K: int, lp: float) -> None:
+    """The hypotheses that `fin` marks join their sentences' `finals`, scored with the length
+    penalty `lp`. With `worst` (the "best" stopping rule) each such sentence keeps its K best, and
+    `worst` takes the K-th best score where there are K. The host reads the device a fixed number
+    of times, not once per sentence (each read waits for a GPU).
+
+    Shape: fin (b, 2K) bool, sent (b,), tokens (b*R, 1 + t), top_beam and top_scores (b, 2K); worst (b,)."""
+    fin_i, fin_j = fin.nonzero(as_tuple=True)
+    hyp_rows = fin_i * R + top_beam[fin_i, fin_j]
+    rows, sents = torch.stack([fin_i, sent[fin_i]]).tolist()
+    for s, ids, sc in zip(sents, tokens[hyp_rows, 1:].tolist(), top_scores[fin_i, fin_j].tolist()):
+        finals[s].append((ids, sc / lp))
+    if worst is None:
+        return
+    at, to = [], []
+    for i, s in dict(zip(rows, sents)).items():  # each sentence once
+        finals[s] = _best(finals[s], K)
+        if len(finals[s]) == K:
+            at.append(i)
+            to.append(finals[s][-1][1])
+    if at:
+        worst[torch.tensor(at, device=worst.device)] = torch.tensor(to, dtype=worst.dtype, device=worst.device)
 
 
 def _best(hyps: list[ScoredIds], nbest: int) -> list[ScoredIds]:
