@@ -118,15 +118,27 @@ def test_a_graph_held_by_one_search_leaves_another_on_the_eager_step(on_cpu, mon
         assert (x - z).abs().max() < 1e-5 and (y - z).abs().max() < 1e-5
 
 
-def test_no_graph_under_autocast_in_training_or_with_autograd(on_cpu):
+def test_no_graph_under_autocast_in_training_with_autograd_or_unfrozen_weights(on_cpu):
     model, src = random_model(), sources(n=4)
     keep = src.ne(0)
-    tok = torch.full((4, 1), BOS)
+
+    def steps() -> None:  # the first step always runs eagerly: three steps
+        cache = model.new_cache(model.encode(src, keep), keep)
+        for _ in range(3):
+            model.decode(torch.full((4, 1), BOS), None, cache=cache)
+
     with torch.no_grad():  # outside inference mode
-        model.decode(tok, None, cache=model.new_cache(model.encode(src, keep), keep))
+        steps()
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
-        model.decode(tok, None, cache=model.new_cache(model.encode(src, keep), keep))
+        steps()
     model.train()
     with torch.inference_mode():
-        model.decode(tok, None, cache=model.new_cache(model.encode(src, keep), keep))
+        steps()
+    model.eval().requires_grad_(True)  # a model being trained (as validation searches it): its weights not frozen
+    with torch.inference_mode():
+        steps()
     assert not graphs.for_model(model).graphs
+    model.requires_grad_(False)
+    with torch.inference_mode():
+        steps()
+    assert graphs.for_model(model).graphs

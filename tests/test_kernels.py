@@ -114,12 +114,35 @@ def test_dropout_near_one_or_out_of_range_behaves_as_torchs():
         kernels.dropout(x, -0.1, training=True)
 
 
-def test_the_loss_on_another_device_is_torchs_own(monkeypatch):
+def test_compiled_code_takes_torchs_own_loss(monkeypatch):
     calls = []
     monkeypatch.setattr(kernels._SmoothedCrossEntropy, "apply", lambda *a: calls.append(a))
-    logits = torch.randn(4, 5, device="meta")
-    out = kernels.smoothed_cross_entropy(logits, torch.zeros(4, dtype=torch.long, device="meta"), 0.1)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    logits = torch.randn(4, 5)
+    out = kernels.smoothed_cross_entropy(logits, torch.zeros(4, dtype=torch.long), 0.1)
     assert out.shape == (4,) and not calls
+
+
+def test_a_gpu_takes_the_loss_in_a_few_large_blocks():
+    """Off the CPU a block holds up to 2^28 logits: the base model's 25k tokens x 37k words in 4."""
+    gpu, cpu = torch.device("meta"), torch.device("cpu")
+    assert len(list(kernels._row_blocks(25_000, 37_000, gpu))) == 4
+    assert len(list(kernels._row_blocks(25_000, 37_000, cpu))) == 25_000 // (2**19 // 37_000) + 1
+
+
+def test_the_loss_in_one_block_equals_torchs(monkeypatch):
+    """The GPU's large blocks, here as one block on the CPU: the same loss and gradient as torch's."""
+    monkeypatch.setattr(kernels, "_LOSS_BLOCK", 2**40)
+    torch.manual_seed(0)
+    logits = (4 * torch.randn(500, 301)).to(torch.bfloat16).requires_grad_()
+    labels = torch.randint(0, 301, (500,))
+    got = kernels.smoothed_cross_entropy(logits, labels, 0.1)
+    got.sum().backward()
+    ours, logits.grad = logits.grad, None
+    want = F.cross_entropy(logits.float(), labels, label_smoothing=0.1, reduction="none")
+    want.sum().backward()
+    torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(ours, logits.grad, rtol=1e-2, atol=1e-3)
 
 
 def test_second_derivatives_of_the_fused_loss_are_refused_not_wrong():

@@ -43,8 +43,8 @@ from aiayn import kernels
 
 ENABLED = {"cuda": True, "cpu": False}  # per device type; on the CPU for tests only (no capture there)
 MAX_CAPACITY = 1024  # positions; a longer output goes on without the graph
-MAX_BYTES = 2 * 2**30  # self-attention buffers of one graph at most; a larger batch runs without
-KEEP = 6  # graphs kept per model
+MAX_BYTES = 2**30  # self-attention buffers of one graph at most (it holds as much again); a larger batch runs without
+KEEP = 4  # graphs kept per model
 
 
 class Key(NamedTuple):
@@ -71,7 +71,7 @@ class _Graph:
         dec, cfg = model.decoder, model.cfg
         N, G, S, C = key.sentences, key.group, key.source, key.capacity
         R, H, L = N * G, cfg.n_heads, len(dec.layers)
-        self.model, self.key, self.rows = model, key, R
+        self.key, self.rows = key, R  # the model is passed to each call: a graph held by the model never holds it
         # a graph reads these by address: held here, so that none is freed while the graph lives
         self.reads = [*dec.parameters(), model.tgt_embed.weight, model.pos.table]
         self.dh = cfg.d_model // H
@@ -87,35 +87,34 @@ class _Graph:
         self.owner: weakref.ref | None = None  # the search's cache using the state now
         self.source_of: Tensor | None = None  # the cache's `src_keep` that the source buffers hold
         self.graph: Any = None
-        self.out: Tensor | None = self._capture() if device.type == "cuda" else None
+        self.out: Tensor | None = self._capture(model) if device.type == "cuda" else None
 
-    def _capture(self) -> Tensor:
+    def _capture(self, model: Any) -> Tensor:
         """Warm up on a side stream (cuBLAS's handles, the allocator), then record one step."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self.step()
+                self.step(model)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            out = self.step()
+            out = self.step(model)
         self.kv.zero_()  # the warm-up wrote stale positions; a search loads its own state anyway
         return out
 
-    def run(self) -> Tensor:
+    def run(self, model: Any) -> Tensor:
         """One step; the output rows are valid until the next. Shape: -> (R, d)."""
         if self.graph is None or self.out is None:
-            return self.step()
+            return self.step(model)
         self.graph.replay()
         return self.out
 
     # ------------------------------------------------------------------- the step, on the buffers
 
-    def step(self) -> Tensor:
+    def step(self, m: Any) -> Tensor:
         """Embedding, every decoder layer (the rows reordered, the new keys/values written at
         `pos`), the final norm: what `kernels.decoder_step` computes, on fixed shapes. -> (R, d)."""
-        m = self.model
         with sdpa_kernel(kernels.GPU_ATTENTION_BACKENDS) if self.tokens.is_cuda else _null():
             self.kv.copy_(self.kv.index_select(2, self.order))  # beam search's parents, every layer at once
             x = m.tgt_embed(self.tokens)  # (R, d)
@@ -226,7 +225,7 @@ class Graphs:
                         other.owner = None  # this search moves on to a larger graph
                 g.load(cache)
             g.prepare(cache, tokens)
-            out = g.run()
+            out = g.run(model)
             g.hand_back(cache, tokens.size(0))
             return out[: tokens.size(0)]
 
@@ -258,12 +257,14 @@ class Graphs:
 
 def _key(model: Any, tokens: Tensor, cache: Any) -> Key | None:
     """The shape of graph that this step fits, or None where a graph does not apply: not enabled
-    on this device, training, outside inference mode, under autocast (a graph must not read
+    on this device, training, weights not frozen (a model being trained: its graphs would hold memory
+    through training; `Translator` freezes them), outside inference mode, under autocast (a graph must not read
     autocast's cached weight copies, which go with its context; `Translator` runs bf16 on a bf16
     copy instead), int8 weights, a position past MAX_CAPACITY or the positional table, buffers over
     MAX_BYTES, or a cache with odd rows."""
     dev = tokens.device
-    if not ENABLED.get(dev.type, False) or model.training or not torch.is_inference_mode_enabled() \
+    if not ENABLED.get(dev.type, False) or model.training or model.tgt_embed.weight.requires_grad \
+            or not torch.is_inference_mode_enabled() \
             or torch.is_autocast_enabled(dev.type) or kernels.is_int8(model.decoder.layers[0].ff.w1.weight):
         return None
     n, S = cache.src_keep.shape
