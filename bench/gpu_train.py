@@ -174,9 +174,9 @@ class Aiayn(Contender):
     def __init__(self, name: str, cfg: ModelConfig, device: torch.device, precision: str, seed: int) -> None:
         super().__init__(name, device)
         torch.manual_seed(seed)  # every contender starts from the same weights
-        self.trainer = Trainer(Transformer(cfg), TrainConfig(), Dist(0, 1, device), precision)
-        if self.compiled:
-            self.trainer.model = torch.compile(self.trainer.model, dynamic=True)
+        # compiled: as `aiayn train --compile` (`compile_layers`); the whole model did not finish
+        # compiling in 70 s on the H200's host
+        self.trainer = Trainer(Transformer(cfg), TrainConfig(compile=self.compiled), Dist(0, 1, device), precision)
         self.opt = self.trainer.opt
 
     def step(self, batches: list[Batch]) -> float:

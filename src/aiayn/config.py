@@ -215,6 +215,7 @@ class TrainConfig:
     clip_norm: float = 0.0
     precision: str = "auto"  # auto: bf16 on a CPU with oneDNN bf16 kernels, else fp32; bf16 (fp16 + scaler) on CUDA
     device: str = "auto"
+    compile: bool = False  # torch.compile each encoder/decoder layer (`trainer.compile_layers`)
     # the loop
     max_epochs: int = 30
     max_steps: int = 0

@@ -82,6 +82,8 @@ def inference_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, relu
 
     Under autocast, computes in the autocast dtype like `F.linear` would. Shape: (..., in) -> (..., out).
     """
+    if torch.compiler.is_compiling():  # traced: no lookup by the weight's id (it would specialise each layer)
+        return F.relu(F.linear(x, weight, bias)) if relu else F.linear(x, weight, bias)
     q = _INT8.get(id(weight))
     if q is not None and q[0]() is weight:
         return _int8_linear(x if x.dtype == torch.float32 else x.float(), q[1], q[2], relu)

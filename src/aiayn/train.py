@@ -93,6 +93,8 @@ _HELP = {
     "precision": "auto (bf16 autocast on a CPU with oneDNN bf16 kernels (AVX-512, AMX), else fp32; bf16 or fp16 + "
                  "gradient scaler on CUDA), fp32, bf16, fp16",
     "device": "auto, cpu or cuda[:N]",
+    "compile": "torch.compile each encoder and decoder layer: fused element-wise work, compiled once per stack "
+               "(tens of seconds at the start; docs/gpu.md)",
     "max_epochs": "stop after this many epochs (0: no limit)",
     "max_steps": "stop after this many optimizer steps (0: no limit)",
     "max_minutes": "stop after this many minutes of training (0: no limit)",
@@ -327,7 +329,7 @@ def _load_newest(existing: list[tuple[int, Path]], info: Log) -> ckpt.Checkpoint
 # Options that cannot change what a run has computed so far: a resumed run may take new values.
 # The data files may move (their sha256 is checked); `out` and `device` always come from the command.
 FREE_ON_RESUME = frozenset({"max_epochs", "max_steps", "cooldown", "max_minutes", "patience", "keep_last", "save_every",
-                            "valid_bleu", "log_every", "threads", "device", "out",
+                            "valid_bleu", "log_every", "threads", "device", "out", "compile",
                             "data_dir", "train_src", "train_tgt", "valid_src", "valid_tgt"})
 
 

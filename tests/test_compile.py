@@ -1,0 +1,51 @@
+"""`aiayn train --compile` (`trainer.compile_layers`): each layer compiled once for every batch
+shape, computing what the eager layers compute, with the weights' names unchanged."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch._dynamo.utils import counters
+
+from aiayn import kernels
+from aiayn.config import TrainConfig, preset
+from aiayn.data.text import collate
+from aiayn.model import Transformer
+from aiayn.trainer import Dist, Trainer
+
+V = 200
+
+
+def batch(seed: int, rows: int, longest: int):
+    g = torch.Generator().manual_seed(seed)
+
+    def sentence() -> list[int]:
+        return torch.randint(4, V, (int(torch.randint(2, longest, (1,), generator=g)),), generator=g).tolist()
+
+    return collate([(sentence(), sentence()) for _ in range(rows)], list(range(rows)))
+
+
+def test_compiled_layers_train_as_the_eager_ones_and_compile_once(monkeypatch):
+    """Four steps of new token counts: the losses of eager training (each after the updates before
+    it; the weights themselves are not compared, as Adam turns rounding noise in a near-zero
+    gradient into a full step), and no layer compiled again after the first step. Attention takes SDPA, as on a GPU (the CPU's spelled-out
+    path for short keys branches on their number: a compilation per range there)."""
+    monkeypatch.setattr(kernels, "EXPLICIT_ATTENTION_MAX_KEYS", 0)
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", src_vocab_size=V, tgt_vocab_size=V, dropout=0.0, attention_dropout=0.0))
+    names = list(model.state_dict())
+    dev = Dist(0, 1, torch.device("cpu"))
+    eager = Trainer(copy.deepcopy(model), TrainConfig(warmup=10), dev, "fp32")
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = Trainer(model, TrainConfig(warmup=10, compile=True), dev, "fp32")
+    assert list(compiled.base.state_dict()) == names  # checkpoints keep their names
+    shapes = [(8, 9), (5, 17), (11, 6), (3, 23)]  # rows, longest sentence: new token counts each step
+    for i, (rows, longest) in enumerate(shapes):
+        b = batch(i, rows, longest)
+        want, got = eager.train_step([b])[0], compiled.train_step([b])[0]
+        assert abs(want - got) < 1e-5 * abs(want), (i, want, got)
+        if i == 0:
+            frames = counters["frames"]["ok"]
+    assert frames > 0 and counters["frames"]["ok"] == frames, "a new batch shape recompiled a layer"
