@@ -49,7 +49,6 @@ from typing import Any
 import torch
 from torch.nn.attention import sdpa_kernel
 
-from aiayn import graphs
 from aiayn.checkpoint import load_checkpoint, save_checkpoint
 from aiayn.config import preset
 from aiayn.data.text import multi30k_paths
@@ -96,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=2048, help="source tokens per batch")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0, help="threads for torch and CTranslate2 (0: torch's default)")
-    ap.add_argument("--skip", default="", help="comma-separated: bf16,hf,ct2,int8,eager (on a GPU: aiayn without CUDA graphs)")
+    ap.add_argument("--skip", default="", help="comma-separated: bf16,hf,ct2,int8")
     ap.add_argument("--profile", metavar="FILE",
                     help="after the timings, profile aiayn's and HF's searches on the widest batch into FILE (markdown)")
     ap.add_argument("--identity", action="store_true", help="also run aiayn and HF beam search with alpha = 0")
@@ -149,29 +148,17 @@ def main(argv: list[str] | None = None) -> int:
 
     model_bf16 = None if "bf16" in skip else copy.deepcopy(model).to(torch.bfloat16)  # as Translator's bf16
 
-    def aiayn(beam: int, a: float, bf16: bool = False, graphed: bool = True):  # type: ignore[no-untyped-def]
+    def aiayn(beam: int, a: float, bf16: bool = False):  # type: ignore[no-untyped-def]
         m = model_bf16 if bf16 else model
-
-        def search(s: torch.Tensor) -> list[list[int]]:
-            if beam == 1:
-                return greedy_search(m, s, BOS_ID, EOS_ID, A, B)
-            return [h[0][0] for h in beam_search(m, s, BOS_ID, EOS_ID, beam, a, A, B)]
 
         def go(idx: list[int]) -> list[list[int]]:
             s = padded(encoded, idx).to(dev)
-            if graphed:
-                return search(s)
-            was, graphs.ENABLED[dev.type] = graphs.ENABLED.get(dev.type, False), False
-            try:
-                return search(s)
-            finally:
-                graphs.ENABLED[dev.type] = was
+            if beam == 1:
+                return greedy_search(m, s, BOS_ID, EOS_ID, A, B)
+            return [h[0][0] for h in beam_search(m, s, BOS_ID, EOS_ID, beam, a, A, B)]
         return go
 
     systems = {("aiayn fp32", "greedy"): aiayn(1, 0.0), ("aiayn fp32", f"beam {K}"): aiayn(K, alpha)}
-    if dev.type == "cuda" and "eager" not in skip:  # the same search with each step launched op by op
-        systems[("aiayn fp32, no CUDA graphs", "greedy")] = aiayn(1, 0.0, graphed=False)
-        systems[("aiayn fp32, no CUDA graphs", f"beam {K}")] = aiayn(K, alpha, graphed=False)
     if "bf16" not in skip:
         systems[("aiayn bf16", "greedy")] = aiayn(1, 0.0, True)
         systems[("aiayn bf16", f"beam {K}")] = aiayn(K, alpha, True)

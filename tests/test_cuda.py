@@ -23,7 +23,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from aiayn import graphs, kernels
+from aiayn import kernels
 from aiayn.config import TrainConfig, preset
 from aiayn.copytask import BOS, EOS, make_batch, train_copy
 from aiayn.data.text import Batch, collate
@@ -230,35 +230,6 @@ def test_beam_search_on_the_gpu_gives_the_cpus_tokens(copy_model):
            f"max |4-best score difference| {worst:.1e}")
 
 
-def test_search_on_cuda_graphs_gives_the_searchs_tokens_without_them(copy_model, monkeypatch):
-    """Greedy and beam 4 (4-best) with the decoder step replayed as CUDA graphs (`aiayn.graphs`, on by
-    default on a GPU), fp32 and bf16: the tokens of the same search launched op by op, 4-best scores
-    within 1e-4 (fp32); the graphs were captured, and their attention is flash or memory-efficient.
-    On the CPU (AIAYN_TEST_DEVICE=cpu) the same steps run uncaptured."""
-    kind = DEVICE.split(":")[0]
-    monkeypatch.setitem(graphs.ENABLED, kind, True)
-    src = copy_sources(seed=13).to(DEVICE)
-    worst = 0.0
-    for name, dtype in SEARCH_DTYPES.items():
-        m = copy.deepcopy(copy_model).to(DEVICE, dtype)
-        with _SdpaOps() as ops:  # the graphs are captured in here, at their first step
-            greedy, beam = greedy_search(m, src, BOS, EOS), beam_search(m, src, BOS, EOS, 4, 0.6, nbest=4)
-        assert graphs.for_model(m).graphs, "no graph was made"
-        if ON_GPU:
-            assert ops.names and all("flash" in n or "efficient" in n for n in ops.names), sorted(set(ops.names))
-        monkeypatch.setitem(graphs.ENABLED, kind, False)
-        assert greedy == greedy_search(m, src, BOS, EOS), name
-        want = beam_search(m, src, BOS, EOS, 4, 0.6, nbest=4)
-        monkeypatch.setitem(graphs.ENABLED, kind, True)
-        assert [h[0][0] for h in beam] == [h[0][0] for h in want], name
-        if dtype == torch.float32:
-            worst = max(abs(a - b) for g, w in zip(beam, want) for a, b in zip(sorted(x[1] for x in g),
-                                                                               sorted(x[1] for x in w)))
-            assert worst < 1e-4
-    report(f"search on CUDA graphs: greedy and beam 4 give the tokens of the step-by-step search for {src.size(0)} "
-           f"sentences, fp32 and bf16; max |4-best score difference| {worst:.1e} (fp32)")
-
-
 # ------------------------------------------------------------------------ which attention kernel
 
 
@@ -309,7 +280,6 @@ def attention_calls(monkeypatch) -> Iterator[tuple[list[tuple[str, str]], Transf
     """A model whose attention calls (and those of its copies) are recorded as (kind, SDPA backend)
     pairs; SDPA everywhere (the CPU's spelled-out path for short keys is switched off)."""
     monkeypatch.setattr(kernels, "EXPLICIT_ATTENTION_MAX_KEYS", 0)
-    monkeypatch.setitem(graphs.ENABLED, DEVICE.split(":")[0], False)  # their attention: the graph test's
     model = random_model(attention_dropout=0.1).to(DEVICE)
     calls: list[tuple[str, str]] = []
     current = [""]

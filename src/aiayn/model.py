@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from aiayn import graphs, kernels
+from aiayn import kernels
 from aiayn.cache import DecoderCache, LayerCache, ungroup
 from aiayn.config import ModelConfig
 from aiayn.kernels import Layers, Linear, LossPacking, Packed
@@ -383,15 +383,12 @@ class Transformer(nn.Module):
             self_keep = keep
         elif T > 1:
             is_causal = True
-        h = None  # search's steps: one CUDA graph on a GPU (where one applies), else fewer calls than the general path
+        x = self.embed(tgt, self.tgt_embed, offset)
         if cache is not None and T == 1 and self_keep is None and weights is None and src_keep is not None \
-                and src_keep.dim() == 2:
-            if graphs.ENABLED.get(tgt.device.type, False) and src_keep is cache.src_keep:
-                h = graphs.for_model(self).step(self, tgt[:, 0], cache)
-            h = (h if h is not None else kernels.decoder_step(self.decoder, self.embed(tgt, self.tgt_embed, offset)[:, 0],
-                                                             cache, src_keep))[:, None]
-        if h is None:
-            h = self.decoder(self.embed(tgt, self.tgt_embed, offset), memory, src_keep, self_keep, is_causal, cache, weights)
+                and src_keep.dim() == 2:  # search's steps: the same operations, fewer calls
+            h = kernels.decoder_step(self.decoder, x[:, 0], cache, src_keep)[:, None]
+        else:
+            h = self.decoder(x, memory, src_keep, self_keep, is_causal, cache, weights)
         if cache is not None:
             cache.length += T
         return self.project(h) if project else h
