@@ -3,6 +3,7 @@ shape, computing what the eager layers compute, with the weights' names unchange
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -48,4 +49,33 @@ def test_compiled_layers_train_as_the_eager_ones_and_compile_once(monkeypatch):
         assert abs(want - got) < 1e-5 * abs(want), (i, want, got)
         if i == 0:
             frames = counters["frames"]["ok"]
-    assert frames > 0 and counters["frames"]["ok"] == frames, "a new batch shape recompiled a layer"
+    assert frames == 2, f"{frames} compilations for the first step, not one per stack"
+    assert counters["frames"]["ok"] == frames, "a new batch shape recompiled a layer"
+
+
+def test_validation_runs_the_compiled_layers_eagerly(monkeypatch, tmp_path):
+    """Evaluation and greedy search in `validate` compile nothing (each mode and shape would
+    compile the layers again), and give what the uncompiled model gives."""
+    from test_train import make_corpus
+
+    from aiayn import train as T
+    from aiayn.trainer import validate
+
+    monkeypatch.setattr(kernels, "EXPLICIT_ATTENTION_MAX_KEYS", 0)
+    tc = TrainConfig(**make_corpus(tmp_path / "data"), vocab_size=300, max_tokens=160, valid_bleu=8,
+                     out=str(tmp_path / "r"))
+    data = T.load_corpus(tc, None, tmp_path / "r", Dist(), False)
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", src_vocab_size=data.tokenizers.src.vocab_size,
+                               tgt_vocab_size=data.tokenizers.tgt.vocab_size))
+    plain = copy.deepcopy(model)
+    torch._dynamo.reset()
+    counters.clear()
+    trainer = Trainer(model, TrainConfig(compile=True), Dist(0, 1, torch.device("cpu")), "fp32")
+    trainer.train_step([batch(0, 6, 9)])
+    frames = counters["frames"]["ok"]
+    got = validate(trainer.base, data, tc, contextlib.nullcontext, torch.device("cpu"))
+    assert counters["frames"]["ok"] == frames, "validation compiled the layers again"
+    plain.load_state_dict(trainer.base.state_dict())
+    want = validate(plain, data, tc, contextlib.nullcontext, torch.device("cpu"))
+    assert got.keys() == want.keys() and all(abs(got[k] - want[k]) < 1e-4 for k in got), (got, want)

@@ -365,3 +365,11 @@ def test_compiled_attention_off_the_cpu_never_takes_cudnn(cudnn_attention_restor
     q = torch.randn(2, 4, 300, 8, device="meta")
     kernels.attention(q, q, q, None, False, 0.0, False)
     assert seen == [False] and torch.backends.cuda.cudnn_sdp_enabled()  # inside the graph only
+
+
+def test_every_device_takes_aiayns_loss_even_one_without_autocast():
+    """Off the CPU too the loss is the row-block function (on a GPU torch's call cost more memory
+    and time); a device without autocast (meta here) runs it with no autocast to switch off."""
+    logits = torch.randn(4, 5, device="meta", requires_grad=True)
+    out = kernels.smoothed_cross_entropy(logits, torch.zeros(4, dtype=torch.long, device="meta"), 0.1)
+    assert out.shape == (4,) and out.grad_fn is not None and "SmoothedCrossEntropy" in type(out.grad_fn).__name__

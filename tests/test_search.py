@@ -504,3 +504,27 @@ def test_greedy_keeps_each_sentences_own_length_limit_as_rows_leave():
                  for i, n in enumerate(lengths)]
     assert got == alone
     assert [len(g) for g in got] == [int(0.5 * n + 2) for n in lengths] == [4, 6, 3, 5, 2, 6, 8, 4]
+
+
+def test_collect_keeps_the_k_best_finished_and_the_score_to_beat():
+    """`_collect` (beam search's finished hypotheses): the rows that `fin` marks join their original
+    sentences' lists with the length penalty applied; with `worst` ("best" rule) each list keeps its
+    K best and `worst` takes the K-th score where there are K, in the sentence's live row."""
+    from aiayn.search import _collect
+
+    K = R = 2
+    sent = torch.tensor([5, 7])  # live row -> original sentence
+    tokens = torch.tensor([[1, 10], [1, 11], [1, 12], [1, 13]])  # (b*R, 1 + t): BOS and one token
+    top_beam = torch.tensor([[0, 1, 0, 1], [1, 0, 0, 1]])
+    top_scores = torch.tensor([[-1.0, -2.0, -3.0, -4.0], [-0.5, -1.5, -3.0, -4.0]])
+    fin = torch.tensor([[True, True, False, False], [False, True, False, False]])
+    finals: list = [[] for _ in range(8)]
+    finals[7] = [([9], -0.1), ([8], -2.0)]
+    worst = torch.full((2,), float("-inf"))
+    _collect(finals, worst, fin, sent, tokens, top_beam, top_scores, R, K, 2.0)
+    assert finals[5] == [([10], -0.5), ([11], -1.0)]
+    assert finals[7] == [([9], -0.1), ([12], -0.75)]  # -0.75 displaces -2.0
+    assert worst.tolist() == [-1.0, -0.75]
+    plain: list = [[] for _ in range(8)]
+    _collect(plain, None, fin, sent, tokens, top_beam, top_scores, R, K, 2.0)  # "first": appended only
+    assert plain[5] == [([10], -0.5), ([11], -1.0)] and plain[7] == [([12], -0.75)]

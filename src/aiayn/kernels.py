@@ -21,6 +21,8 @@ moves by at most 2^-17).
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 import threading
 import warnings
@@ -897,7 +899,13 @@ class LossPacking:
 # call took about 9.5 ms of a 75 ms base step at 25k tokens on an H200 (log-softmax forward 3.0,
 # backward 3.7, the two casts 2.8; docs/logs/gpu-h200-2026-11-27-b/part1/gpu_profile.md).
 _LOSS_BLOCK = 2**19  # logits per row block on the CPU: 2 MB of float32, about what one core caches
-_GPU_LOSS_BLOCK = 2**28  # elsewhere: 1 GiB of float32 at most for a block's log-probabilities
+_GPU_LOSS_BLOCK = 2**28  # elsewhere: a block's float32 temporaries take 1 GiB each (2 in backward)
+
+
+def _autocast_off(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """Autocast switched off on `device`, where it has autocast at all (not on `meta`)."""
+    available = torch.amp.is_autocast_available(device.type)
+    return torch.autocast(device.type, enabled=False) if available else contextlib.nullcontext()
 
 
 def _row_blocks(N: int, V: int, device: torch.device) -> Iterator[slice]:
@@ -912,7 +920,7 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits: Tensor, labels: Tensor, eps: float) -> Tensor:
         N, V = logits.shape
         loss = torch.empty(N, dtype=torch.float32, device=logits.device)  # (N,)
-        with torch.autocast(logits.device.type, enabled=False):
+        with _autocast_off(logits.device):
             for rows in _row_blocks(N, V, logits.device):
                 logp = torch.log_softmax(logits[rows], 1, dtype=torch.float32)  # (R, V)
                 # -(1-eps) log p_y - eps/V sum_j log p_j
@@ -927,7 +935,7 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         logits, labels = ctx.saved_tensors
         eps, (N, V) = ctx.eps, logits.shape
         grad = torch.empty_like(logits)  # (N, V), the logits' dtype
-        with torch.autocast(logits.device.type, enabled=False):
+        with _autocast_off(logits.device):
             for rows in _row_blocks(N, V, logits.device):
                 p = torch.softmax(logits[rows], 1, dtype=torch.float32)  # (R, V)
                 p.scatter_add_(1, labels[rows, None], p.new_full((p.size(0), 1), eps - 1.0))  # p - (1-eps) at y

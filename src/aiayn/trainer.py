@@ -381,7 +381,15 @@ class Trainer:
 @torch.no_grad()
 def validate(model: Transformer, corpus: Corpus, tc: TrainConfig, autocast: Autocast, device: torch.device) -> dict[str, float]:
     """Validation loss (label-smoothed and plain, per token) and greedy BLEU/chrF on the first
-    `valid_bleu` validation sentences."""
+    `valid_bleu` validation sentences. Layers that `--compile` compiled run eagerly here: evaluation
+    and search would compile them again for each of their modes and shapes (tens of seconds, and
+    torch's limit on recompilations, past which training's own shapes would run eagerly)."""
+    with torch.compiler.set_stance("force_eager"):
+        return _validate(model, corpus, tc, autocast, device)
+
+
+def _validate(model: Transformer, corpus: Corpus, tc: TrainConfig, autocast: Autocast, device: torch.device
+              ) -> dict[str, float]:
     from aiayn.data.corpus import valid_batches
     from aiayn.evaluate import corpus_scores
     from aiayn.search import greedy_search
