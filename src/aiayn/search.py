@@ -402,20 +402,20 @@ def beam_search(model: SearchModel[C], src: Tensor, bos_id: int, eos_id: int, be
     while sent.numel():
         b = sent.numel()
         hidden = _hidden(model, tokens, memory, src_keep, cache)  # (b*R, d)
-        at_limit = max_len.le(step)  # (b,) hypotheses hold max_len tokens: EOS is forced
-        forced = at_limit.repeat_interleave(R) if step >= soonest else None  # (b*R,)
+        # (b,) hypotheses that hold max_len tokens: EOS is forced (None: none does yet)
+        at_limit = max_len.le(step) if step >= soonest else None
+        forced = None if at_limit is None else at_limit.repeat_interleave(R)  # (b*R,)
         row_lp, row_tok = row_topk(hidden, forced, step < min_len)  # (b*R, W)
         W = row_lp.size(1)
         cand = (row_lp + scores.view(-1, 1)).view(b, R * W)  # hypothesis score + token log-probability
         top_scores, top_pos = cand.topk(min(2 * K, R * W), dim=1)  # (b, 2K), best first
         top_beam, top_tok = top_pos // W, row_tok.view(b, R * W).gather(1, top_pos)
         is_eos = top_tok.eq(eos_id) & top_scores.gt(neg_inf)  # (b, 2K)
-        fin = is_eos.clone()
-        fin[:, K:] = False  # only an EOS among the best K candidates ends a hypothesis
+        fin = is_eos[:, :K]  # (b, K) only an EOS among the best K candidates ends a hypothesis
         lp = length_penalty(step + 1, alpha)  # every hypothesis finishing now has step + 1 tokens
         if bool(fin.any()):
             if stop == "first":
-                fin &= (n_final.unsqueeze(1) + fin.long().cumsum(1)).le(K)  # at most K finished per sentence
+                fin = fin & (n_final.unsqueeze(1) + fin.long().cumsum(1)).le(K)  # at most K finished per sentence
             n_final = n_final + fin.sum(1)
             _collect(finals, worst if stop == "best" else None, fin, sent, tokens, top_beam, top_scores, R, K, lp)
         cont_scores, cont_pos = top_scores.masked_fill(is_eos, neg_inf).topk(K, dim=1)  # (b, K)
@@ -423,7 +423,9 @@ def beam_search(model: SearchModel[C], src: Tensor, bos_id: int, eos_id: int, be
             full = n_final.ge(K)
         else:  # nothing live can still beat the K-th best finished (at the live hypotheses' length)
             full = (cont_scores[:, 0] / lp).le(worst)
-        done = full | at_limit | cont_scores[:, 0].eq(neg_inf)  # (b,)
+        done = full | cont_scores[:, 0].eq(neg_inf)  # (b,)
+        if at_limit is not None:
+            done |= at_limit
         any_done = bool(done.any())
         if on_done is not None and any_done:
             for s in sent[done].tolist():
@@ -458,7 +460,7 @@ def _collect(finals: list[list[ScoredIds]], worst: Tensor | None, fin: Tensor, s
     `worst` takes the K-th best score where there are K. The host reads the device a fixed number
     of times, not once per sentence (each read waits for a GPU).
 
-    Shape: fin (b, 2K) bool, sent (b,), tokens (b*R, 1 + t), top_beam and top_scores (b, 2K); worst (b,)."""
+    Shape: fin (b, K) bool (or wider), sent (b,), tokens (b*R, 1 + t), top_beam and top_scores (b, 2K); worst (b,)."""
     fin_i, fin_j = fin.nonzero(as_tuple=True)
     hyp_rows = fin_i * R + top_beam[fin_i, fin_j]
     rows, sents = torch.stack([fin_i, sent[fin_i]]).tolist()
