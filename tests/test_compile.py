@@ -1,5 +1,5 @@
-"""`aiayn train --compile` (`trainer.compile_layers`): each layer compiled once for every batch
-shape, computing what the eager layers compute, with the weights' names unchanged."""
+"""`aiayn train --compile` (`trainer.compile_layers`): one compilation per stack of layers for every
+batch shape, computing what the eager layers compute, with the weights' names unchanged."""
 
 from __future__ import annotations
 
@@ -30,8 +30,9 @@ def batch(seed: int, rows: int, longest: int):
 def test_compiled_layers_train_as_the_eager_ones_and_compile_once(monkeypatch):
     """Four steps of new token counts: the losses of eager training (each after the updates before
     it; the weights themselves are not compared, as Adam turns rounding noise in a near-zero
-    gradient into a full step), and no layer compiled again after the first step. Attention takes SDPA, as on a GPU (the CPU's spelled-out
-    path for short keys branches on their number: a compilation per range there)."""
+    gradient into a full step), and no layer compiled again after the first step. Attention takes
+    SDPA, as on a GPU (the CPU's spelled-out path for short keys branches on their number: a
+    compilation per range there)."""
     monkeypatch.setattr(kernels, "EXPLICIT_ATTENTION_MAX_KEYS", 0)
     torch.manual_seed(0)
     model = Transformer(preset("tiny", src_vocab_size=V, tgt_vocab_size=V, dropout=0.0, attention_dropout=0.0))

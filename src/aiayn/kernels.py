@@ -22,7 +22,6 @@ moves by at most 2^-17).
 from __future__ import annotations
 
 import contextlib
-
 import math
 import threading
 import warnings
@@ -895,9 +894,10 @@ class LossPacking:
 # logits are read once each way (a float32 log-softmax forward, a float32 softmax backward, each a
 # cast and one pass from bf16), the gradient written once, and nothing of (N, V) size is kept but
 # the logits themselves. On the CPU a block of about half a million logits sits in the cache. On a
-# GPU the blocks are large (a handful per step), and the same passes save memory traffic: torch's
-# call took about 9.5 ms of a 75 ms base step at 25k tokens on an H200 (log-softmax forward 3.0,
-# backward 3.7, the two casts 2.8; docs/logs/gpu-h200-2026-11-27-b/part1/gpu_profile.md).
+# GPU the blocks are large (a handful per step). There torch's call took about 9.5 ms of a 75 ms base
+# step at 25k tokens on an H200 (log-softmax forward 3.0, backward 3.7, the two casts 2.8;
+# docs/logs/gpu-h200-2026-11-27-b/part1/gpu_profile.md); this one lowered the step's peak memory
+# (20.1 -> 16.2 GiB) but its time stayed within the run-to-run spread (docs/gpu.md).
 _LOSS_BLOCK = 2**19  # logits per row block on the CPU: 2 MB of float32, about what one core caches
 _GPU_LOSS_BLOCK = 2**28  # elsewhere: a block's float32 temporaries take 1 GiB each (2 in backward)
 
