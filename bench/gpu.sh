@@ -93,10 +93,12 @@ train_throughput() {  # bench/gpu_train.py; it starts no new contender after LIM
 }
 
 train_profile() {  # bench/gpu_train.py --profile: where the time of aiayn's base step at 25k tokens goes
+  # eager by default; GPU_PROFILE_FLAGS="--compile aiayn" profiles `aiayn train --compile`'s step
+  # (give it GPU_SH_T_TRAIN_PROFILE=120: the layers compile in its warm-up)
   if [ "$dry" = 1 ]; then
-    $PY bench/gpu_train.py --device cpu --quick --profile --threads 1 --out "$out"
+    $PY bench/gpu_train.py --device cpu --quick --profile --threads 1 --out "$out" ${GPU_PROFILE_FLAGS:-}
   else
-    $PY bench/gpu_train.py --profile --sizes base --tokens 25000 --out "$out"
+    $PY bench/gpu_train.py --profile --sizes base --tokens 25000 --out "$out" ${GPU_PROFILE_FLAGS:-}
   fi
 }
 

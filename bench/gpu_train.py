@@ -342,7 +342,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true",
-                   help="profile aiayn's eager step at the first of --sizes and --tokens instead (gpu_profile.md)")
+                   help="profile aiayn's step at the first of --sizes and --tokens instead (gpu_profile.md): "
+                        "compiled as `aiayn train --compile` with --compile aiayn, else eager")
     args = p.parse_args(argv)
     if args.quick:
         args.sizes, args.tokens, args.vocab = "tiny", "400,150", 500
@@ -460,12 +461,15 @@ def time_rounds(live: list[tuple[Contender, Row]], timed: list[Step], rounds: in
 
 
 def profile(args: argparse.Namespace, device: torch.device) -> int:
-    """`--profile`: aiayn's eager step at the first size and step size under torch.profiler, once
-    warm (bench/profiling.py says what is reported). Written to OUT/gpu_profile.md."""
+    """`--profile`: aiayn's step at the first size and step size under torch.profiler, once warm
+    (bench/profiling.py says what is reported), eager, or compiled with `--compile aiayn` (the
+    warm-up compiles; a step's time left outside the compiled layers shows there). Written to
+    OUT/gpu_profile.md."""
     size, tokens = args.sizes.split(",")[0], int(args.tokens.split(",")[0])
     cfg = preset(size, src_vocab_size=args.vocab, tgt_vocab_size=args.vocab)
     warmup, timed = make_steps(tokens, args)
-    c = make_contender("aiayn", cfg, device, args.precision, args.seed)
+    name = "aiayn+compile" if args.compile == "aiayn" else "aiayn"
+    c = make_contender(name, cfg, device, args.precision, args.seed)
     warm(c, warmup)
     fitting(c, timed)  # every timed shape seen once (attention backends, the allocator)
     plain = fitting(c, timed)
@@ -473,7 +477,8 @@ def profile(args: argparse.Namespace, device: torch.device) -> int:
         wall = fitting(c, timed)
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     text = (f"# Profile: aiayn's training step\n\n{card}, torch {torch.__version__}; {c.micro} micro-batches a step\n\n"
-            + summary(prof, wall, f"aiayn {size}, {tokens:,} tokens/step, {args.precision}, eager, {len(timed)} steps",
+            + summary(prof, wall, f"{name} {size}, {tokens:,} tokens/step, {args.precision}, "
+                      f"{'compiled' if c.compiled else 'eager'}, {len(timed)} steps (warm-up {c.warm_s:.0f} s)",
                       per=len(timed), plain_s=plain))
     print(text, flush=True)
     if args.out:

@@ -45,11 +45,25 @@ def test_profile_writes_where_the_steps_time_goes(tmp_path, one_thread):
     assert bench.main(["--device", "cpu", "--quick", "--profile", "--out", str(tmp_path)]) == 0
     md = (tmp_path / "gpu_profile.md").read_text()
     assert md.startswith("# Profile: aiayn's training step\n\nCPU, torch")
-    assert "## aiayn tiny, 400 tokens/step, bf16, eager, 2 steps" in md
+    assert re.search(r"^## aiayn tiny, 400 tokens/step, bf16, eager, 2 steps \(warm-up \d+ s\)$", md, re.M)
     line = r"^- wall [\d.]+ ms a step profiled, [\d.]+ without the profiler \(no GPU kernels seen\)$"
     assert re.search(line, md, re.M)
     assert "aten::mm" in md and "Self CPU" in md  # the profiler's operator table
     assert not (tmp_path / "gpu_train.md").exists()  # a profile only, no throughput table
+
+
+def test_profile_of_the_compiled_step_compiles_the_layers_as_aiayn_train_does(tmp_path, one_thread, monkeypatch):
+    """`--profile --compile aiayn` profiles the step of `aiayn train --compile` (here the compilation
+    itself is skipped: it would take ~40 s of the CPU; that it is asked for is what is checked)."""
+    from aiayn import trainer
+
+    compiled = []
+    monkeypatch.setattr(trainer, "compile_layers", compiled.append)
+    bench = load_bench()
+    assert bench.main(["--device", "cpu", "--quick", "--profile", "--compile", "aiayn", "--out", str(tmp_path)]) == 0
+    md = (tmp_path / "gpu_profile.md").read_text()
+    assert len(compiled) == 1
+    assert re.search(r"^## aiayn\+compile tiny, 400 tokens/step, bf16, compiled, 2 steps \(warm-up \d+ s\)$", md, re.M)
 
 
 def test_gpu_work_counts_kernels_and_copies_apart_and_not_annotations():
