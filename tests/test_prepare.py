@@ -79,6 +79,9 @@ def test_collate_from_the_memory_map_equals_data_collate(tmp_path, corpus):
     assert (a.indices, a.n_tgt_tokens) == (b.indices, b.n_tgt_tokens)
     c = d.train.collate(np.array(rows), max_len=2)  # a shorter --max-len at train time cuts each side
     assert c.src.shape[1] <= 2 and c.tgt_out.shape[1] <= 3
+    assert a.packing is not None  # training's loss runs on the real tokens it names
+    v = d.train.collate(np.array(rows), max_len=20, packing=False)  # validation's full forward: none made
+    assert v.packing is None and torch.equal(v.tgt_out, a.tgt_out)
 
 
 def test_twice_gives_byte_identical_output_whatever_the_worker_count(tmp_path, corpus, monkeypatch):

@@ -17,7 +17,6 @@ collectives the run needs besides (stop decisions, one-line errors on every rank
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import queue
 import random
@@ -401,8 +400,8 @@ def _validate(model: Transformer, corpus: Corpus, tc: TrainConfig, autocast: Aut
         loss = nll = 0.0
         tokens = 0
         for idx in valid_batches(corpus):
-            b = dataclasses.replace(corpus.valid.collate(idx, tc.max_len, model.cfg.source_eos), packing=None)
-            b = b.to(device)  # the full forward below needs no packing: none is copied
+            # the full forward below needs no packing: none is made
+            b = corpus.valid.collate(idx, tc.max_len, model.cfg.source_eos, packing=False).to(device)
             with autocast():
                 logits = model(b.src, b.tgt_in).float().flatten(0, 1)
             tgt = b.tgt_out.flatten()

@@ -129,9 +129,10 @@ class Split:
     def pair(self, i: int) -> tuple[list[int], list[int]]:
         return tuple(s.tokens[s.offsets[i] : s.offsets[i] + s.lengths[i]].tolist() for s in (self.src, self.tgt))
 
-    def collate(self, rows: np.ndarray | list[int], max_len: int, source_eos: bool = False) -> Batch:
+    def collate(self, rows: np.ndarray | list[int], max_len: int, source_eos: bool = False,
+                packing: bool = True) -> Batch:
         """Batch of pairs `rows`, each side cut to `max_len` tokens (a no-op for data prepared with it);
-        with `source_eos` each source ends with EOS, after the cut."""
+        with `source_eos` each source ends with EOS, after the cut; `packing`: see `Batch.of`."""
         rows = np.asarray(rows, np.int64)
         if not len(rows):
             raise AiaynError("cannot collate an empty batch")
@@ -148,7 +149,7 @@ class Split:
         tgt_out[:, :-1] = tgt
         tgt_out[np.arange(B), tlen] = EOS_ID  # target + EOS
         return Batch.of(torch.from_numpy(src), torch.from_numpy(tgt_in), torch.from_numpy(tgt_out), rows.tolist(),
-                        int(tlen.sum() + B))
+                        int(tlen.sum() + B), packing=packing)
 
     def lengths(self, max_len: int) -> tuple[np.ndarray, np.ndarray]:
         """(N,) source and target lengths as batches see them (cut to `max_len`); memory maps if uncut."""

@@ -248,9 +248,11 @@ class Batch:
 
     @classmethod
     def of(cls, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, indices: list[int], n_tgt_tokens: int,
-           pad_id: int = PAD_ID) -> "Batch":
-        """A batch of host tensors with its packing (found here, on the host: no GPU to wait for)."""
-        return cls(src, tgt_in, tgt_out, indices, n_tgt_tokens, LossPacking.of(src, tgt_in, tgt_out, pad_id))
+           pad_id: int = PAD_ID, packing: bool = True) -> "Batch":
+        """A batch of host tensors with its packing (found here, on the host: no GPU to wait for), or
+        none if not `packing` (validation's full forward does not use it)."""
+        return cls(src, tgt_in, tgt_out, indices, n_tgt_tokens,
+                   LossPacking.of(src, tgt_in, tgt_out, pad_id) if packing else None)
 
     def __len__(self) -> int:
         return int(self.src.size(0))
