@@ -80,3 +80,19 @@ def test_validation_runs_the_compiled_layers_eagerly(monkeypatch, tmp_path):
     plain.load_state_dict(trainer.base.state_dict())
     want = validate(plain, data, tc, contextlib.nullcontext, torch.device("cpu"))
     assert got.keys() == want.keys() and all(abs(got[k] - want[k]) < 1e-4 for k in got), (got, want)
+
+
+def test_a_compiled_run_resumes_exactly(tmp_path, monkeypatch):
+    """`--compile` and `--resume`: 3 steps, then 3 more from the checkpoint, end with the weights of
+    6 steps in one go, bitwise (in separate processes too, checked by hand on 2026-11-28)."""
+    from safetensors.torch import load_file
+    from test_train import make_corpus, tiny_args, train_cli
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    paths = make_corpus(tmp_path / "data")
+    common = ("--compile", "--save-every", "3")
+    train_cli(tiny_args(paths, tmp_path / "whole", *common, "--max-steps", "6"))
+    train_cli(tiny_args(paths, tmp_path / "cut", *common, "--max-steps", "3"))
+    train_cli(tiny_args(paths, tmp_path / "cut", *common, "--max-steps", "6", "--resume"))
+    a, b = (load_file(str(tmp_path / run / "step_6" / "model.safetensors")) for run in ("whole", "cut"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
