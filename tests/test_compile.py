@@ -84,13 +84,14 @@ def test_validation_runs_the_compiled_layers_eagerly(monkeypatch, tmp_path):
 
 def test_a_compiled_run_resumes_exactly(tmp_path, monkeypatch):
     """`--compile` and `--resume`: 3 steps, then 3 more from the checkpoint, end with the weights of
-    6 steps in one go, bitwise (in separate processes too, checked by hand on 2026-11-28)."""
+    6 steps in one go, bitwise (in separate processes too, checked by hand on 2026-11-27). With
+    dropout: its masks, drawn inside the compiled layers, must continue from the saved RNG state."""
     from safetensors.torch import load_file
     from test_train import make_corpus, tiny_args, train_cli
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     paths = make_corpus(tmp_path / "data")
-    common = ("--compile", "--save-every", "3")
+    common = ("--compile", "--save-every", "3", "--dropout", "0.1")
     train_cli(tiny_args(paths, tmp_path / "whole", *common, "--max-steps", "6"))
     train_cli(tiny_args(paths, tmp_path / "cut", *common, "--max-steps", "3"))
     train_cli(tiny_args(paths, tmp_path / "cut", *common, "--max-steps", "6", "--resume"))
