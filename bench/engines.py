@@ -22,7 +22,8 @@ table, aiayn's speed-up over HF and CTranslate2 float32 per mode (and over HF bf
 `--device cuda` runs aiayn and HF on the GPU (without CTranslate2, whose CPU engine has no place in
 that table), adds HF on a bfloat16 copy of the Marian model beside aiayn's bf16 (like for like),
 runs HF's attention on aiayn's backends there (not cuDNN's), and waits for the GPU before each clock
-reading. A peer that is not installed is left out.
+reading; aiayn fp32 also runs with its decoder step in Python ("aiayn fp32, Python step"), where
+it would run compiled (`aiayn.step`), to show what that saves. A peer that is not installed is left out.
 On a GPU, pass `--max-tokens 4096 --batch-size 256`, the batches of `aiayn translate`: small
 batches leave it idle. `--quick` takes the first 48 sentences (a smoke run).
 
@@ -49,6 +50,7 @@ from typing import Any
 import torch
 from torch.nn.attention import sdpa_kernel
 
+from aiayn import step
 from aiayn.checkpoint import load_checkpoint, save_checkpoint
 from aiayn.config import preset
 from aiayn.data.text import multi30k_paths
@@ -78,6 +80,18 @@ def hf_strip(row: list[int]) -> list[int]:
     return row[: row.index(EOS_ID)] if EOS_ID in row else row
 
 
+def python_step(search: Any) -> Any:
+    """`search` with search's decoder step in Python where it would run compiled (a GPU's float
+    step, `aiayn.step.FLOAT_STEP_DEVICES`): the row that says what the compiled step saves."""
+    def run(idx: list[int]) -> Any:
+        saved, step.FLOAT_STEP_DEVICES = step.FLOAT_STEP_DEVICES, ()
+        try:
+            return search(idx)
+        finally:
+            step.FLOAT_STEP_DEVICES = saved
+    return run
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", help="a trained checkpoint or run directory (default: a random-weight model)")
@@ -95,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=2048, help="source tokens per batch")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0, help="threads for torch and CTranslate2 (0: torch's default)")
-    ap.add_argument("--skip", default="", help="comma-separated: bf16,hf,ct2,int8")
+    ap.add_argument("--skip", default="", help="comma-separated: bf16,hf,ct2,int8,python-step")
     ap.add_argument("--profile", metavar="FILE",
                     help="after the timings, profile aiayn's and HF's searches on the widest batch into FILE (markdown)")
     ap.add_argument("--identity", action="store_true", help="also run aiayn and HF beam search with alpha = 0")
@@ -159,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         return go
 
     systems = {("aiayn fp32", "greedy"): aiayn(1, 0.0), ("aiayn fp32", f"beam {K}"): aiayn(K, alpha)}
+    if dev.type in step.FLOAT_STEP_DEVICES and "python-step" not in skip:  # what the compiled float step saves
+        systems[("aiayn fp32, Python step", "greedy")] = python_step(aiayn(1, 0.0))
+        systems[("aiayn fp32, Python step", f"beam {K}")] = python_step(aiayn(K, alpha))
     if "bf16" not in skip:
         systems[("aiayn bf16", "greedy")] = aiayn(1, 0.0, True)
         systems[("aiayn bf16", f"beam {K}")] = aiayn(K, alpha, True)

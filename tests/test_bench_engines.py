@@ -27,6 +27,7 @@ def test_quick_run_on_a_device_prints_both_systems_bleu_and_agreement(capsys, mo
     pytest.importorskip("transformers")
     bench = _bench(monkeypatch)
     monkeypatch.setattr(bench, "cpu_has_fast_bf16", lambda: True)  # bf16 rows too, on any CPU
+    monkeypatch.setattr(bench.step, "FLOAT_STEP_DEVICES", ("cpu",))  # and the Python step's rows, as on a GPU
     threads = torch.get_num_threads()
     try:
         assert bench.main(["--device", "cpu", "--quick", "--preset", "tiny", "--vocab-size", "1000", "--skip", "ct2",
@@ -44,7 +45,8 @@ def test_quick_run_on_a_device_prints_both_systems_bleu_and_agreement(capsys, mo
     assert re.search(r"^aiayn fp32 beam 4: faster than HF \d+\.\d\dx$", out, re.M)
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert rows["device"] == "cpu" and rows["n"] == 48
-    assert {(r["system"], r["search"]) for r in rows["rows"]} >= {("aiayn fp32", "beam 4"), ("aiayn bf16", "greedy")}
+    assert {(r["system"], r["search"]) for r in rows["rows"]} >= {("aiayn fp32", "beam 4"), ("aiayn bf16", "greedy"),
+                                                                 ("aiayn fp32, Python step", "beam 4")}
     assert all(r["sentences_per_s"] > 0 and 0 <= r["identical"] <= 48 for r in rows["rows"])
 
 
@@ -61,3 +63,20 @@ def test_a_missing_peer_is_left_out_with_a_note(capsys, monkeypatch):
     got = capsys.readouterr()
     assert "transformers is not installed; skipping it (as --skip hf)" in got.err
     assert "HF generate" not in got.out and re.search(r"^\| aiayn fp32 \| beam 4 \|", got.out, re.M)
+
+
+def test_the_python_step_row_turns_the_compiled_float_step_off_for_its_search_only(monkeypatch):
+    bench = _bench(monkeypatch)
+    monkeypatch.setattr(bench.step, "FLOAT_STEP_DEVICES", ("cuda",))
+    seen = []
+
+    def search(idx):
+        seen.append(bench.step.FLOAT_STEP_DEVICES)
+        if idx == [1]:
+            raise RuntimeError("out of memory")
+        return [[5]]
+
+    assert bench.python_step(search)([0]) == [[5]]
+    with pytest.raises(RuntimeError):
+        bench.python_step(search)([1])
+    assert seen == [(), ()] and bench.step.FLOAT_STEP_DEVICES == ("cuda",)

@@ -23,7 +23,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from aiayn import kernels
+from aiayn import kernels, step
 from aiayn.config import TrainConfig, preset
 from aiayn.copytask import BOS, EOS, make_batch, train_copy
 from aiayn.data.text import Batch, collate
@@ -230,6 +230,31 @@ def test_beam_search_on_the_gpu_gives_the_cpus_tokens(copy_model):
            f"max |4-best score difference| {worst:.1e}")
 
 
+def test_the_compiled_float_step_runs_there_and_equals_the_python_step(copy_model, monkeypatch):
+    """On a GPU, search's steps run the decoder stack as one TorchScript call (`step._FloatStepPlan`),
+    with the Python step's n-best tokens and scores exactly, fp32 and bf16. (On the
+    CPU stand-in the step is let onto the CPU, on the linear layers and attention a GPU takes.)"""
+    src = copy_sources(seed=11).to(DEVICE)
+    ran: list[int] = []
+    run = step._FloatStepPlan.run
+    monkeypatch.setattr(step._FloatStepPlan, "run", lambda *a: (ran.append(1), run(*a))[1])
+    if not ON_GPU:
+        monkeypatch.setattr(step, "FLOAT_STEP_DEVICES", (DEVICE,))
+        monkeypatch.setattr(kernels, "EXPLICIT_ATTENTION_MAX_KEYS", 0)
+    for name, dtype in SEARCH_DTYPES.items():
+        m = copy.deepcopy(copy_model).to(DEVICE, dtype).requires_grad_(not ON_GPU)  # CPU: F.linear, as a GPU's
+        got = beam_search(m, src, BOS, EOS, 4, 0.6, nbest=4), greedy_search(m, src, BOS, EOS)
+        steps = len(ran)
+        with monkeypatch.context() as python_step:
+            python_step.setattr(step, "FLOAT_STEP_DEVICES", ())
+            want = beam_search(m, src, BOS, EOS, 4, 0.6, nbest=4), greedy_search(m, src, BOS, EOS)
+        assert steps > 0 and len(ran) == steps, name  # compiled every step, and only there
+        assert got == want, name
+        ran.clear()
+    report(f"search's compiled float step (TorchScript): the Python step's beam-4 n-best and greedy tokens and "
+           f"scores exactly on {src.size(0)} sentences, fp32 and bf16")
+
+
 # ------------------------------------------------------------------------ which attention kernel
 
 
@@ -291,13 +316,13 @@ def attention_calls(monkeypatch) -> Iterator[tuple[list[tuple[str, str]], Transf
         if isinstance(m, MultiHeadAttention):
             m.register_forward_pre_hook(lambda mod, args, kwargs: current.__setitem__(0, kind_of(mod, kwargs)),
                                         with_kwargs=True)
-    step = kernels._attention_step  # search's cached steps (kernels.decoder_step) call it, not forward
+    attention_step = step._attention_step  # search's cached steps (step.decoder_step) call it, not forward
 
     def noted_step(mha, x, cache, *args):
         current[0] = kind_of(mha, {"cache": cache})
-        return step(mha, x, cache, *args)
+        return attention_step(mha, x, cache, *args)
 
-    monkeypatch.setattr(kernels, "_attention_step", noted_step)
+    monkeypatch.setattr(step, "_attention_step", noted_step)
     attention = kernels.attention
 
     def spied(q, k, v, mask, is_causal, p, training, need_weights=False, bias=None):

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aiayn import cli, kernels
+from aiayn import cli, kernels, step
 from aiayn.checkpoint import load_checkpoint
 from aiayn.errors import AiaynError
 from aiayn.tokenizer import EOS_ID
@@ -80,7 +80,7 @@ def test_the_int8_ops_give_the_same_results_compiled_or_not(monkeypatch, compile
     if not compiled:
         monkeypatch.setattr(torch.jit, "CompilationUnit", lambda *a: (_ for _ in ()).throw(RuntimeError("no TorchScript")))
     monkeypatch.setattr(kernels, "_INT8_CALL", None)
-    monkeypatch.setattr(kernels, "_COMPILED", None)
+    monkeypatch.setattr(kernels, "_COMPILED", {})
     torch.manual_seed(0)
     w, b = torch.randn(48, 16), torch.randn(48)
     calls = [(kernels.INT8_ENGINE, False), (kernels.INT8_ENGINE, True)]
@@ -112,7 +112,7 @@ def test_first_int8_calls_on_several_threads_compile_once(monkeypatch):
 
     monkeypatch.setattr(torch.jit, "CompilationUnit", slow)
     monkeypatch.setattr(kernels, "_INT8_CALL", None)
-    monkeypatch.setattr(kernels, "_COMPILED", None)
+    monkeypatch.setattr(kernels, "_COMPILED", {})
     packed, x = kernels._pack_int8(torch.randn(8, 4), None), torch.randn(2, 4)
     want = torch.ops.quantized.linear_dynamic(x, packed, kernels._INT8_REDUCE_RANGE)
     got: list[torch.Tensor] = []
@@ -344,11 +344,11 @@ def test_the_compiled_step_falls_back_to_python_where_it_cannot_compile(monkeypa
         return real(source)
 
     monkeypatch.setattr(torch.jit, "CompilationUnit", compile_)
-    monkeypatch.setattr(kernels, "_COMPILED", None)
+    monkeypatch.setattr(kernels, "_COMPILED", {})
     monkeypatch.setattr(kernels, "_INT8_CALL", None)
     plans = []
-    step = kernels.decoder_step
-    monkeypatch.setattr(kernels, "decoder_step", lambda d, x, cache, k: (step(d, x, cache, k), plans.append(cache.step_plan))[0])
+    fast = step.decoder_step
+    monkeypatch.setattr(step, "decoder_step", lambda d, x, cache, k: (fast(d, x, cache, k), plans.append(cache.step_plan))[0])
     with torch.inference_mode():
         assert greedy_search(model, src, BOS, EOS, max_len_b=12) == want
     assert plans and not any(plans)

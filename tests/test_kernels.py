@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aiayn import kernels
+from aiayn import kernels, step
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -245,7 +245,7 @@ def test_softmax_over_many_short_rows_is_spelled_out_and_equals_torchs(monkeypat
     out (when there are many) within rounding of torch's, masked keys (the additive mask's lowest
     value) included, and the compiled step's copy is bitwise it, on either side of the row count."""
     monkeypatch.setattr(kernels, "SHORT_ROW", 16)  # as on AVX-512, whatever this CPU has
-    unit = kernels._compiled()  # (before torch.softmax is spied on: TorchScript would compile the spy)
+    unit = step.compiled_step()  # (before torch.softmax is spied on: TorchScript would compile the spy)
     seen = []
     real = torch.softmax
     monkeypatch.setattr(torch, "softmax", lambda *a, **k: (seen.append(a[0].shape), real(*a, **k))[1])
@@ -266,7 +266,7 @@ def test_softmax_over_many_short_rows_is_spelled_out_and_equals_torchs(monkeypat
 def test_softmax_rows_of_no_keys_is_empty_as_torchs():
     empty = torch.empty(100, 0)
     assert kernels.softmax_rows(empty, torch.float32).shape == (100, 0)
-    unit = kernels._compiled()
+    unit = step.compiled_step()
     if unit and hasattr(unit, "softmax_rows"):
         assert unit.softmax_rows(empty, 16, 1).shape == (100, 0)
 
@@ -297,7 +297,7 @@ def test_the_values_weighed_by_one_query_are_summed_where_bmm_would_loop(shape):
     torch.testing.assert_close(got, p @ v, rtol=1e-6, atol=1e-6)
     spelled = T == 1 and S * dh < kernels.SMALL_BMM
     assert torch.equal(got, p @ v) or spelled  # the other products are torch's, bitwise
-    unit = kernels._compiled()
+    unit = step.compiled_step()
     if unit and hasattr(unit, "attend"):  # the compiled step's attention takes the same branch
         q, k = torch.randn(B, H, T, dh, generator=g), torch.randn(B, H, S, dh, generator=g)
         scores = torch.bmm(q.reshape(B * H, T, dh) * 0.5, k.reshape(B * H, S, dh).transpose(1, 2))

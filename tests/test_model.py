@@ -374,10 +374,10 @@ def test_cached_decoding_after_reorder():
 
 def _compiled_append(cache: LayerCache, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """What search's compiled int8 step does with a layer's cache: `room`, the compiled append, `appended`."""
-    from aiayn import kernels
+    from aiayn import step
 
     old_k, old_v, spare_k, spare_v = cache.room(k.shape, k)
-    unit = kernels._compiled()
+    unit = step.compiled_step()
     got = unit.append_kv(old_k, cache.pending, k, spare_k), unit.append_kv(old_v, cache.pending, v, spare_v)
     cache.appended(*got)
     return got

@@ -346,16 +346,19 @@ def test_bf16_autocast_runs():
 
 
 def _general_step(decoder, x, cache, src_keep):
-    """`kernels.decoder_step` done by the decoder's general forward on one position (the path before it)."""
+    """`step.decoder_step` done by the decoder's general forward on one position (the path before it)."""
     return decoder(x[:, None], None, src_keep, None, False, cache, None)[:, 0]
 
 
 STEP_KINDS = ["post-norm", "pre-norm", "gelu", "swish", "int8", "int8 pre-norm", "int8 gelu", "int8 swish", "bf16",
               "fp16", "autocast", "sdpa", "dropout", "pre-norm dropout", "ff training", "int8 dropout",
               "int8 ff training", "int8 mixed eps", "int8 long self keys", "int8 long cross keys", "short rows",
-              "int8 short rows", "int8 onednn copies"]
-# kernels._StepPlan runs every step of these; "int8 long self keys" until the keys outgrow the explicit attention
-COMPILED = {"int8", "int8 pre-norm", "int8 gelu", "int8 swish", "int8 short rows"}
+              "int8 short rows", "int8 onednn copies", "float step", "float step pre-norm", "float step gelu",
+              "float step swish", "float step bf16", "float step dropout"]
+# step._StepPlan (int8) or _FloatStepPlan (a GPU's float step, here on the CPU) runs every step of
+# these; "int8 long self keys" until the keys outgrow the explicit attention
+COMPILED = {"int8", "int8 pre-norm", "int8 gelu", "int8 swish", "int8 short rows", "float step", "float step pre-norm",
+            "float step gelu", "float step swish", "float step bf16"}
 LONG_KEYS = {"int8 long self keys": 9, "int8 long cross keys": 8}  # EXPLICIT_ATTENTION_MAX_KEYS; sources of 9
 DROPOUTS = {"dropout": 0.3, "attention_dropout": 0.2, "activation_dropout": 0.25}  # apart: a mix-up shows
 
@@ -365,7 +368,7 @@ def _step_model(kind):
 
     overrides = {"pre-norm": {"norm_first": True}, "gelu": {"activation": "gelu"}, "swish": {"activation": "swish"},
                  "dropout": DROPOUTS, "pre-norm dropout": {"norm_first": True, **DROPOUTS}, "ff training": DROPOUTS}
-    base = kind.removeprefix("int8 ") if kind.startswith("int8 ") else kind
+    base = kind.removeprefix("int8 ").removeprefix("float step ")
     torch.manual_seed(3)
     model = Transformer(preset("tiny", src_vocab_size=40, tgt_vocab_size=40, **overrides.get(base, {}))).eval()
     model.requires_grad_(False)  # frozen: the packed (and int8) inference GEMMs, as Translator runs
@@ -379,8 +382,10 @@ def _step_model(kind):
         model.decoder.layers[1].norm2.eps = 1e-3
     if kind.startswith("int8"):
         quantize_int8(model)
-    if kind in ("bf16", "fp16"):  # fp16: masked_fill rather than an additive mask
-        model = model.to(torch.bfloat16 if kind == "bf16" else torch.float16)
+    if kind.startswith("float step"):  # as on a GPU: plain linear layers (F.linear), no packed weights
+        model.requires_grad_(True)
+    if base in ("bf16", "fp16"):  # fp16: masked_fill rather than an additive mask
+        model = model.to(torch.bfloat16 if base == "bf16" else torch.float16)
     if kind.endswith("dropout"):
         model.decoder.train()  # dropout in the decoder only (the step path follows each module's flag)
     if base == "ff training":
@@ -391,13 +396,14 @@ def _step_model(kind):
 
 @pytest.mark.parametrize("kind", STEP_KINDS)
 def test_decoder_step_is_the_general_path_exactly(kind, monkeypatch):
-    """Search's cached steps take `kernels.decoder_step`, the same operations as the decoder's forward
+    """Search's cached steps take `step.decoder_step`, the same operations as the decoder's forward
     with fewer calls: hidden states, greedy and beam results are bitwise those of the general path,
     through reorders, finished sentences and beam rows sharing their sentence's cross-attention keys;
     also under autocast, on SDPA, with dropout on (the same random numbers drawn), and on the
     compiled int8 step (whose plan is refused where it does not apply, as under dropout, and which
     leaves a step to Python from the rows where a layer's oneDNN copy runs: 6 rows here)."""
     from aiayn import kernels
+    from aiayn import step as step_module
 
     if kind == "int8 onednn copies":
         if kernels.WIDE_ENGINE not in torch.backends.quantized.supported_engines:
@@ -406,16 +412,18 @@ def test_decoder_step_is_the_general_path_exactly(kind, monkeypatch):
     model = _step_model(kind)
     if kind == "int8 onednn copies":
         assert kernels._INT8[id(model.decoder.layers[0].ff.w1.weight)][2][1] == 6
-    if kind == "sdpa":
+    if kind == "sdpa" or kind.startswith("float step"):
         monkeypatch.setattr(kernels, "EXPLICIT_ATTENTION_MAX_KEYS", 0)
+    if kind.startswith("float step"):  # the GPU's compiled float step, here on the CPU
+        monkeypatch.setattr(step_module, "FLOAT_STEP_DEVICES", ("cpu",))
     if kind in LONG_KEYS:
         monkeypatch.setattr(kernels, "EXPLICIT_ATTENTION_MAX_KEYS", LONG_KEYS[kind])
     if kind.endswith("short rows"):  # every attention's softmax spelled out (kernels.softmax_rows)
         monkeypatch.setattr(kernels, "SHORT_ROW", 10**6)
         monkeypatch.setattr(kernels, "SHORT_ROWS_MIN", 1)
     src = random_batch([5, 9, 3, 7, 1])
-    calls: list[bool] = []  # per fast step: whether the compiled int8 step ran it (kernels._StepPlan.run)
-    fast, run = kernels.decoder_step, kernels._StepPlan.run
+    calls: list[bool] = []  # per fast step: whether a compiled step ran it (step._StepPlan.run, _FloatStepPlan.run)
+    fast, run = step_module.decoder_step, step_module._StepPlan.run
 
     def spy(decoder, x, cache, src_keep):
         calls.append(False)
@@ -425,12 +433,19 @@ def test_decoder_step_is_the_general_path_exactly(kind, monkeypatch):
         calls[-1] = True
         return run(*args)
 
-    monkeypatch.setattr(kernels, "decoder_step", spy)
-    monkeypatch.setattr(kernels._StepPlan, "run", ran)
+    monkeypatch.setattr(step_module, "decoder_step", spy)
+    monkeypatch.setattr(step_module._StepPlan, "run", ran)
+    float_run = step_module._FloatStepPlan.run
+
+    def float_ran(*args):
+        calls[-1] = True
+        return float_run(*args)
+
+    monkeypatch.setattr(step_module._FloatStepPlan, "run", float_ran)
     runs = []
     for step in (None, _general_step):
         if step is not None:
-            monkeypatch.setattr(kernels, "decoder_step", step)
+            monkeypatch.setattr(step_module, "decoder_step", step)
         torch.manual_seed(4)
         out = []
         with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=kind == "autocast"):

@@ -4,7 +4,7 @@ self-attention run one position at a time), and reordered for beam search (Secti
 Search (`aiayn.search`) decodes token by token; without a cache every step would recompute the keys
 and values of the whole prefix and of the source. `Transformer.new_cache` fills the cross-attention
 keys/values once from the encoder output; `MultiHeadAttention` appends the self-attention ones
-(`LayerCache.append`), or search's compiled int8 step does, into storage the cache hands out
+(`LayerCache.append`), or one of search's compiled steps does, into storage the cache hands out
 (`LayerCache.room`, `LayerCache.appended`).
 """
 
@@ -28,7 +28,7 @@ class LayerCache:
     selected by the next `append`, in the same single copy that adds the new positions. That copy
     goes into storage an earlier append used (buffers taking turns, kept in `flat` and `spare`), so
     a step allocates nothing large: fresh memory of that size would cost page faults at every step.
-    `append` does that copy; search's compiled int8 step does it in TorchScript, between `room` and
+    `append` does that copy; search's compiled steps (int8, float) do it in TorchScript, between `room` and
     `appended`.
     The layers of a `DecoderCache` share their spare buffers (`spare`, one list): each append takes
     them and leaves there the buffers of the keys it replaces, which the next layer's append writes
@@ -71,7 +71,7 @@ class LayerCache:
     def room(self, new: tuple[int, ...], like: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The keys and values so far (empty before the first step) and flat storage for them with
         the new positions, of shape `new` (R, H, T, d_head), for an append that `appended` then
-        records (`append`'s, or search's compiled int8 step's); `like` gives dtype and device.
+        records (`append`'s, or one of search's compiled steps'); `like` gives dtype and device.
         Shape: -> (R', H, t, d_head) twice, then two flat buffers."""
         R, H, T, d = new
         if self.self_k is None or self.self_v is None:
@@ -116,7 +116,7 @@ def ungroup(x: Tensor, rows: int, T: int) -> Tensor:
 
 def _select_cat(old: Tensor, rows: Tensor | None, new: Tensor, storage: Tensor) -> Tensor:
     """cat([old[rows], new], dim=2) in one copy, written into the flat `storage` (`LayerCache.room`).
-    Its compiled twin is `append_kv` in `kernels._STEP_SOURCE` (tests/test_model.py runs both).
+    Its compiled twins are `append_kv` and `float_append` in `aiayn.step` (tests/test_model.py runs the first).
 
     Shape: old (R, H, t, d), new (R', H, T, d) -> (R', H, t+T, d)."""
     (R, H, T, d), t = new.shape, old.size(2)
@@ -185,7 +185,7 @@ class DecoderCache:
     src_keep: Tensor  # (N, S) bool, True = real source token
     length: int = 0
     beam: int = 1  # decoder rows per sentence
-    step_plan: Any = None  # `kernels.decoder_step`'s compiled plan for this search (False: none)
+    step_plan: Any = None  # `step.decoder_step`'s compiled plan for this search (False: none)
 
     def reorder(self, indices: Tensor, beam: int | None = None, same_sentences: bool = False) -> None:
         """Keep rows `indices` (R',): new row i continues old row indices[i].

@@ -11,12 +11,14 @@ moves by at most 2^-17).
   matmul-softmax-matmul for short keys on the CPU (and whenever the weights are wanted, for plots),
   else `F.scaled_dot_product_attention` (off the CPU never on cuDNN's backend, which pays for each
   new shape).
-- `decoder_step`: the decoder for one new position on the key/value cache (search's steps), the
-  same operations as its forward with fewer calls; for int8 models compiled with TorchScript.
+- int8 decoding (`quantize_int8`): FBGEMM's and oneDNN's dynamically quantized GEMMs behind
+  `inference_linear`; `compiled` holds the TorchScript units that call them without Python's cost
+  per call (search's compiled steps are in `aiayn.step`).
 - `Packed`: the position-wise layers run on the real tokens of a padded batch only (training);
   `LossPacking` says where they are for the loss, found on the host where a batch is built.
 
-`Layers`, a typed `nn.ModuleList`, is here too only because `aiayn.model` may import nothing else.
+`Layers`, a typed `nn.ModuleList`, is here too only because `aiayn.model` may import nothing else
+(but `aiayn.step`, search's decoding step, which builds on this module).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Generic, NamedTuple, TypeVar, cast
+from typing import Any, Generic, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -179,29 +181,26 @@ def _int8_op(x: Tensor, packed: Any, relu: bool, reduce_range: bool) -> Tensor:
 
 
 _INT8_CALL: Callable[[Tensor, Any, bool, bool], Tensor] | None = None
-_COMPILED: Any = None  # the compiled _INT8_SOURCE + _STEP_SOURCE; False if they cannot be compiled
-_COMPILE_LOCK = threading.Lock()
+_COMPILED: dict[str, Any] = {}  # TorchScript source -> its compilation unit, or False if it does not compile
+COMPILE_LOCK = threading.Lock()
 
 
-def _compiled() -> Any:
-    """The compilation unit (made once: it needs torch's quantized classes; the int8 caller alone
-    if the step does not compile), or False."""
-    global _COMPILED
-    with _COMPILE_LOCK:
-        if _COMPILED is None:
-            for source in (_INT8_SOURCE + _STEP_SOURCE, _INT8_SOURCE):  # the step alone may fail
-                try:
-                    _COMPILED = torch.jit.CompilationUnit(source)
-                    break
-                except Exception:  # noqa: BLE001 - any failure to compile leaves the Python calls, which work
-                    _COMPILED = False
-        return _COMPILED
+def compiled(source: str) -> Any:
+    """`source` compiled by TorchScript (once per process, under a lock: the first calls may come
+    from several search threads at once), or False where it does not compile."""
+    with COMPILE_LOCK:
+        if source not in _COMPILED:
+            try:
+                _COMPILED[source] = torch.jit.CompilationUnit(source)
+            except Exception:  # noqa: BLE001 - any failure to compile leaves the Python calls, which work
+                _COMPILED[source] = False
+        return _COMPILED[source]
 
 
 def _int8_caller() -> Callable[[Tensor, Any, bool, bool], Tensor]:
     """The compiled `int8_op`, else `_int8_op`."""
     global _INT8_CALL
-    unit = _compiled()
+    unit = compiled(_INT8_SOURCE)
     _INT8_CALL = unit.int8_op if unit else _int8_op
     return _INT8_CALL
 
@@ -325,14 +324,19 @@ def _sdpa_without_cudnn(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dr
     for search's small steps. A program that wants cuDNN's attention back switches it on after
     aiayn's first call (aiayn's attention then takes it too). Compiled code takes `sdpa_kernel`,
     which torch.compile traces into the graph (it also switches flash, memory-efficient and math on)."""
-    global _cudnn_attention_off
     if torch.compiler.is_compiling():
         with sdpa_kernel(GPU_ATTENTION_BACKENDS):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
-    if not _cudnn_attention_off:
+    _cudnn_attention_off_once(q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+
+
+def _cudnn_attention_off_once(device: torch.device) -> None:
+    """cuDNN's attention switched off, the first time aiayn's attention runs off the CPU."""
+    global _cudnn_attention_off
+    if not _cudnn_attention_off and device.type != "cpu":
         torch.backends.cuda.enable_cudnn_sdp(False)
         _cudnn_attention_off = True
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
 
 
 def _explicit_is_faster(q: Tensor, k: Tensor) -> bool:
@@ -446,261 +450,6 @@ class MaskBias:
         if self._made is None or self._made[0] is not owner or self._made[1] != key:
             self._made = (owner, key, _mask_bias(mask, B, H, dtype))
         return self._made[2]
-
-
-# ------------------------------------------------------------------ search's decoding step
-def decoder_step(decoder: Any, x: Tensor, cache: Any, src_keep: Tensor) -> Tensor:
-    """`Decoder.forward` for one new position on the key/value cache (`DecoderCache`), as search's
-    steps run it: the same operations in the same order, without the general path's branches and
-    module calls, and with the source mask's additive form made once per step rather than per layer.
-    Once few sentences are left in a batch these cost as much as the arithmetic (int8, a step at
-    one sentence: 0.69 -> 0.63 ms, measured in one process; docs/speed.md), and in the common int8
-    case the whole stack runs compiled (`_StepPlan`, the same operations). Dropout follows each
-    module's `training` as forward does; forward hooks of the modules do not run here.
-
-    Shape: x (b, d), src_keep (N, S) bool -> (b, d); b = N * beam rows."""
-    if cache.step_plan is None:
-        cache.step_plan = _StepPlan.make(decoder, cache) or False
-    if cache.step_plan and cache.step_plan.applies(x, cache):
-        return cache.step_plan.run(decoder, x, cache, src_keep)
-    mask, bias = src_keep[:, None, None, :], MaskBias()  # (N, 1, 1, S)
-    for layer, lc in zip(decoder.layers, cache.layers, strict=True):
-        x = _residual_step(layer, layer.norm1, x, lambda h: _attention_step(layer.self_attn, h, lc))  # noqa: B023
-        x = _residual_step(layer, layer.norm2, x, lambda h: _attention_step(layer.cross_attn, h, lc, mask, bias))  # noqa: B023
-        x = _residual_step(layer, layer.norm3, x, lambda h: _feed_forward_step(layer.ff, h))  # noqa: B023
-    return x if decoder.norm is None else _layer_norm(decoder.norm, x)
-
-
-def _layer_norm(norm: nn.LayerNorm, x: Tensor) -> Tensor:
-    """What `norm(x)` computes, without the module call."""
-    return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
-
-
-def _residual_step(layer: Any, norm: nn.LayerNorm, x: Tensor, f: Callable[[Tensor], Tensor]) -> Tensor:
-    """The layer's `_residual` (post- or pre-norm) without module calls."""
-    if layer.norm_first:
-        return x + dropout(f(_layer_norm(norm, x)), layer.dropout, layer.training)
-    return _layer_norm(norm, x + dropout(f(x), layer.dropout, layer.training))
-
-
-def _feed_forward_step(ff: Any, x: Tensor) -> Tensor:
-    """`FeedForward.forward` without module calls. Shape: (b, d) -> (b, d)."""
-    if ff.act is F.relu and not ff.training:  # inference: ReLU fused into the first GEMM
-        h = inference_linear(x, ff.w1.weight, ff.w1.bias, relu=True)
-    else:
-        h = dropout(ff.act(inference_linear(x, ff.w1.weight, ff.w1.bias)), ff.dropout, ff.training)
-    return inference_linear(h, ff.w2.weight, ff.w2.bias)
-
-
-def _attention_step(mha: Any, x: Tensor, cache: Any, key_keep: Tensor | None = None,
-                    bias: MaskBias | None = None) -> Tensor:
-    """`MultiHeadAttention.forward` for one new position: self-attention appends to the layer's
-    cache, cross-attention reads it (`LayerCache.cross`), `key_keep` (N, 1, 1, S) masking the
-    source, its additive form kept in `bias`. Shape: x (b, d) -> (b, d)."""
-    b, D = x.shape
-    H, dh = mha.n_heads, mha.d_head
-    if mha.cross:
-        q = inference_linear(x, mha.q_proj.weight, mha.q_proj.bias).view(b, 1, H, dh).transpose(1, 2)  # (b, H, 1, dh)
-        q, k, v = cache.cross(q)  # q (N, H, G, dh): a sentence's G beam rows read its keys once
-    else:
-        qkv = inference_linear(x, mha.qkv_proj.weight, mha.qkv_proj.bias)  # (b, 3d)
-        q, k, v = qkv.view(b, 1, 3, H, dh).permute(2, 0, 3, 1, 4).unbind(0)  # (b, H, 1, dh) each
-        k, v = cache.append(k, v)  # (b, H, t, dh)
-    ctx, _ = attention(q, k, v, key_keep, False, mha.dropout if mha.training else 0.0, mha.training, bias=bias)
-    # (N, H, G, dh) -> (N, G, H, dh) -> (b, d): each row back in its place, heads side by side
-    return inference_linear(ctx.transpose(1, 2).reshape(b, D), mha.out_proj.weight, mha.out_proj.bias)
-
-
-# ------------------------------------------------------------ search's int8 step, compiled
-# Once few sentences are left in a batch, the Python between a step's ~100 operations costs more
-# than they do. In the common case (int8 weights, float32, inference, keys short enough for the
-# explicit attention) the whole decoder stack runs as one compiled TorchScript call
-# (`decoder_layers`), the self-attention appends included, into storage that the cache hands out
-# (`LayerCache.room`): the operations of `decoder_step` in the same order, so bitwise the same
-# results, dispatched from C++ (a greedy step at one sentence 0.47 -> 0.33 ms with each layer's
-# work after its append compiled, 0.64 -> 0.55 ms on another CPU with the whole stack; docs/speed.md).
-# Anything else, or a failure to compile, takes the Python step. Compiled with `_INT8_SOURCE`
-# (`_compiled`).
-_STEP_SOURCE = """
-def softmax_rows(x: Tensor, short: int, min_rows: int) -> Tensor:
-    S = x.size(-1)
-    if S > 0 and S < short and x.numel() >= min_rows * S:  # (TorchScript has no chained comparisons)
-        e = (x - x.amax(-1, True)).exp_()
-        return e.div_(e.sum(-1, True))
-    return torch.softmax(x, -1, torch.float32)
-
-def attend(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], scale: float, short: int, min_rows: int,
-           small: int) -> Tensor:
-    B, H, T, dh, S = q.size(0), q.size(1), q.size(2), q.size(3), k.size(2)
-    kt = k.reshape(B * H, S, dh).transpose(1, 2)
-    if bias is None:
-        scores = torch.bmm((q * scale).reshape(B * H, T, dh), kt)
-    else:
-        scores = torch.baddbmm(bias, q.reshape(B * H, T, dh), kt, beta=1, alpha=scale)
-    p = softmax_rows(scores, short, min_rows).view(B, H, T, S)
-    if T == 1 and S * dh < small:
-        return (v * p.transpose(-1, -2)).sum(-2, True)
-    return torch.matmul(p, v)
-
-def residual(x: Tensor, y: Tensor, w: Tensor, b: Tensor, eps: float, norm_first: bool) -> Tensor:
-    if norm_first:
-        return x + y
-    return torch.layer_norm(x + y, [x.size(1)], w, b, eps)
-
-def sublayer_input(x: Tensor, w: Tensor, b: Tensor, eps: float, norm_first: bool) -> Tensor:
-    if norm_first:
-        return torch.layer_norm(x, [x.size(1)], w, b, eps)
-    return x
-
-def after_append(x: Tensor, q: Tensor, k: Tensor, v: Tensor, ck: Tensor, cv: Tensor, bias: Tensor,
-                 wo: __torch__.torch.classes.quantized.LinearPackedParamsBase,
-                 wq: __torch__.torch.classes.quantized.LinearPackedParamsBase,
-                 wco: __torch__.torch.classes.quantized.LinearPackedParamsBase,
-                 w1: __torch__.torch.classes.quantized.LinearPackedParamsBase,
-                 w2: __torch__.torch.classes.quantized.LinearPackedParamsBase,
-                 norms: List[Tensor], eps: float, scale: float, norm_first: bool, act: int,
-                 rr: bool, short: int, min_rows: int, small: int) -> Tensor:
-    b, D, H, N = x.size(0), x.size(1), q.size(1), ck.size(0)
-    ctx = attend(q, k, v, None, scale, short, min_rows, small)
-    x = residual(x, int8_op(ctx.transpose(1, 2).reshape(b, D), wo, False, rr), norms[0], norms[1], eps, norm_first)
-    h = sublayer_input(x, norms[2], norms[3], eps, norm_first)
-    qc = int8_op(h, wq, False, rr).view(b, 1, H, D // H).transpose(1, 2)
-    if b > N:
-        qc = qc.reshape(N, b // N, H, 1, D // H).transpose(1, 2).reshape(N, H, b // N, D // H)
-    ctx = attend(qc, ck, cv, bias, scale, short, min_rows, small)
-    x = residual(x, int8_op(ctx.transpose(1, 2).reshape(b, D), wco, False, rr), norms[2], norms[3], eps, norm_first)
-    h = sublayer_input(x, norms[4], norms[5], eps, norm_first)
-    if act == 0:
-        f = int8_op(int8_op(h, w1, True, rr), w2, False, rr)
-    elif act == 1:
-        f = int8_op(torch.ops.aten.gelu(int8_op(h, w1, False, rr)), w2, False, rr)
-    else:
-        f = int8_op(torch.ops.aten.silu(int8_op(h, w1, False, rr)), w2, False, rr)
-    return residual(x, f, norms[4], norms[5], eps, norm_first)
-
-def append_kv(old: Tensor, rows: Optional[Tensor], new: Tensor, spare: Tensor) -> Tensor:
-    R, H, T, d, t = new.size(0), new.size(1), new.size(2), new.size(3), old.size(2)
-    out = spare.narrow(0, 0, R * H * (t + T) * d).view([R, H, t + T, d])
-    if rows is None:
-        torch.cat([old, new], 2, out=out)
-    else:
-        torch.index_select(old, 0, rows, out=out.narrow(2, 0, t))
-        out.narrow(2, t, T).copy_(new)
-    return out
-
-def decoder_layers(x: Tensor, qkv: List[__torch__.torch.classes.quantized.LinearPackedParamsBase],
-                   packs: List[List[__torch__.torch.classes.quantized.LinearPackedParamsBase]],
-                   norms: List[List[Tensor]], old_k: List[Tensor], old_v: List[Tensor], spare_k: List[Tensor],
-                   spare_v: List[Tensor], rows: Optional[Tensor], ck: List[Tensor], cv: List[Tensor], bias: Tensor,
-                   H: int, eps: float, scale: float, norm_first: bool, act: int, rr: bool, short: int,
-                   min_rows: int, small: int) -> Tuple[Tensor, List[Tensor], List[Tensor]]:
-    b, D = x.size(0), x.size(1)
-    ks: List[Tensor] = []
-    vs: List[Tensor] = []
-    for i in range(len(qkv)):
-        h = sublayer_input(x, norms[i][0], norms[i][1], eps, norm_first)
-        y = int8_op(h, qkv[i], False, rr).view([b, 1, 3, H, D // H]).permute([2, 0, 3, 1, 4])
-        k = append_kv(old_k[i], rows, y[1], spare_k[i])
-        v = append_kv(old_v[i], rows, y[2], spare_v[i])
-        p = packs[i]
-        x = after_append(x, y[0], k, v, ck[i], cv[i], bias, p[0], p[1], p[2], p[3], p[4], norms[i], eps, scale,
-                         norm_first, act, rr, short, min_rows, small)
-        ks.append(k)
-        vs.append(v)
-    return x, ks, vs
-"""
-_ACTIVATIONS = (F.relu, F.gelu, F.silu)  # FeedForward.act -> `act` above
-
-
-@dataclass
-class _StepPlan:
-    """The compiled step's arguments for one search: each layer's int8 weights and norms."""
-
-    qkv: list[Any]  # per layer: the self-attention's fused q/k/v projection (an FBGEMM pack)
-    packs: list[list[Any]]  # per layer: self-attention out, cross-attention q and out, feed-forward w1, w2
-    norms: list[list[Tensor]]  # per layer: norm1 weight, bias, norm2 weight, bias, norm3 weight, bias
-    heads: int
-    eps: float
-    norm_first: bool
-    act: int
-    unit: Any
-    copies_from: int  # steps with this many rows or more take the Python step (see `_layer_plan`)
-    bias: MaskBias = field(default_factory=MaskBias)  # the source mask's additive form, kept across steps
-
-    @classmethod
-    def make(cls, decoder: Any, cache: Any) -> "_StepPlan | None":
-        """The plan, or None where the compiled step does not apply for the whole search."""
-        layers = list(decoder.layers)
-        if not layers or decoder.training or cache.layers[0].cross_k.size(2) > EXPLICIT_ATTENTION_MAX_KEYS:
-            return None
-        alike = {(n.eps, layer.norm_first, layer.ff.act, layer.self_attn.n_heads, layer.cross_attn.n_heads)
-                 for layer in layers for n in (layer.norm1, layer.norm2, layer.norm3)}
-        if len(alike) != 1 or layers[0].ff.act not in _ACTIVATIONS or any(
-                m.training for layer in layers for m in (layer, layer.self_attn, layer.cross_attn, layer.ff)):
-            return None
-        plan = [_layer_plan(layer) for layer in layers]
-        unit = _compiled()
-        if not unit or not hasattr(unit, "decoder_layers") or any(p is None for p in plan):
-            return None
-        first = layers[0]
-        layer_plans = [p for p in plan if p is not None]
-        return cls([p.packs[0] for p in layer_plans], [p.packs[1:] for p in layer_plans],
-                   [p.norms for p in layer_plans], first.self_attn.n_heads, first.norm1.eps,
-                   bool(first.norm_first), _ACTIVATIONS.index(first.ff.act), unit,
-                   min(p.copies_from for p in layer_plans))
-
-    def applies(self, x: Tensor, cache: Any) -> bool:
-        """Per step: float32 on the CPU, no autocast, no autograd, keys the explicit attention takes,
-        fewer rows than a oneDNN copy runs from."""
-        return (x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_autocast_enabled("cpu")
-                and x.size(0) < self.copies_from
-                and not (torch.is_grad_enabled() and x.requires_grad)
-                and cache.length < EXPLICIT_ATTENTION_MAX_KEYS)
-
-    def run(self, decoder: Any, x: Tensor, cache: Any, src_keep: Tensor) -> Tensor:
-        """`decoder_step`'s work. Shape: x (b, d) -> (b, d)."""
-        (b, D), H = x.shape, self.heads
-        bias = self.bias.get(src_keep[:, None, None, :], src_keep.size(0), H, torch.float32, source=src_keep)  # (N*H | 1, 1, S)
-        rooms = [lc.room((b, H, 1, D // H), x) for lc in cache.layers]  # keys, values so far, storage for one more
-        old_k, old_v, spare_k, spare_v = (list(t) for t in zip(*rooms, strict=True))
-        x, ks, vs = self.unit.decoder_layers(
-            x, self.qkv, self.packs, self.norms, old_k, old_v, spare_k, spare_v,
-            cache.layers[0].pending,  # (every layer's rows are reordered alike)
-            [lc.cross_k for lc in cache.layers], [lc.cross_v for lc in cache.layers], bias, H, self.eps,
-            1.0 / math.sqrt(D // H), self.norm_first, self.act, _INT8_REDUCE_RANGE, SHORT_ROW, SHORT_ROWS_MIN, SMALL_BMM)
-        for lc, k, v in zip(cache.layers, ks, vs, strict=True):
-            lc.appended(k, v)
-        return x if decoder.norm is None else _layer_norm(decoder.norm, x)
-
-
-class _LayerPlan(NamedTuple):
-    """One decoder layer's part of the compiled step's arguments."""
-
-    packs: list[Any]  # FBGEMM packs: q/k/v, self-attention out, cross-attention q and out, feed-forward w1, w2
-    norms: list[Tensor]  # norm1 weight, bias, norm2 weight, bias, norm3 weight, bias
-    copies_from: int  # the fewest rows from which one of these weights runs on its oneDNN copy
-
-
-NO_COPY = 2**62  # `copies_from` where no weight keeps a oneDNN copy
-
-
-def _layer_plan(layer: Any) -> _LayerPlan | None:
-    """One layer's int8 packs and norm tensors, or None if one of its linear layers is not int8.
-    The compiled step runs FBGEMM only: a step with as many rows as a oneDNN copy runs from takes
-    the Python step."""
-    sa, ca, ff = layer.self_attn, layer.cross_attn, layer.ff
-    packs, copies_from = [], NO_COPY
-    for w in (sa.qkv_proj.weight, sa.out_proj.weight, ca.q_proj.weight, ca.out_proj.weight, ff.w1.weight, ff.w2.weight):
-        q = _INT8.get(id(w))
-        if q is None or q[0]() is not w:
-            return None
-        packs.append(q[1])
-        if q[2] is not None:
-            copies_from = min(copies_from, q[2][1])
-    norms = [t for n in (layer.norm1, layer.norm2, layer.norm3) for t in (n.weight, n.bias)]
-    if any(t is None or t.dtype != torch.float32 for t in norms):
-        return None
-    return _LayerPlan(packs, norms, copies_from)
 
 
 # ---------------------------------------------------------------------------------- dropout

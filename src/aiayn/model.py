@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from aiayn import kernels
+from aiayn import kernels, step
 from aiayn.cache import DecoderCache, LayerCache, ungroup
 from aiayn.config import ModelConfig
 from aiayn.kernels import Layers, Linear, LossPacking, Packed
@@ -386,7 +386,7 @@ class Transformer(nn.Module):
         x = self.embed(tgt, self.tgt_embed, offset)
         if cache is not None and T == 1 and self_keep is None and weights is None and src_keep is not None \
                 and src_keep.dim() == 2:  # search's steps: the same operations, fewer calls
-            h = kernels.decoder_step(self.decoder, x[:, 0], cache, src_keep)[:, None]
+            h = step.decoder_step(self.decoder, x[:, 0], cache, src_keep)[:, None]
         else:
             h = self.decoder(x, memory, src_keep, self_keep, is_causal, cache, weights)
         if cache is not None:
