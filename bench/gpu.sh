@@ -10,8 +10,8 @@
 # Run from the checkout's root with aiayn's sources in src/ (no install needed) and Multi30k in
 # $AIAYN_DATA/multi30k (default: .data/multi30k in the checkout); docs/gpu.md says how.
 # Every step runs under `timeout` (GPU_SH_T_<STEP> seconds overrides its limit); a failed step makes
-# the exit status 1, and the other steps still run. The limits add up to 12.8 minutes (6 for part 1,
-# 6.8 for part 2), 13.6 with a machine's start (47 s on the first run); a step that overruns its
+# the exit status 1, and the other steps still run. The limits add up to 13.3 minutes (6 for part 1,
+# 7.3 for part 2), 14.1 with a machine's start (47 s on the first run); a step that overruns its
 # limit gets 15 s more before it is killed, so even three overruns stay inside a session's 15
 # minutes. OUTDIR gets flat files only
 # (a device call brings back at most 8; part 1 writes 8): summary.md (card, versions, one line per
@@ -197,7 +197,7 @@ if [ "$part" != 1 ]; then
   fi
   note() { [ "$1" = 1 ] && echo "$2" || echo "$2; PLACEHOLDER, not wired yet"; }
   step multi30k 320 "$(note $MULTI30K_WIRED 'multi30k.json: test_2016_flickr BLEU, beam 4')" multi30k "$run"
-  step decode 90 "$(note $DECODE_WIRED 'decode.json: sentences/s vs generate; decode_profile.md')" decode "$run/averaged"
+  step decode 120 "$(note $DECODE_WIRED 'decode.json: sentences/s vs generate; decode_profile.md')" decode "$run/averaged"
 fi
 
 echo

@@ -277,6 +277,26 @@ class _SdpaOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class _StepSdpa(TorchDispatchMode):
+    """The attention calls of search's compiled float step (`step._FloatStepPlan`, TorchScript: no
+    Python attention there to spy on) as (kind, SDPA backend) pairs: with a mask, a call reads the
+    cached cross-attention keys; without, the self-attention's cache."""
+
+    def __init__(self, calls: list[tuple[str, str]]) -> None:
+        super().__init__()
+        self.calls = calls
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.ops.aten.scaled_dot_product_attention.default:
+            return func(*args, **kwargs)
+        mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+        with _SdpaOps() as ops:
+            out = func(*args, **kwargs)
+        self.calls.append(("cross, cached keys" if mask is not None else "decoder self, cached", backend(ops.names)))
+        return out
+
+
 def backend(names: list[str]) -> str:
     for key, label in (("flash", "flash"), ("efficient", "memory-efficient"), ("cudnn", "cuDNN"), ("math", "math")):
         if any(key in n for n in names):
@@ -323,6 +343,13 @@ def attention_calls(monkeypatch) -> Iterator[tuple[list[tuple[str, str]], Transf
         return attention_step(mha, x, cache, *args)
 
     monkeypatch.setattr(step, "_attention_step", noted_step)
+    float_run = step._FloatStepPlan.run  # on a GPU the cached steps run compiled instead
+
+    def noted_float_run(plan, *args):
+        with _StepSdpa(calls):
+            return float_run(plan, *args)
+
+    monkeypatch.setattr(step._FloatStepPlan, "run", noted_float_run)
     attention = kernels.attention
 
     def spied(q, k, v, mask, is_causal, p, training, need_weights=False, bias=None):

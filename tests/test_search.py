@@ -471,6 +471,32 @@ def test_decoder_step_is_the_general_path_exactly(kind, monkeypatch):
         assert got == want if isinstance(got, list) else torch.equal(got, want)
 
 
+def test_the_compiled_float_step_leaves_steps_with_gradients_to_python(monkeypatch):
+    """With gradients on (a cached decode outside search; the decoder trainable, the embeddings not,
+    so that the step's input needs no gradient), the float step's append into storage would fail
+    (`cat(out=)` records no gradient): Python's step runs it."""
+    from aiayn import step
+
+    monkeypatch.setattr(step, "FLOAT_STEP_DEVICES", ("cpu",))
+    ran: list[int] = []
+    run = step._FloatStepPlan.run
+    monkeypatch.setattr(step._FloatStepPlan, "run", lambda *a: (ran.append(1), run(*a))[1])
+    model = _step_model("float step")
+    model.tgt_embed.weight.requires_grad_(False)
+    src = random_batch([5, 3])
+    keep = src.ne(0)
+    cache = model.new_cache(model.encode(src, keep), keep)
+    tok = torch.full((2, 1), BOS)
+    for _ in range(3):
+        out = model.decode(tok, None, cache=cache)
+        tok = out[:, -1].argmax(-1, keepdim=True)
+    out.sum().backward()  # the steps were recorded for autograd
+    assert not ran and model.decoder.layers[0].ff.w1.weight.grad is not None
+    with torch.inference_mode():  # and search, under inference mode, takes the compiled step
+        greedy_search(model, src, BOS, EOS, max_len_b=3)
+    assert ran
+
+
 def test_a_three_dimensional_source_mask_takes_the_general_path():
     """decode accepts src_keep as (B, T, S) with a cache; the step path takes (N, S) only."""
     model = _step_model("post-norm")

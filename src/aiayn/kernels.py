@@ -162,8 +162,9 @@ def _int8_linear(x: Tensor, fbgemm: object, copy: OneDnnCopy | None, relu: bool)
 # lookup fails by way of a C++ exception. Called from a compiled TorchScript function, the op gets its
 # arguments without that lookup (one int8 linear on one row: 10.8 -> 4.1 us; a decoding step makes
 # 20). TorchScript is deprecated: where compiling fails, the ops are called from Python (slower, the
-# same results). Compiled from source (`CompilationUnit`, with search's step below), which warns of
-# nothing, once, under a lock: the first calls may come from several search threads at once.
+# same results). Compiled from source (`compiled`: `CompilationUnit`, which warns of nothing), once,
+# under a lock: the first calls may come from several search threads at once; search's compiled
+# int8 step (`aiayn.step`) compiles it again into its own unit, which calls it.
 _INT8_SOURCE = """
 def int8_op(x: Tensor, packed: __torch__.torch.classes.quantized.LinearPackedParamsBase, relu: bool,
             reduce_range: bool) -> Tensor:

@@ -2,8 +2,9 @@
 masked self-attention, the cross-attention and the feed-forward layer of each decoder layer), as
 `Transformer.decode` runs it with a cache, the same operations as the decoder's forward with fewer
 calls, and two compiled twins of it that TorchScript dispatches from C++: int8 on the CPU, float
-on a GPU. Nothing here changes what the model computes; tests/test_search.py pins every path to
-the decoder's forward, bitwise.
+on a GPU. Nothing here changes what the model computes: tests/test_search.py pins every path to
+the decoder's forward, bitwise (the float one on the CPU, with a GPU's linear layers and
+attention), and tests/test_cuda.py the float one on a GPU to the Python step.
 """
 
 from __future__ import annotations
@@ -276,17 +277,15 @@ def _layer_plan(layer: Any) -> _LayerPlan | None:
 
 
 # ------------------------------------------------------------ search's float step on a GPU, compiled
-# On a GPU a decoding step waits on the host (the card is busy 10-23% of it; docs/gpu.md), and
-# Python's share of the host's work per operation is larger than the launch it makes. There the
+# On a GPU a decoding step waits on the host (the card is busy about a tenth of it; docs/gpu.md),
+# and Python's share of the host's work per operation is larger than the launch it makes. There the
 # decoder stack in float (fp32, bf16 or fp16 weights, no autocast) runs as one TorchScript call as
 # well: `decoder_step`'s operations in the same order, attention on `F.scaled_dot_product_attention`
 # as there, so bitwise the same results, without Python between them. TorchScript's optimizing
 # executor is switched off for the call (`torch.jit.optimized_execution(False)`): on a GPU it would
 # fuse element-wise runs into kernels of its own, made for each new shape, and round differently.
 # On the CPU the Python step stays (its linear layers take oneDNN-packed weights there). Not yet
-# timed on a GPU; on the CPU, let onto it with a GPU's linear layers and attention (3 layers of
-# d_model 32, one thread), a greedy step took 0.39 ms against Python's 0.52 at one sentence, 0.63
-# against 0.77 at 16, 1.27 against 1.36 at 64 (beam 4: 0.60/0.77, 1.35/1.50, 3.88/4.12).
+# timed on a GPU (figures from a CPU stand-in: docs/speed.md).
 FLOAT_STEP_DEVICES = ("cuda",)
 _FLOAT_STEP_SOURCE = """
 def linear(x: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
@@ -393,9 +392,10 @@ class _FloatStepPlan:
                    _ACTIVATIONS.index(first.ff.act), unit)
 
     def applies(self, x: Tensor, cache: Any) -> bool:
-        """Per step: the weights' dtype, no autocast, no autograd."""
+        """Per step: the weights' dtype, no autocast, no autograd (search runs under inference mode;
+        with gradients on, trainable keys could not be appended into storage: `LayerCache.append`)."""
         return (x.dtype == self.qkv_w[0].dtype and not torch.is_autocast_enabled(x.device.type)
-                and not (torch.is_grad_enabled() and x.requires_grad))
+                and not torch.is_grad_enabled())
 
     def run(self, decoder: Any, x: Tensor, cache: Any, src_keep: Tensor) -> Tensor:
         """`decoder_step`'s work. Shape: x (b, d) -> (b, d)."""
