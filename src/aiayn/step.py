@@ -212,8 +212,10 @@ class _StepPlan:
                 m.training for layer in layers for m in (layer, layer.self_attn, layer.cross_attn, layer.ff)):
             return None
         plan = [_layer_plan(layer) for layer in layers]
+        if any(p is None for p in plan):  # not int8: nothing to compile (a float model on a GPU)
+            return None
         unit = compiled_step()
-        if not unit or not hasattr(unit, "decoder_layers") or any(p is None for p in plan):
+        if not unit or not hasattr(unit, "decoder_layers"):
             return None
         first = layers[0]
         layer_plans = [p for p in plan if p is not None]
