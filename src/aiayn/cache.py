@@ -116,7 +116,7 @@ def ungroup(x: Tensor, rows: int, T: int) -> Tensor:
 
 def _select_cat(old: Tensor, rows: Tensor | None, new: Tensor, storage: Tensor) -> Tensor:
     """cat([old[rows], new], dim=2) in one copy, written into the flat `storage` (`LayerCache.room`).
-    Its compiled twins are `append_kv` and `float_append` in `aiayn.step` (tests/test_model.py runs the first).
+    Its compiled twin is `append_kv` in `aiayn.step`, which both compiled steps call (tests/test_model.py runs it).
 
     Shape: old (R, H, t, d), new (R', H, T, d) -> (R', H, t+T, d)."""
     (R, H, T, d), t = new.shape, old.size(2)

@@ -94,7 +94,28 @@ def _attention_step(mha: Any, x: Tensor, cache: Any, key_keep: Tensor | None = N
 # work after its append compiled, 0.64 -> 0.55 ms on another CPU with the whole stack; docs/speed.md).
 # Anything else, or a failure to compile, takes the Python step. Compiled with `kernels._INT8_SOURCE`
 # (`compiled_step`).
-_STEP_SOURCE = """
+_SHARED_STEP_SOURCE = """
+def residual(x: Tensor, y: Tensor, w: Tensor, b: Tensor, eps: float, norm_first: bool) -> Tensor:
+    if norm_first:
+        return x + y
+    return torch.layer_norm(x + y, [x.size(1)], w, b, eps)
+
+def sublayer_input(x: Tensor, w: Tensor, b: Tensor, eps: float, norm_first: bool) -> Tensor:
+    if norm_first:
+        return torch.layer_norm(x, [x.size(1)], w, b, eps)
+    return x
+
+def append_kv(old: Tensor, rows: Optional[Tensor], new: Tensor, spare: Tensor) -> Tensor:
+    R, H, T, d, t = new.size(0), new.size(1), new.size(2), new.size(3), old.size(2)
+    out = spare.narrow(0, 0, R * H * (t + T) * d).view([R, H, t + T, d])
+    if rows is None:
+        torch.cat([old, new], 2, out=out)
+    else:
+        torch.index_select(old, 0, rows, out=out.narrow(2, 0, t))
+        out.narrow(2, t, T).copy_(new)
+    return out
+"""  # both compiled steps' residuals and appends
+_STEP_SOURCE = _SHARED_STEP_SOURCE + """
 def softmax_rows(x: Tensor, short: int, min_rows: int) -> Tensor:
     S = x.size(-1)
     if S > 0 and S < short and x.numel() >= min_rows * S:  # (TorchScript has no chained comparisons)
@@ -114,16 +135,6 @@ def attend(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], scale: float
     if T == 1 and S * dh < small:
         return (v * p.transpose(-1, -2)).sum(-2, True)
     return torch.matmul(p, v)
-
-def residual(x: Tensor, y: Tensor, w: Tensor, b: Tensor, eps: float, norm_first: bool) -> Tensor:
-    if norm_first:
-        return x + y
-    return torch.layer_norm(x + y, [x.size(1)], w, b, eps)
-
-def sublayer_input(x: Tensor, w: Tensor, b: Tensor, eps: float, norm_first: bool) -> Tensor:
-    if norm_first:
-        return torch.layer_norm(x, [x.size(1)], w, b, eps)
-    return x
 
 def after_append(x: Tensor, q: Tensor, k: Tensor, v: Tensor, ck: Tensor, cv: Tensor, bias: Tensor,
                  wo: __torch__.torch.classes.quantized.LinearPackedParamsBase,
@@ -151,16 +162,6 @@ def after_append(x: Tensor, q: Tensor, k: Tensor, v: Tensor, ck: Tensor, cv: Ten
         f = int8_op(torch.ops.aten.silu(int8_op(h, w1, False, rr)), w2, False, rr)
     return residual(x, f, norms[4], norms[5], eps, norm_first)
 
-def append_kv(old: Tensor, rows: Optional[Tensor], new: Tensor, spare: Tensor) -> Tensor:
-    R, H, T, d, t = new.size(0), new.size(1), new.size(2), new.size(3), old.size(2)
-    out = spare.narrow(0, 0, R * H * (t + T) * d).view([R, H, t + T, d])
-    if rows is None:
-        torch.cat([old, new], 2, out=out)
-    else:
-        torch.index_select(old, 0, rows, out=out.narrow(2, 0, t))
-        out.narrow(2, t, T).copy_(new)
-    return out
-
 def decoder_layers(x: Tensor, qkv: List[__torch__.torch.classes.quantized.LinearPackedParamsBase],
                    packs: List[List[__torch__.torch.classes.quantized.LinearPackedParamsBase]],
                    norms: List[List[Tensor]], old_k: List[Tensor], old_v: List[Tensor], spare_k: List[Tensor],
@@ -185,6 +186,30 @@ def decoder_layers(x: Tensor, qkv: List[__torch__.torch.classes.quantized.Linear
 _ACTIVATIONS = (F.relu, F.gelu, F.silu)  # FeedForward.act -> `act` above
 
 
+class _Stack(NamedTuple):
+    """What a compiled step takes as one setting for every decoder layer, which must agree on it."""
+
+    heads: int
+    eps: float
+    norm_first: bool
+    act: int  # index into _ACTIVATIONS
+
+    @classmethod
+    def of(cls, decoder: Any) -> "_Stack | None":
+        """The settings, or None where a compiled step cannot take the stack: no layers, a module in
+        training (dropout), layers unlike each other, another activation."""
+        layers = list(decoder.layers)
+        if not layers or decoder.training:
+            return None
+        alike = {(n.eps, layer.norm_first, layer.ff.act, layer.self_attn.n_heads, layer.cross_attn.n_heads)
+                 for layer in layers for n in (layer.norm1, layer.norm2, layer.norm3)}
+        if len(alike) != 1 or layers[0].ff.act not in _ACTIVATIONS or any(
+                m.training for layer in layers for m in (layer, layer.self_attn, layer.cross_attn, layer.ff)):
+            return None
+        first = layers[0]
+        return cls(first.self_attn.n_heads, first.norm1.eps, bool(first.norm_first), _ACTIVATIONS.index(first.ff.act))
+
+
 @dataclass
 class _StepPlan:
     """The compiled step's arguments for one search: each layer's int8 weights and norms."""
@@ -192,10 +217,7 @@ class _StepPlan:
     qkv: list[Any]  # per layer: the self-attention's fused q/k/v projection (an FBGEMM pack)
     packs: list[list[Any]]  # per layer: self-attention out, cross-attention q and out, feed-forward w1, w2
     norms: list[list[Tensor]]  # per layer: norm1 weight, bias, norm2 weight, bias, norm3 weight, bias
-    heads: int
-    eps: float
-    norm_first: bool
-    act: int
+    stack: _Stack
     unit: Any
     copies_from: int  # steps with this many rows or more take the Python step (see `_layer_plan`)
     bias: kernels.MaskBias = field(default_factory=kernels.MaskBias)  # the source mask's additive form, kept across steps
@@ -203,26 +225,18 @@ class _StepPlan:
     @classmethod
     def make(cls, decoder: Any, cache: Any) -> "_StepPlan | None":
         """The plan, or None where the compiled step does not apply for the whole search."""
-        layers = list(decoder.layers)
-        if not layers or decoder.training or cache.layers[0].cross_k.size(2) > kernels.EXPLICIT_ATTENTION_MAX_KEYS:
+        stack = _Stack.of(decoder)
+        if stack is None or cache.layers[0].cross_k.size(2) > kernels.EXPLICIT_ATTENTION_MAX_KEYS:
             return None
-        alike = {(n.eps, layer.norm_first, layer.ff.act, layer.self_attn.n_heads, layer.cross_attn.n_heads)
-                 for layer in layers for n in (layer.norm1, layer.norm2, layer.norm3)}
-        if len(alike) != 1 or layers[0].ff.act not in _ACTIVATIONS or any(
-                m.training for layer in layers for m in (layer, layer.self_attn, layer.cross_attn, layer.ff)):
-            return None
-        plan = [_layer_plan(layer) for layer in layers]
+        plan = [_layer_plan(layer) for layer in decoder.layers]
         if any(p is None for p in plan):  # not int8: nothing to compile (a float model on a GPU)
             return None
         unit = compiled_step()
         if not unit or not hasattr(unit, "decoder_layers"):
             return None
-        first = layers[0]
         layer_plans = [p for p in plan if p is not None]
         return cls([p.packs[0] for p in layer_plans], [p.packs[1:] for p in layer_plans],
-                   [p.norms for p in layer_plans], first.self_attn.n_heads, first.norm1.eps,
-                   bool(first.norm_first), _ACTIVATIONS.index(first.ff.act), unit,
-                   min(p.copies_from for p in layer_plans))
+                   [p.norms for p in layer_plans], stack, unit, min(p.copies_from for p in layer_plans))
 
     def applies(self, x: Tensor, cache: Any) -> bool:
         """Per step: float32 on the CPU, no autocast, no autograd, keys the explicit attention takes,
@@ -234,15 +248,16 @@ class _StepPlan:
 
     def run(self, decoder: Any, x: Tensor, cache: Any, src_keep: Tensor) -> Tensor:
         """`decoder_step`'s work. Shape: x (b, d) -> (b, d)."""
-        (b, D), H = x.shape, self.heads
+        (b, D), (H, eps, norm_first, act) = x.shape, self.stack
         bias = self.bias.get(src_keep[:, None, None, :], src_keep.size(0), H, torch.float32, source=src_keep)  # (N*H | 1, 1, S)
         rooms = [lc.room((b, H, 1, D // H), x) for lc in cache.layers]  # keys, values so far, storage for one more
         old_k, old_v, spare_k, spare_v = (list(t) for t in zip(*rooms, strict=True))
         x, ks, vs = self.unit.decoder_layers(
             x, self.qkv, self.packs, self.norms, old_k, old_v, spare_k, spare_v,
             cache.layers[0].pending,  # (every layer's rows are reordered alike)
-            [lc.cross_k for lc in cache.layers], [lc.cross_v for lc in cache.layers], bias, H, self.eps,
-            1.0 / math.sqrt(D // H), self.norm_first, self.act, kernels._INT8_REDUCE_RANGE, kernels.SHORT_ROW, kernels.SHORT_ROWS_MIN, kernels.SMALL_BMM)
+            [lc.cross_k for lc in cache.layers], [lc.cross_v for lc in cache.layers], bias, H, eps,
+            1.0 / math.sqrt(D // H), norm_first, act, kernels._INT8_REDUCE_RANGE, kernels.SHORT_ROW,
+            kernels.SHORT_ROWS_MIN, kernels.SMALL_BMM)
         for lc, k, v in zip(cache.layers, ks, vs, strict=True):
             lc.appended(k, v)
         return x if decoder.norm is None else _layer_norm(decoder.norm, x)
@@ -289,50 +304,30 @@ def _layer_plan(layer: Any) -> _LayerPlan | None:
 # On the CPU the Python step stays (its linear layers take oneDNN-packed weights there). Not yet
 # timed on a GPU (figures from a CPU stand-in: docs/speed.md).
 FLOAT_STEP_DEVICES = ("cuda",)
-_FLOAT_STEP_SOURCE = """
+_FLOAT_STEP_SOURCE = _SHARED_STEP_SOURCE + """
 def linear(x: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
     return torch.nn.functional.linear(x, w, b)
-
-def float_residual(x: Tensor, y: Tensor, w: Tensor, b: Tensor, eps: float, norm_first: bool) -> Tensor:
-    if norm_first:
-        return x + y
-    return torch.layer_norm(x + y, [x.size(1)], w, b, eps)
-
-def float_input(x: Tensor, w: Tensor, b: Tensor, eps: float, norm_first: bool) -> Tensor:
-    if norm_first:
-        return torch.layer_norm(x, [x.size(1)], w, b, eps)
-    return x
 
 def float_after_append(x: Tensor, q: Tensor, k: Tensor, v: Tensor, ck: Tensor, cv: Tensor, mask: Tensor,
                        ws: List[Tensor], bs: List[Optional[Tensor]], norms: List[Tensor], eps: float,
                        norm_first: bool, act: int) -> Tensor:
     b, D, H, N = x.size(0), x.size(1), q.size(1), ck.size(0)
     ctx = torch.ops.aten.scaled_dot_product_attention(q, k, v, None, 0.0, False)
-    x = float_residual(x, linear(ctx.transpose(1, 2).reshape(b, D), ws[0], bs[0]), norms[0], norms[1], eps, norm_first)
-    h = float_input(x, norms[2], norms[3], eps, norm_first)
+    x = residual(x, linear(ctx.transpose(1, 2).reshape(b, D), ws[0], bs[0]), norms[0], norms[1], eps, norm_first)
+    h = sublayer_input(x, norms[2], norms[3], eps, norm_first)
     qc = linear(h, ws[1], bs[1]).view(b, 1, H, D // H).transpose(1, 2)
     if b > N:
         qc = qc.reshape(N, b // N, H, 1, D // H).transpose(1, 2).reshape(N, H, b // N, D // H)
     ctx = torch.ops.aten.scaled_dot_product_attention(qc, ck, cv, mask, 0.0, False)
-    x = float_residual(x, linear(ctx.transpose(1, 2).reshape(b, D), ws[2], bs[2]), norms[2], norms[3], eps, norm_first)
-    h = float_input(x, norms[4], norms[5], eps, norm_first)
+    x = residual(x, linear(ctx.transpose(1, 2).reshape(b, D), ws[2], bs[2]), norms[2], norms[3], eps, norm_first)
+    h = sublayer_input(x, norms[4], norms[5], eps, norm_first)
     if act == 0:
         f = linear(torch.relu(linear(h, ws[3], bs[3])), ws[4], bs[4])
     elif act == 1:
         f = linear(torch.ops.aten.gelu(linear(h, ws[3], bs[3])), ws[4], bs[4])
     else:
         f = linear(torch.ops.aten.silu(linear(h, ws[3], bs[3])), ws[4], bs[4])
-    return float_residual(x, f, norms[4], norms[5], eps, norm_first)
-
-def float_append(old: Tensor, rows: Optional[Tensor], new: Tensor, spare: Tensor) -> Tensor:
-    R, H, T, d, t = new.size(0), new.size(1), new.size(2), new.size(3), old.size(2)
-    out = spare.narrow(0, 0, R * H * (t + T) * d).view([R, H, t + T, d])
-    if rows is None:
-        torch.cat([old, new], 2, out=out)
-    else:
-        torch.index_select(old, 0, rows, out=out.narrow(2, 0, t))
-        out.narrow(2, t, T).copy_(new)
-    return out
+    return residual(x, f, norms[4], norms[5], eps, norm_first)
 
 def float_decoder_layers(x: Tensor, qkv_w: List[Tensor], qkv_b: List[Optional[Tensor]], ws: List[List[Tensor]],
                          bs: List[List[Optional[Tensor]]], norms: List[List[Tensor]], old_k: List[Tensor],
@@ -343,10 +338,10 @@ def float_decoder_layers(x: Tensor, qkv_w: List[Tensor], qkv_b: List[Optional[Te
     ks: List[Tensor] = []
     vs: List[Tensor] = []
     for i in range(len(qkv_w)):
-        h = float_input(x, norms[i][0], norms[i][1], eps, norm_first)
+        h = sublayer_input(x, norms[i][0], norms[i][1], eps, norm_first)
         y = linear(h, qkv_w[i], qkv_b[i]).view([b, 1, 3, H, D // H]).permute([2, 0, 3, 1, 4])
-        k = float_append(old_k[i], rows, y[1], spare_k[i])
-        v = float_append(old_v[i], rows, y[2], spare_v[i])
+        k = append_kv(old_k[i], rows, y[1], spare_k[i])
+        v = append_kv(old_v[i], rows, y[2], spare_v[i])
         x = float_after_append(x, y[0], k, v, ck[i], cv[i], mask, ws[i], bs[i], norms[i], eps, norm_first, act)
         ks.append(k)
         vs.append(v)
@@ -361,37 +356,28 @@ class _FloatStepPlan:
     ws: list[list[Tensor]]  # per layer: self-attention out, cross-attention q and out, feed-forward w1, w2
     bs: list[list[Tensor | None]]
     norms: list[list[Tensor]]  # per layer: norm1 weight, bias, norm2 weight, bias, norm3 weight, bias
-    heads: int
-    eps: float
-    norm_first: bool
-    act: int
+    stack: _Stack
     unit: Any
 
     @classmethod
     def make(cls, decoder: Any, cache: Any) -> "_FloatStepPlan | None":
         """The plan, or None where the compiled float step does not apply for the whole search:
         another device than `FLOAT_STEP_DEVICES`, training, layers unlike each other, int8 weights."""
-        layers = list(decoder.layers)
-        if not layers or decoder.training or cache.layers[0].cross_k.device.type not in FLOAT_STEP_DEVICES:
+        stack = _Stack.of(decoder)
+        if stack is None or cache.layers[0].cross_k.device.type not in FLOAT_STEP_DEVICES:
             return None
-        alike = {(n.eps, layer.norm_first, layer.ff.act, layer.self_attn.n_heads, layer.cross_attn.n_heads)
-                 for layer in layers for n in (layer.norm1, layer.norm2, layer.norm3)}
-        mods = [m for layer in layers for m in (layer, layer.self_attn, layer.cross_attn, layer.ff)]
+        layers = list(decoder.layers)
         lins = [[sa.qkv_proj, sa.out_proj, ca.q_proj, ca.out_proj, ff.w1, ff.w2]
                 for sa, ca, ff in ((lay.self_attn, lay.cross_attn, lay.ff) for lay in layers)]
         norms = [[t for n in (lay.norm1, lay.norm2, lay.norm3) for t in (n.weight, n.bias)] for lay in layers]
-        if (len(alike) != 1 or layers[0].ff.act not in _ACTIVATIONS or any(m.training for m in mods)
-                or any(kernels.is_int8(lin.weight) for row in lins for lin in row)
-                or any(t is None for row in norms for t in row)):
+        if any(kernels.is_int8(lin.weight) for row in lins for lin in row) or any(t is None for row in norms for t in row):
             return None
         unit = kernels.compiled(_FLOAT_STEP_SOURCE)
         if not unit:
             return None
-        first = layers[0]
         return cls([row[0].weight for row in lins], [row[0].bias for row in lins],
                    [[lin.weight for lin in row[1:]] for row in lins], [[lin.bias for lin in row[1:]] for row in lins],
-                   norms, first.self_attn.n_heads, first.norm1.eps, bool(first.norm_first),
-                   _ACTIVATIONS.index(first.ff.act), unit)
+                   norms, stack, unit)
 
     def applies(self, x: Tensor, cache: Any) -> bool:
         """Per step: the weights' dtype, no autocast, no autograd (search runs under inference mode;
@@ -401,7 +387,7 @@ class _FloatStepPlan:
 
     def run(self, decoder: Any, x: Tensor, cache: Any, src_keep: Tensor) -> Tensor:
         """`decoder_step`'s work. Shape: x (b, d) -> (b, d)."""
-        (b, D), H = x.shape, self.heads
+        (b, D), (H, eps, norm_first, act) = x.shape, self.stack
         kernels._cudnn_attention_off_once(x.device)
         rooms = [lc.room((b, H, 1, D // H), x) for lc in cache.layers]  # keys, values so far, storage for one more
         old_k, old_v, spare_k, spare_v = (list(t) for t in zip(*rooms, strict=True))
@@ -409,7 +395,7 @@ class _FloatStepPlan:
             x, ks, vs = self.unit.float_decoder_layers(
                 x, self.qkv_w, self.qkv_b, self.ws, self.bs, self.norms, old_k, old_v, spare_k, spare_v,
                 cache.layers[0].pending, [lc.cross_k for lc in cache.layers], [lc.cross_v for lc in cache.layers],
-                src_keep[:, None, None, :], H, self.eps, self.norm_first, self.act)
+                src_keep[:, None, None, :], H, eps, norm_first, act)
         for lc, k, v in zip(cache.layers, ks, vs, strict=True):
             lc.appended(k, v)
         return x if decoder.norm is None else _layer_norm(decoder.norm, x)
