@@ -248,19 +248,13 @@ class _StepPlan:
 
     def run(self, decoder: Any, x: Tensor, cache: Any, src_keep: Tensor) -> Tensor:
         """`decoder_step`'s work. Shape: x (b, d) -> (b, d)."""
-        (b, D), (H, eps, norm_first, act) = x.shape, self.stack
+        D, (H, eps, norm_first, act) = x.size(1), self.stack
         bias = self.bias.get(src_keep[:, None, None, :], src_keep.size(0), H, torch.float32, source=src_keep)  # (N*H | 1, 1, S)
-        rooms = [lc.room((b, H, 1, D // H), x) for lc in cache.layers]  # keys, values so far, storage for one more
-        old_k, old_v, spare_k, spare_v = (list(t) for t in zip(*rooms, strict=True))
         x, ks, vs = self.unit.decoder_layers(
-            x, self.qkv, self.packs, self.norms, old_k, old_v, spare_k, spare_v,
-            cache.layers[0].pending,  # (every layer's rows are reordered alike)
-            [lc.cross_k for lc in cache.layers], [lc.cross_v for lc in cache.layers], bias, H, eps,
+            x, self.qkv, self.packs, self.norms, *_cache_arguments(cache, x, H), bias, H, eps,
             1.0 / math.sqrt(D // H), norm_first, act, kernels._INT8_REDUCE_RANGE, kernels.SHORT_ROW,
             kernels.SHORT_ROWS_MIN, kernels.SMALL_BMM)
-        for lc, k, v in zip(cache.layers, ks, vs, strict=True):
-            lc.appended(k, v)
-        return x if decoder.norm is None else _layer_norm(decoder.norm, x)
+        return _compiled_step_done(decoder, cache, x, ks, vs)
 
 
 class _LayerPlan(NamedTuple):
@@ -387,18 +381,32 @@ class _FloatStepPlan:
 
     def run(self, decoder: Any, x: Tensor, cache: Any, src_keep: Tensor) -> Tensor:
         """`decoder_step`'s work. Shape: x (b, d) -> (b, d)."""
-        (b, D), (H, eps, norm_first, act) = x.shape, self.stack
+        H, eps, norm_first, act = self.stack
         kernels._cudnn_attention_off_once(x.device)
-        rooms = [lc.room((b, H, 1, D // H), x) for lc in cache.layers]  # keys, values so far, storage for one more
-        old_k, old_v, spare_k, spare_v = (list(t) for t in zip(*rooms, strict=True))
         with torch.jit.optimized_execution(False):
             x, ks, vs = self.unit.float_decoder_layers(
-                x, self.qkv_w, self.qkv_b, self.ws, self.bs, self.norms, old_k, old_v, spare_k, spare_v,
-                cache.layers[0].pending, [lc.cross_k for lc in cache.layers], [lc.cross_v for lc in cache.layers],
+                x, self.qkv_w, self.qkv_b, self.ws, self.bs, self.norms, *_cache_arguments(cache, x, H),
                 src_keep[:, None, None, :], H, eps, norm_first, act)
-        for lc, k, v in zip(cache.layers, ks, vs, strict=True):
-            lc.appended(k, v)
-        return x if decoder.norm is None else _layer_norm(decoder.norm, x)
+        return _compiled_step_done(decoder, cache, x, ks, vs)
+
+
+def _cache_arguments(cache: Any, x: Tensor, H: int) -> tuple[Any, ...]:
+    """The cache's side of a compiled step's arguments: each layer's keys and values so far, the
+    storage for them with one more position (`LayerCache.room`), the rows to keep (every layer's
+    are reordered alike) and the cross-attention keys and values. Shape: x (b, d)."""
+    b, D = x.shape
+    rooms = [lc.room((b, H, 1, D // H), x) for lc in cache.layers]
+    old_k, old_v, spare_k, spare_v = (list(t) for t in zip(*rooms, strict=True))
+    return (old_k, old_v, spare_k, spare_v, cache.layers[0].pending,
+            [lc.cross_k for lc in cache.layers], [lc.cross_v for lc in cache.layers])
+
+
+def _compiled_step_done(decoder: Any, cache: Any, x: Tensor, ks: list[Tensor], vs: list[Tensor]) -> Tensor:
+    """After a compiled step: the cache takes the keys and values it appended (`LayerCache.appended`),
+    and the decoder's final norm, if any, applies. Shape: x (b, d) -> (b, d)."""
+    for lc, k, v in zip(cache.layers, ks, vs, strict=True):
+        lc.appended(k, v)
+    return x if decoder.norm is None else _layer_norm(decoder.norm, x)
 
 
 def compiled_step() -> Any:
