@@ -423,25 +423,21 @@ def test_decoder_step_is_the_general_path_exactly(kind, monkeypatch):
         monkeypatch.setattr(kernels, "SHORT_ROWS_MIN", 1)
     src = random_batch([5, 9, 3, 7, 1])
     calls: list[bool] = []  # per fast step: whether a compiled step ran it (step._StepPlan.run, _FloatStepPlan.run)
-    fast, run = step_module.decoder_step, step_module._StepPlan.run
+    fast = step_module.decoder_step
 
     def spy(decoder, x, cache, src_keep):
         calls.append(False)
         return fast(decoder, x, cache, src_keep)
 
-    def ran(*args):
-        calls[-1] = True
-        return run(*args)
+    def noting(run):
+        def ran(*args):
+            calls[-1] = True
+            return run(*args)
+        return ran
 
     monkeypatch.setattr(step_module, "decoder_step", spy)
-    monkeypatch.setattr(step_module._StepPlan, "run", ran)
-    float_run = step_module._FloatStepPlan.run
-
-    def float_ran(*args):
-        calls[-1] = True
-        return float_run(*args)
-
-    monkeypatch.setattr(step_module._FloatStepPlan, "run", float_ran)
+    for plan in (step_module._StepPlan, step_module._FloatStepPlan):
+        monkeypatch.setattr(plan, "run", noting(plan.run))
     runs = []
     for step in (None, _general_step):
         if step is not None:
