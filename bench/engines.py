@@ -81,14 +81,14 @@ def hf_strip(row: list[int]) -> list[int]:
 
 
 def python_step(search: Any) -> Any:
-    """`search` with search's decoder step in Python where it would run compiled (a GPU's float
-    step, `aiayn.step.FLOAT_STEP_DEVICES`): the row that says what the compiled step saves."""
+    """`search` with search's decoder step in Python where it would run compiled (`aiayn.step`:
+    float32 on the CPU, float on a GPU): the row that says what the compiled step saves."""
     def run(idx: list[int]) -> Any:
-        saved, step.FLOAT_STEP_DEVICES = step.FLOAT_STEP_DEVICES, ()
+        saved, step.COMPILED_STEPS = step.COMPILED_STEPS, False
         try:
             return search(idx)
         finally:
-            step.FLOAT_STEP_DEVICES = saved
+            step.COMPILED_STEPS = saved
     return run
 
 
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         return go
 
     systems = {("aiayn fp32", "greedy"): aiayn(1, 0.0), ("aiayn fp32", f"beam {K}"): aiayn(K, alpha)}
-    if dev.type in step.FLOAT_STEP_DEVICES and "python-step" not in skip:  # what the compiled float step saves
+    if "python-step" not in skip:  # what the compiled step saves
         systems[("aiayn fp32, Python step", "greedy")] = python_step(aiayn(1, 0.0))
         systems[("aiayn fp32, Python step", f"beam {K}")] = python_step(aiayn(K, alpha))
     if "bf16" not in skip:

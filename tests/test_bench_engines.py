@@ -27,7 +27,6 @@ def test_quick_run_on_a_device_prints_both_systems_bleu_and_agreement(capsys, mo
     pytest.importorskip("transformers")
     bench = _bench(monkeypatch)
     monkeypatch.setattr(bench, "cpu_has_fast_bf16", lambda: True)  # bf16 rows too, on any CPU
-    monkeypatch.setattr(bench.step, "FLOAT_STEP_DEVICES", ("cpu",))  # and the Python step's rows, as on a GPU
     threads = torch.get_num_threads()
     try:
         assert bench.main(["--device", "cpu", "--quick", "--preset", "tiny", "--vocab-size", "1000", "--skip", "ct2",
@@ -65,13 +64,12 @@ def test_a_missing_peer_is_left_out_with_a_note(capsys, monkeypatch):
     assert "HF generate" not in got.out and re.search(r"^\| aiayn fp32 \| beam 4 \|", got.out, re.M)
 
 
-def test_the_python_step_row_turns_the_compiled_float_step_off_for_its_search_only(monkeypatch):
+def test_the_python_step_row_turns_the_compiled_step_off_for_its_search_only(monkeypatch):
     bench = _bench(monkeypatch)
-    monkeypatch.setattr(bench.step, "FLOAT_STEP_DEVICES", ("cuda",))
     seen = []
 
     def search(idx):
-        seen.append(bench.step.FLOAT_STEP_DEVICES)
+        seen.append(bench.step.COMPILED_STEPS)
         if idx == [1]:
             raise RuntimeError("out of memory")
         return [[5]]
@@ -79,4 +77,4 @@ def test_the_python_step_row_turns_the_compiled_float_step_off_for_its_search_on
     assert bench.python_step(search)([0]) == [[5]]
     with pytest.raises(RuntimeError):
         bench.python_step(search)([1])
-    assert seen == [(), ()] and bench.step.FLOAT_STEP_DEVICES == ("cuda",)
+    assert seen == [False, False] and bench.step.COMPILED_STEPS is True

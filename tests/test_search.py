@@ -355,10 +355,11 @@ STEP_KINDS = ["post-norm", "pre-norm", "gelu", "swish", "int8", "int8 pre-norm",
               "int8 ff training", "int8 mixed eps", "int8 long self keys", "int8 long cross keys", "short rows",
               "int8 short rows", "int8 onednn copies", "float step", "float step pre-norm", "float step gelu",
               "float step swish", "float step bf16", "float step dropout"]
-# step._StepPlan (int8) or _FloatStepPlan (a GPU's float step, here on the CPU) runs every step of
-# these; "int8 long self keys" until the keys outgrow the explicit attention
-COMPILED = {"int8", "int8 pre-norm", "int8 gelu", "int8 swish", "int8 short rows", "float step", "float step pre-norm",
-            "float step gelu", "float step swish", "float step bf16"}
+# step._StepPlan (int8, or frozen float32 on the CPU) or _FloatStepPlan (a GPU's float step, here on
+# the CPU) runs every step of these; "int8 long self keys" until the keys outgrow the explicit attention
+COMPILED = {"post-norm", "pre-norm", "gelu", "swish", "short rows", "int8", "int8 pre-norm", "int8 gelu", "int8 swish",
+            "int8 short rows", "float step", "float step pre-norm", "float step gelu", "float step swish",
+            "float step bf16"}
 LONG_KEYS = {"int8 long self keys": 9, "int8 long cross keys": 8}  # EXPLICIT_ATTENTION_MAX_KEYS; sources of 9
 DROPOUTS = {"dropout": 0.3, "attention_dropout": 0.2, "activation_dropout": 0.25}  # apart: a mix-up shows
 

@@ -92,9 +92,23 @@ def inference_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, relu
         return _int8_linear(x if x.dtype == torch.float32 else x.float(), q[1], q[2], relu)
     dev = x.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
-    if dev != "cpu" or weight.requires_grad or (x.requires_grad and torch.is_grad_enabled()) \
-            or not _PACKING.get(dtype, False):
+    if dev != "cpu" or (x.requires_grad and torch.is_grad_enabled()) or not packs(weight, dtype):
         return F.relu(F.linear(x, weight, bias)) if relu else F.linear(x, weight, bias)
+    w, b = packed_weight(weight, bias, dtype)
+    return torch.ops.mkldnn._linear_pointwise(x.to(dtype).contiguous(), w, b, "relu" if relu else "none", [], "")
+
+
+def packs(weight: Tensor, dtype: torch.dtype) -> bool:
+    """Whether `inference_linear` runs `weight` on a oneDNN-packed copy in `dtype` (given an input
+    without gradients): a frozen CPU weight, not int8, in a dtype oneDNN packs fast here."""
+    return (weight.device.type == "cpu" and not weight.requires_grad and _PACKING.get(dtype, False)
+            and not is_int8(weight))
+
+
+def packed_weight(weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+    """The oneDNN-packed copy of `weight` in `dtype` and `bias` in `dtype`: made on first use, again
+    when either tensor changes, and kept while the weight lives (`inference_linear`, search's
+    compiled float32 step on the CPU)."""
     key = (weight.data_ptr(), weight._version, dtype, None if bias is None else (bias.data_ptr(), bias._version))
     entry = _PACKED.get(id(weight))
     if entry is None or entry[0]() is not weight or entry[1] != key:
@@ -104,8 +118,7 @@ def inference_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, relu
         ref = weakref.ref(weight, lambda _: _PACKED.pop(key_id, None))  # dropped with the weight
         entry = (ref, key, torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH_HINT), b)
         _PACKED[id(weight)] = entry
-    return torch.ops.mkldnn._linear_pointwise(x.to(dtype).contiguous(), entry[2], entry[3], "relu" if relu else "none",
-                                              [], "")
+    return entry[2], entry[3]
 
 
 # ------------------------------------------------------------------ int8 decoding on the CPU

@@ -1,8 +1,8 @@
 """Search's decoding step: the decoder for one new position on the key/value cache (Section 3.2.3's
 masked self-attention, the cross-attention and the feed-forward layer of each decoder layer), as
 `Transformer.decode` runs it with a cache, the same operations as the decoder's forward with fewer
-calls, and two compiled twins of it that TorchScript dispatches from C++: int8 on the CPU, float
-on a GPU. Nothing here changes what the model computes: tests/test_search.py pins every path to
+calls, and its compiled twins that TorchScript dispatches from C++: on the CPU in int8 and in
+float32 (one source for both), on a GPU in float. Nothing here changes what the model computes: tests/test_search.py pins every path to
 the decoder's forward, bitwise (the float one on the CPU, with a GPU's linear layers and
 attention), and tests/test_cuda.py the float one on a GPU to the Python step.
 """
@@ -21,19 +21,22 @@ from torch import Tensor, nn
 from aiayn import kernels
 
 
+COMPILED_STEPS = True  # False: every search's step in Python (what bench/engines.py's "Python step" rows time)
+
+
 def decoder_step(decoder: Any, x: Tensor, cache: Any, src_keep: Tensor) -> Tensor:
     """`Decoder.forward` for one new position on the key/value cache (`DecoderCache`), as search's
     steps run it: the same operations in the same order, without the general path's branches and
     module calls, and with the source mask's additive form made once per step rather than per layer.
     Once few sentences are left in a batch these cost as much as the arithmetic (int8, a step at
-    one sentence: 0.69 -> 0.63 ms, measured in one process; docs/speed.md), and in the common int8
-    case the whole stack runs compiled (`_StepPlan`, the same operations), as it does in float on
-    a GPU (`_FloatStepPlan`). Dropout follows each
+    one sentence: 0.69 -> 0.63 ms, measured in one process; docs/speed.md), and in the common cases
+    the whole stack runs compiled with the same operations: int8 or float32 on the CPU
+    (`_StepPlan`), float on a GPU (`_FloatStepPlan`). Dropout follows each
     module's `training` as forward does; forward hooks of the modules do not run here.
 
     Shape: x (b, d), src_keep (N, S) bool -> (b, d); b = N * beam rows."""
     if cache.step_plan is None:
-        cache.step_plan = _StepPlan.make(decoder, cache) or _FloatStepPlan.make(decoder, cache) or False
+        cache.step_plan = COMPILED_STEPS and (_StepPlan.make(decoder, cache) or _FloatStepPlan.make(decoder, cache)) or False
     if cache.step_plan and cache.step_plan.applies(x, cache):
         return cache.step_plan.run(decoder, x, cache, src_keep)
     mask, bias = src_keep[:, None, None, :], kernels.MaskBias()  # (N, 1, 1, S)
@@ -84,16 +87,18 @@ def _attention_step(mha: Any, x: Tensor, cache: Any, key_keep: Tensor | None = N
     return kernels.inference_linear(ctx.transpose(1, 2).reshape(b, D), mha.out_proj.weight, mha.out_proj.bias)
 
 
-# ------------------------------------------------------------ search's int8 step, compiled
+# ------------------------------------------------------------ search's CPU step, compiled
 # Once few sentences are left in a batch, the Python between a step's ~100 operations costs more
-# than they do. In the common case (int8 weights, float32, inference, keys short enough for the
-# explicit attention) the whole decoder stack runs as one compiled TorchScript call
-# (`decoder_layers`), the self-attention appends included, into storage that the cache hands out
-# (`LayerCache.room`): the operations of `decoder_step` in the same order, so bitwise the same
-# results, dispatched from C++ (a greedy step at one sentence 0.47 -> 0.33 ms with each layer's
-# work after its append compiled, 0.64 -> 0.55 ms on another CPU with the whole stack; docs/speed.md).
-# Anything else, or a failure to compile, takes the Python step. Compiled with `kernels._INT8_SOURCE`
-# (`compiled_step`).
+# than they do. In the common cases on the CPU (int8 weights, or frozen float32 ones that oneDNN
+# packs; float32 activations, inference, keys short enough for the explicit attention) the whole
+# decoder stack runs as one compiled TorchScript call (`decoder_layers`), the self-attention
+# appends included, into storage that the cache hands out (`LayerCache.room`): the operations of
+# `decoder_step` in the same order, so bitwise the same results, dispatched from C++ (int8, a
+# greedy step at one sentence 0.47 -> 0.33 ms with each layer's work after its append compiled,
+# 0.64 -> 0.55 ms on another CPU with the whole stack; docs/speed.md). One source serves both
+# weight kinds: its linear layers call `int8_op` (`kernels._INT8_SOURCE`, `compiled_step`), which
+# the float32 unit spells `dense`, a call of the packed GEMM `kernels.inference_linear` runs
+# (`_DENSE_SOURCE`, `dense_step`). Anything else, or a failure to compile, takes the Python step.
 _SHARED_STEP_SOURCE = """
 def residual(x: Tensor, y: Tensor, w: Tensor, b: Tensor, eps: float, norm_first: bool) -> Tensor:
     if norm_first:
@@ -212,9 +217,10 @@ class _Stack(NamedTuple):
 
 @dataclass
 class _StepPlan:
-    """The compiled step's arguments for one search: each layer's int8 weights and norms."""
+    """The compiled CPU step's arguments for one search: each layer's int8 weights (FBGEMM packs)
+    or float32 ones (oneDNN-packed weight and bias), and norms."""
 
-    qkv: list[Any]  # per layer: the self-attention's fused q/k/v projection (an FBGEMM pack)
+    qkv: list[Any]  # per layer: the self-attention's fused q/k/v projection
     packs: list[list[Any]]  # per layer: self-attention out, cross-attention q and out, feed-forward w1, w2
     norms: list[list[Tensor]]  # per layer: norm1 weight, bias, norm2 weight, bias, norm3 weight, bias
     stack: _Stack
@@ -229,9 +235,12 @@ class _StepPlan:
         if stack is None or cache.layers[0].cross_k.size(2) > kernels.EXPLICIT_ATTENTION_MAX_KEYS:
             return None
         plan = [_layer_plan(layer) for layer in decoder.layers]
-        if any(p is None for p in plan):  # not int8: nothing to compile (a float model on a GPU)
-            return None
-        unit = compiled_step()
+        unit = compiled_step
+        if any(p is None for p in plan):  # not int8: float32 weights that oneDNN packs, or nothing to compile
+            plan, unit = [_dense_layer_plan(layer) for layer in decoder.layers], dense_step
+            if any(p is None for p in plan):  # (a float model on a GPU, a trainable one, bf16)
+                return None
+        unit = unit()
         if not unit or not hasattr(unit, "decoder_layers"):
             return None
         layer_plans = [p for p in plan if p is not None]
@@ -281,10 +290,28 @@ def _layer_plan(layer: Any) -> _LayerPlan | None:
         packs.append(q[1])
         if q[2] is not None:
             copies_from = min(copies_from, q[2][1])
-    norms = [t for n in (layer.norm1, layer.norm2, layer.norm3) for t in (n.weight, n.bias)]
-    if any(t is None or t.dtype != torch.float32 for t in norms):
+    norms = _norms(layer)
+    return None if norms is None else _LayerPlan(packs, norms, copies_from)
+
+
+def _dense_layer_plan(layer: Any) -> _LayerPlan | None:
+    """One layer's oneDNN-packed float32 weights with their biases (what `kernels.inference_linear`
+    runs them on) and norm tensors, or None if one of its linear layers does not run packed."""
+    lins = (layer.self_attn.qkv_proj, layer.self_attn.out_proj, layer.cross_attn.q_proj, layer.cross_attn.out_proj,
+            layer.ff.w1, layer.ff.w2)
+    if not all(kernels.packs(lin.weight, torch.float32) and lin.weight.dtype == torch.float32 and
+               (lin.bias is None or lin.bias.dtype == torch.float32) for lin in lins):
         return None
-    return _LayerPlan(packs, norms, copies_from)
+    norms = _norms(layer)
+    if norms is None:
+        return None
+    return _LayerPlan([kernels.packed_weight(lin.weight, lin.bias, torch.float32) for lin in lins], norms, NO_COPY)
+
+
+def _norms(layer: Any) -> list[Tensor] | None:
+    """norm1 weight, bias, norm2 weight, bias, norm3 weight, bias, if all are float32 tensors."""
+    norms = [t for n in (layer.norm1, layer.norm2, layer.norm3) for t in (n.weight, n.bias)]
+    return None if any(t is None or t.dtype != torch.float32 for t in norms) else norms
 
 
 # ------------------------------------------------------------ search's float step on a GPU, compiled
@@ -412,3 +439,17 @@ def _compiled_step_done(decoder: Any, cache: Any, x: Tensor, ks: list[Tensor], v
 def compiled_step() -> Any:
     """The int8 step's compilation unit (with `kernels`' int8 caller, which it calls), or False."""
     return kernels.compiled(kernels._INT8_SOURCE + _STEP_SOURCE)
+
+
+_INT8_PACK = "__torch__.torch.classes.quantized.LinearPackedParamsBase"
+_DENSE_SOURCE = """
+def dense(x: Tensor, w: Tuple[Tensor, Optional[Tensor]], relu: bool, rr: bool) -> Tensor:
+    no_scalars: List[Optional[number]] = []
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w[0], w[1], "relu" if relu else "none", no_scalars, "")
+"""  # `kernels.inference_linear` on a packed float32 weight; `rr` (int8_op's reduce_range) unused
+
+
+def dense_step() -> Any:
+    """The float32 CPU step's compilation unit: `_STEP_SOURCE` with `dense` for `int8_op`, or False."""
+    source = _STEP_SOURCE.replace("int8_op(", "dense(").replace(_INT8_PACK, "Tuple[Tensor, Optional[Tensor]]")
+    return kernels.compiled(_DENSE_SOURCE + source)
