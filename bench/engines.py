@@ -179,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     if "bf16" not in skip:
         systems[("aiayn bf16", "greedy")] = aiayn(1, 0.0, True)
         systems[("aiayn bf16", f"beam {K}")] = aiayn(K, alpha, True)
+        if "python-step" not in skip:
+            systems[("aiayn bf16, Python step", "greedy")] = python_step(aiayn(1, 0.0, True))
+            systems[("aiayn bf16, Python step", f"beam {K}")] = python_step(aiayn(K, alpha, True))
     if "hf" not in skip:
         import transformers
         from transformers import MarianMTModel
@@ -252,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         outs[(name, mode)] = res
         hyps = [toks.tgt.decode(h) for h in res]
         bleu = corpus_scores(hyps, refs)["bleu"]
-        ref_key = ("aiayn fp32, alpha 0" if "alpha 0" in name else "aiayn fp32", mode)
+        ref_key = ("aiayn fp32, alpha 0" if "alpha 0" in name else name.removesuffix(", Python step")
+                   if name.endswith(", Python step") else "aiayn fp32", mode)  # a Python step: its compiled row
         same = sum(x == y for x, y in zip(res, outs[ref_key])) if ref_key in outs else n
         tok = sum(map(len, res))
         rows.append((name, mode, dt, n / dt, tok / dt, bleu, same))
@@ -269,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
             vs = [f"{other} {peer[mode] / dt:.2f}x" for other, peer in peers if mode in peer]
             print(f"{name} {mode}: faster than " + ", ".join(vs) if vs else f"{name} {mode}")
     print(f"\n| system | search | seconds | sentences/s | target tokens/s | time / aiayn fp32 | BLEU | "
-          f"identical to aiayn fp32 |")
+          f"identical to aiayn fp32 (a Python step row: to its compiled row) |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for name, mode, dt, sps, tps, bleu, same in rows:
         print(f"| {name} | {mode} | {dt:.2f} | {sps:.1f} | {tps:.0f} | {dt / base[mode]:.2f}x | {bleu:.2f} | "

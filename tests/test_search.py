@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from aiayn import search
+from aiayn import kernels, search
 from aiayn.config import preset
 from aiayn.errors import AiaynError
 from aiayn.model import Transformer
@@ -353,13 +353,13 @@ def _general_step(decoder, x, cache, src_keep):
 STEP_KINDS = ["post-norm", "pre-norm", "gelu", "swish", "int8", "int8 pre-norm", "int8 gelu", "int8 swish", "bf16",
               "fp16", "autocast", "sdpa", "dropout", "pre-norm dropout", "ff training", "int8 dropout",
               "int8 ff training", "int8 mixed eps", "int8 long self keys", "int8 long cross keys", "short rows",
-              "int8 short rows", "int8 onednn copies", "float step", "float step pre-norm", "float step gelu",
+              "int8 short rows", "bf16 short rows", "int8 onednn copies", "float step", "float step pre-norm", "float step gelu",
               "float step swish", "float step bf16", "float step dropout"]
 # step._StepPlan (int8, or frozen float32 on the CPU) or _FloatStepPlan (a GPU's float step, here on
 # the CPU) runs every step of these; "int8 long self keys" until the keys outgrow the explicit attention
 COMPILED = {"post-norm", "pre-norm", "gelu", "swish", "short rows", "int8", "int8 pre-norm", "int8 gelu", "int8 swish",
             "int8 short rows", "float step", "float step pre-norm", "float step gelu", "float step swish",
-            "float step bf16"}
+            "float step bf16"} | ({"bf16", "bf16 short rows"} if kernels.packs(torch.ones(1), torch.bfloat16) else set())
 LONG_KEYS = {"int8 long self keys": 9, "int8 long cross keys": 8}  # EXPLICIT_ATTENTION_MAX_KEYS; sources of 9
 DROPOUTS = {"dropout": 0.3, "attention_dropout": 0.2, "activation_dropout": 0.25}  # apart: a mix-up shows
 
@@ -385,8 +385,8 @@ def _step_model(kind):
         quantize_int8(model)
     if kind.startswith("float step"):  # as on a GPU: plain linear layers (F.linear), no packed weights
         model.requires_grad_(True)
-    if base in ("bf16", "fp16"):  # fp16: masked_fill rather than an additive mask
-        model = model.to(torch.bfloat16 if base == "bf16" else torch.float16)
+    if base in ("bf16", "fp16", "bf16 short rows"):  # fp16: masked_fill rather than an additive mask
+        model = model.to(torch.bfloat16 if base.startswith("bf16") else torch.float16)
     if kind.endswith("dropout"):
         model.decoder.train()  # dropout in the decoder only (the step path follows each module's flag)
     if base == "ff training":
@@ -403,7 +403,6 @@ def test_decoder_step_is_the_general_path_exactly(kind, monkeypatch):
     also under autocast, on SDPA, with dropout on (the same random numbers drawn), and on the
     compiled int8 step (whose plan is refused where it does not apply, as under dropout, and which
     leaves a step to Python from the rows where a layer's oneDNN copy runs: 6 rows here)."""
-    from aiayn import kernels
     from aiayn import step as step_module
 
     if kind == "int8 onednn copies":
@@ -419,9 +418,10 @@ def test_decoder_step_is_the_general_path_exactly(kind, monkeypatch):
         monkeypatch.setattr(step_module, "FLOAT_STEP_DEVICES", ("cpu",))
     if kind in LONG_KEYS:
         monkeypatch.setattr(kernels, "EXPLICIT_ATTENTION_MAX_KEYS", LONG_KEYS[kind])
-    if kind.endswith("short rows"):  # every attention's softmax spelled out (kernels.softmax_rows)
-        monkeypatch.setattr(kernels, "SHORT_ROW", 10**6)
+    if kind.endswith("short rows"):  # every float32 attention's softmax and weighted sum spelled out
+        monkeypatch.setattr(kernels, "SHORT_ROW", 10**6)  # (kernels.softmax_rows, weigh_values); bf16's never
         monkeypatch.setattr(kernels, "SHORT_ROWS_MIN", 1)
+        monkeypatch.setattr(kernels, "SMALL_BMM", 10**6)
     src = random_batch([5, 9, 3, 7, 1])
     calls: list[bool] = []  # per fast step: whether a compiled step ran it (step._StepPlan.run, _FloatStepPlan.run)
     fast = step_module.decoder_step

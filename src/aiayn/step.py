@@ -136,7 +136,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], scale: float
         scores = torch.bmm((q * scale).reshape(B * H, T, dh), kt)
     else:
         scores = torch.baddbmm(bias, q.reshape(B * H, T, dh), kt, beta=1, alpha=scale)
-    p = softmax_rows(scores, short, min_rows).view(B, H, T, S)
+    p = softmax_rows(scores, short, min_rows).to(scores.dtype).view(B, H, T, S)
     if T == 1 and S * dh < small:
         return (v * p.transpose(-1, -2)).sum(-2, True)
     return torch.matmul(p, v)
@@ -218,7 +218,7 @@ class _Stack(NamedTuple):
 @dataclass
 class _StepPlan:
     """The compiled CPU step's arguments for one search: each layer's int8 weights (FBGEMM packs)
-    or float32 ones (oneDNN-packed weight and bias), and norms."""
+    or float ones (oneDNN-packed weight and bias, float32 or bf16), and norms."""
 
     qkv: list[Any]  # per layer: the self-attention's fused q/k/v projection
     packs: list[list[Any]]  # per layer: self-attention out, cross-attention q and out, feed-forward w1, w2
@@ -226,6 +226,7 @@ class _StepPlan:
     stack: _Stack
     unit: Any
     copies_from: int  # steps with this many rows or more take the Python step (see `_layer_plan`)
+    dtype: torch.dtype  # of the activations: float32, or bf16 with bf16 weights
     bias: kernels.MaskBias = field(default_factory=kernels.MaskBias)  # the source mask's additive form, kept across steps
 
     @classmethod
@@ -234,23 +235,23 @@ class _StepPlan:
         stack = _Stack.of(decoder)
         if stack is None or cache.layers[0].cross_k.size(2) > kernels.EXPLICIT_ATTENTION_MAX_KEYS:
             return None
-        plan = [_layer_plan(layer) for layer in decoder.layers]
-        unit = compiled_step
-        if any(p is None for p in plan):  # not int8: float32 weights that oneDNN packs, or nothing to compile
-            plan, unit = [_dense_layer_plan(layer) for layer in decoder.layers], dense_step
-            if any(p is None for p in plan):  # (a float model on a GPU, a trainable one, bf16)
+        plan, unit, dtype = [_layer_plan(layer) for layer in decoder.layers], compiled_step, torch.float32
+        if any(p is None for p in plan):  # not int8: float weights that oneDNN packs, or nothing to compile
+            dtype = decoder.layers[0].self_attn.qkv_proj.weight.dtype
+            plan, unit = [_dense_layer_plan(layer, dtype) for layer in decoder.layers], dense_step
+            if any(p is None for p in plan):  # (a float model on a GPU, a trainable one, bf16 without fast kernels)
                 return None
         unit = unit()
         if not unit or not hasattr(unit, "decoder_layers"):
             return None
         layer_plans = [p for p in plan if p is not None]
         return cls([p.packs[0] for p in layer_plans], [p.packs[1:] for p in layer_plans],
-                   [p.norms for p in layer_plans], stack, unit, min(p.copies_from for p in layer_plans))
+                   [p.norms for p in layer_plans], stack, unit, min(p.copies_from for p in layer_plans), dtype)
 
     def applies(self, x: Tensor, cache: Any) -> bool:
-        """Per step: float32 on the CPU, no autocast, no autograd, keys the explicit attention takes,
-        fewer rows than a oneDNN copy runs from."""
-        return (x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_autocast_enabled("cpu")
+        """Per step: the plan's dtype on the CPU, no autocast, no autograd, keys the explicit attention
+        takes, fewer rows than a oneDNN copy runs from."""
+        return (x.dtype == self.dtype and x.device.type == "cpu" and not torch.is_autocast_enabled("cpu")
                 and x.size(0) < self.copies_from
                 and not (torch.is_grad_enabled() and x.requires_grad)
                 and cache.length < kernels.EXPLICIT_ATTENTION_MAX_KEYS)
@@ -258,11 +259,12 @@ class _StepPlan:
     def run(self, decoder: Any, x: Tensor, cache: Any, src_keep: Tensor) -> Tensor:
         """`decoder_step`'s work. Shape: x (b, d) -> (b, d)."""
         D, (H, eps, norm_first, act) = x.size(1), self.stack
-        bias = self.bias.get(src_keep[:, None, None, :], src_keep.size(0), H, torch.float32, source=src_keep)  # (N*H | 1, 1, S)
+        bias = self.bias.get(src_keep[:, None, None, :], src_keep.size(0), H, self.dtype, source=src_keep)  # (N*H | 1, 1, S)
+        fp32 = self.dtype == torch.float32  # the spelled-out softmax and weighted sum: float32 only (as `kernels`)
         x, ks, vs = self.unit.decoder_layers(
             x, self.qkv, self.packs, self.norms, *_cache_arguments(cache, x, H), bias, H, eps,
-            1.0 / math.sqrt(D // H), norm_first, act, kernels._INT8_REDUCE_RANGE, kernels.SHORT_ROW,
-            kernels.SHORT_ROWS_MIN, kernels.SMALL_BMM)
+            1.0 / math.sqrt(D // H), norm_first, act, kernels._INT8_REDUCE_RANGE, kernels.SHORT_ROW if fp32 else 0,
+            kernels.SHORT_ROWS_MIN, kernels.SMALL_BMM if fp32 else 0)
         return _compiled_step_done(decoder, cache, x, ks, vs)
 
 
@@ -290,28 +292,30 @@ def _layer_plan(layer: Any) -> _LayerPlan | None:
         packs.append(q[1])
         if q[2] is not None:
             copies_from = min(copies_from, q[2][1])
-    norms = _norms(layer)
+    norms = _norms(layer, torch.float32)
     return None if norms is None else _LayerPlan(packs, norms, copies_from)
 
 
-def _dense_layer_plan(layer: Any) -> _LayerPlan | None:
-    """One layer's oneDNN-packed float32 weights with their biases (what `kernels.inference_linear`
-    runs them on) and norm tensors, or None if one of its linear layers does not run packed."""
+def _dense_layer_plan(layer: Any, dtype: torch.dtype) -> _LayerPlan | None:
+    """One layer's oneDNN-packed weights with their biases, all in `dtype` (what
+    `kernels.inference_linear` runs them on), and norm tensors, or None if one of its linear layers
+    does not run packed."""
     lins = (layer.self_attn.qkv_proj, layer.self_attn.out_proj, layer.cross_attn.q_proj, layer.cross_attn.out_proj,
             layer.ff.w1, layer.ff.w2)
-    if not all(kernels.packs(lin.weight, torch.float32) and lin.weight.dtype == torch.float32 and
-               (lin.bias is None or lin.bias.dtype == torch.float32) for lin in lins):
+    if dtype not in (torch.float32, torch.bfloat16) or not all(
+            kernels.packs(lin.weight, dtype) and lin.weight.dtype == dtype and (lin.bias is None or lin.bias.dtype == dtype)
+            for lin in lins):
         return None
-    norms = _norms(layer)
+    norms = _norms(layer, dtype)
     if norms is None:
         return None
-    return _LayerPlan([kernels.packed_weight(lin.weight, lin.bias, torch.float32) for lin in lins], norms, NO_COPY)
+    return _LayerPlan([kernels.packed_weight(lin.weight, lin.bias, dtype) for lin in lins], norms, NO_COPY)
 
 
-def _norms(layer: Any) -> list[Tensor] | None:
-    """norm1 weight, bias, norm2 weight, bias, norm3 weight, bias, if all are float32 tensors."""
+def _norms(layer: Any, dtype: torch.dtype) -> list[Tensor] | None:
+    """norm1 weight, bias, norm2 weight, bias, norm3 weight, bias, if all are tensors of `dtype`."""
     norms = [t for n in (layer.norm1, layer.norm2, layer.norm3) for t in (n.weight, n.bias)]
-    return None if any(t is None or t.dtype != torch.float32 for t in norms) else norms
+    return None if any(t is None or t.dtype != dtype for t in norms) else norms
 
 
 # ------------------------------------------------------------ search's float step on a GPU, compiled
