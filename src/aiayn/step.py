@@ -2,9 +2,10 @@
 masked self-attention, the cross-attention and the feed-forward layer of each decoder layer), as
 `Transformer.decode` runs it with a cache, the same operations as the decoder's forward with fewer
 calls, and its compiled twins that TorchScript dispatches from C++: on the CPU in int8 and in
-float32 (one source for both), on a GPU in float. Nothing here changes what the model computes: tests/test_search.py pins every path to
-the decoder's forward, bitwise (the float one on the CPU, with a GPU's linear layers and
-attention), and tests/test_cuda.py the float one on a GPU to the Python step.
+float32 or bf16 (one source for all three), on a GPU in float. Nothing here changes what the model
+computes: tests/test_search.py pins every path to the decoder's forward, bitwise (the GPU's float
+one here on the CPU, with a GPU's linear layers and attention), and tests/test_cuda.py the GPU's
+one there to the Python step.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def decoder_step(decoder: Any, x: Tensor, cache: Any, src_keep: Tensor) -> Tenso
     module calls, and with the source mask's additive form made once per step rather than per layer.
     Once few sentences are left in a batch these cost as much as the arithmetic (int8, a step at
     one sentence: 0.69 -> 0.63 ms, measured in one process; docs/speed.md), and in the common cases
-    the whole stack runs compiled with the same operations: int8 or float32 on the CPU
+    the whole stack runs compiled with the same operations: int8, float32 or bf16 on the CPU
     (`_StepPlan`), float on a GPU (`_FloatStepPlan`). Dropout follows each
     module's `training` as forward does; forward hooks of the modules do not run here.
 
@@ -89,15 +90,15 @@ def _attention_step(mha: Any, x: Tensor, cache: Any, key_keep: Tensor | None = N
 
 # ------------------------------------------------------------ search's CPU step, compiled
 # Once few sentences are left in a batch, the Python between a step's ~100 operations costs more
-# than they do. In the common cases on the CPU (int8 weights, or frozen float32 ones that oneDNN
-# packs; float32 activations, inference, keys short enough for the explicit attention) the whole
+# than they do. In the common cases on the CPU (int8 weights, or frozen float32 or bf16 ones that
+# oneDNN packs; activations of that dtype, inference, keys short enough for the explicit attention) the whole
 # decoder stack runs as one compiled TorchScript call (`decoder_layers`), the self-attention
 # appends included, into storage that the cache hands out (`LayerCache.room`): the operations of
 # `decoder_step` in the same order, so bitwise the same results, dispatched from C++ (int8, a
 # greedy step at one sentence 0.47 -> 0.33 ms with each layer's work after its append compiled,
 # 0.64 -> 0.55 ms on another CPU with the whole stack; docs/speed.md). One source serves both
 # weight kinds: its linear layers call `int8_op` (`kernels._INT8_SOURCE`, `compiled_step`), which
-# the float32 unit spells `dense`, a call of the packed GEMM `kernels.inference_linear` runs
+# the float unit spells `dense`, a call of the packed GEMM `kernels.inference_linear` runs
 # (`_DENSE_SOURCE`, `dense_step`). Anything else, or a failure to compile, takes the Python step.
 _SHARED_STEP_SOURCE = """
 def residual(x: Tensor, y: Tensor, w: Tensor, b: Tensor, eps: float, norm_first: bool) -> Tensor:
@@ -450,10 +451,10 @@ _DENSE_SOURCE = """
 def dense(x: Tensor, w: Tuple[Tensor, Optional[Tensor]], relu: bool, rr: bool) -> Tensor:
     no_scalars: List[Optional[number]] = []
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w[0], w[1], "relu" if relu else "none", no_scalars, "")
-"""  # `kernels.inference_linear` on a packed float32 weight; `rr` (int8_op's reduce_range) unused
+"""  # `kernels.inference_linear` on a packed float weight; `rr` (int8_op's reduce_range) unused
 
 
 def dense_step() -> Any:
-    """The float32 CPU step's compilation unit: `_STEP_SOURCE` with `dense` for `int8_op`, or False."""
+    """The float CPU step's compilation unit (float32 or bf16): `_STEP_SOURCE` with `dense` for `int8_op`, or False."""
     source = _STEP_SOURCE.replace("int8_op(", "dense(").replace(_INT8_PACK, "Tuple[Tensor, Optional[Tensor]]")
     return kernels.compiled(_DENSE_SOURCE + source)
