@@ -644,3 +644,25 @@ def test_translate_evaluate_and_serve_take_device(ckpt, tmp_path, capsys, comman
     if command[0] == "translate":  # and on the CPU, as asked
         assert cli.main([*argv, *FAST_FLAGS, "--device", "cpu", "--output", str(tmp_path / "out.txt")]) == 0
         assert len((tmp_path / "out.txt").read_text().splitlines()) == 1
+
+
+def test_evaluating_restores_each_mode_and_leaves_an_eval_model_alone(monkeypatch):
+    """`evaluating`: every submodule in eval mode inside, each one's own mode back after (a model in
+    training with one layer frozen in eval), and a model already in eval mode throughout (a
+    translator's, shared by server threads) gets no flag written at all."""
+    from aiayn.translate import evaluating
+
+    model = Transformer(preset("tiny", src_vocab_size=20, tgt_vocab_size=20)).train()
+    model.decoder.layers[0].eval()
+    before = [m.training for m in model.modules()]
+    with evaluating(model):
+        assert not any(m.training for m in model.modules())
+    assert [m.training for m in model.modules()] == before
+    model.eval()
+    writes = []
+    real = torch.nn.Module.__setattr__
+    monkeypatch.setattr(torch.nn.Module, "__setattr__",
+                        lambda self, name, value: (writes.append(name), real(self, name, value))[1])
+    with evaluating(model):
+        pass
+    assert writes == []
