@@ -22,8 +22,9 @@ table, aiayn's speed-up over HF and CTranslate2 float32 per mode (and over HF bf
 `--device cuda` runs aiayn and HF on the GPU (without CTranslate2, whose CPU engine has no place in
 that table), adds HF on a bfloat16 copy of the Marian model beside aiayn's bf16 (like for like),
 runs HF's attention on aiayn's backends there (not cuDNN's), and waits for the GPU before each clock
-reading; aiayn fp32 also runs with its decoder step in Python ("aiayn fp32, Python step"), where
-it would run compiled (`aiayn.step`), to show what that saves. A peer that is not installed is left out.
+reading. On any device aiayn fp32 and bf16 also run with their decoder step in Python ("aiayn
+fp32, Python step"), where it would run compiled (`aiayn.step`), to show what that saves (each such
+row's identical count is against its compiled row). A peer that is not installed is left out.
 On a GPU, pass `--max-tokens 4096 --batch-size 256`, the batches of `aiayn translate`: small
 batches leave it idle. `--quick` takes the first 48 sentences (a smoke run).
 
@@ -82,7 +83,7 @@ def hf_strip(row: list[int]) -> list[int]:
 
 def python_step(search: Any) -> Any:
     """`search` with search's decoder step in Python where it would run compiled (`aiayn.step`:
-    float32 on the CPU, float on a GPU): the row that says what the compiled step saves."""
+    float32 and bf16 on the CPU, float on a GPU): the row that says what the compiled step saves."""
     def run(idx: list[int]) -> Any:
         saved, step.COMPILED_STEPS = step.COMPILED_STEPS, False
         try:
@@ -293,7 +294,8 @@ def profile_systems(systems: dict, idx: list[int], outs: dict, wait: Any, dev: t
     card = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
     parts = [f"# Profile: search on the widest batch ({len(idx)} sentences)\n\n{card}, torch {torch.__version__}\n"]
     for (name, mode), fn in systems.items():
-        if not (name.startswith("aiayn") or name.startswith("HF generate")) or "alpha 0" in name or "EOS" in name:
+        if (not (name.startswith("aiayn") or name.startswith("HF generate")) or "alpha 0" in name or "EOS" in name
+                or name == "aiayn bf16, Python step"):  # (fp32's Python step says what the profile needs)
             continue
         steps = 1 + max(len(outs[(name, mode)][i]) for i in idx)  # the batch's last sentence ends the search
         wait()

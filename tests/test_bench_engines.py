@@ -42,6 +42,9 @@ def test_quick_run_on_a_device_prints_both_systems_bleu_and_agreement(capsys, mo
     # the same search on the same weights in HF: greedy gives aiayn's tokens for every sentence
     assert re.search(r"^\| HF generate \([\d.]+\) \| greedy \| .* \| 48/48 \|$", out, re.M)
     assert re.search(r"^aiayn fp32 beam 4: faster than HF \d+\.\d\dx$", out, re.M)
+    for system in ("aiayn fp32, Python step", "aiayn bf16, Python step"):  # each the same as its compiled row
+        for mode in ("greedy", "beam 4"):
+            assert re.search(rf"^\| {system} \| {mode} \| .* \| 48/48 \|$", out, re.M), (system, mode)
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert rows["device"] == "cpu" and rows["n"] == 48
     assert {(r["system"], r["search"]) for r in rows["rows"]} >= {("aiayn fp32", "beam 4"), ("aiayn bf16", "greedy"),

@@ -354,8 +354,8 @@ STEP_KINDS = ["post-norm", "pre-norm", "gelu", "swish", "int8", "int8 pre-norm",
               "fp16", "autocast", "sdpa", "dropout", "pre-norm dropout", "ff training", "int8 dropout",
               "int8 ff training", "int8 mixed eps", "int8 long self keys", "int8 long cross keys", "short rows",
               "int8 short rows", "bf16 short rows", "int8 onednn copies", "float step", "float step pre-norm", "float step gelu",
-              "float step swish", "float step bf16", "float step dropout"]
-# step._StepPlan (int8, or frozen float32 on the CPU) or _FloatStepPlan (a GPU's float step, here on
+              "float step swish", "float step bf16", "float step dropout", "trainable", "python step"]
+# step._StepPlan (int8, or frozen float32 or bf16 on the CPU) or _FloatStepPlan (a GPU's float step, here on
 # the CPU) runs every step of these; "int8 long self keys" until the keys outgrow the explicit attention
 COMPILED = {"post-norm", "pre-norm", "gelu", "swish", "short rows", "int8", "int8 pre-norm", "int8 gelu", "int8 swish",
             "int8 short rows", "float step", "float step pre-norm", "float step gelu", "float step swish",
@@ -383,7 +383,7 @@ def _step_model(kind):
         model.decoder.layers[1].norm2.eps = 1e-3
     if kind.startswith("int8"):
         quantize_int8(model)
-    if kind.startswith("float step"):  # as on a GPU: plain linear layers (F.linear), no packed weights
+    if kind.startswith("float step") or kind == "trainable":  # as on a GPU: F.linear, no packed weights
         model.requires_grad_(True)
     if base in ("bf16", "fp16", "bf16 short rows"):  # fp16: masked_fill rather than an additive mask
         model = model.to(torch.bfloat16 if base.startswith("bf16") else torch.float16)
@@ -401,7 +401,7 @@ def test_decoder_step_is_the_general_path_exactly(kind, monkeypatch):
     with fewer calls: hidden states, greedy and beam results are bitwise those of the general path,
     through reorders, finished sentences and beam rows sharing their sentence's cross-attention keys;
     also under autocast, on SDPA, with dropout on (the same random numbers drawn), and on the
-    compiled int8 step (whose plan is refused where it does not apply, as under dropout, and which
+    compiled steps, int8, float32 and bf16 (whose plan is refused where it does not apply, as under dropout, and which
     leaves a step to Python from the rows where a layer's oneDNN copy runs: 6 rows here)."""
     from aiayn import step as step_module
 
@@ -418,6 +418,8 @@ def test_decoder_step_is_the_general_path_exactly(kind, monkeypatch):
         monkeypatch.setattr(step_module, "FLOAT_STEP_DEVICES", ("cpu",))
     if kind in LONG_KEYS:
         monkeypatch.setattr(kernels, "EXPLICIT_ATTENTION_MAX_KEYS", LONG_KEYS[kind])
+    if kind == "python step":  # the frozen float32 model's Python step (a failed compile, bench's rows)
+        monkeypatch.setattr(step_module, "COMPILED_STEPS", False)
     if kind.endswith("short rows"):  # every float32 attention's softmax and weighted sum spelled out
         monkeypatch.setattr(kernels, "SHORT_ROW", 10**6)  # (kernels.softmax_rows, weigh_values); bf16's never
         monkeypatch.setattr(kernels, "SHORT_ROWS_MIN", 1)
@@ -466,6 +468,37 @@ def test_decoder_step_is_the_general_path_exactly(kind, monkeypatch):
         assert not all(calls)  # the longest searches outgrew the limit; steps of 6 rows or more
     for got, want in zip(*runs):
         assert got == want if isinstance(got, list) else torch.equal(got, want)
+
+
+def test_the_compiled_cpu_step_leaves_steps_with_gradients_to_python():
+    """With gradients on and only the decoder's norms trainable (the linear layers frozen, so packed,
+    and the step's input needing no gradient), the CPU step's plan is made, but its appends into
+    storage would fail once a norm's gradient reaches the keys (`cat(out=)` records none): Python's
+    step runs every step; under inference mode search takes the compiled one."""
+    from aiayn import step
+
+    ran: list[int] = []
+    real = step._StepPlan.run
+    step._StepPlan.run = lambda *a: (ran.append(1), real(*a))[1]
+    try:
+        model = _step_model("post-norm")
+        for layer in model.decoder.layers:
+            for n in (layer.norm1, layer.norm2, layer.norm3):
+                n.requires_grad_(True)
+        src = random_batch([5, 3])
+        keep = src.ne(0)
+        cache = model.new_cache(model.encode(src, keep), keep)
+        tok = torch.full((2, 1), BOS)
+        for _ in range(3):
+            out = model.decode(tok, None, cache=cache)
+            tok = out[:, -1].argmax(-1, keepdim=True)
+        out.sum().backward()
+        assert not ran and model.decoder.layers[0].norm1.weight.grad is not None
+        with torch.inference_mode():
+            greedy_search(model, src, BOS, EOS, max_len_b=3)
+        assert ran
+    finally:
+        step._StepPlan.run = real
 
 
 def test_the_compiled_float_step_leaves_steps_with_gradients_to_python(monkeypatch):

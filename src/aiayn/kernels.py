@@ -108,7 +108,7 @@ def packs(weight: Tensor, dtype: torch.dtype) -> bool:
 def packed_weight(weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
     """The oneDNN-packed copy of `weight` in `dtype` and `bias` in `dtype`: made on first use, again
     when either tensor changes, and kept while the weight lives (`inference_linear`, search's
-    compiled float32 step on the CPU)."""
+    compiled float step on the CPU)."""
     key = (weight.data_ptr(), weight._version, dtype, None if bias is None else (bias.data_ptr(), bias._version))
     entry = _PACKED.get(id(weight))
     if entry is None or entry[0]() is not weight or entry[1] != key:

@@ -250,12 +250,13 @@ class _StepPlan:
                    [p.norms for p in layer_plans], stack, unit, min(p.copies_from for p in layer_plans), dtype)
 
     def applies(self, x: Tensor, cache: Any) -> bool:
-        """Per step: the plan's dtype on the CPU, no autocast, no autograd, keys the explicit attention
-        takes, fewer rows than a oneDNN copy runs from."""
+        """Per step: the plan's dtype on the CPU, no autocast, gradients off (search runs under
+        inference mode; with them on, a trainable norm or source side would carry them into the
+        appends into storage, and the spelled-out softmax is for inference only), keys the explicit
+        attention takes, fewer rows than a oneDNN copy runs from."""
         return (x.dtype == self.dtype and x.device.type == "cpu" and not torch.is_autocast_enabled("cpu")
                 and x.size(0) < self.copies_from
-                and not (torch.is_grad_enabled() and x.requires_grad)
-                and cache.length < kernels.EXPLICIT_ATTENTION_MAX_KEYS)
+                and not torch.is_grad_enabled() and cache.length < kernels.EXPLICIT_ATTENTION_MAX_KEYS)
 
     def run(self, decoder: Any, x: Tensor, cache: Any, src_keep: Tensor) -> Tensor:
         """`decoder_step`'s work. Shape: x (b, d) -> (b, d)."""
@@ -272,7 +273,7 @@ class _StepPlan:
 class _LayerPlan(NamedTuple):
     """One decoder layer's part of the compiled step's arguments."""
 
-    packs: list[Any]  # FBGEMM packs: q/k/v, self-attention out, cross-attention q and out, feed-forward w1, w2
+    packs: list[Any]  # FBGEMM packs, or oneDNN (weight, bias): q/k/v, self-attention out, cross q and out, w1, w2
     norms: list[Tensor]  # norm1 weight, bias, norm2 weight, bias, norm3 weight, bias
     copies_from: int  # the fewest rows from which one of these weights runs on its oneDNN copy
 
@@ -327,7 +328,7 @@ def _norms(layer: Any, dtype: torch.dtype) -> list[Tensor] | None:
 # as there, so bitwise the same results, without Python between them. TorchScript's optimizing
 # executor is switched off for the call (`torch.jit.optimized_execution(False)`): on a GPU it would
 # fuse element-wise runs into kernels of its own, made for each new shape, and round differently.
-# On the CPU the Python step stays (its linear layers take oneDNN-packed weights there). Not yet
+# The CPU has its own compiled float step, on oneDNN-packed weights (`_StepPlan`). Not yet
 # timed on a GPU (figures from a CPU stand-in: docs/speed.md).
 FLOAT_STEP_DEVICES = ("cuda",)
 _FLOAT_STEP_SOURCE = _SHARED_STEP_SOURCE + """
@@ -454,7 +455,11 @@ def dense(x: Tensor, w: Tuple[Tensor, Optional[Tensor]], relu: bool, rr: bool) -
 """  # `kernels.inference_linear` on a packed float weight; `rr` (int8_op's reduce_range) unused
 
 
+_DENSE_STEP_SOURCE = _DENSE_SOURCE + _STEP_SOURCE.replace("int8_op(", "dense(").replace(
+    _INT8_PACK, "Tuple[Tensor, Optional[Tensor]]")
+assert "int8_op" not in _DENSE_STEP_SOURCE and "quantized" not in _DENSE_STEP_SOURCE  # every call spelled `dense`
+
+
 def dense_step() -> Any:
     """The float CPU step's compilation unit (float32 or bf16): `_STEP_SOURCE` with `dense` for `int8_op`, or False."""
-    source = _STEP_SOURCE.replace("int8_op(", "dense(").replace(_INT8_PACK, "Tuple[Tensor, Optional[Tensor]]")
-    return kernels.compiled(_DENSE_SOURCE + source)
+    return kernels.compiled(_DENSE_STEP_SOURCE)
