@@ -470,49 +470,26 @@ def test_decoder_step_is_the_general_path_exactly(kind, monkeypatch):
         assert got == want if isinstance(got, list) else torch.equal(got, want)
 
 
-def test_the_compiled_cpu_step_leaves_steps_with_gradients_to_python():
-    """With gradients on and only the decoder's norms trainable (the linear layers frozen, so packed,
-    and the step's input needing no gradient), the CPU step's plan is made, but its appends into
-    storage would fail once a norm's gradient reaches the keys (`cat(out=)` records none): Python's
-    step runs every step; under inference mode search takes the compiled one."""
+@pytest.mark.parametrize("kind", ["post-norm", "float step"])
+def test_a_compiled_step_leaves_steps_with_gradients_to_python(kind, monkeypatch):
+    """With gradients on (a cached decode outside search), a compiled step's appends into storage
+    would fail once a gradient reaches the keys (`cat(out=)` records none): Python's step runs every
+    step, and search, under inference mode, takes the compiled one. The CPU step (`_StepPlan`): the
+    decoder's norms trainable, its linear layers frozen (packed); the float step (`_FloatStepPlan`,
+    here on the CPU): the decoder trainable. The embeddings stay frozen, so the step's input needs
+    no gradient."""
     from aiayn import step
 
-    ran: list[int] = []
-    real = step._StepPlan.run
-    step._StepPlan.run = lambda *a: (ran.append(1), real(*a))[1]
-    try:
-        model = _step_model("post-norm")
-        for layer in model.decoder.layers:
-            for n in (layer.norm1, layer.norm2, layer.norm3):
-                n.requires_grad_(True)
-        src = random_batch([5, 3])
-        keep = src.ne(0)
-        cache = model.new_cache(model.encode(src, keep), keep)
-        tok = torch.full((2, 1), BOS)
-        for _ in range(3):
-            out = model.decode(tok, None, cache=cache)
-            tok = out[:, -1].argmax(-1, keepdim=True)
-        out.sum().backward()
-        assert not ran and model.decoder.layers[0].norm1.weight.grad is not None
-        with torch.inference_mode():
-            greedy_search(model, src, BOS, EOS, max_len_b=3)
-        assert ran
-    finally:
-        step._StepPlan.run = real
-
-
-def test_the_compiled_float_step_leaves_steps_with_gradients_to_python(monkeypatch):
-    """With gradients on (a cached decode outside search; the decoder trainable, the embeddings not,
-    so that the step's input needs no gradient), the float step's append into storage would fail
-    (`cat(out=)` records no gradient): Python's step runs it."""
-    from aiayn import step
-
+    plan = step._StepPlan if kind == "post-norm" else step._FloatStepPlan
     monkeypatch.setattr(step, "FLOAT_STEP_DEVICES", ("cpu",))
     ran: list[int] = []
-    run = step._FloatStepPlan.run
-    monkeypatch.setattr(step._FloatStepPlan, "run", lambda *a: (ran.append(1), run(*a))[1])
-    model = _step_model("float step")
+    run = plan.run
+    monkeypatch.setattr(plan, "run", lambda *a: (ran.append(1), run(*a))[1])
+    model = _step_model(kind)
     model.tgt_embed.weight.requires_grad_(False)
+    trainable = [n.weight for layer in model.decoder.layers for n in (layer.norm1, layer.norm2, layer.norm3)]
+    for w in trainable if kind == "post-norm" else []:
+        w.requires_grad_(True)
     src = random_batch([5, 3])
     keep = src.ne(0)
     cache = model.new_cache(model.encode(src, keep), keep)
@@ -521,8 +498,8 @@ def test_the_compiled_float_step_leaves_steps_with_gradients_to_python(monkeypat
         out = model.decode(tok, None, cache=cache)
         tok = out[:, -1].argmax(-1, keepdim=True)
     out.sum().backward()  # the steps were recorded for autograd
-    assert not ran and model.decoder.layers[0].ff.w1.weight.grad is not None
-    with torch.inference_mode():  # and search, under inference mode, takes the compiled step
+    assert not ran and trainable[0].grad is not None
+    with torch.inference_mode():
         greedy_search(model, src, BOS, EOS, max_len_b=3)
     assert ran
 
