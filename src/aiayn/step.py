@@ -285,9 +285,8 @@ def _layer_plan(layer: Any) -> _LayerPlan | None:
     """One layer's int8 packs and norm tensors, or None if one of its linear layers is not int8.
     The compiled step runs FBGEMM only: a step with as many rows as a oneDNN copy runs from takes
     the Python step."""
-    sa, ca, ff = layer.self_attn, layer.cross_attn, layer.ff
     packs, copies_from = [], NO_COPY
-    for w in (sa.qkv_proj.weight, sa.out_proj.weight, ca.q_proj.weight, ca.out_proj.weight, ff.w1.weight, ff.w2.weight):
+    for w in (lin.weight for lin in _linears(layer)):
         q = kernels._INT8.get(id(w))
         if q is None or q[0]() is not w:
             return None
@@ -302,16 +301,21 @@ def _dense_layer_plan(layer: Any, dtype: torch.dtype) -> _LayerPlan | None:
     """One layer's oneDNN-packed weights with their biases, all in `dtype` (what
     `kernels.inference_linear` runs them on), and norm tensors, or None if one of its linear layers
     does not run packed."""
-    lins = (layer.self_attn.qkv_proj, layer.self_attn.out_proj, layer.cross_attn.q_proj, layer.cross_attn.out_proj,
-            layer.ff.w1, layer.ff.w2)
-    if dtype not in (torch.float32, torch.bfloat16) or not all(
-            kernels.packs(lin.weight, dtype) and lin.weight.dtype == dtype and (lin.bias is None or lin.bias.dtype == dtype)
-            for lin in lins):
+    lins = _linears(layer)
+    if not all(kernels.packs(lin.weight, dtype) and lin.weight.dtype == dtype and (lin.bias is None or lin.bias.dtype == dtype)
+               for lin in lins):  # (`packs` takes float32 and bf16 only)
         return None
     norms = _norms(layer, dtype)
     if norms is None:
         return None
     return _LayerPlan([kernels.packed_weight(lin.weight, lin.bias, dtype) for lin in lins], norms, NO_COPY)
+
+
+def _linears(layer: Any) -> tuple[Any, ...]:
+    """A decoder layer's linear layers in the order the compiled steps take them: q/k/v,
+    self-attention out, cross-attention q and out, feed-forward w1, w2."""
+    sa, ca, ff = layer.self_attn, layer.cross_attn, layer.ff
+    return sa.qkv_proj, sa.out_proj, ca.q_proj, ca.out_proj, ff.w1, ff.w2
 
 
 def _norms(layer: Any, dtype: torch.dtype) -> list[Tensor] | None:
@@ -394,8 +398,7 @@ class _FloatStepPlan:
         if stack is None or cache.layers[0].cross_k.device.type not in FLOAT_STEP_DEVICES:
             return None
         layers = list(decoder.layers)
-        lins = [[sa.qkv_proj, sa.out_proj, ca.q_proj, ca.out_proj, ff.w1, ff.w2]
-                for sa, ca, ff in ((lay.self_attn, lay.cross_attn, lay.ff) for lay in layers)]
+        lins = [_linears(lay) for lay in layers]
         norms = [[t for n in (lay.norm1, lay.norm2, lay.norm3) for t in (n.weight, n.bias)] for lay in layers]
         if any(kernels.is_int8(lin.weight) for row in lins for lin in row) or any(t is None for row in norms for t in row):
             return None
