@@ -207,7 +207,53 @@ def test_detect_ranks_the_served_sources(client):
     assert r.status_code == 400 and r.json() == {"error": "Invalid request: missing q parameter"}
 
 
+def test_detect_is_bounded_as_translate(client):
+    """/detect takes --max-chars and --max-lines as /translate does: megabytes would hold a worker thread."""
+    for q, message in (("x" * 3001, "Invalid request: request (3001) exceeds text limit (3000)"),
+                       (["a"] * 201, "Invalid request: request (201) exceeds text limit (200)")):
+        r = client.post("/detect", json={"q": q})
+        assert r.status_code == 400 and r.json() == {"error": message}
+
+
+def test_lone_surrogates_read_as_replacement_characters(client, de_en):
+    """A JavaScript client that cuts a string through an emoji sends half of a surrogate pair:
+    a text holding one is translated as if it held U+FFFD, and a field echoed in an error comes back
+    with U+FFFD (both once gave a plain-text 500)."""
+    raw = b'{"q": ["\\ud800 ein Mann", "ein Mann"], "source": "de", "target": "en"}'
+    r = client.post("/translate", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 200 and r.json()["translatedText"] == de_en.translate(["\ufffd ein Mann", "ein Mann"])
+    raw = b'{"q": "ein Mann", "source": "de", "target": "\\udc00"}'
+    r = client.post("/translate", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"].startswith("\ufffd is not supported")
+    raw = b'{"text": ["\\ud800 ein Mann"], "source": "\\udc00"}'
+    r = client.post("/v1/translate", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"].startswith("this server does not translate \ufffd to en")
+    raw = b'{"text": ["\\ud800 ein Mann"]}'
+    r = client.post("/v1/translate", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 200
+    assert r.json()["translations"][0]["hypotheses"][0]["text"] == de_en.translate(["\ufffd ein Mann"])[0]
+
+
+def test_a_bug_is_a_json_500(ckpts, monkeypatch):
+    from aiayn.serve import libre
+
+    def boom(ranked):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(libre, "as_libre", boom)
+    with TestClient(two_pair_app(ckpts), raise_server_exceptions=False) as c:
+        r = ready(c).post("/detect", json={"q": "der Hund"})
+    assert r.status_code == 500 and r.json() == {"error": "internal error (RuntimeError); the server's log has the details"}
+
+
 # ------------------------------------------------------------------------------ html
+
+
+def test_html_the_tokenizer_cannot_read_is_400(client):
+    r = post(client, {"q": "Hallo <![#", "source": "de", "target": "en", "format": "html"})
+    if r.status_code == 200:  # a Python whose tokenizer reads it
+        return
+    assert r.status_code == 400 and r.json()["error"].startswith("Invalid request: q is not HTML that can be read (")
 
 
 def test_html_keeps_the_markup_and_translates_the_text_nodes(client, de_en):

@@ -47,6 +47,7 @@ from aiayn.serve.detect import Detector
 from aiayn.serve.errors import ApiError, Busy
 from aiayn.serve.libre import LANGUAGE_NAMES
 from aiayn.serve.scheduler import Limits, QueueFull, Scheduler
+from aiayn.serve.unicode import replaced
 
 __all__ = ["ApiError", "Busy", "LANGUAGE_NAMES", "Model", "create_app"]
 PATHS = ("/", "/translate", "/detect", "/languages", "/frontend/settings", "/spec", "/suggest", "/translate_file",
@@ -162,7 +163,7 @@ class _Middleware:
 
 
 def _error(status: int, message: str, headers: Mapping[str, str] | None = None, **extra: Any) -> JSONResponse:
-    return JSONResponse({"error": message, **extra}, status_code=status, headers=headers)
+    return JSONResponse({"error": replaced(message), **extra}, status_code=status, headers=headers)  # (echoed text)
 
 
 _UNION_TAGS = ("str", "list[str]", "int", "none")
@@ -378,6 +379,11 @@ def _handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:
         return _error(e.status_code, str(e.detail), e.headers)
+
+    @app.exception_handler(Exception)
+    async def failed(request: Request, e: Exception) -> JSONResponse:
+        """A bug's 500 as JSON too (the traceback goes to the log, as uvicorn writes it)."""
+        return _error(500, f"internal error ({type(e).__name__}); the server's log has the details")
 
 
 def _describe(m: Model) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from aiayn.serve.clients import ClientBusy, check_holdable
 from aiayn.serve.detect import Detector, as_libre, detect_texts
 from aiayn.serve.errors import ApiError, Busy
 from aiayn.serve.scheduler import Limits
+from aiayn.serve.unicode import fields_replaced
 
 ALTERNATIVES = 3  # LibreTranslate's default --alternatives-limit
 FRONTEND_TIMEOUT_MS = 500  # how long LibreTranslate's page waits after a key press before it translates
@@ -84,7 +85,7 @@ async def fields(request: Request) -> dict[str, Any]:
             raise _bad("Invalid JSON format") from None
         if not isinstance(data, dict):
             raise _bad("Invalid JSON format")
-        return data
+        return fields_replaced(data)
     out: dict[str, Any] = {}
     if kind in ("application/x-www-form-urlencoded", "multipart/form-data"):
         form = await request.form()
@@ -151,8 +152,12 @@ class Piece:
 
 
 def piece(text: str, pair: tuple[str, str], html: bool) -> Piece:
+    """400 for HTML that the tokenizer cannot read."""
     if html:
-        fragment = markup.parse(text)
+        try:
+            fragment = markup.parse(text)
+        except markup.NotHtml as e:
+            raise _bad(f"Invalid request: q is not HTML that can be read ({e}); send it with format text") from None
         return Piece(pair, [split(t, pair[0]) for t in fragment.texts], fragment)
     return Piece(pair, [split(text, pair[0])], None)
 
@@ -227,11 +232,7 @@ def routes(app: FastAPI, srv: Served) -> None:
         if not target:
             raise _bad("Invalid request: missing target parameter")
         texts = q if isinstance(q, list) else [q]
-        if len(texts) > srv.limits.max_lines:
-            raise _bad(f"Invalid request: request ({len(texts)}) exceeds text limit ({srv.limits.max_lines})")
-        for t in texts:
-            if len(t) > srv.limits.max_chars:
-                raise _bad(f"Invalid request: request ({len(t)}) exceeds text limit ({srv.limits.max_chars})")
+        _within_limits(texts, srv.limits)
         # LibreTranslate's limit is 3 (its page always asks for 3), --max-nbest's over it; a beam of b has
         # b - 1 to give
         asked = _alternatives(f, min(max(ALTERNATIVES, srv.limits.beam - 1), srv.limits.max_nbest - 1), "--max-nbest")
@@ -265,9 +266,11 @@ def routes(app: FastAPI, srv: Served) -> None:
         q = f.get("q")
         if not q:
             raise _bad("Invalid request: missing q parameter")
-        text = "\n".join(q) if isinstance(q, list) and all(isinstance(t, str) for t in q) else q
-        if not isinstance(text, str):
+        texts = q if isinstance(q, list) and all(isinstance(t, str) for t in q) else [q]
+        if not isinstance(texts[0], str):
             raise _bad("Invalid request: q parameter must be a text or a list of texts")
+        _within_limits(texts, srv.limits)  # as /translate's: detecting megabytes would hold a worker thread
+        text = "\n".join(texts)
         ranked = await asyncio.to_thread(srv.detector.rank, text)
         return JSONResponse(as_libre(ranked))
 
@@ -300,6 +303,15 @@ def routes(app: FastAPI, srv: Served) -> None:
     async def translate_file() -> JSONResponse:
         """Files are not translated here."""
         raise _bad("Files translation are disabled on this server.", 403)
+
+
+def _within_limits(texts: list[str], limits: Limits) -> None:
+    """LibreTranslate's 400s for more texts than --max-lines or a text over --max-chars."""
+    if len(texts) > limits.max_lines:
+        raise _bad(f"Invalid request: request ({len(texts)}) exceeds text limit ({limits.max_lines})")
+    for t in texts:
+        if len(t) > limits.max_chars:
+            raise _bad(f"Invalid request: request ({len(t)}) exceeds text limit ({limits.max_chars})")
 
 
 def _is_json(request: Request) -> bool:

@@ -7,10 +7,11 @@ entity spellings and void tags come back rewritten) while the positions of the t
 let every tag, attribute, comment and entity be copied from the source as written.
 
 A text node is a run of text and character references between two tags. It is translated unless
-it has no letter, or lies inside an element whose text is not prose: `script`, `style`, `code`,
-`pre` (and the like), `translate="no"`, `class="notranslate"`, or the link parts Mastodon marks
-(`mention`, `hashtag`, `invisible`, `ellipsis`). Its translation is escaped back, each character that
-the source wrote as an entity (`&nbsp;`, `&#8217;`) written the same way again.
+it has no letter, shows the address of the link it is in or part of it (a URL that Mastodon or
+another server made a link of), or lies inside an element whose text is not prose: `script`,
+`style`, `code`, `pre` (and the like), `translate="no"`, `class="notranslate"`, or the link parts
+Mastodon marks (`mention`, `hashtag`, `invisible`, `ellipsis`). Its translation is escaped back,
+each character that the source wrote as an entity (`&nbsp;`, `&#8217;`) written the same way again.
 """
 
 from __future__ import annotations
@@ -60,16 +61,24 @@ class _Events(HTMLParser):
 
     def __init__(self, source: str) -> None:
         super().__init__(convert_charrefs=False)
-        self.line_starts = [0] + [m.end() for m in re.finditer(r"\r\n|\r|\n", source)]
+        # the tokenizer counts lines by "\n" alone (a lone "\r" is within a line for `getpos`)
+        self.line_starts = [0] + [m.end() for m in re.finditer("\n", source)]
         self.events: list[tuple[int, bool]] = []  # (offset, is translatable text)
-        self.open: list[tuple[str, bool]] = []  # (tag, its text is not prose)
+        self.open: list[tuple[str, bool, str]] = []  # (tag, its text is not prose, a link's address)
 
     def _at(self) -> int:
         line, col = self.getpos()
         return self.line_starts[line - 1] + col
 
     def _skipping(self) -> bool:
-        return any(skip for _, skip in self.open)
+        return any(skip for _, skip, _ in self.open)
+
+    def _in_address(self, data: str) -> bool:
+        """Whether `data` is an address, or part of one, shown as the text of a link to it: one word
+        with a "." or "/" in it, within the link's href (not "help" in a link to /help)."""
+        shown = data.strip()
+        return (bool(shown) and not any(c.isspace() for c in shown) and ("." in shown or "/" in shown)
+                and any(shown in href for _, _, href in self.open if href))
 
     def _mark(self, text: bool) -> None:
         self.events.append((self._at(), text and not self._skipping()))
@@ -81,7 +90,7 @@ class _Events(HTMLParser):
         a = dict(attrs)
         classes = set((a.get("class") or "").split())
         skip = tag in SKIP_TAGS or (a.get("translate") or "").lower() == "no" or bool(classes & SKIP_CLASSES)
-        self.open.append((tag, skip))
+        self.open.append((tag, skip, (a.get("href") or "") if tag == "a" else ""))
 
     def handle_startendtag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         self._mark(False)
@@ -94,7 +103,7 @@ class _Events(HTMLParser):
                 break
 
     def handle_data(self, data: str) -> None:
-        self._mark(True)
+        self._mark(not self._in_address(data))
 
     def handle_entityref(self, name: str) -> None:
         self._mark(True)
@@ -115,11 +124,19 @@ class _Events(HTMLParser):
         self._mark(False)
 
 
+class NotHtml(ValueError):
+    """A fragment the tokenizer cannot read (Python 3.11-3.12's, on a malformed `<![`)."""
+
+
 def parse(source: str) -> Fragment:
-    """`source` cut into markup and text nodes; the pieces joined give `source` back exactly."""
+    """`source` cut into markup and text nodes; the pieces joined give `source` back exactly.
+    Raises `NotHtml` where the tokenizer gives up."""
     parser = _Events(source)
-    parser.feed(source)
-    parser.close()
+    try:
+        parser.feed(source)
+        parser.close()
+    except AssertionError as e:  # the standard library's tokenizer asserts on some malformed declarations
+        raise NotHtml(str(e)) from None
     starts = [(0, False)] + parser.events + [(len(source), False)]
     pieces: list[str] = []
     slots: list[int] = []

@@ -20,13 +20,14 @@ from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from aiayn.sentences import split
 from aiayn.serve.batch import DEFAULT_ALPHA, Key
 from aiayn.serve.clients import check_holdable
 from aiayn.serve.errors import ApiError
 from aiayn.serve.scheduler import Limits
+from aiayn.serve.unicode import fields_replaced
 
 
 class TranslateRequest(BaseModel):
@@ -42,6 +43,12 @@ class TranslateRequest(BaseModel):
                                                    "or an Authorization: Bearer KEY header)")
     split_sentences: bool = Field(True, description="cut each line into sentences, translate each and join them "
                                                     "with the line's spacing (false: a line is one sentence)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_surrogates(cls, data: Any) -> Any:
+        """Lone UTF-16 surrogates read as U+FFFD (`aiayn.serve.unicode`)."""
+        return fields_replaced(data) if isinstance(data, dict) else data
 
 
 class Hypothesis(BaseModel):
