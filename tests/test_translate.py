@@ -441,7 +441,7 @@ def test_a_disk_full_after_some_chunks_says_how_many_lines_are_written(ckpt, tmp
     src = tmp_path / "in.txt"
     src.write_text("\n".join(lines) + "\n", encoding="utf-8")
     full = _FillsUp(3)  # chunks of 2 lines: the third write fails
-    monkeypatch.setattr(aiayn.translate, "_open_output", lambda name: (full, True))
+    monkeypatch.setattr(aiayn.translate, "_open_output", lambda name: (full, None))
     argv = ["translate", "--checkpoint", str(ckpt), "--input", str(src), "--output", "out.txt", "--chunk-lines", "2"]
     assert cli.main(argv + FAST_FLAGS) == 2
     assert capsys.readouterr().err == ("aiayn translate: error: out.txt: cannot write (No space left on device); "
@@ -482,6 +482,39 @@ def test_lines_before_invalid_utf8_are_written_and_counted(ckpt):
     assert len(r.stdout.decode().splitlines()) == 2  # the two good lines of the same chunk
     err = r.stderr.decode()
     assert err.count("\n") == 1 and "<stdin>:3: invalid UTF-8" in err and "the first 2 input line(s)" in err
+
+
+def test_an_output_file_is_put_in_place_only_when_every_line_is_in(ckpt, tmp_path, translator):
+    """--output FILE is written beside FILE and renamed over it at the end: a run that fails (or
+    is stopped) leaves a FILE that was there as it was, its finished lines in FILE.partial (once
+    FILE was emptied at the start and the old translations were lost); with no FILE before, they
+    are in FILE. A success replaces FILE, keeping its mode; no temporary file is left behind."""
+    src, out = tmp_path / "in.txt", tmp_path / "out.txt"
+    src.write_bytes(b"a man runs\nthe dog\n\xff\nmore\n")  # the bad line is found after one chunk of 2
+    out.write_text("precious old translations\n")
+    r = aiayn("translate", "--checkpoint", str(ckpt), *FAST_FLAGS, "--chunk-lines", "2", "--input", str(src),
+              "--output", str(out))
+    assert r.returncode == 2 and out.read_text() == "precious old translations\n"
+    want = translator.translate(["a man runs", "the dog"], beam=4, **FAST)
+    assert (tmp_path / "out.txt.partial").read_text().splitlines() == want
+    assert r.stderr.decode().rstrip("\n").endswith(
+        f"the first 2 input line(s) are translated and written to {out}.partial ({out} is as it was)")
+    fresh = tmp_path / "fresh.txt"
+    r = aiayn("translate", "--checkpoint", str(ckpt), *FAST_FLAGS, "--chunk-lines", "2", "--input", str(src),
+              "--output", str(fresh))
+    assert r.returncode == 2 and fresh.read_text().splitlines() == want
+    assert r.stderr.decode().rstrip("\n").endswith("the first 2 input line(s) are translated and written")
+    src.write_bytes(b"\xff\n")  # nothing translated: nothing kept, nothing added
+    (tmp_path / "out.txt.partial").unlink()
+    r = aiayn("translate", "--checkpoint", str(ckpt), *FAST_FLAGS, "--input", str(src), "--output", str(out))
+    assert r.returncode == 2 and out.read_text() == "precious old translations\n"
+    src.write_text("a man runs\nthe dog\n")
+    out.chmod(0o640)
+    r = aiayn("translate", "--checkpoint", str(ckpt), *FAST_FLAGS, "--input", str(src), "--output", str(out))
+    assert r.returncode == 0 and out.read_text().splitlines() == want and (out.stat().st_mode & 0o777) == 0o640
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh.txt", "in.txt", "out.txt"]
+    r = aiayn("translate", "--checkpoint", str(ckpt), *FAST_FLAGS, "--input", str(src), "--output", os.devnull)
+    assert r.returncode == 0 and os.path.exists(os.devnull) and not os.path.isfile(os.devnull)  # a device stays one
 
 
 def test_invisible_only_lines_are_blank(translator):

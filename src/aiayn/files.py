@@ -1,4 +1,5 @@
-"""Files: reading text, writing atomically, fingerprints, and where aiayn keeps its cache.
+"""Files: reading text, writing atomically (whole files, and streams put in place at the end),
+fingerprints, and where aiayn keeps its cache.
 
 Every module that reads a corpus or writes a file goes through here, so that the rules hold
 everywhere: text is UTF-8 (strict), plain or gzip, split on "\\n" only; a written file appears
@@ -12,11 +13,12 @@ import gzip
 import hashlib
 import io
 import os
+import stat
 import sys
 import tempfile
 import zlib
 from pathlib import Path
-from typing import Iterator
+from typing import BinaryIO, Iterator
 
 from aiayn.errors import AiaynError
 
@@ -155,6 +157,70 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+class ReplacingFile:
+    """A file written as a stream and put in place at the end: the bytes go to a new file beside
+    `path` (its folder, found through a link), which replaces `path` when `commit` is called, so a
+    run that fails or is stopped leaves a file already at `path` as it was. Where that cannot be
+    (a device or pipe such as /dev/null, a folder that takes no new file), it is `path` itself.
+    `keep` then saves what was written: at `path` if there was no file there, else beside it."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.tmp = path, None
+        target = os.path.realpath(path)
+        try:
+            mode = os.stat(target).st_mode
+        except FileNotFoundError:
+            mode = None
+        self.existed = mode is not None
+        if mode is None or stat.S_ISREG(mode):
+            with contextlib.suppress(OSError):  # e.g. no right to add a file to the folder: write in place
+                fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=f".{os.path.basename(target)}.",
+                                           suffix=".partial")
+                os.fchmod(fd, stat.S_IMODE(mode) if mode is not None else 0o666 & ~umask())
+                self.stream: BinaryIO = os.fdopen(fd, "wb")
+                self.tmp, self.target = tmp, target
+                return
+        self.stream = open(path, "wb")
+
+    def commit(self) -> None:
+        """Close, and put the new file in place."""
+        self.stream.close()
+        if self.tmp is not None:
+            os.replace(self.tmp, self.target)
+
+    def keep(self) -> str:
+        """Close after a failure; keep what was written. Returns where it is: `path`, or a new
+        `path`.partial (numbered if taken) when `path` held a file, which stays as it was."""
+        with contextlib.suppress(OSError):
+            self.stream.close()
+        if self.tmp is None:
+            return self.path
+        if not self.existed:
+            try:
+                os.replace(self.tmp, self.target)
+            except OSError:
+                return self.tmp
+            return self.path
+        for n in range(1000):
+            kept = f"{self.path}.partial" + (f".{n}" if n else "")
+            try:
+                os.link(self.tmp, kept)  # never over a file of the user's
+            except FileExistsError:
+                continue
+            except OSError:  # a file system without links: the hidden name, said in the message
+                return self.tmp
+            os.unlink(self.tmp)
+            return kept
+        return self.tmp
+
+    def discard(self) -> None:
+        """Close after a failure before anything was written: `path` as it was, no file added."""
+        with contextlib.suppress(OSError):
+            self.stream.close()
+        if self.tmp is not None:
+            Path(self.tmp).unlink(missing_ok=True)
 
 
 def silence_stdout() -> None:

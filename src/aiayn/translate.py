@@ -44,7 +44,7 @@ from aiayn.config import INFERENCE_PRECISIONS
 from aiayn.kernels import ModuleT
 from aiayn.errors import AiaynError, require
 from aiayn import memory
-from aiayn.files import silence_stdout
+from aiayn.files import ReplacingFile, silence_stdout
 from aiayn.search import DEFAULT_STOP_RULE, STOP_RULES, ScoredIds, beam_search, greedy_search
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, PIECES, TokenizerPair, vocabulary
 
@@ -677,13 +677,28 @@ def _check_output(name: str, src: BinaryIO) -> None:
             raise AiaynError(f"{name}: is also the input; write the translations to another file (--output)")
 
 
-def _open_output(name: str) -> tuple[IO[bytes], bool]:
+def _open_output(name: str) -> tuple[IO[bytes], ReplacingFile | None]:
+    """Standard output, or --output FILE written beside it and put in place once every line is in
+    (`files.ReplacingFile`: a failed or stopped run leaves an existing FILE as it was)."""
     if name == "-":
-        return sys.stdout.buffer, False
+        return sys.stdout.buffer, None
     try:
-        return open(name, "wb"), True
+        f = ReplacingFile(name)
     except OSError as e:
         raise AiaynError(f"{name}: cannot write ({e.strerror or e}) (--output)") from None
+    return f.stream, f
+
+
+def _kept(f: ReplacingFile | None, done: int) -> str:
+    """After a failure or Ctrl-C: where the `done` finished lines are (" to FILE.partial; FILE is
+    as it was" when they could not go to FILE), or "" where they are in the output itself."""
+    if f is None:
+        return ""
+    if not done:
+        f.discard()
+        return ""
+    kept = f.keep()
+    return "" if kept == f.path else f" to {kept} ({f.path} is as it was)"
 
 
 def _format(i: int, nb: list[tuple[str, float]], nbest: int) -> bytes:
@@ -722,7 +737,7 @@ def run(args: argparse.Namespace) -> int:
     device = inference_device(args.device, args.precision)
     src, close_in = _open_input(args.input)
     out: IO[bytes] | None = None
-    close_out = False
+    out_file: ReplacingFile | None = None
     done = 0
     try:
         _check_output(args.output, src)
@@ -734,7 +749,7 @@ def run(args: argparse.Namespace) -> int:
                                  "add --engine ctranslate2")
             translator = Translator.from_checkpoint(args.checkpoint, precision=args.precision, device=str(device))
         language = _source_language(args) if getattr(args, "split_sentences", None) is not None else None
-        out, close_out = _open_output(args.output)  # only now: a failed start leaves an old file as it was
+        out, out_file = _open_output(args.output)  # only now: a failed start adds no file
         name = "<stdin>" if args.input == "-" else args.input
         for chunk in LineChunks(src, name, args.chunk_lines):
             if language is not None:
@@ -750,27 +765,35 @@ def run(args: argparse.Namespace) -> int:
                 except BrokenPipeError:
                     raise
                 except OSError as e:
-                    if not close_out:
+                    if out_file is None:
                         silence_stdout()
                     where = "standard output" if args.output == "-" else args.output
                     raise AiaynError(f"{where}: cannot write ({e.strerror or e})") from None
                 done += len(chunk)
+        if out_file is not None:
+            try:
+                out_file.commit()
+            except OSError as e:
+                raise AiaynError(f"{args.output}: cannot write ({e.strerror or e})") from None
+            out_file = None
     except AiaynError as e:
+        kept = _kept(out_file, done)
         if done:  # say what is already there, as for Ctrl-C
-            raise AiaynError(f"{e}; the first {done} input line(s) are translated and written") from None
+            raise AiaynError(f"{e}; the first {done} input line(s) are translated and written{kept}") from None
         raise
     except KeyboardInterrupt:
         if out is not None:
             with contextlib.suppress(OSError):
                 out.flush()
-        print(f"aiayn translate: interrupted; the first {done} input line(s) are translated and written, "
+        kept = _kept(out_file, done)
+        print(f"aiayn translate: interrupted; the first {done} input line(s) are translated and written{kept}, "
               f"line-aligned; rerun on the rest with `tail -n +{done + 1}`", file=sys.stderr, flush=True)
         return 130
+    except BaseException:
+        _kept(out_file, done)  # a broken pipe or a bug: the lines finished are kept all the same
+        raise
     finally:
         if close_in:
             src.close()
-        if close_out and out is not None:
-            with contextlib.suppress(OSError):  # a write error was already reported
-                out.close()
     return 0
 
