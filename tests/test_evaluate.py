@@ -108,6 +108,23 @@ def test_multi30k_mode(ckpt, capsys):
     assert got["references"].endswith("test_2016_flickr.en.gz")
 
 
+@pytest.mark.skipif(not os.path.isdir(os.path.join(os.environ.get("AIAYN_DATA", ""), "multi30k")),
+                    reason="needs AIAYN_DATA (the Multi30k data root)")
+def test_multi30k_the_wrong_way_round_is_refused(ckpt, tmp_path, capsys):
+    """A Multi30k checkpoint scored on the other direction came out near 0 BLEU without a word."""
+    import shutil
+
+    run = tmp_path / "de-en"
+    shutil.copytree(ckpt, run)
+    cfg = json.loads((run / "config.json").read_text())
+    cfg["train"].update(data="multi30k", src="de", tgt="en")
+    (run / "config.json").write_text(json.dumps(cfg))
+    argv = ["evaluate", "--checkpoint", str(run), "--data", "multi30k", "--src", "en", "--tgt", "de", "--beam", "1"]
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err == (f"aiayn evaluate: error: {run} translates de to en (trained on Multi30k), "
+                                       "not en to de; use --src de --tgt en\n")
+
+
 def test_an_all_empty_hypothesis_file_is_scored(tmp_path, capsys):
     h, r = write(tmp_path / "h.txt", [""]), write(tmp_path / "r.txt", ["A dog runs ."])
     assert cli.main(["evaluate", "--hyp-file", h, "--ref-file", r, "--json"]) == 0

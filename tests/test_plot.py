@@ -319,6 +319,15 @@ def test_more_bad_settings_are_one_line_errors_before_any_work(tmp_path, capsys)
         (["plot", "lr-schedule", "--factor", "inf", "-o", str(tmp_path / "lr.png")], "--factor must be a positive finite"),
         (["plot", "positional-encoding", "-o", str(afile / "pe.png")], f"-o {afile / 'pe.png'}: cannot write"),
         (["plot", "positional-encoding", "-o", str(tmp_path / "d.png")], f"-o {tmp_path / 'd.png'}: cannot write"),
+        # sizes past any plot (tracebacks out of memory, once): refused before a table is made
+        (["plot", "positional-encoding", "--max-len", "10000000", "-o", str(tmp_path / "pe.png")],
+         "--max-len 10000000 x --d-model 512 is more than the 33554432 values a plot draws"),
+        (["plot", "positional-encoding", "--d-model", "200000000", "-o", str(tmp_path / "pe.png")],
+         "--d-model 200000000 is more than the 33554432 values"),
+        (["plot", "lr-schedule", "--steps", "1000000000000", "-o", str(tmp_path / "lr.png")],
+         "--steps 1000000000000 is more than the 1000000 steps a curve draws; give --steps 1000000 or fewer"),
+        (["plot", "lr-schedule", "--warmup", "1000000000", "-o", str(tmp_path / "lr.png")],
+         "--steps 10000000000 (the default: 10 x --warmup) is more than"),
     ]
     for argv, words in cases:
         assert main(argv) == 2

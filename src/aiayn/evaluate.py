@@ -102,6 +102,23 @@ def _inputs(args: argparse.Namespace) -> tuple[str, str, str]:
     return "translate", args.src_file, args.ref_file
 
 
+def _check_direction(args: argparse.Namespace) -> None:
+    """--data multi30k --src/--tgt against the pair a Multi30k checkpoint was trained on: the other
+    way round it would be scored, near 0 BLEU, without a word. Other checkpoints are not checked
+    (a run from raw text records the defaults de/en when it was given no languages)."""
+    from aiayn.checkpoint import read_config, resolve_checkpoint
+
+    try:
+        train = read_config(resolve_checkpoint(Path(args.checkpoint))).get("train") or {}
+    except (AiaynError, OSError, ValueError):
+        return  # loading it reports what is wrong with it
+    src, tgt = train.get("src"), train.get("tgt")
+    known = train.get("data") == "multi30k" and isinstance(src, str) and isinstance(tgt, str)
+    if known and (src, tgt) != (args.src, args.tgt):
+        raise AiaynError(f"{args.checkpoint} translates {src} to {tgt} (trained on Multi30k), "
+                         f"not {args.src} to {args.tgt}; use --src {src} --tgt {tgt}")
+
+
 def _check_save_path(path: str, inputs: Sequence[str]) -> None:
     """--save-hyps must be writable and must not be one of the input files; checked before translating."""
     target = Path(path)
@@ -127,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
 
     device = inference_device(args.device, args.precision)  # a flag error first, before any file is read
     mode, first, ref_path = _inputs(args)
+    if args.data:
+        _check_direction(args)
     if args.save_hyps and mode == "translate":
         _check_save_path(args.save_hyps, [first, ref_path])
     refs = read_lines(ref_path)

@@ -87,12 +87,19 @@ def save_figure(fig: Figure, path: str | os.PathLike, dpi: int = DEFAULT_DPI) ->
 # ---------------------------------------------------------------------------- positional encoding
 
 
+MAX_TABLE = 2**25  # positions x dimensions of an encoding table to draw (128 MB of float32)
+MAX_STEPS = 10**6  # steps of a learning-rate curve (the paper trains for 100k and 300k)
+
+
 def positional_encoding_table(d_model: int, max_len: int) -> np.ndarray:
     """What the model adds to the embeddings at positions 0..max_len-1: (max_len, d_model)."""
     if d_model <= 0 or d_model % 2:
         raise AiaynError(f"--d-model must be a positive even number, got {d_model}")
     if max_len <= 0:
         raise AiaynError(f"--max-len must be positive, got {max_len}")
+    if max_len * d_model > MAX_TABLE:  # (a table of billions of values once ran out of memory with a traceback)
+        raise AiaynError(f"--max-len {max_len} x --d-model {d_model} is more than the {MAX_TABLE} values a plot "
+                         "draws; give fewer positions or dimensions")
     with torch.no_grad():
         # Run the model's own module on zeros, so the picture is the encoding as the model applies it.
         return PositionalEncoding(d_model, max_len)(torch.zeros(1, max_len, d_model))[0].numpy()
@@ -467,9 +474,14 @@ def lr_schedule_figure(d_models: Sequence[int], warmups: Sequence[int], steps: i
             raise AiaynError(f"--warmup must be positive, got {w}")
     if not 0 < factor < math.inf:  # nan fails too
         raise AiaynError(f"--factor must be a positive finite number, got {factor}")
+    given = steps is not None
     steps = steps if steps is not None else (max_steps if cooldown else 10 * max(warmups))
     if steps < 1:
         raise AiaynError(f"--steps must be at least 1, got {steps}")
+    if steps > MAX_STEPS:
+        default = "" if given else " (the default: --max-steps)" if cooldown else " (the default: 10 x --warmup)"
+        raise AiaynError(f"--steps {steps}{default} is more than the {MAX_STEPS} steps a curve draws; "
+                         f"give --steps {MAX_STEPS} or fewer")
     x = np.arange(1, steps + 1)
     fig = Figure(figsize=(10, 5.2), layout="constrained")
     ax = fig.subplots()
