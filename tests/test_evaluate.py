@@ -65,6 +65,7 @@ def test_hyp_file_mode_json_and_text(tmp_path, capsys):
     (["--ref-file", "R3"], "--checkpoint"),
     (["--checkpoint", "C", "--data", "multi30k"], "--src and --tgt"),
     (["--hyp-file", "/nonexistent/h.txt", "--ref-file", "R3"], "/nonexistent/h.txt"),
+    (["--hyp-file", "H", "--ref-file", "R3", "--save-hyps", "S"], "--save-hyps saves the translations a --checkpoint"),
 ])
 def test_user_errors_are_one_line(argv, words, tmp_path, capsys):
     files = {"H": write(tmp_path / "h.txt", HYPS[:2]), "R3": write(tmp_path / "r.txt", REFS), "C": str(tmp_path)}

@@ -83,6 +83,9 @@ def _inputs(args: argparse.Namespace) -> tuple[str, str, str]:
     if args.hyp_file:
         if args.checkpoint or args.src_file or args.data:
             raise AiaynError("--hyp-file scores existing translations: drop --checkpoint, --src-file and --data")
+        if args.save_hyps:  # (it was ignored without a word)
+            raise AiaynError("--save-hyps saves the translations a --checkpoint makes; with --hyp-file they are "
+                             "in that file already")
         if not args.ref_file:
             raise AiaynError("--hyp-file needs --ref-file (the references, line-aligned)")
         return "hyp", args.hyp_file, args.ref_file
