@@ -337,7 +337,8 @@ def test_average_never_replaces_what_is_not_an_earlier_average(tmp_path, tok, ca
     (fake / "notes.txt").write_text("keep")
     for out, words in ((precious, "is not an earlier average"), (fake, "is not an earlier average"),
                        (run, "one of the checkpoints being averaged"),
-                       (run / "step_2", "one of the checkpoints being averaged"), (afile / "x", "cannot make the folder")):
+                       (run / "step_2", "one of the checkpoints being averaged"), (afile / "x", "cannot make the folder"),
+                       (run / "step_2" / "avg", "is inside")):
         assert cli_main(["average", "--checkpoint", str(run), "-n", "2", "-o", str(out)]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and words in err, err
@@ -347,6 +348,8 @@ def test_average_never_replaces_what_is_not_an_earlier_average(tmp_path, tok, ca
     _save(other, _model(tok, seed=9), tok, step=9, state={"step": 9})
     assert cli_main(["average", "--inputs", str(run / "step_1"), "-o", str(other)]) == 2
     assert "is not an earlier average" in capsys.readouterr().err
+    assert cli_main(["average", "--inputs", str(run / "step_1"), str(run / "step_1"), "-o", str(tmp_path / "a2")]) == 2
+    assert f"--inputs: {run / 'step_1'} is named twice" in capsys.readouterr().err
     assert (fake / "notes.txt").read_text() == "keep"
     monkeypatch.chdir(run / "step_1")
     assert cli_main(["average", "--checkpoint", str(run), "-n", "2", "-o", "."]) == 2

@@ -362,6 +362,8 @@ def _check_average_output(out: Path, inputs: list[Path]) -> None:
     for p in inputs:
         if real == p.resolve() or real in p.resolve().parents:
             raise AiaynError(f"-o {out} is (or holds) {p}, one of the checkpoints being averaged; choose a new path")
+        if p.resolve() in real.parents:  # a checkpoint's folder is replaced whole when saved again, or pruned
+            raise AiaynError(f"-o {out} is inside {p}, one of the checkpoints being averaged; choose a path outside it")
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return
     try:
@@ -384,9 +386,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.inputs:
         paths = [Path(p) for p in args.inputs]
+        seen: set[Path] = set()
         for p in paths:
             if not (p / CONFIG).is_file():
                 raise AiaynError(f"--inputs: {p} is not a checkpoint directory (no {CONFIG})")
+            if p.resolve() in seen:  # it would count twice in the average
+                raise AiaynError(f"--inputs: {p} is named twice; name each checkpoint once")
+            seen.add(p.resolve())
     else:
         if args.num < 1:
             raise AiaynError(f"-n must be at least 1, got {args.num}")
