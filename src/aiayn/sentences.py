@@ -40,17 +40,32 @@ def _segmenter() -> Callable[[str, str], list[str]]:
     return lambda language, text: list(segment(language, text))
 
 
+# sentencex 1.0.32 panics on a letter, a space of more than one UTF-8 byte and a full stop ("Z\xa0.",
+# "Z\u202f."), and Rust prints the panic on stderr: the splitter reads such spaces as plain ones (one
+# character for one), and its sentences are taken from the line as written, at the same places.
+_PLAIN_SPACES = str.maketrans({c: " " for c in map(chr, range(0x80, 0x3001)) if c.isspace()})
+
+
 def _sentences_of_line(line: str, language: str) -> list[str]:
-    """The sentences of one line (no line ends in it), stripped, in order."""
+    """The sentences of one line, stripped, in order, as written in it."""
     if not line.strip():
         return []
+    plain = line.translate(_PLAIN_SPACES)
     try:
-        parts = [p.strip() for p in _segmenter()(language, line)]
+        parts = [p.strip() for p in _segmenter()(language, plain)]
     except (KeyboardInterrupt, SystemExit):
         raise
-    except BaseException:  # a splitter fault must not fail a translation: the line is one sentence. A
-        parts = [line.strip()]  # Rust panic is a BaseException (sentencex 1.0.32 panics on "Z\xa0.")
-    return [p for p in parts if p]
+    except BaseException:  # a splitter fault must not fail a translation: the line is one sentence (a
+        parts = [plain.strip()]  # Rust panic is a BaseException)
+    out, at = [], 0
+    for p in filter(None, parts):
+        k = plain.find(p, at)
+        if k < 0:  # not verbatim (it never should be): `split` takes the rest of the line
+            out.append(p)
+            continue
+        out.append(line[k:k + len(p)])
+        at = k + len(p)
+    return out
 
 
 def split(text: str, language: str) -> Paragraph:
