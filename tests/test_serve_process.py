@@ -372,6 +372,9 @@ def test_a_connection_with_an_unread_body_is_closed_after_its_answer(served):
     times = [_closed_within(sock, 8) for sock in socks]
     assert all(t is not None and t < 4 for t in times), times
     assert httpx.get(f"{s.url}/health").status_code == 200  # not locked out by --max-connections
+    for path in ("/", "/health"):  # uptime monitors ask with HEAD (once a 405)
+        r = httpx.head(f"{s.url}{path}")
+        assert r.status_code == 200 and r.content == b""
 
     closed = _closed_within(_answered_unread(s.port, 1000), 8, trickle=True)  # a byte per 0.2 s: a deadline
     assert closed is not None and closed < 4, closed
