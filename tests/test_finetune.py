@@ -3,6 +3,7 @@
 The run starts from the checkpoint's weights, tokenizers and shape (the text is encoded with its
 tokenizers, not new ones), its validation loss falls below the imported model's, and a run killed
 with SIGKILL mid-run and resumed ends with the same weights, bitwise, as a run never interrupted.
+The run keeps the checkpoint's language pair and refuses the options the checkpoint decides.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from safetensors.torch import load_file
 pytest.importorskip("transformers")
 
 import marian_models as mm  # noqa: E402
-from test_train import train_cli  # noqa: E402
+from test_train import make_corpus, train_cli  # noqa: E402
 
 from aiayn.checkpoint import load_checkpoint  # noqa: E402
 from aiayn.cli import main  # noqa: E402
@@ -36,6 +37,19 @@ def imported(tmp_path_factory) -> Path:
     if not mm.have_data():
         pytest.skip("Multi30k is not in AIAYN_DATA")
     return import_marian(mm.FIXTURE, tmp_path_factory.mktemp("ft") / "imported", warn=pytest.fail)
+
+
+@pytest.fixture(scope="module")
+def imported_en_fr(tmp_path_factory) -> Path:
+    """The fixture imported as an en->fr model (it needs no Multi30k: the tests below train on words)."""
+    return import_marian(mm.FIXTURE, tmp_path_factory.mktemp("enfr") / "imported", warn=pytest.fail, src="en", tgt="fr")
+
+
+def _word_args(imported: Path, tmp_path: Path, out: Path, *extra: str) -> list[str]:
+    """A one-step fine-tuning on make_corpus's word pairs (seconds)."""
+    files = make_corpus(tmp_path / "words", n_train=40, n_valid=4)
+    return ["train", "--init-from", str(imported), "--train-src", files["train_src"], "--train-tgt", files["train_tgt"],
+            "--max-steps", "1", "--precision", "fp32", "--threads", "1", "--valid-bleu", "0", "--out", str(out), *extra]
 
 
 @pytest.fixture()
@@ -88,6 +102,27 @@ def test_fine_tuning_keeps_the_tokenizer_and_lowers_validation_loss(imported, sl
 def test_the_shape_is_the_checkpoints(imported, slice_files, tmp_path):
     with pytest.raises(AiaynError, match="--d-model 64 differs from --init-from"):
         train_cli(_args(imported, slice_files, tmp_path / "run", "--d-model", "64"))
+
+
+def test_fine_tuning_keeps_the_checkpoints_language_pair(imported_en_fr, tmp_path):
+    # the run's src/tgt name its pair for serve, sentence splitting and export: not TrainConfig's de/en
+    out = tmp_path / "run"
+    assert main(_word_args(imported_en_fr, tmp_path, out)) == 0
+    for config in (json.loads((out / "step_1" / "config.json").read_text())["train"],
+                   json.loads((out / "train.json").read_text())["train"]):
+        assert (config["src"], config["tgt"]) == ("en", "fr")
+    assert main(_word_args(imported_en_fr, tmp_path, tmp_path / "given", "--src", "de", "--tgt", "en")) == 0
+    assert json.loads((tmp_path / "given" / "train.json").read_text())["train"]["src"] == "de"  # given: kept
+
+
+@pytest.mark.parametrize("extra", [["--preset", "base"], ["--vocab-size", "500"], ["--no-joint-vocab"],
+                                   ["--spm-model-type", "unigram"]])
+def test_options_the_checkpoint_decides_are_refused(imported_en_fr, tmp_path, capsys, extra):
+    out = tmp_path / "run"
+    assert main(_word_args(imported_en_fr, tmp_path, out, *extra)) == 2
+    err = capsys.readouterr().err
+    assert f"error: {extra[0]}" in err and "--init-from" in err and err.count("\n") == 1, err
+    assert not out.exists()
 
 
 def test_sigkill_then_resume_equals_an_uninterrupted_fine_tuning(imported, slice_files, tmp_path):

@@ -649,6 +649,45 @@ def test_config_file_values_of_the_wrong_type(tmp_path, corpus, capsys, text, me
     assert message in err and err.count("\n") == 1, err
 
 
+def test_a_config_file_with_a_bom_is_read_and_one_not_in_utf8_is_a_one_line_error(tmp_path, corpus, capsys):
+    f = tmp_path / "c.toml"
+    f.write_bytes("\ufeff[train]\nvocab_size = 100\n".encode())  # as Notepad saves it
+    assert T.build_configs(build_parser("train").parse_args(["train", "--config", str(f)]))[2].vocab_size == 100
+    f.write_bytes(b"[train]\nvocab_size = 100\n# caf\xe9\n")  # Latin-1
+    assert cli_main(tiny_args(corpus, tmp_path / "r", "--config", str(f))) == 2
+    err = capsys.readouterr().err
+    assert f"--config {f}: line 3 is not UTF-8" in err and err.count("\n") == 1 and "Traceback" not in err, err
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("extra, toml, message", [
+    (["--n-heads", "3"], "", "d_model 32 is not divisible by n_heads 3"),
+    ([], '[model]\nd_model = "x"', "c.toml: d_model must be a whole number, got 'x'"),
+    ([], "[model]\nn_heads = 3", "c.toml: d_model 32 is not divisible by n_heads 3"),
+    (["--share-embeddings", "--no-joint-vocab"], "", "--share-embeddings needs a joint vocabulary"),
+])
+def test_bad_model_options_are_refused_before_the_data_is_prepared(tmp_path, corpus, capsys, extra, toml, message):
+    # preparing a large corpus takes hours: a bad option must not wait for it, nor leave data/ in --out
+    f = tmp_path / "c.toml"
+    f.write_text(toml + "\n")
+    out = tmp_path / "r"
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "1", "--config", str(f), *extra)) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    assert not out.exists()
+
+
+def test_a_max_tokens_found_too_small_after_preparation_says_how_to_go_on(tmp_path, corpus, capsys):
+    # only the prepared lengths tell: the error names --resume, which reuses the prepared data
+    out = tmp_path / "r"
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "1", "--max-tokens", "2")) == 2
+    err = capsys.readouterr().err
+    assert "--max-tokens 2 is smaller than the longest training pair" in err and "--resume" in err, err
+    assert err.count("\n") == 1
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "1", "--resume")) == 0
+    assert "already prepared" in capsys.readouterr().out
+
+
 def test_an_explicit_preset_flag_beats_the_config_file_in_either_spelling(tmp_path):
     f = tmp_path / "c.toml"
     f.write_text('preset = "base"\n')

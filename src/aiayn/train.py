@@ -138,11 +138,18 @@ def _add_field(g: Any, name: str, default: Any, help_text: str) -> None:
 
 
 def _read_config_file(path: str) -> dict[str, Any]:
+    """The --config file's table; utf-8-sig since Windows editors save a BOM that TOML would reject."""
     file = Path(path)
     try:
-        text = file.read_text(encoding="utf-8")
+        raw = file.read_bytes()
     except OSError as e:
         raise AiaynError(f"--config {file}: cannot read it ({e.strerror or e})") from e
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise AiaynError(f"--config {file}: line {line} is not UTF-8 (byte {raw[e.start]:#04x}); "
+                         "save it as UTF-8") from e
     try:
         data = json.loads(text) if file.suffix == ".json" else tomllib.loads(text)
     except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
@@ -152,32 +159,34 @@ def _read_config_file(path: str) -> dict[str, Any]:
     return data
 
 
+_MODEL_NAMES = frozenset(f.name for f in dataclasses.fields(ModelConfig)) - set(_MODEL_FROM_DATA)
+_DEFAULT_PRESET = "small"
+
+
+def _file_options(path: str) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """(preset or None, model options, train options) of a --config file."""
+    train_names = {f.name for f in dataclasses.fields(TrainConfig)}
+    flat: dict[str, Any] = {}
+    for k, v in _read_config_file(path).items():
+        if k in ("model", "train") and isinstance(v, dict):
+            flat.update(v)
+        else:
+            flat[k] = v
+    name = flat.pop("preset", None)
+    unknown = [k for k in flat if k not in _MODEL_NAMES | train_names]
+    if unknown:
+        raise AiaynError(f"--config {path}: unknown option {unknown[0]!r}")
+    return (name, {k: v for k, v in flat.items() if k in _MODEL_NAMES},
+            {k: v for k, v in flat.items() if k in train_names})
+
+
 def _options_given(args: argparse.Namespace) -> tuple[str | None, dict[str, Any], dict[str, Any]]:
     """(preset, model options, train options) set by the --config file or flags, flags winning."""
-    model_names = {f.name for f in dataclasses.fields(ModelConfig)} - set(_MODEL_FROM_DATA)
     train_names = {f.name for f in dataclasses.fields(TrainConfig)}
-    model_over: dict[str, Any] = {}
-    train_over: dict[str, Any] = {}
-    name = None
-    if args.config:
-        data = _read_config_file(args.config)
-        flat: dict[str, Any] = {}
-        for k, v in data.items():
-            if k in ("model", "train") and isinstance(v, dict):
-                flat.update(v)
-            else:
-                flat[k] = v
-        name = flat.pop("preset", name)
-        for k, v in flat.items():
-            if k in model_names:
-                model_over[k] = v
-            elif k in train_names:
-                train_over[k] = v
-            else:
-                raise AiaynError(f"--config {args.config}: unknown option {k!r}")
+    name, model_over, train_over = _file_options(args.config) if args.config else (None, {}, {})
     if args.preset is not None:  # an explicit flag beats the file
         name = args.preset
-    for k in model_names:
+    for k in _MODEL_NAMES:
         if hasattr(args, k):
             model_over[k] = getattr(args, k)
     for k in train_names:
@@ -189,14 +198,36 @@ def _options_given(args: argparse.Namespace) -> tuple[str | None, dict[str, Any]
 def build_configs(args: argparse.Namespace) -> tuple[str, dict[str, Any], TrainConfig]:
     """Preset < --config file < flags. Returns (preset name, model overrides, TrainConfig)."""
     name, model_over, train_over = _options_given(args)
-    name = "small" if name is None else name
+    name = _DEFAULT_PRESET if name is None else name
     if not isinstance(name, str) or name not in PRESETS:
         raise AiaynError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     try:
         tc = TrainConfig(**train_over)
     except TypeError as e:
         raise AiaynError(f"bad option type: {e}") from e
+    if not (args.resume or tc.init_from):  # `train` checks again; here an error can name the --config file
+        in_file = _file_options(args.config)[1] if args.config else {}
+        unflagged = {k: v for k, v in in_file.items() if not hasattr(args, k)}
+        _check_model_options(name, model_over, tc, (args.config, unflagged) if args.config else None)
     return name, model_over, tc
+
+
+def _check_model_options(name: str, model_over: dict[str, Any], tc: TrainConfig,
+                        config: tuple[str, dict[str, Any]] | None = None) -> None:
+    """A new run's model, built before its data is prepared (hours for a large corpus, and its data/
+    in --out would block the corrected command). The error names `config` (its path and the options
+    it sets that no flag overrides) where those options alone fail, else the model options given."""
+    try:
+        _new_model_config(name, model_over, tc, (tc.vocab_size, tc.vocab_size))
+    except ConfigError as e:
+        why = str(e).removeprefix("ModelConfig: ")
+        if config and config[1]:
+            try:
+                _new_model_config(name, config[1], tc, (tc.vocab_size, tc.vocab_size))
+            except ConfigError:
+                raise AiaynError(f"--config {config[0]}: {why}; fix it there") from e
+        flags = "".join(f" --{k.replace('_', '-')} {v}" for k, v in sorted(model_over.items()))
+        raise AiaynError(f"{why} (--preset {name}{flags}); change these model options") from e
 
 
 def given_options(args: argparse.Namespace) -> set[str]:
@@ -400,7 +431,7 @@ def load_corpus(tc: TrainConfig, loaded: ckpt.Checkpoint | None, run_dir: Path, 
     data (manifest sha256), and a run resumed from checkpoint `loaded` needs the data and tokenizer it
     had. `tokenizers` (fine-tuning) are those the text is encoded with instead of new ones. A failure
     on one rank is one line on every rank."""
-    from aiayn.data.corpus import open_corpus, prepare_run_data, prepared_path
+    from aiayn.data.corpus import prepare_run_data, prepared_path
 
     resuming = loaded is not None
 
@@ -411,7 +442,8 @@ def load_corpus(tc: TrainConfig, loaded: ckpt.Checkpoint | None, run_dir: Path, 
     if not tc.data_bin:  # rank 0 first; then each other machine's first process (a shared --out: done)
         d.agree(lambda: prepare_here(d.main, log, True))
         d.agree(lambda: prepare_here(d.local == 0 and not d.main, lambda m: None, False))
-    corpus = d.agree(lambda: open_corpus(prepared_path(tc, run_dir), tc, source_eos))
+    kept = not (tc.data_bin or resuming)  # prepared by this new run, into its --out
+    corpus = d.agree(lambda: _open_corpus(prepared_path(tc, run_dir), tc, source_eos, kept))
     digest = d.from_main(lambda: corpus.digest)
     d.agree(lambda: _same_data(corpus, digest, d.rank))
     if tokenizers is not None and (tokenizers.src, tokenizers.tgt) != (corpus.tokenizers.src, corpus.tokenizers.tgt):
@@ -429,6 +461,19 @@ def load_corpus(tc: TrainConfig, loaded: ckpt.Checkpoint | None, run_dir: Path, 
     return corpus
 
 
+def _open_corpus(path: Path, tc: TrainConfig, source_eos: bool, kept: bool) -> Corpus:
+    """The batch plans show a --max-tokens too small for the data only once it is prepared: where
+    this run prepared it (`kept`), the error says how to go on without preparing it again."""
+    from aiayn.data.corpus import open_corpus
+
+    try:
+        return open_corpus(path, tc, source_eos)
+    except AiaynError as e:
+        if not kept:
+            raise
+        raise AiaynError(f"{e}; then add --resume to reuse the text prepared in {path}") from e
+
+
 def _same_data(corpus: Corpus, digest: str, rank: int) -> None:
     if corpus.digest != digest:
         raise AiaynError(f"{corpus.data.path} (rank {rank}) differs from rank 0's prepared data (manifest sha256); "
@@ -438,11 +483,11 @@ def _same_data(corpus: Corpus, digest: str, rank: int) -> None:
 # ------------------------------------------------------------------------------------------ set-up
 
 
-def _set_up(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, loaded: ckpt.Checkpoint | None, d: Dist,
-            info: Log) -> Run:
-    """Data, model, trainer and metrics, restored from `loaded` when resuming; writes train.json."""
+def _set_up(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, loaded: ckpt.Checkpoint | None,
+            init: ckpt.Checkpoint | None, d: Dist, info: Log) -> Run:
+    """Data, model, trainer and metrics, restored from `loaded` when resuming, else started from
+    `init` (--init-from) if given; writes train.json."""
     out = Path(tc.out)
-    init = ckpt.load_checkpoint(tc.init_from) if tc.init_from and not loaded else None
     start = loaded or init
     source_eos = start.model_config.source_eos if start else model_over.get("source_eos", ModelConfig.source_eos)
     corpus = load_corpus(tc, loaded, out, d, source_eos, info, start.tokenizers if tc.init_from and start else None)
@@ -451,7 +496,8 @@ def _set_up(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, loade
     elif init:
         mcfg = fine_tuned_config(init, model_over)
     else:
-        mcfg = _new_model_config(preset_name, model_over, tc, corpus.tokenizers)
+        mcfg = _new_model_config(preset_name, model_over, tc, (corpus.tokenizers.src.vocab_size,
+                                                               corpus.tokenizers.tgt.vocab_size))
     torch.manual_seed(tc.seed)
     random.seed(tc.seed)
     model = Transformer(mcfg)
@@ -498,16 +544,71 @@ def fine_tuned_config(init: ckpt.Checkpoint, model_over: dict[str, Any]) -> Mode
         raise AiaynError(str(e)) from e
 
 
-def _new_model_config(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, tok: TokenizerPair) -> ModelConfig:
+def _new_model_config(preset_name: str, model_over: dict[str, Any], tc: TrainConfig,
+                      vocab: tuple[int, int]) -> ModelConfig:
+    """The model of a new run with `vocab` (source, target) pieces; before the data is prepared,
+    --vocab-size stands in for both (the checks hold for any positive sizes)."""
     over = dict(model_over)
     if not tc.joint_vocab:
         if over.get("share_embeddings"):
             raise AiaynError("--share-embeddings needs a joint vocabulary; drop --no-joint-vocab")
         over["share_embeddings"] = False
+    return preset(preset_name, src_vocab_size=vocab[0], tgt_vocab_size=vocab[1], **over)
+
+
+def _start(preset_name: str, model_over: dict[str, Any], tc: TrainConfig,
+           given: Collection[str] | None) -> tuple[str, TrainConfig, ckpt.Checkpoint | None]:
+    """A new run's (preset, settings, --init-from checkpoint), checked before its data is prepared."""
+    if tc.init_from:
+        return _fine_tune_start(tc.init_from, preset_name, model_over, tc, given)
+    _check_model_options(preset_name, model_over, tc)
+    return preset_name, tc, None
+
+
+# TrainConfig options that --init-from's checkpoint decides: its tokenizer is the run's
+_FROM_INIT = ("vocab_size", "joint_vocab", "spm_model_type")
+
+
+def _options_set(tc: TrainConfig, preset_name: str, given: Collection[str] | None) -> set[str]:
+    """`given`, or where it is None (a library call), the options that differ from their defaults."""
+    if given is not None:
+        return set(given)
+    defaults = TrainConfig()
+    changed = {k for k in tc.to_dict() if getattr(tc, k) != getattr(defaults, k)}
+    return changed | ({"preset"} if preset_name != _DEFAULT_PRESET else set())
+
+
+def _fine_tune_start(init_from: str, preset_name: str, model_over: dict[str, Any], tc: TrainConfig,
+                     given: Collection[str] | None) -> tuple[str, TrainConfig, ckpt.Checkpoint]:
+    """--init-from `init_from`: the checkpoint, which decides the model and tokenizer: an option for them is
+    refused (it would be ignored, yet recorded in the run's settings)."""
+    typed = _options_set(tc, preset_name, given)
+    for k in ("preset", *_FROM_INIT):
+        if k in typed:
+            value = preset_name if k == "preset" else getattr(tc, k)
+            flag = "--no-joint-vocab" if value is False else f"--{k.replace('_', '-')}"
+            shown = flag if isinstance(value, bool) else f"{flag} {value}"
+            raise AiaynError(f"{shown} cannot be used with --init-from {init_from}: the model, its shape and "
+                             f"tokenizer are the checkpoint's; drop {flag}")
+    init = ckpt.load_checkpoint(init_from)
+    fine_tuned_config(init, model_over)
+    return preset_name, tc, init
+
+
+def _init_language_pair(init_from: str, tc: TrainConfig, preset_name: str,
+                        given: Collection[str] | None) -> TrainConfig:
+    """With --init-from and neither --data, --src nor --tgt: the checkpoint's language pair, which
+    serve, sentence splitting and export read from the run's checkpoints (not TrainConfig's de-en)."""
+    if {"data", "src", "tgt"} & _options_set(tc, preset_name, given):
+        return tc
     try:
-        return preset(preset_name, src_vocab_size=tok.src.vocab_size, tgt_vocab_size=tok.tgt.vocab_size, **over)
-    except ConfigError as e:
-        raise AiaynError(str(e)) from e
+        saved = ckpt.read_config(ckpt.resolve_checkpoint(init_from)).get("train")
+    except AiaynError:  # a new run reports it when it loads the checkpoint; a resumed one saved its pair
+        return tc
+    pair = (saved.get("src"), saved.get("tgt")) if isinstance(saved, dict) else (None, None)
+    if all(isinstance(x, str) and x for x in pair):
+        return tc.replace(src=pair[0], tgt=pair[1])
+    return tc
 
 
 def _describe(run: Run, info: Log) -> None:
@@ -650,8 +751,12 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
     With `resume`, continues the newest checkpoint in `tc.out` with the run's saved settings (see
     `resumed_settings`; `given` names the options set on the command line, None: all of `tc`).
     """
+    init = None
+    if tc.init_from:
+        tc = _init_language_pair(tc.init_from, tc, preset_name, given)
     if not resume:
         tc.check_cooldown()  # before anything is written
+        preset_name, tc, init = _start(preset_name, model_over, tc, given)
     memory.cap_onednn_caches()  # before the first bf16 matmul
     if resume and given is not None and "device" not in given:  # not given anew: where the run ran
         tc = tc.replace(device=_saved_device(Path(tc.out)) or tc.device)
@@ -666,12 +771,13 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
         info(f"resuming from {loaded.path}")
     elif resume:
         info(f"nothing to resume in {tc.out}; starting a new run")
+        preset_name, tc, init = _start(preset_name, model_over, tc, given)
     if resume:
         tc.check_cooldown()  # on the settings the run continues with (a fresh run was checked above)
     tc = with_update_freq(tc, d.world)
     if tc.threads:
         torch.set_num_threads(tc.threads)
-    run = _set_up(preset_name, model_over, tc, loaded, d, info)
+    run = _set_up(preset_name, model_over, tc, loaded, init, d, info)
     with Stopper() as stopper:
         bar = _progress(_total_steps(run), run.trainer.step, d.main)
         run.t0 = time.time()
