@@ -156,6 +156,9 @@ def test_resolve_prefers_best_then_newest_step(tmp_path, tok):
         ckpt.resolve_checkpoint(tmp_path / "empty")
     with pytest.raises(AiaynError, match="does not exist"):
         ckpt.load_checkpoint(tmp_path / "nope")
+    (tmp_path / "in.txt").write_text("a file")
+    with pytest.raises(AiaynError, match="in.txt is a file, not a folder"):
+        ckpt.load_checkpoint(tmp_path / "in.txt")
 
 
 def test_a_kill_while_pruning_leaves_no_half_deleted_checkpoint(tmp_path, tok, monkeypatch):

@@ -261,6 +261,8 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     path = Path(path)
     if (path / CONFIG).is_file():
         return path
+    if path.exists() and not path.is_dir():
+        raise AiaynError(f"checkpoint {path} is a file, not a folder; pass a checkpoint or run directory")
     if not path.is_dir():
         raise AiaynError(f"checkpoint {path} does not exist; pass a checkpoint or run directory")
     if (path / "best" / CONFIG).is_file():
