@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -458,6 +459,25 @@ def test_export_never_deletes_a_tmp_old_folder_it_did_not_write(trained, tmp_pat
     (old / "aiayn.json").write_text("{}")  # a copy an interrupted export moved aside: its own, removed
     assert main(["export", "--checkpoint", str(trained[0]), "--to", "ctranslate2", str(out)]) == 0
     assert not old.exists() and (out / "aiayn.json").is_file()
+
+
+@pytest.mark.parametrize("target,package", [("hf", "transformers"), ("ctranslate2", "ctranslate2")])
+def test_reexport_never_deletes_what_it_did_not_write(trained, tmp_path, capsys, target, package):
+    """An earlier export is replaced whole, so OUT is taken only when it holds nothing but the files
+    that export wrote: a README or a folder added to it since is refused, and kept."""
+    pytest.importorskip(package)
+    out = tmp_path / "imported" / target  # e.g. an export kept inside the checkpoint folder of an import
+    argv = ["export", "--checkpoint", str(trained[0]), "--to", target, str(out)]
+    assert main(argv) == 0
+    capsys.readouterr()  # transformers' progress bars
+    for extra in ("README.md", "sub"):
+        (out / extra).mkdir() if extra == "sub" else (out / extra).write_text("keep")
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and extra in err and str(out) in err, err
+        assert (out / extra).exists()
+        shutil.rmtree(out / extra) if extra == "sub" else (out / extra).unlink()
+    assert main(argv) == 0  # its own files only: replaced
 
 
 # ------------------------------------------------------------------------------ without extras

@@ -140,8 +140,11 @@ def _aiayn_model(tmp_path: Path, joint: bool, **over) -> Path:  # type: ignore[n
     return path
 
 
-@pytest.mark.parametrize("joint,over", [(True, {}), (False, dict(activation="swish", output_bias=True,
-                                                                    scale_embedding=False, dropout=0.2))])
+@pytest.mark.parametrize("joint,over", [
+    (True, {}),
+    (False, dict(activation="swish", output_bias=True, scale_embedding=False, dropout=0.2)),
+    pytest.param(True, dict(source_eos=False), id="bare-sources"),  # restored from the export's aiayn.json
+])
 def test_aiayn_to_marian_to_aiayn_is_bitwise(tmp_path, joint, over):
     if not mm.have_data():
         pytest.skip("Multi30k is not in AIAYN_DATA")
@@ -166,8 +169,86 @@ def test_cli_import_then_translate(dirs, sentences, tmp_path, capsys):
     assert Translator.from_checkpoint(out).translate(sentences[:5], beam=1) == want
     # a second import may replace the first; a folder of anything else is refused
     assert main(["import", "--from", "marian", str(dirs["base"]), "--out", str(out)]) == 0
-    assert main(["import", "--from", "marian", str(dirs["base"]), "--out", str(dirs["base"].parent)]) == 2
+    assert main(["import", "--from", "marian", str(dirs["base"]), "--out", str(dirs["gelu"].parent)]) == 2
     assert "is not an earlier import" in capsys.readouterr().err
+
+
+def _one_line_error(argv: list[str], capsys) -> str:  # type: ignore[no-untyped-def]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+def test_reimport_never_deletes_what_it_did_not_write(tmp_path, capsys):
+    """An earlier import is replaced whole, so --out is taken only when it holds nothing else: a
+    user's file, a folder (a CTranslate2 export inside it), or the input itself are refused."""
+    out = tmp_path / "imported"
+    argv = ["import", "--from", "marian", str(mm.FIXTURE), "--out", str(out)]
+    assert main(argv) == 0
+    (out / "NOTES.txt").write_text("keep")
+    assert "NOTES.txt" in _one_line_error(argv, capsys)
+    (out / "NOTES.txt").unlink()
+    (out / "ct2").mkdir()
+    (out / "ct2" / "model.bin").write_text("keep")
+    assert "ct2" in _one_line_error(argv, capsys)
+    shutil.rmtree(out / "ct2")
+    shutil.copytree(mm.FIXTURE, out / "marian-src")
+    err = _one_line_error(["import", "--from", "marian", str(out / "marian-src"), "--out", str(out)], capsys)
+    assert "input" in err and "marian-src" in err
+    err = _one_line_error(["import", "--from", "marian", str(out / "marian-src"), "--out", str(out / "marian-src")],
+                          capsys)
+    assert "input" in err
+    assert sorted(p.name for p in (out / "marian-src").iterdir()) == sorted(p.name for p in mm.FIXTURE.iterdir())
+    shutil.rmtree(out / "marian-src")
+    assert main(argv) == 0  # nothing but its own files again: replaced
+
+
+def test_a_config_without_activation_function_is_transformers_default(tmp_path):
+    """transformers' MarianConfig defaults to gelu: the imported model must compute what it computes."""
+    from transformers import MarianConfig, MarianMTModel
+
+    d = tmp_path / "noact"
+    shutil.copytree(mm.FIXTURE, d)
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["activation_function"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    model, _ = convert(d, warn=pytest.fail)
+    assert model.cfg.activation == MarianConfig().activation_function == "gelu"
+    assert MarianMTModel.from_pretrained(str(d)).config.activation_function == model.cfg.activation
+
+
+def _edit_json(path: Path, edit) -> None:  # type: ignore[no-untyped-def]
+    path.write_text(json.dumps(edit(json.loads(path.read_text(encoding="utf-8")))), encoding="utf-8")
+
+
+def test_a_one_element_eos_list_is_that_id(tmp_path):
+    """transformers takes a list for eos_token_id; one id is the same model as the plain id."""
+    d = tmp_path / "eoslist"
+    shutil.copytree(mm.FIXTURE, d)
+    _edit_json(d / "config.json", lambda c: {**c, "eos_token_id": [c["eos_token_id"]]})
+    a, b = convert(mm.FIXTURE, warn=pytest.fail)[0], convert(d, warn=pytest.fail)[0]
+    assert a.cfg == b.cfg and all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+@pytest.mark.parametrize("file,edit,says", [
+    pytest.param("config.json", lambda c: {**c, "eos_token_id": [0, 5]}, "eos_token_id", id="eos-two-ids"),
+    pytest.param("config.json", lambda c: {**c, "pad_token_id": "917"}, "pad_token_id", id="pad-string"),
+    pytest.param("config.json", lambda c: {**c, "decoder_start_token_id": [917]}, "decoder_start_token_id",
+                 id="start-list"),
+    pytest.param("config.json", lambda c: {**c, "vocab_size": [918]}, "vocab_size", id="vocab-size-list"),
+    pytest.param("config.json", lambda c: [1, 2], "object", id="config-list"),
+    pytest.param("vocab.json", lambda v: ["a"], "object", id="vocab-list"),
+    pytest.param("vocab.json", lambda v: {**v, "<pad>": "917"}, "'917'", id="vocab-id-string"),
+    pytest.param("tokenizer_config.json", lambda t: "x", "object", id="tokenizer-config-string"),
+])
+def test_malformed_json_types_are_one_line_naming_file_and_field(tmp_path, capsys, file, edit, says):
+    d = tmp_path / "bad"
+    shutil.copytree(mm.FIXTURE, d)
+    _edit_json(d / file, edit)
+    err = _one_line_error(["import", "--from", "marian", str(d), "--out", str(tmp_path / "out")], capsys)
+    assert file in err and says in err, err
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("field,value,says", [

@@ -244,7 +244,7 @@ def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
         save_hf_tokenizer(ck.tokenizers, tmp, (train.get("src"), train.get("tgt")))
         info = {"format": "hf", "aiayn_checkpoint": str(ck.path), "model": ck.model.cfg.to_dict(),
                 "tokenizer": ck.tokenizers.describe()}
-        (tmp / MARKER).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        _write_marker(tmp, info)
         _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -348,7 +348,7 @@ def to_ctranslate2(model: Transformer, tokenizers: TokenizerPair, out: str | Pat
         tokenizers.save(tmp)
         info = {**(meta or {}), "quantization": quantization or "float32", "model": model.cfg.to_dict(),
                 "tokenizer": tokenizers.describe()}
-        (tmp / MARKER).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        _write_marker(tmp, info)
         _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -373,17 +373,41 @@ def export_ctranslate2(checkpoint: str | Path, out: str | Path, quantization: st
 # ------------------------------------------------------------------------------------- helpers
 
 
-MARKER = "aiayn.json"  # written into every export: what it was made from; OUT may replace a folder holding it
+MARKER = "aiayn.json"  # written into every export: what it was made from, and the files it wrote
+# the files of either kind before aiayn.json listed them
+_OLD_EXPORT_FILES = frozenset({
+    MARKER, "config.json", "generation_config.json", "model.safetensors", "source.spm", "target.spm", "vocab.json",
+    "target_vocab.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "model.bin",
+    "shared_vocabulary.json", "source_vocabulary.json", "target_vocabulary.json", "shared_vocabulary.txt",
+    "source_vocabulary.txt", "target_vocabulary.txt", "spm.model", "src.spm.model", "tgt.spm.model"})
 
 
-def _is_export(d: Path) -> bool:
-    """An earlier aiayn export of either kind, or an empty folder: what OUT may replace."""
-    return not any(d.iterdir()) or (d / MARKER).is_file()
+def _write_marker(tmp: Path, info: dict[str, Any]) -> None:
+    """aiayn.json, listing every file of the export: a later export replaces only a folder of those."""
+    files = sorted({p.name for p in tmp.iterdir()} | {MARKER})
+    (tmp / MARKER).write_text(json.dumps({**info, "files": files}, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _not_ours(d: Path) -> str | None:
+    """Why replacing folder `d` would lose something an export did not write, or None: `d` is empty,
+    or an earlier export holding nothing but the files its aiayn.json lists."""
+    entries = sorted(d.iterdir())
+    if not entries:
+        return None
+    try:
+        info = json.loads((d / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return f"is not an earlier aiayn export (no {MARKER})"
+    files = info.get("files") if isinstance(info, dict) else None
+    written = ({f for f in files if isinstance(f, str)} | {MARKER}) if isinstance(files, list) else _OLD_EXPORT_FILES
+    other = next((p.name for p in entries if p.name not in written or p.is_symlink() or not p.is_file()), None)
+    return None if other is None else f"holds {other}, which no aiayn export wrote there"
 
 
 def check_out(out: str | Path, source: str | Path | None = None) -> Path:
     """OUT as an absolute path, refused (one line) if replacing it would lose anything: a file, a
-    folder that is not an earlier export, or the checkpoint being exported (or a folder holding it)."""
+    folder holding anything but an earlier export's own files, or the checkpoint being exported (or
+    a folder holding it)."""
     out = Path(os.path.abspath(out))
     for inside, what in ((source, f"the checkpoint {source}"), (os.getcwd(), "the current directory")):
         if inside is not None:
@@ -393,9 +417,9 @@ def check_out(out: str | Path, source: str | Path | None = None) -> Path:
     if out.exists():
         if not out.is_dir():
             raise AiaynError(f"output {out} exists and is not a directory; choose another OUT")
-        if not _is_export(out):
-            raise AiaynError(f"OUT {out} exists and is not an earlier aiayn export (no {MARKER}); choose a new OUT "
-                             "(it would be replaced)")
+        why = _not_ours(out)
+        if why is not None:
+            raise AiaynError(f"OUT {out} exists and {why}; choose a new OUT (replacing it would delete that)")
         _check_aside(out)
     return out
 
@@ -408,9 +432,11 @@ def _aside(out: Path) -> Path:
 def _check_aside(out: Path) -> None:
     """A leftover aside folder is removed only if it is export's own (an interrupted replace leaves one)."""
     old = _aside(out)
-    if (old.exists() or old.is_symlink()) and not (old.is_dir() and not old.is_symlink() and _is_export(old)):
-        raise AiaynError(f"{old} is in the way of replacing OUT and is not an earlier aiayn export (no {MARKER}); "
-                         "move it away or choose another OUT")
+    if not (old.exists() or old.is_symlink()):
+        return
+    why = "is not a folder" if old.is_symlink() or not old.is_dir() else _not_ours(old)
+    if why is not None:
+        raise AiaynError(f"{old} is in the way of replacing OUT and {why}; move it away or choose another OUT")
 
 
 def _fresh_dir(out: Path) -> Path:

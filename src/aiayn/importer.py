@@ -15,8 +15,10 @@ recomputed), or refused in one line that names the config field:
 - Tokenizers. source.spm and target.spm keep their own segmentation and normalization; each is
   rewritten so that its ids are ours over the whole vocabulary: pieces of the vocabulary that the
   side's model lacks are marked unused (SentencePiece never produces them, as Marian never does).
-- `scale_embedding`, the swish activation, `final_logits_bias` and untied embeddings are fields of
-  `ModelConfig`; the source ends with </s> (`source_eos`), as MarianTokenizer feeds it.
+- `scale_embedding`, the activation (gelu when config.json names none, as in transformers' MarianConfig),
+  `final_logits_bias` and untied embeddings are fields of `ModelConfig`; the source ends with </s>
+  (`source_eos`), as MarianTokenizer feeds it, unless the directory is an aiayn export of a model
+  trained on bare sources (its aiayn.json says so).
 
 Weights are read from model.safetensors, or from pytorch_model.bin with `torch.load(weights_only=True)`.
 A hub name is fetched with transformers' own `from_pretrained` (needs a network and `aiayn[export]`).
@@ -37,14 +39,17 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor
 
-from aiayn.checkpoint import CONFIG, save_checkpoint
+from aiayn.checkpoint import CONFIG, WEIGHTS, save_checkpoint
 from aiayn.config import ConfigError, ModelConfig
 from aiayn.errors import AiaynError, require
-from aiayn.export import feature_permutation, map_marian_layers
+from aiayn.export import MARKER, feature_permutation, map_marian_layers
 from aiayn.model import Transformer
-from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, PIECES, UNK_ID, Tokenizer, TokenizerPair, read_varint
+from aiayn.tokenizer import (BOS_ID, EOS_ID, JOINT_FILE, PAD_ID, PIECES, SRC_FILE, TGT_FILE, UNK_ID, Tokenizer,
+                             TokenizerPair, read_varint)
 
 ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "swish": "swish", "silu": "swish"}  # Marian's name -> ours
+DEFAULT_ACTIVATION = "gelu"  # transformers' MarianConfig default, used when config.json names none
+IMPORT_FILES = frozenset({CONFIG, WEIGHTS, JOINT_FILE, SRC_FILE, TGT_FILE})  # all an import writes
 # Marian-family config fields that change the architecture in ways aiayn's model does not have
 _UNSUPPORTED = {"normalize_before": True, "normalize_embedding": True, "add_final_layer_norm": True,
                 "static_position_embeddings": False, "add_bias_logits": True}
@@ -63,6 +68,32 @@ def _read_json(path: Path) -> Any:
         raise AiaynError(f"{path}: cannot read it as JSON ({str(e).splitlines()[0][:200]})") from None
 
 
+_JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean"}
+
+
+def _read_object(path: Path) -> dict[str, Any]:
+    """A JSON file that must hold an object: anything else would fail later, far from its name."""
+    value = _read_json(path)
+    if not isinstance(value, dict):
+        raise AiaynError(f"{path}: holds {_JSON_TYPES.get(type(value), 'null')} where a JSON object belongs; "
+                         "fix or replace the file")
+    return value
+
+
+def _read_vocab(path: Path) -> dict[str, int]:
+    """vocab.json (or target_vocab.json): piece -> id, every id a whole number."""
+    pieces = _read_object(path)
+    for piece, i in pieces.items():
+        if not _is_int(i):
+            raise AiaynError(f"{path.name}: the id of {piece!r} is {i!r}, not a whole number; it is not a "
+                             "Marian vocabulary")
+    return pieces
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _field(hf: dict[str, Any], name: str, default: Any = None) -> Any:
     value = hf.get(name, default)
     if value is None:
@@ -70,7 +101,32 @@ def _field(hf: dict[str, Any], name: str, default: Any = None) -> Any:
     return value
 
 
-def model_config(hf: dict[str, Any], src_vocab: int, tgt_vocab: int, output_bias: bool) -> ModelConfig:
+def _whole(name: str, value: Any) -> int:
+    """A config.json number that must be whole (int() would take "917" and fail on a list)."""
+    if not _is_int(value):
+        raise AiaynError(f"config.json: {name} is {value!r}, not a whole number")
+    return int(value)
+
+
+def _token_id(hf: dict[str, Any], name: str) -> int:
+    """A special token's id; transformers also takes a list for eos_token_id: one id is that id."""
+    value = _field(hf, name)
+    if isinstance(value, list) and name == "eos_token_id":
+        if len(value) != 1:
+            raise AiaynError(f"config.json: {name} is {value!r}; aiayn's model has one such token, give one id")
+        value = value[0]
+    return _whole(name, value)
+
+
+def _fraction(hf: dict[str, Any], name: str, default: float) -> float:
+    value = hf.get(name, default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise AiaynError(f"config.json: {name} is {value!r}, not a number")
+    return float(value)
+
+
+def model_config(hf: dict[str, Any], src_vocab: int, tgt_vocab: int, output_bias: bool,
+                 source_eos: bool = True) -> ModelConfig:
     """Our ModelConfig for a Marian config.json (raises AiaynError naming the field aiayn cannot hold)."""
     if hf.get("model_type") != "marian":
         raise AiaynError(f"config.json: model_type is {hf.get('model_type')!r}; only 'marian' (MarianMTModel) "
@@ -86,7 +142,7 @@ def model_config(hf: dict[str, Any], src_vocab: int, tgt_vocab: int, output_bias
     if _field(hf, "decoder_ffn_dim") != d_ff:
         raise AiaynError(f"config.json: decoder_ffn_dim ({hf['decoder_ffn_dim']}) differs from encoder_ffn_dim "
                          f"({d_ff}); aiayn's model has one feed-forward size (d_ff)")
-    act = str(hf.get("activation_function", "swish"))
+    act = str(hf.get("activation_function", DEFAULT_ACTIVATION))
     if act not in ACTIVATIONS:
         raise AiaynError(f"config.json: activation_function {act!r} is not one aiayn has (choose from "
                          f"{', '.join(ACTIVATIONS)})")
@@ -95,11 +151,11 @@ def model_config(hf: dict[str, Any], src_vocab: int, tgt_vocab: int, output_bias
         return ModelConfig(
             src_vocab_size=src_vocab, tgt_vocab_size=tgt_vocab, d_model=_field(hf, "d_model"), n_heads=heads,
             encoder_layers=_field(hf, "encoder_layers"), decoder_layers=_field(hf, "decoder_layers"), d_ff=d_ff,
-            dropout=float(hf.get("dropout", 0.1)), attention_dropout=float(hf.get("attention_dropout", 0.0)),
-            activation_dropout=float(hf.get("activation_dropout", 0.0)), activation=ACTIVATIONS[act],
+            dropout=_fraction(hf, "dropout", 0.1), attention_dropout=_fraction(hf, "attention_dropout", 0.0),
+            activation_dropout=_fraction(hf, "activation_dropout", 0.0), activation=ACTIVATIONS[act],
             norm_first=False, share_embeddings=share, tie_output=bool(hf.get("tie_word_embeddings", True)),
             max_positions=_field(hf, "max_position_embeddings", 512), pad_id=PAD_ID, layer_norm_eps=1e-5,
-            source_eos=True, scale_embedding=bool(hf.get("scale_embedding", False)), output_bias=output_bias)
+            source_eos=source_eos, scale_embedding=bool(hf.get("scale_embedding", False)), output_bias=output_bias)
     except ConfigError as e:
         raise AiaynError(f"config.json: {e}") from None
 
@@ -383,12 +439,12 @@ def import_marian(source: str | Path, out: str | Path, warn: Any = print, src: s
     """Writes the aiayn checkpoint of a Marian directory (or hub name) to `out`; returns `out`.
     The language pair (for `aiayn serve`) is `src`/`tgt`, else tokenizer_config.json's, else the
     name's (opus-mt-SRC-TGT)."""
-    out = Path(out)
-    _check_out(out)
+    out, local = Path(out), Path(source) if Path(source).is_dir() else None
+    _check_out(out, local)
     with tempfile.TemporaryDirectory() as tmp:
-        d = Path(source) if Path(source).is_dir() else _hub(str(source), Path(tmp))
+        d = local or _hub(str(source), Path(tmp))
         model, tokenizers = convert(d, warn)
-        tk = _read_json(d / "tokenizer_config.json") if (d / "tokenizer_config.json").is_file() else {}
+        tk = _read_object(d / "tokenizer_config.json") if (d / "tokenizer_config.json").is_file() else {}
         m = re.search(r"opus-mt-([a-z]+)-([a-z]+)$", str(source).rstrip("/"))
         src = src or tk.get("source_lang") or (m.group(1) if m else None)
         tgt = tgt or tk.get("target_lang") or (m.group(2) if m else None)
@@ -397,24 +453,25 @@ def import_marian(source: str | Path, out: str | Path, warn: Any = print, src: s
             warn("no language pair found (tokenizer_config.json's source_lang/target_lang); pass --src and --tgt "
                  "for `aiayn serve`")
         info = {"from": "marian", "source": str(source)}
+        _check_out(out, local)  # again: files may have appeared there while the model was read
         save_checkpoint(out, model, tokenizers, {"train": langs, "step": 0, "imported_from": info})
     return out
 
 
 def convert(d: Path, warn: Any = print) -> tuple[Transformer, TokenizerPair]:
     """The model (eval mode) and tokenizers of a Marian directory."""
-    hf = _read_json(d / "config.json")
-    tk = _read_json(d / "tokenizer_config.json") if (d / "tokenizer_config.json").is_file() else {}
+    hf = _read_object(d / "config.json")
+    tk = _read_object(d / "tokenizer_config.json") if (d / "tokenizer_config.json").is_file() else {}
     # MarianTokenizer's default names are ours
     names = {role: _special_name(tk.get(f"{role}_token"), PIECES[i]) for role, i in
              (("pad", PAD_ID), ("unk", UNK_ID), ("eos", EOS_ID))}
     share = bool(hf.get("share_encoder_decoder_embeddings", True))
     separate = bool(tk.get("separate_vocabs", False)) or (d / "target_vocab.json").is_file() and not share
-    V = int(_field(hf, "vocab_size"))
-    V_tgt = V if share else int(hf.get("decoder_vocab_size") or V)
-    src_pieces = _read_json(d / "vocab.json")
-    tgt_pieces = _read_json(d / "target_vocab.json") if separate else src_pieces
-    pad, eos, start = (int(_field(hf, k)) for k in ("pad_token_id", "eos_token_id", "decoder_start_token_id"))
+    V = _whole("vocab_size", _field(hf, "vocab_size"))
+    V_tgt = V if share or not hf.get("decoder_vocab_size") else _whole("decoder_vocab_size", hf["decoder_vocab_size"])
+    src_pieces = _read_vocab(d / "vocab.json")
+    tgt_pieces = _read_vocab(d / "target_vocab.json") if separate else src_pieces
+    pad, eos, start = (_token_id(hf, k) for k in ("pad_token_id", "eos_token_id", "decoder_start_token_id"))
     tgt_file = "target_vocab.json" if separate else "vocab.json"
     for role, value in (("pad", pad), ("eos", eos)):
         if tgt_pieces.get(names[role]) != value:
@@ -436,7 +493,8 @@ def convert(d: Path, warn: Any = print) -> tuple[Transformer, TokenizerPair]:
     sd = read_weights(d)
     file = "model.safetensors" if (d / "model.safetensors").is_file() else "pytorch_model.bin"
     bias = sd.get("final_logits_bias")
-    cfg = model_config(hf, len(src.order), len(tgt.order), bias is not None and bool(bias.float().abs().sum() > 0))
+    cfg = model_config(hf, len(src.order), len(tgt.order), bias is not None and bool(bias.float().abs().sum() > 0),
+                       _source_eos(d))
     model = Transformer(cfg)
     load_marian_weights(model, sd, src, tgt, file)
     for f in ("source.spm", "target.spm"):
@@ -448,8 +506,24 @@ def convert(d: Path, warn: Any = print) -> tuple[Transformer, TokenizerPair]:
     return model.eval(), TokenizerPair(src_tok, tgt_tok if not joint else src_tok, joint=joint)
 
 
-def _check_out(out: Path) -> None:
-    """--out may be new, empty, or an earlier import (replaced); nothing else is overwritten."""
+def _source_eos(d: Path) -> bool:
+    """False only for an aiayn export of a model trained on bare sources: its aiayn.json says so
+    (Marian's config has no such field, and MarianTokenizer always appends </s>)."""
+    if not (d / MARKER).is_file():
+        return True
+    model = _read_object(d / MARKER).get("model") or {}
+    value = model.get("source_eos", True) if isinstance(model, dict) else model
+    if not isinstance(value, bool):
+        raise AiaynError(f"{d / MARKER}: model.source_eos is {value!r}, not true or false; export the model again "
+                         f"or remove {MARKER}")
+    return value
+
+
+def _check_out(out: Path, source: Path | None) -> None:
+    """--out may be new, empty, or an earlier import holding nothing but what an import writes: it is
+    replaced whole, so anything else there (a user's file, a folder, the input) would be lost."""
+    if source is not None and (out.resolve() == source.resolve() or out.resolve() in source.resolve().parents):
+        raise AiaynError(f"--out {out} is (or holds) the input {source}; choose a new directory")
     if out.exists() and not out.is_dir():
         raise AiaynError(f"--out {out} is a file; choose a new directory")
     if out.is_dir() and any(out.iterdir()):
@@ -459,6 +533,11 @@ def _check_out(out: Path) -> None:
             earlier = False
         if not earlier:
             raise AiaynError(f"--out {out} exists and is not an earlier import; choose a new directory")
+        other = next((p.name for p in sorted(out.iterdir())
+                      if p.name not in IMPORT_FILES or p.is_symlink() or not p.is_file()), None)
+        if other is not None:
+            raise AiaynError(f"--out {out} holds {other}, which an import did not write (replacing the folder would "
+                             "delete it); move it away or choose a new directory")
 
 
 # ------------------------------------------------------------------------------------------- CLI
