@@ -205,17 +205,20 @@ def test_reimport_never_deletes_what_it_did_not_write(tmp_path, capsys):
 
 
 def test_a_config_without_activation_function_is_transformers_default(tmp_path):
-    """transformers' MarianConfig defaults to gelu: the imported model must compute what it computes."""
+    """transformers' MarianConfig defaults to gelu and 1024 positions: the imported model must
+    compute what it computes (it was swish and 512)."""
     from transformers import MarianConfig, MarianMTModel
 
     d = tmp_path / "noact"
     shutil.copytree(mm.FIXTURE, d)
     cfg = json.loads((d / "config.json").read_text())
-    del cfg["activation_function"]
+    del cfg["activation_function"], cfg["max_position_embeddings"]
     (d / "config.json").write_text(json.dumps(cfg))
     model, _ = convert(d, warn=pytest.fail)
     assert model.cfg.activation == MarianConfig().activation_function == "gelu"
-    assert MarianMTModel.from_pretrained(str(d)).config.activation_function == model.cfg.activation
+    assert model.cfg.max_positions == MarianConfig().max_position_embeddings == 1024
+    hf = MarianMTModel.from_pretrained(str(d)).config
+    assert (hf.activation_function, hf.max_position_embeddings) == (model.cfg.activation, model.cfg.max_positions)
 
 
 def _edit_json(path: Path, edit) -> None:  # type: ignore[no-untyped-def]

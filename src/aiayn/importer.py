@@ -154,7 +154,7 @@ def model_config(hf: dict[str, Any], src_vocab: int, tgt_vocab: int, output_bias
             dropout=_fraction(hf, "dropout", 0.1), attention_dropout=_fraction(hf, "attention_dropout", 0.0),
             activation_dropout=_fraction(hf, "activation_dropout", 0.0), activation=ACTIVATIONS[act],
             norm_first=False, share_embeddings=share, tie_output=bool(hf.get("tie_word_embeddings", True)),
-            max_positions=_field(hf, "max_position_embeddings", 512), pad_id=PAD_ID, layer_norm_eps=1e-5,
+            max_positions=_field(hf, "max_position_embeddings", 1024), pad_id=PAD_ID, layer_norm_eps=1e-5,
             source_eos=source_eos, scale_embedding=bool(hf.get("scale_embedding", False)), output_bias=output_bias)
     except ConfigError as e:
         raise AiaynError(f"config.json: {e}") from None
