@@ -517,6 +517,56 @@ def test_an_output_file_is_put_in_place_only_when_every_line_is_in(ckpt, tmp_pat
     assert r.returncode == 0 and os.path.exists(os.devnull) and not os.path.isfile(os.devnull)  # a device stays one
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_stopped_run_keeps_an_existing_output_and_its_finished_lines(ckpt, tmp_path, translator, signum):
+    """Ctrl-C, or a `kill` / `timeout` (SIGTERM, once the end without a word or a kept line), while
+    --output over an existing FILE waits for input: FILE as it was, the lines done in FILE.partial."""
+    out = tmp_path / "out.txt"
+    out.write_text("precious\n")
+    proc = _translating(ckpt, "--beam", "2", "--output", str(out))
+    try:
+        proc.stdin.write(b"a man runs\nthe dog\n")
+        proc.stdin.flush()
+        deadline = time.monotonic() + 300
+        while not any(p.name.endswith(".partial") and p.read_bytes().count(b"\n") == 2 for p in tmp_path.iterdir()):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
+            time.sleep(0.05)
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signum and out.read_text() == "precious\n"
+    assert (tmp_path / "out.txt.partial").read_text().splitlines() == translator.translate(
+        ["a man runs", "the dog"], beam=2, **FAST)
+    how = "interrupted" if signum == signal.SIGINT else "stopped by SIGTERM"
+    assert err.decode() == (f"aiayn translate: {how}; the first 2 input line(s) are translated and written to "
+                            f"{out}.partial ({out} is as it was), line-aligned; rerun on the rest with `tail -n +3`\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.txt", "out.txt.partial"]
+
+
+def test_outputs_that_a_new_file_would_not_stand_for_are_written_in_place(ckpt, tmp_path, translator):
+    """A link, a file of two names and /dev/stdout are written as `open(FILE, "wb")` writes them:
+    renamed over, the link would become a file, the other name keep the old text, and /dev/stdout
+    (a link to the file behind the standard output) would lose what else was written there."""
+    src = tmp_path / "in.txt"
+    src.write_text("a man runs\n")
+    want = translator.translate(["a man runs"], beam=4, **FAST)[0] + "\n"
+    target, link, twin = tmp_path / "target.txt", tmp_path / "link.txt", tmp_path / "twin.txt"
+    target.write_text("old\n")
+    link.symlink_to(target)
+    os.link(target, twin)
+    for out in (link, target):
+        r = aiayn("translate", "--checkpoint", str(ckpt), *FAST_FLAGS, "--input", str(src), "--output", str(out))
+        assert r.returncode == 0 and link.is_symlink() and target.read_text() == twin.read_text() == want
+    log = tmp_path / "log.txt"
+    with open(log, "ab") as f:  # (appends after what the child wrote through its own opening)
+        inode = os.fstat(f.fileno()).st_ino
+        r = subprocess.run([sys.executable, "-m", "aiayn", "translate", "--checkpoint", str(ckpt), *FAST_FLAGS,
+                            "--input", str(src), "--output", "/dev/stdout"], stdout=f, stderr=subprocess.PIPE)
+        f.write(b"after\n")  # the same file still: what comes after is not written to a file renamed away
+    assert r.returncode == 0 and log.stat().st_ino == inode and log.read_text() == want + "after\n"
+
+
 def test_invisible_only_lines_are_blank(translator):
     lines = ["\x00", "\u200b", "\ufeff", " \u200b\t", "a man runs"]
     out = translator.translate(lines, beam=2, **FAST)

@@ -160,35 +160,34 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
 
 
 class ReplacingFile:
-    """A file written as a stream and put in place at the end: the bytes go to a new file beside
-    `path` (its folder, found through a link), which replaces `path` when `commit` is called, so a
-    run that fails or is stopped leaves a file already at `path` as it was. Where that cannot be
-    (a device or pipe such as /dev/null, a folder that takes no new file), it is `path` itself.
-    `keep` then saves what was written: at `path` if there was no file there, else beside it."""
+    """A file written as a stream, for `--output`. A file of the user's already at `path` (a plain
+    file, not a link, theirs, of one name, writable, without an access control list) is written beside
+    it and renamed over it by `commit`, so a run that fails or is stopped leaves it as it was, and
+    `keep` saves what was written beside it. Anything else is written in place, as `open(path, "wb")`
+    does: a new file (nothing to protect, and a killed run leaves its lines there), a device or pipe
+    (/dev/null, /dev/stdout), a link, someone else's file, a folder that takes no new file."""
 
     def __init__(self, path: str) -> None:
         self.path, self.tmp = path, None
-        target = os.path.realpath(path)
-        try:
-            mode = os.stat(target).st_mode
-        except FileNotFoundError:
-            mode = None
-        self.existed = mode is not None
-        if mode is None or stat.S_ISREG(mode):
-            with contextlib.suppress(OSError):  # e.g. no right to add a file to the folder: write in place
-                fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=f".{os.path.basename(target)}.",
-                                           suffix=".partial")
-                os.fchmod(fd, stat.S_IMODE(mode) if mode is not None else 0o666 & ~umask())
+        if _replaceable(path):
+            with contextlib.suppress(OSError):  # e.g. no right to add a file to the folder: in place
+                mode = stat.S_IMODE(os.stat(path).st_mode)
+                fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
+                                           prefix=f".{os.path.basename(path)}.", suffix=".partial")
+                os.fchmod(fd, mode)
                 self.stream: BinaryIO = os.fdopen(fd, "wb")
-                self.tmp, self.target = tmp, target
+                self.tmp = tmp
                 return
         self.stream = open(path, "wb")
 
     def commit(self) -> None:
-        """Close, and put the new file in place."""
+        """Close, and put the new file in place (on disk first: a crash then leaves one or the other)."""
+        if self.tmp is not None:
+            self.stream.flush()
+            os.fsync(self.stream.fileno())
         self.stream.close()
         if self.tmp is not None:
-            os.replace(self.tmp, self.target)
+            os.replace(self.tmp, self.path)
 
     def keep(self) -> str:
         """Close after a failure; keep what was written. Returns where it is: `path`, or a new
@@ -196,12 +195,6 @@ class ReplacingFile:
         with contextlib.suppress(OSError):
             self.stream.close()
         if self.tmp is None:
-            return self.path
-        if not self.existed:
-            try:
-                os.replace(self.tmp, self.target)
-            except OSError:
-                return self.tmp
             return self.path
         for n in range(1000):
             kept = f"{self.path}.partial" + (f".{n}" if n else "")
@@ -221,6 +214,20 @@ class ReplacingFile:
             self.stream.close()
         if self.tmp is not None:
             Path(self.tmp).unlink(missing_ok=True)
+
+
+def _replaceable(path: str) -> bool:
+    """Whether a new file renamed over `path` would be the same to its user: a plain file (not a
+    link), theirs, of one name, writable, without an access control list a new file would lack."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    acl = False
+    with contextlib.suppress(OSError, AttributeError):  # (no extended attributes here: no ACL)
+        acl = "system.posix_acl_access" in os.listxattr(path)
+    return (stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1 and not acl
+            and os.access(path, os.W_OK))
 
 
 def silence_stdout() -> None:

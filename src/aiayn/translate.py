@@ -10,7 +10,8 @@ pinned by tests/test_translate.py:
   `max_src_tokens` source tokens with a note on stderr, never dropped;
 - input is read in chunks of whatever lines are available, so `... | aiayn translate | ...` streams;
   each chunk is written and flushed before the next is read;
-- Ctrl-C (SIGINT) keeps every line already written, line-aligned, and exits 130 with a message.
+- Ctrl-C (SIGINT), SIGTERM and SIGHUP keep every line already written, line-aligned, and exit
+  128 + the signal with a message; `--output` over a file is put in place at the end (`files.ReplacingFile`).
 
 `precision="bf16"` runs search on a bfloat16 copy of the model (faster than autocast: no per-op
 casts; same BLEU within noise, a few outputs differ from fp32) (log-probabilities and scores are
@@ -707,28 +708,76 @@ def _format(i: int, nb: list[tuple[str, float]], nbest: int) -> bytes:
     return "".join(f"{i} ||| {text} ||| {score:.4f}\n" for text, score in nb[:nbest]).encode("utf-8")
 
 
-@contextlib.contextmanager
-def _sigint_deferred() -> Iterator[None]:
-    """Hold Ctrl-C back while the block runs, then raise KeyboardInterrupt if it came.
+class _Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (a `kill`, `timeout`, a closed terminal), taken as Ctrl-C is: the lines
+    finished so far are kept and counted."""
 
-    A Python-level handler, not a signal mask: torch's worker threads would still take a masked
-    signal and interrupt the main thread anywhere inside the block. A SIGINT that the process was
-    started with ignored (a background job of a script, `nohup`) stays ignored, as everywhere else.
-    """
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+_STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def _stops_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise `_Stopped` while the block runs (where their handler is the default,
+    in the main thread); Ctrl-C raises KeyboardInterrupt as always."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    hits: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: hits.append(signum))
+    previous: dict[int, Any] = {s: signal.getsignal(s) for s in _STOPS[1:]}
+
+    def stop(signum: int, frame: Any) -> None:
+        raise _Stopped(signum)
+
+    for s, handler in previous.items():
+        if handler == signal.SIG_DFL:
+            signal.signal(s, stop)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def _stops_deferred() -> Iterator[None]:
+    """Hold Ctrl-C, SIGTERM and SIGHUP back while the block runs, then raise as `_stops_interrupt`
+    would if one came.
+
+    A Python-level handler, not a signal mask: torch's worker threads would still take a masked
+    signal and interrupt the main thread anywhere inside the block. A signal that the process was
+    started with ignored (a background job of a script, `nohup`) stays ignored, as everywhere else.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    hits: list[int] = []
+    previous: dict[int, Any] = {s: signal.getsignal(s) for s in _STOPS}
+    for s, handler in previous.items():
+        if handler != signal.SIG_IGN:
+            signal.signal(s, lambda signum, frame: hits.append(signum))
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     if hits:
-        raise KeyboardInterrupt
+        handler = previous[hits[0]]
+        if callable(handler):  # Ctrl-C's raises KeyboardInterrupt, `_stops_interrupt`'s `_Stopped`
+            handler(hits[0], None)
+        elif handler == signal.SIG_DFL:
+            raise KeyboardInterrupt if hits[0] == signal.SIGINT else _Stopped(hits[0])
 
 
 def run(args: argparse.Namespace) -> int:
+    with _stops_interrupt():  # a `kill` or `timeout` keeps the finished lines as Ctrl-C does
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     s = _settings(args)  # flags are checked before the model is loaded
     memory.keep_freed_memory()  # a job that decodes and ends: no page faults for every new activation
     ct2_engine = getattr(args, "engine", "torch") == "ctranslate2"
@@ -758,7 +807,7 @@ def run(args: argparse.Namespace) -> int:
             else:
                 results = translator.search(chunk, first_line=done + 1, **vars(s))
                 text = b"".join(_format(done + k, nb, s.nbest) for k, nb in enumerate(results))
-            with _sigint_deferred():  # a chunk is written and counted whole, so the Ctrl-C message is exact
+            with _stops_deferred():  # a chunk is written and counted whole, so the Ctrl-C message is exact
                 try:
                     out.write(text)
                     out.flush()
@@ -781,14 +830,15 @@ def run(args: argparse.Namespace) -> int:
         if done:  # say what is already there, as for Ctrl-C
             raise AiaynError(f"{e}; the first {done} input line(s) are translated and written{kept}") from None
         raise
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         if out is not None:
             with contextlib.suppress(OSError):
                 out.flush()
         kept = _kept(out_file, done)
-        print(f"aiayn translate: interrupted; the first {done} input line(s) are translated and written{kept}, "
+        how = f"stopped by {signal.Signals(e.signum).name}" if isinstance(e, _Stopped) else "interrupted"
+        print(f"aiayn translate: {how}; the first {done} input line(s) are translated and written{kept}, "
               f"line-aligned; rerun on the rest with `tail -n +{done + 1}`", file=sys.stderr, flush=True)
-        return 130
+        return 128 + e.signum if isinstance(e, _Stopped) else 130
     except BaseException:
         _kept(out_file, done)  # a broken pipe or a bug: the lines finished are kept all the same
         raise
