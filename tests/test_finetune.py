@@ -125,6 +125,26 @@ def test_options_the_checkpoint_decides_are_refused(imported_en_fr, tmp_path, ca
     assert not out.exists()
 
 
+def test_a_recipe_that_repeats_the_checkpoints_own_settings_is_taken(imported_en_fr, tmp_path):
+    """A run's recipe file (configs/multi30k.toml sets vocab_size and joint_vocab) fine-tuning that
+    run: the values are the checkpoint's own, so nothing would be ignored; another value is refused."""
+    import shutil
+
+    from aiayn.config import TrainConfig
+    from aiayn.train import _fine_tune_start
+
+    own = tmp_path / "own"
+    shutil.copytree(imported_en_fr, own)
+    cfg = json.loads((own / "config.json").read_text())
+    cfg["train"].update(vocab_size=500, joint_vocab=True, spm_model_type="bpe")
+    (own / "config.json").write_text(json.dumps(cfg))
+    given = {"vocab_size", "joint_vocab", "spm_model_type"}
+    tc = TrainConfig(init_from=str(own), vocab_size=500, joint_vocab=True, spm_model_type="bpe")
+    assert _fine_tune_start(str(own), "small", {}, tc, given)[2].path == own
+    with pytest.raises(AiaynError, match="--vocab-size 400 .a flag, or the --config file's vocab_size. cannot be used"):
+        _fine_tune_start(str(own), "small", {}, tc.replace(vocab_size=400), given)
+
+
 def test_sigkill_then_resume_equals_an_uninterrupted_fine_tuning(imported, slice_files, tmp_path):
     steps = 12
     extra = ["--max-steps", str(steps), "--save-every", "2", "--log-every", "1", "--dropout", "0.1"]

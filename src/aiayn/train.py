@@ -581,16 +581,18 @@ def _options_set(tc: TrainConfig, preset_name: str, given: Collection[str] | Non
 def _fine_tune_start(init_from: str, preset_name: str, model_over: dict[str, Any], tc: TrainConfig,
                      given: Collection[str] | None) -> tuple[str, TrainConfig, ckpt.Checkpoint]:
     """--init-from `init_from`: the checkpoint, which decides the model and tokenizer: an option for them is
-    refused (it would be ignored, yet recorded in the run's settings)."""
+    refused (it would be ignored, yet recorded in the run's settings) unless it is the checkpoint's own
+    (a run's recipe file, as `configs/multi30k.toml`, fine-tuning that run)."""
     typed = _options_set(tc, preset_name, given)
+    init = ckpt.load_checkpoint(init_from)
+    saved = {**(init.config.get("train") or {}), "preset": init.config.get("preset")}
     for k in ("preset", *_FROM_INIT):
-        if k in typed:
-            value = preset_name if k == "preset" else getattr(tc, k)
+        value = preset_name if k == "preset" else getattr(tc, k)
+        if k in typed and saved.get(k) != value:
             flag = "--no-joint-vocab" if value is False else f"--{k.replace('_', '-')}"
             shown = flag if isinstance(value, bool) else f"{flag} {value}"
-            raise AiaynError(f"{shown} cannot be used with --init-from {init_from}: the model, its shape and "
-                             f"tokenizer are the checkpoint's; drop {flag}")
-    init = ckpt.load_checkpoint(init_from)
+            raise AiaynError(f"{shown} (a flag, or the --config file's {k}) cannot be used with --init-from "
+                             f"{init_from}: the model, its shape and tokenizer are the checkpoint's; drop it")
     fine_tuned_config(init, model_over)
     return preset_name, tc, init
 
