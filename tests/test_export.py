@@ -462,7 +462,7 @@ def test_export_never_deletes_a_tmp_old_folder_it_did_not_write(trained, tmp_pat
 
 
 @pytest.mark.parametrize("target,package", [("hf", "transformers"), ("ctranslate2", "ctranslate2")])
-def test_reexport_never_deletes_what_it_did_not_write(trained, tmp_path, capsys, target, package):
+def test_reexport_never_deletes_what_it_did_not_write(trained, tmp_path, capsys, monkeypatch, target, package):
     """An earlier export is replaced whole, so OUT is taken only when it holds nothing but the files
     that export wrote: a README or a folder added to it since is refused, and kept."""
     pytest.importorskip(package)
@@ -478,6 +478,19 @@ def test_reexport_never_deletes_what_it_did_not_write(trained, tmp_path, capsys,
         assert (out / extra).exists()
         shutil.rmtree(out / extra) if extra == "sub" else (out / extra).unlink()
     assert main(argv) == 0  # its own files only: replaced
+    import aiayn.export as export
+
+    checked = export._check_aside
+
+    def meanwhile(folder):  # a file added to OUT while the export is written: seen before the swap
+        if calls.append(1) or len(calls) == 2:
+            (out / "notes.txt").write_text("keep")
+        return checked(folder)
+
+    calls: list[int] = []
+    monkeypatch.setattr(export, "_check_aside", meanwhile)
+    assert main(argv) == 2
+    assert "notes.txt" in capsys.readouterr().err and (out / "notes.txt").read_text() == "keep"
 
 
 # ------------------------------------------------------------------------------ without extras

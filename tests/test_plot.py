@@ -325,7 +325,7 @@ def test_more_bad_settings_are_one_line_errors_before_any_work(tmp_path, capsys)
         (["plot", "positional-encoding", "--d-model", "200000000", "-o", str(tmp_path / "pe.png")],
          "--d-model 200000000 is more than the 33554432 values"),
         (["plot", "lr-schedule", "--steps", "1000000000000", "-o", str(tmp_path / "lr.png")],
-         "--steps 1000000000000 is more than the 1000000 steps a curve draws; give --steps 1000000 or fewer"),
+         "--steps 1000000000000 is more than the 10000000 steps a curve draws; give --steps 10000000 or fewer"),
         (["plot", "lr-schedule", "--warmup", "1000000000", "-o", str(tmp_path / "lr.png")],
          "--steps 10000000000 (the default: 10 x --warmup) is more than"),
     ]

@@ -456,6 +456,9 @@ def _replace_dir(tmp: Path, out: Path) -> None:
         f.chmod((0o777 if f.is_dir() else 0o666) & ~mask)
     if out.exists():
         _check_aside(out)  # again: it may have appeared while the export was written
+        why = _not_ours(out) if out.is_dir() and not out.is_symlink() else "is not a folder"
+        if why is not None:  # and files may have been added to OUT meanwhile
+            raise AiaynError(f"OUT {out} {why} (since the export started); it was left as it is, choose a new OUT")
         old = _aside(out)
         shutil.rmtree(old, ignore_errors=True)
         out.rename(old)

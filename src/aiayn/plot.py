@@ -88,7 +88,7 @@ def save_figure(fig: Figure, path: str | os.PathLike, dpi: int = DEFAULT_DPI) ->
 
 
 MAX_TABLE = 2**25  # positions x dimensions of an encoding table to draw (128 MB of float32)
-MAX_STEPS = 10**6  # steps of a learning-rate curve (the paper trains for 100k and 300k)
+MAX_STEPS = 10**7  # steps of a learning-rate curve (the paper trains for 100k and 300k; T5 for 2^20)
 
 
 def positional_encoding_table(d_model: int, max_len: int) -> np.ndarray:
