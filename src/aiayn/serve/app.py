@@ -405,7 +405,8 @@ def _info_routes(app: FastAPI, srv: Server) -> None:
                         **{k.lower(): os.environ.get(k) for k in memory.ONEDNN_CACHES}}}
     page = resources.files("aiayn.serve") / "static"
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.get("/health")
+    @app.head("/health", include_in_schema=False)  # uptime monitors (one operation in /spec)
     async def health() -> JSONResponse:
         """200 once the model is loaded and warmed up; 503 before (or if warm-up failed)."""
         if srv.ready:
@@ -423,7 +424,8 @@ def _info_routes(app: FastAPI, srv: Server) -> None:
         """Prometheus metrics: requests by status, latency, batch sizes, queue depth, tokens/s."""
         return Response(generate_latest(srv.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.api_route("/", methods=["GET", "HEAD"], response_class=HTMLResponse, include_in_schema=False)  # HEAD: uptime monitors
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    @app.head("/", response_class=HTMLResponse, include_in_schema=False)  # uptime monitors
     async def index() -> HTMLResponse:
         return HTMLResponse((page / "index.html").read_text(encoding="utf-8"))
 
