@@ -256,6 +256,14 @@ def step_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def language_pair(cfg: dict[str, Any]) -> tuple[str, str] | None:
+    """The (source, target) languages a checkpoint's config records (train.src, train.tgt), if it
+    names both."""
+    train = cfg.get("train")
+    src, tgt = (train.get("src"), train.get("tgt")) if isinstance(train, dict) else (None, None)
+    return (src, tgt) if isinstance(src, str) and src and isinstance(tgt, str) and tgt else None
+
+
 def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     """A checkpoint directory -> itself; a run directory -> its best/, else its newest step_<N>/."""
     path = Path(path)

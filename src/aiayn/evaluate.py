@@ -109,17 +109,16 @@ def _check_direction(args: argparse.Namespace) -> None:
     """--data multi30k --src/--tgt against the pair a Multi30k checkpoint was trained on: the other
     way round it would be scored, near 0 BLEU, without a word. Other checkpoints are not checked
     (a run from raw text records the defaults de/en when it was given no languages)."""
-    from aiayn.checkpoint import read_config, resolve_checkpoint
+    from aiayn.checkpoint import language_pair, read_config, resolve_checkpoint
 
     try:
-        train = read_config(resolve_checkpoint(Path(args.checkpoint))).get("train") or {}
+        cfg = read_config(resolve_checkpoint(Path(args.checkpoint)))
     except (AiaynError, OSError, ValueError):
         return  # loading it reports what is wrong with it
-    src, tgt = train.get("src"), train.get("tgt")
-    known = train.get("data") == "multi30k" and isinstance(src, str) and isinstance(tgt, str)
-    if known and (src, tgt) != (args.src, args.tgt):
-        raise AiaynError(f"{args.checkpoint} translates {src} to {tgt} (trained on Multi30k), "
-                         f"not {args.src} to {args.tgt}; use --src {src} --tgt {tgt}")
+    pair = language_pair(cfg)
+    if (cfg.get("train") or {}).get("data") == "multi30k" and pair is not None and pair != (args.src, args.tgt):
+        raise AiaynError(f"{args.checkpoint} translates {pair[0]} to {pair[1]} (trained on Multi30k), "
+                         f"not {args.src} to {args.tgt}; use --src {pair[0]} --tgt {pair[1]}")
 
 
 def _check_save_path(path: str, inputs: Sequence[str]) -> None:

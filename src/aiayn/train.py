@@ -206,8 +206,7 @@ def build_configs(args: argparse.Namespace) -> tuple[str, dict[str, Any], TrainC
     except TypeError as e:
         raise AiaynError(f"bad option type: {e}") from e
     if not (args.resume or tc.init_from):  # `train` checks again; here an error can name the --config file
-        in_file = _file_options(args.config)[1] if args.config else {}
-        unflagged = {k: v for k, v in in_file.items() if not hasattr(args, k)}
+        unflagged = {k: v for k, v in model_over.items() if not hasattr(args, k)}  # the file's, no flag over them
         _check_model_options(name, model_over, tc, (args.config, unflagged) if args.config else None)
     return name, model_over, tc
 
@@ -604,13 +603,10 @@ def _init_language_pair(init_from: str, tc: TrainConfig, preset_name: str,
     if {"data", "src", "tgt"} & _options_set(tc, preset_name, given):
         return tc
     try:
-        saved = ckpt.read_config(ckpt.resolve_checkpoint(init_from)).get("train")
+        pair = ckpt.language_pair(ckpt.read_config(ckpt.resolve_checkpoint(init_from)))
     except AiaynError:  # a new run reports it when it loads the checkpoint; a resumed one saved its pair
         return tc
-    pair = (saved.get("src"), saved.get("tgt")) if isinstance(saved, dict) else (None, None)
-    if all(isinstance(x, str) and x for x in pair):
-        return tc.replace(src=pair[0], tgt=pair[1])
-    return tc
+    return tc if pair is None else tc.replace(src=pair[0], tgt=pair[1])
 
 
 def _describe(run: Run, info: Log) -> None:
