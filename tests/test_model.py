@@ -376,18 +376,19 @@ def _compiled_append(cache: LayerCache, k: torch.Tensor, v: torch.Tensor) -> tup
     """What search's compiled int8 step does with a layer's cache: `room`, the compiled append, `appended`."""
     from aiayn import step
 
-    old_k, old_v, spare_k, spare_v = cache.room(k.shape, k)
+    old_k, old_v, store_k, store_v = cache.room(k.shape, k)
     unit = step.compiled_step()
-    got = unit.append_kv(old_k, cache.pending, k, spare_k), unit.append_kv(old_v, cache.pending, v, spare_v)
+    got = unit.append_kv(old_k, cache.pending, k, store_k), unit.append_kv(old_v, cache.pending, v, store_v)
     cache.appended(*got)
     return got
 
 
 @pytest.mark.parametrize("how", ["append", "compiled"])
-def test_layer_cache_reuses_two_buffers_and_keeps_values(how):
-    """Appends with reorders (rows duplicated, dropped, shrinking) give exactly index_select + cat,
-    while the storage takes turns between two buffers: nothing new once they are big enough; the
-    same for the compiled int8 step's appends (`LayerCache.room`, `appended`)."""
+def test_layer_cache_appends_in_place_takes_turns_to_reorder_and_keeps_values(how):
+    """Appends with and without reorders (rows duplicated, dropped, shrinking) give exactly
+    index_select + cat, time-major: an append without a reorder writes into the keys' own buffer, a
+    reorder copies into the other buffer (never into the one it reads); nothing new is made once
+    the buffers are big enough; the same for the compiled step's appends (`LayerCache.room`, `appended`)."""
     g = torch.Generator().manual_seed(0)
     H, d = 2, 3
     k0, v0 = torch.randn(6, H, 1, d, generator=g), torch.randn(6, H, 1, d, generator=g)
@@ -395,29 +396,36 @@ def test_layer_cache_reuses_two_buffers_and_keeps_values(how):
     append = cache.append if how == "append" else lambda k, v: _compiled_append(cache, k, v)
     ref_k, ref_v = append(k0, v0)
     ref_k, ref_v = ref_k.clone(), ref_v.clone()
-    storages = []
+    storages, reordered = [], []
     rows = 6
-    for step in range(12):
+    for step in range(16):
         if step % 3 == 2 and rows > 2:
             rows -= 1  # a sentence left the batch
-        order = torch.randint(0, ref_k.size(0), (rows,), generator=g)
-        cache.reorder_rows(order)
+        order = torch.randint(0, ref_k.size(0), (rows,), generator=g) if step % 4 == 0 else torch.arange(rows)
+        if step % 4 == 0 or order.numel() != ref_k.size(0):
+            cache.reorder_rows(order)
+        reordered.append(cache.pending is not None)
         k, v = torch.randn(rows, H, 1, d, generator=g), torch.randn(rows, H, 1, d, generator=g)
         got_k, got_v = append(k, v)
         ref_k = torch.cat([ref_k.index_select(0, order), k], 2)
         ref_v = torch.cat([ref_v.index_select(0, order), v], 2)
         assert torch.equal(got_k, ref_k) and torch.equal(got_v, ref_v)
-        assert got_k.is_contiguous() and got_v.is_contiguous()
+        assert all(x.permute(2, 0, 1, 3).is_contiguous() for x in (got_k, got_v))  # (t, R, H, d) in memory
         storages.append(got_k.untyped_storage().data_ptr())
-    # fresh buffers are made only to grow (room for 8 more positions each time): 12 steps, few buffers
+    assert any(reordered) and not all(reordered)
+    # fresh buffers are made only to grow (room for 8 more positions each time): 16 steps, few buffers
     assert len(set(storages)) <= 4
-    assert all(a != b for a, b in zip(storages, storages[1:]))  # never written over while read
+    steps = list(zip(storages, storages[1:], reordered[1:]))
+    assert all(after != before for before, after, moved in steps if moved)  # never into the buffer it reads
+    in_place = [after == before for before, after, moved in steps if not moved]
+    assert sum(in_place) >= len(in_place) - 2  # in place but where the buffer was full (16 steps: twice at most)
 
 
 @pytest.mark.parametrize("how", ["append", "compiled"])
-def test_layer_cache_reuses_two_buffers_under_inference_mode(how):
-    """Search runs under inference mode, where views record no `_base`: the two buffers still take
-    turns (the cache keeps its storage itself; found through `_base`, it was never reused there)."""
+def test_layer_cache_appends_in_place_under_inference_mode(how):
+    """Search runs under inference mode, where views record no `_base`: appends without reorders
+    still write into the same buffer (the cache keeps its storage itself), and a reorder copies
+    into a second one."""
     H, d, rows = 2, 3, 4
     with torch.inference_mode():
         cache = LayerCache(torch.zeros(rows, H, 1, d), torch.zeros(rows, H, 1, d))
@@ -426,8 +434,11 @@ def test_layer_cache_reuses_two_buffers_under_inference_mode(how):
         for _ in range(8):
             got_k, _ = append(torch.randn(rows, H, 1, d), torch.randn(rows, H, 1, d))
             storages.append(got_k.untyped_storage().data_ptr())
-        assert cache.spare[0] is not None  # the storage of the keys before, for the next step
-    assert len(set(storages)) <= 4
+        assert len(set(storages[1:])) == 1  # the first step's keys are the caller's; then one buffer
+        cache.reorder_rows(torch.tensor([1, 0, 3, 2]))
+        got_k, _ = append(torch.randn(rows, H, 1, d), torch.randn(rows, H, 1, d))
+        assert got_k.untyped_storage().data_ptr() != storages[-1]
+        assert cache.spare[0] is not None and cache.spare[0].untyped_storage().data_ptr() == storages[-1]
 
 
 def test_layer_cache_sizes_its_storage_from_the_new_keys():

@@ -22,24 +22,27 @@ class LayerCache:
     """One decoder layer's keys/values for incremental decoding.
 
     Cross-attention keys/values are computed once per sentence and shared by that sentence's beam
-    rows (`DecoderCache.beam`), so beam search never copies them. Self-attention keys/values grow by
-    the new positions at every step and stay contiguous (CPU batched matmuls copy strided operands
-    first, which cost more than a preallocated buffer saves). A reorder is lazy: the rows are
-    selected by the next `append`, in the same single copy that adds the new positions. That copy
-    goes into storage an earlier append used (buffers taking turns, kept in `flat` and `spare`), so
-    a step allocates nothing large: fresh memory of that size would cost page faults at every step.
-    `append` does that copy; search's compiled steps (int8, float) do it in TorchScript, between `room` and
-    `appended`.
-    The layers of a `DecoderCache` share their spare buffers (`spare`, one list): each append takes
-    them and leaves there the buffers of the keys it replaces, which the next layer's append writes
-    into once this one has read them, or this layer's own next append where it is alone. L layers
-    then hold L + 1 buffers per tensor rather than 2L: beam search's peak memory is mostly this.
+    rows (`DecoderCache.beam`), so beam search never copies them. Self-attention keys/values live
+    time-major, in a flat buffer viewed as (capacity, R, H, d_head): a step writes its new position
+    in place, and the keys so far are a view of the first t positions, (R, H, t, d_head) with strides
+    (H*d, d, R*H*d, 1), which the batched matmuls read as they are (every head's keys a matrix with a
+    row stride). Appending into a (R, H, t, d_head) layout instead copies every key at every step
+    (at 64 sentences, 9% of a greedy step in the torch profiler; docs/speed.md). A buffer is
+    made with room for 8 more positions and is replaced (copied) once full.
+    A reorder is lazy: the rows are selected by the next append, in one copy into another buffer
+    (kept in `flat` and `spare`, taking turns), so a step allocates nothing large: fresh memory of
+    that size would cost page faults at every step. `append` does that copy; search's compiled
+    steps (int8, float) do it in TorchScript, between `room` and `appended`.
+    The layers of a `DecoderCache` share their spare buffers (`spare`, one list): each copy takes
+    them and leaves there the buffers of the keys it replaces, which the next layer's copy writes
+    into once this one has read them, or this layer's own next copy where it is alone. L layers
+    then hold at most L + 1 buffers per tensor rather than 2L: beam search's peak memory is mostly this.
     The keys/values that `append` returns are therefore only valid until the next `append`.
     """
 
     cross_k: Tensor  # (N, H, S, d_head), one row per sentence
     cross_v: Tensor  # (N, H, S, d_head)
-    self_k: Tensor | None = None  # (R, H, t, d_head), R = N * beam rows, before `pending` is applied
+    self_k: Tensor | None = None  # (R, H, t, d_head) time-major, R = N * beam rows, before `pending` is applied
     self_v: Tensor | None = None
     pending: Tensor | None = None  # (R',) rows of self_k/self_v that the next append keeps
     # Flat storage: what self_k, self_v view (None where they are not in storage of ours), the
@@ -64,23 +67,34 @@ class LayerCache:
             self.flat = [None, None]
         else:
             old_k, old_v, store_k, store_v = self.room(k.shape, k)
-            self.appended(_select_cat(old_k, self.pending, k, store_k), _select_cat(old_v, self.pending, v, store_v))
+            self.appended(_append_into(old_k, self.pending, k, store_k), _append_into(old_v, self.pending, v, store_v))
         self.pending = None
         return self.self_k, self.self_v
 
     def room(self, new: tuple[int, ...], like: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """The keys and values so far (empty before the first step) and flat storage for them with
+        """The keys and values so far (empty before the first step) and the storage for them with
         the new positions, of shape `new` (R, H, T, d_head), for an append that `appended` then
         records (`append`'s, or one of search's compiled steps'); `like` gives dtype and device.
-        Shape: -> (R', H, t, d_head) twice, then two flat buffers."""
+        The storage is the keys' own buffer where the new positions fit there and no rows are to be
+        selected (the append then writes only them), else another one.
+        Shape: -> (R', H, t, d_head) twice, then two buffers (capacity, R, H, d_head)."""
         R, H, T, d = new
         if self.self_k is None or self.self_v is None:
             self.self_k = self.self_v = like.new_empty(R, H, 0, d)
         need = R * H * (self.self_k.size(2) + T) * d
-        store_k, store_v = (_storage(s, need, R * H * d, like) for s in self.spare)
-        self._room = [store_k, store_v]
-        self.spare[:] = self.flat  # the next append's, written after this one has read them
+        if not self._fits(R, need, like):
+            self._room = [_storage(s, need, R * H * d, like) for s in self.spare]
+            self.spare[:] = self.flat  # the next append's, written after this one has read them
+        else:
+            self._room = list(self.flat)
+        store_k, store_v = (_positions(s, R, H, d) for s in self._room if s is not None)
         return self.self_k, self.self_v, store_k, store_v
+
+    def _fits(self, R: int, need: int, like: Tensor) -> bool:
+        """Whether the next append can write into the keys' own buffers: no rows to select, the
+        same rows (the buffers' layout depends on their number), room for `need` elements."""
+        return (self.pending is None and self.self_k is not None and self.self_k.size(0) == R
+                and all(_usable(f, need, like) for f in self.flat))
 
     def appended(self, k: Tensor, v: Tensor) -> None:
         """Take the keys/values that an append wrote into `room`'s storage.
@@ -114,29 +128,41 @@ def ungroup(x: Tensor, rows: int, T: int) -> Tensor:
     return x.reshape(N, H, rows // N, T, x.size(-1)).transpose(1, 2).reshape(rows, H, T, x.size(-1))
 
 
-def _select_cat(old: Tensor, rows: Tensor | None, new: Tensor, storage: Tensor) -> Tensor:
-    """cat([old[rows], new], dim=2) in one copy, written into the flat `storage` (`LayerCache.room`).
+def _append_into(old: Tensor, rows: Tensor | None, new: Tensor, store: Tensor) -> Tensor:
+    """cat([old[rows], new], dim=2), written time-major into `store` (`LayerCache.room`): where
+    `store` already holds `old` (an append in place), only the new positions are written.
     Its compiled twin is `append_kv` in `aiayn.step`, which both compiled steps call (tests/test_model.py runs it).
 
-    Shape: old (R, H, t, d), new (R', H, T, d) -> (R', H, t+T, d)."""
-    (R, H, T, d), t = new.shape, old.size(2)
-    out = storage.narrow(0, 0, R * H * (t + T) * d).view(R, H, t + T, d)  # (a few us less a call than slicing)
-    if rows is None:
-        torch.cat([old, new], 2, out=out)
-    else:
-        torch.index_select(old, 0, rows, out=out.narrow(2, 0, t))
-        out.narrow(2, t, T).copy_(new)
-    return out
+    Shape: old (R, H, t, d), new (R', H, T, d), store (capacity, R', H, d) -> (R', H, t+T, d)
+    with strides (H*d, d, R'*H*d, 1)."""
+    t, T = old.size(2), new.size(2)
+    past = old.permute(2, 0, 1, 3)  # (t, R, H, d)
+    if rows is not None:
+        torch.index_select(past, 1, rows, out=store.narrow(0, 0, t))
+    elif not past.is_set_to(store.narrow(0, 0, t)):
+        store.narrow(0, 0, t).copy_(past)
+    store.narrow(0, t, T).copy_(new.permute(2, 0, 1, 3))
+    return store.narrow(0, 0, t + T).permute(1, 2, 0, 3)
+
+
+def _positions(flat: Tensor, R: int, H: int, d: int) -> Tensor:
+    """A flat buffer as time-major positions. Shape: (n,) -> (n // (R*H*d), R, H, d)."""
+    return flat.narrow(0, 0, flat.numel() // (R * H * d) * (R * H * d)).view(-1, R, H, d)
 
 
 def _storage(spare: Tensor | None, need: int, position: int, like: Tensor) -> Tensor:
-    """`spare` if it holds `need` elements of `like`'s kind and may be written here, else a new
-    flat buffer with room for 8 more positions (of `position` elements), so that the next steps
-    can reuse it as rows shrink. A buffer made under inference mode cannot be written outside it."""
-    if (spare is None or spare.numel() < need or spare.dtype != like.dtype or spare.device != like.device
-            or (torch.is_inference(spare) and not torch.is_inference_mode_enabled())):
-        return like.new_empty(need + 8 * position)
-    return spare
+    """`spare` if `_usable`, else a new flat buffer with room for 8 more positions (of `position`
+    elements), so that the next steps can append in place, and reuse it as rows shrink."""
+    if spare is not None and _usable(spare, need, like):
+        return spare
+    return like.new_empty(need + 8 * position)
+
+
+def _usable(buffer: Tensor | None, need: int, like: Tensor) -> bool:
+    """Whether `buffer` holds `need` elements of `like`'s kind and may be written here (a buffer
+    made under inference mode cannot be written outside it)."""
+    return (buffer is not None and buffer.numel() >= need and buffer.dtype == like.dtype and buffer.device == like.device
+            and not (torch.is_inference(buffer) and not torch.is_inference_mode_enabled()))
 
 
 IN_PLACE = True  # False: sentences leaving the batch always copy the source side (for comparison)

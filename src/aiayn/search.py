@@ -10,9 +10,9 @@ are about two thirds of an fp32 step, the vocabulary projection the largest of t
 packed weights (`aiayn.kernels.inference_linear`, for frozen weights as `Translator` sets them; bf16
 halves them again). The K beams of a sentence share one copy of its cross-attention keys/values,
 the first beam step runs one row per sentence (its beams are still identical), candidates are
-ranked within each row before the merge per sentence, and the self-attention cache is reordered in
-the same copy that appends the new step. Nothing large is allocated per step: the cache takes turns
-between two buffers, and log-softmax and top-k run on blocks of `ROW_BLOCK` rows, the log-probabilities
+ranked within each row before the merge per sentence, and the self-attention cache is kept
+time-major, so that a step writes only its new position (a reorder is one copy into a second
+buffer). Nothing large is allocated per step: the cache's buffers are reused, and log-softmax and top-k run on blocks of `ROW_BLOCK` rows, the log-probabilities
 written over the block's logits (fresh memory of a batch's size costs page faults at every step). The per-row top-k
 takes two stages (`_topk_rows`); greedy's arg-max narrows each row to the slice holding its maximum
 (`_argmax_rows`). Everything runs under `inference_mode`.

@@ -111,15 +111,15 @@ def sublayer_input(x: Tensor, w: Tensor, b: Tensor, eps: float, norm_first: bool
         return torch.layer_norm(x, [x.size(1)], w, b, eps)
     return x
 
-def append_kv(old: Tensor, rows: Optional[Tensor], new: Tensor, spare: Tensor) -> Tensor:
-    R, H, T, d, t = new.size(0), new.size(1), new.size(2), new.size(3), old.size(2)
-    out = spare.narrow(0, 0, R * H * (t + T) * d).view([R, H, t + T, d])
-    if rows is None:
-        torch.cat([old, new], 2, out=out)
-    else:
-        torch.index_select(old, 0, rows, out=out.narrow(2, 0, t))
-        out.narrow(2, t, T).copy_(new)
-    return out
+def append_kv(old: Tensor, rows: Optional[Tensor], new: Tensor, store: Tensor) -> Tensor:
+    t, T = old.size(2), new.size(2)
+    past = old.permute([2, 0, 1, 3])
+    if rows is not None:
+        torch.index_select(past, 1, rows, out=store.narrow(0, 0, t))
+    elif not past.is_set_to(store.narrow(0, 0, t)):
+        store.narrow(0, 0, t).copy_(past)
+    store.narrow(0, t, T).copy_(new.permute([2, 0, 1, 3]))
+    return store.narrow(0, 0, t + T).permute([1, 2, 0, 3])
 """  # both compiled steps' residuals and appends
 _STEP_SOURCE = _SHARED_STEP_SOURCE + """
 def softmax_rows(x: Tensor, short: int, min_rows: int) -> Tensor:
@@ -170,8 +170,8 @@ def after_append(x: Tensor, q: Tensor, k: Tensor, v: Tensor, ck: Tensor, cv: Ten
 
 def decoder_layers(x: Tensor, qkv: List[__torch__.torch.classes.quantized.LinearPackedParamsBase],
                    packs: List[List[__torch__.torch.classes.quantized.LinearPackedParamsBase]],
-                   norms: List[List[Tensor]], old_k: List[Tensor], old_v: List[Tensor], spare_k: List[Tensor],
-                   spare_v: List[Tensor], rows: Optional[Tensor], ck: List[Tensor], cv: List[Tensor], bias: Tensor,
+                   norms: List[List[Tensor]], old_k: List[Tensor], old_v: List[Tensor], store_k: List[Tensor],
+                   store_v: List[Tensor], rows: Optional[Tensor], ck: List[Tensor], cv: List[Tensor], bias: Tensor,
                    H: int, eps: float, scale: float, norm_first: bool, act: int, rr: bool, short: int,
                    min_rows: int, small: int) -> Tuple[Tensor, List[Tensor], List[Tensor]]:
     b, D = x.size(0), x.size(1)
@@ -180,8 +180,8 @@ def decoder_layers(x: Tensor, qkv: List[__torch__.torch.classes.quantized.Linear
     for i in range(len(qkv)):
         h = sublayer_input(x, norms[i][0], norms[i][1], eps, norm_first)
         y = int8_op(h, qkv[i], False, rr).view([b, 1, 3, H, D // H]).permute([2, 0, 3, 1, 4])
-        k = append_kv(old_k[i], rows, y[1], spare_k[i])
-        v = append_kv(old_v[i], rows, y[2], spare_v[i])
+        k = append_kv(old_k[i], rows, y[1], store_k[i])
+        v = append_kv(old_v[i], rows, y[2], store_v[i])
         p = packs[i]
         x = after_append(x, y[0], k, v, ck[i], cv[i], bias, p[0], p[1], p[2], p[3], p[4], norms[i], eps, scale,
                          norm_first, act, rr, short, min_rows, small)
@@ -362,7 +362,7 @@ def float_after_append(x: Tensor, q: Tensor, k: Tensor, v: Tensor, ck: Tensor, c
 
 def float_decoder_layers(x: Tensor, qkv_w: List[Tensor], qkv_b: List[Optional[Tensor]], ws: List[List[Tensor]],
                          bs: List[List[Optional[Tensor]]], norms: List[List[Tensor]], old_k: List[Tensor],
-                         old_v: List[Tensor], spare_k: List[Tensor], spare_v: List[Tensor], rows: Optional[Tensor],
+                         old_v: List[Tensor], store_k: List[Tensor], store_v: List[Tensor], rows: Optional[Tensor],
                          ck: List[Tensor], cv: List[Tensor], mask: Tensor, H: int, eps: float, norm_first: bool,
                          act: int) -> Tuple[Tensor, List[Tensor], List[Tensor]]:
     b, D = x.size(0), x.size(1)
@@ -371,8 +371,8 @@ def float_decoder_layers(x: Tensor, qkv_w: List[Tensor], qkv_b: List[Optional[Te
     for i in range(len(qkv_w)):
         h = sublayer_input(x, norms[i][0], norms[i][1], eps, norm_first)
         y = linear(h, qkv_w[i], qkv_b[i]).view([b, 1, 3, H, D // H]).permute([2, 0, 3, 1, 4])
-        k = append_kv(old_k[i], rows, y[1], spare_k[i])
-        v = append_kv(old_v[i], rows, y[2], spare_v[i])
+        k = append_kv(old_k[i], rows, y[1], store_k[i])
+        v = append_kv(old_v[i], rows, y[2], store_v[i])
         x = float_after_append(x, y[0], k, v, ck[i], cv[i], mask, ws[i], bs[i], norms[i], eps, norm_first, act)
         ks.append(k)
         vs.append(v)
@@ -432,8 +432,8 @@ def _cache_arguments(cache: Any, x: Tensor, H: int) -> tuple[Any, ...]:
     are reordered alike) and the cross-attention keys and values. Shape: x (b, d)."""
     b, D = x.shape
     rooms = [lc.room((b, H, 1, D // H), x) for lc in cache.layers]
-    old_k, old_v, spare_k, spare_v = (list(t) for t in zip(*rooms, strict=True))
-    return (old_k, old_v, spare_k, spare_v, cache.layers[0].pending,
+    old_k, old_v, store_k, store_v = (list(t) for t in zip(*rooms, strict=True))
+    return (old_k, old_v, store_k, store_v, cache.layers[0].pending,
             [lc.cross_k for lc in cache.layers], [lc.cross_v for lc in cache.layers])
 
 
