@@ -441,6 +441,38 @@ def test_layer_cache_appends_in_place_under_inference_mode(how):
         assert cache.spare[0] is not None and cache.spare[0].untyped_storage().data_ptr() == storages[-1]
 
 
+@pytest.mark.parametrize("how", ["append", "compiled"])
+def test_layer_cache_moves_greedy_rows_in_place(how):
+    """Greedy's reorders (finished rows' places taken by the last live ones: `search._survivors`,
+    `cache.moves`) copy only the moved rows, within the keys' own buffer, and the appends after
+    them stay in place: one buffer throughout, and the keys exactly index_select + cat."""
+    from aiayn.cache import moves
+    from aiayn.search import _survivors
+
+    g = torch.Generator().manual_seed(3)
+    H, d, rows = 2, 3, 6
+    cache = LayerCache(torch.zeros(rows, H, 1, d), torch.zeros(rows, H, 1, d))
+    append = cache.append if how == "append" else lambda k, v: _compiled_append(cache, k, v)
+    ref_k, ref_v = (x.clone() for x in append(torch.randn(rows, H, 1, d, generator=g), torch.randn(rows, H, 1, d, generator=g)))
+    storages = []
+    for step in range(7):
+        order = torch.arange(rows)
+        if step in (2, 4):  # a sentence leaves, its place taken by the last
+            done = torch.zeros(rows, dtype=torch.bool)
+            done[1 if step == 2 else 0] = True
+            order = _survivors(done)
+            cache.reorder_rows(order, moves(order, rows))
+            assert cache.pending is None
+            rows = order.numel()
+        k, v = torch.randn(rows, H, 1, d, generator=g), torch.randn(rows, H, 1, d, generator=g)
+        got_k, got_v = append(k, v)
+        ref_k = torch.cat([ref_k.index_select(0, order), k], 2)
+        ref_v = torch.cat([ref_v.index_select(0, order), v], 2)
+        assert torch.equal(got_k, ref_k) and torch.equal(got_v, ref_v)
+        storages.append(got_k.untyped_storage().data_ptr())
+    assert len(set(storages)) == 1  # (room for 8 more positions than the first copy: 7 steps fit)
+
+
 def test_layer_cache_sizes_its_storage_from_the_new_keys():
     """The self-attention keys may have another shape per position than the cross-attention's
     (a cache made by hand): storage is sized from the keys appended."""

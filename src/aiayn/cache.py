@@ -52,6 +52,8 @@ class LayerCache:
     flat: list[Tensor | None] = field(default_factory=lambda: [None, None])
     spare: list[Tensor | None] = field(default_factory=lambda: [None, None])
     _room: list[Tensor | None] = field(default_factory=lambda: [None, None])
+    layout: int = 0  # rows a position of `flat` holds (the rows in use may be fewer: `reorder_rows`' moves)
+    _room_layout: int = 0
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store the new positions; return every key/value so far (valid until the next append).
@@ -81,25 +83,26 @@ class LayerCache:
         R, H, T, d = new
         if self.self_k is None or self.self_v is None:
             self.self_k = self.self_v = like.new_empty(R, H, 0, d)
-        need = R * H * (self.self_k.size(2) + T) * d
-        if not self._fits(R, need, like):
-            self._room = [_storage(s, need, R * H * d, like) for s in self.spare]
-            self.spare[:] = self.flat  # the next append's, written after this one has read them
+        per_row = H * (self.self_k.size(2) + T) * d
+        if self._fits(R, per_row, like):
+            self._room, self._room_layout = list(self.flat), self.layout
         else:
-            self._room = list(self.flat)
-        store_k, store_v = (_positions(s, R, H, d) for s in self._room if s is not None)
+            self._room = [_storage(s, R * per_row, R * H * d, like) for s in self.spare]
+            self._room_layout = R
+            self.spare[:] = self.flat  # the next append's, written after this one has read them
+        store_k, store_v = (_positions(s, self._room_layout, H, d).narrow(1, 0, R) for s in self._room if s is not None)
         return self.self_k, self.self_v, store_k, store_v
 
-    def _fits(self, R: int, need: int, like: Tensor) -> bool:
+    def _fits(self, R: int, per_row: int, like: Tensor) -> bool:
         """Whether the next append can write into the keys' own buffers: no rows to select, the
-        same rows (the buffers' layout depends on their number), room for `need` elements."""
-        return (self.pending is None and self.self_k is not None and self.self_k.size(0) == R
-                and all(_usable(f, need, like) for f in self.flat))
+        same rows, room for `per_row` elements a row of the buffers' layout."""
+        return (self.pending is None and self.self_k is not None and self.self_k.size(0) == R <= self.layout
+                and all(_usable(f, self.layout * per_row, like) for f in self.flat))
 
     def appended(self, k: Tensor, v: Tensor) -> None:
         """Take the keys/values that an append wrote into `room`'s storage.
         Shape: k, v (R, H, t + T, d_head)."""
-        self.flat, self._room = self._room, [None, None]
+        self.flat, self._room, self.layout = self._room, [None, None], self._room_layout
         self.self_k, self.self_v, self.pending = k, v, None
 
     def cross(self, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -113,10 +116,20 @@ class LayerCache:
             q = q.reshape(N, R // N, H, T, d).transpose(1, 2).reshape(N, H, R // N * T, d)
         return q, self.cross_k, self.cross_v
 
-    def reorder_rows(self, indices: Tensor) -> None:
-        """Self-attention rows: new row i continues old row indices[i] (applied at the next append)."""
-        if self.self_k is not None:
-            self.pending = indices if self.pending is None else self.pending.index_select(0, indices)
+    def reorder_rows(self, indices: Tensor, m: "Moves | None" = None) -> None:
+        """Self-attention rows: new row i continues old row indices[i]. With `m`, the moves of
+        `indices` (`moves`), rows that stay in place are not copied: the moved ones are copied within
+        the keys' own buffer now, where it may be written; otherwise all are selected at the next append."""
+        if self.self_k is None or self.self_v is None:
+            return
+        if m is not None and self.pending is None and self.layout and all(
+                _usable(f, 0, self.self_k) for f in self.flat):
+            n = indices.numel()
+            self.self_k, self.self_v = (_keep_rows(x.permute(2, 0, 1, 3), indices, m, dim=1).permute(1, 2, 0, 3)
+                                        for x in (self.self_k, self.self_v))
+            assert self.self_k.size(0) == n
+            return
+        self.pending = indices if self.pending is None else self.pending.index_select(0, indices)
 
 
 def ungroup(x: Tensor, rows: int, T: int) -> Tensor:
@@ -183,15 +196,15 @@ def moves(indices: Tensor, rows: int) -> Moves | None:
     return (dst, indices.index_select(0, dst)) if 2 * dst.numel() <= n else None
 
 
-def _keep_rows(x: Tensor, indices: Tensor, m: Moves | None) -> Tensor:
-    """x[indices]: in place by the moves `m` of `indices` if given, else a copy. An inference
-    tensor outside inference mode (a cache made by search, reordered by hand) is copied: it cannot
-    be written there. Shape: (R, ...) -> (n, ...)."""
+def _keep_rows(x: Tensor, indices: Tensor, m: Moves | None, dim: int = 0) -> Tensor:
+    """x[indices] along `dim`: in place by the moves `m` of `indices` if given, else a copy. An
+    inference tensor outside inference mode (a cache made by search, reordered by hand) is copied:
+    it cannot be written there. Shape: (R, ...) -> (n, ...) (along `dim`)."""
     if m is None or (torch.is_inference(x) and not torch.is_inference_mode_enabled()):
-        return x.index_select(0, indices)
+        return x.index_select(dim, indices)
     if m[0].numel():
-        x.index_copy_(0, m[0], x.index_select(0, m[1]))
-    return x[:indices.numel()]
+        x.index_copy_(dim, m[0], x.index_select(dim, m[1]))
+    return x.narrow(dim, 0, indices.numel())
 
 
 @dataclass
@@ -229,11 +242,14 @@ class DecoderCache:
         N = self.src_keep.size(0)
         unchanged = same_sentences or (sentences.numel() == N and bool(
             sentences.eq(torch.arange(N, device=sentences.device)).all()))
+        m = None
         if not unchanged:  # sentences left the batch (or were permuted): select the source side
             m = moves(sentences, N) if IN_PLACE else None
             for layer in self.layers:
                 layer.cross_k, layer.cross_v = (_keep_rows(x, sentences, m) for x in (layer.cross_k, layer.cross_v))
             self.src_keep = self.src_keep.index_select(0, sentences)
-        for layer in self.layers:
-            layer.reorder_rows(indices)
+        if self.beam == beam == 1 and unchanged:
+            return  # greedy, every row where it was
+        for layer in self.layers:  # greedy (a row per sentence) moves its rows as the source side's
+            layer.reorder_rows(indices, m if self.beam == beam == 1 else None)
         self.beam = beam
