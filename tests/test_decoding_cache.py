@@ -254,3 +254,115 @@ def test_layers_share_their_spare_buffers_and_decode_as_with_their_own(int8, mon
                 plain = search(model, src, 2, 3, max_len_b=9, min_len=5, use_cache=False, **kw)
             ids = (lambda out: out) if search is greedy_search else (lambda out: [[t for t, _ in h] for h in out])
             assert ids(runs[0]) == ids(plain)
+
+
+def _appends_of_layers(layers, rows, new, unit):
+    """One step's appends for every layer: the compiled step's way (all `room`s first, then each
+    layer's `append_kv`, then `appended`) if `unit`, else `LayerCache.append` layer by layer.
+    Returns each layer's keys and values as the step reads them, right after its own append."""
+    if not unit:
+        return [tuple(x.detach().clone() for x in lc.append(k, v)) for lc, (k, v) in zip(layers, new)]
+    R, H, T, d = new[0][0].shape
+    rooms = [lc.room((R, H, T, d), new[0][0]) for lc in layers]
+    pending = layers[0].pending
+    out, seen = [], []
+    for (old_k, old_v, store_k, store_v), (k, v) in zip(rooms, new):
+        out.append((unit.append_kv(old_k, pending, k, store_k), unit.append_kv(old_v, pending, v, store_v)))
+        seen.append(tuple(x.clone() for x in out[-1]))  # what that layer's attention reads, before the next layer writes
+    for lc, kv in zip(layers, out):
+        lc.appended(*kv)
+    return seen
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_layers_sharing_spares_keep_their_keys_through_any_steps(seed):
+    """Three layers sharing their spare buffers (`LayerCache`), through random steps: appends in
+    place, reorders (rows dropped, duplicated, kept; greedy's in-place moves), several positions at
+    once, buffers filling up, the compiled step's order of appends, inference mode or not, autograd.
+    Every layer's keys stay exactly index_select + cat, and no buffer is held by two layers."""
+    import contextlib
+    import random
+
+    from aiayn import step as step_module
+    from aiayn.cache import DecoderCache, LayerCache
+
+    rnd, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    unit = step_module.compiled_step()
+    H, d, R = 2, 4, rnd.randint(1, 6)
+    spare: list = [None, None]
+    layers = [LayerCache(torch.zeros(R, H, 1, d), torch.zeros(R, H, 1, d), spare=spare) for _ in range(3)]
+    cache = DecoderCache(layers, torch.ones(R, 1, dtype=torch.bool))
+    want: list = [None] * 3
+    for s in range(rnd.randint(2, 24)):
+        mode = rnd.choice(["inference", "inference", "no_grad", "grad"]) if s else "inference"
+        ctx = {"inference": torch.inference_mode(), "no_grad": torch.no_grad()}.get(mode, contextlib.nullcontext())
+        with ctx:
+            order = None
+            if s and R and rnd.random() < 0.5:
+                n = rnd.randint(0 if rnd.random() < 0.1 else 1, R + 2)
+                order = torch.randint(0, R, (n,), generator=g) if rnd.random() < 0.5 else torch.randperm(R, generator=g)[:n]
+                cache.reorder(order)  # greedy's: rows moved in place where few move and every layer can
+                R = order.numel()
+            compiled = unit if mode != "grad" and rnd.random() < 0.5 else None
+            T = 1 if compiled or rnd.random() < 0.7 else rnd.randint(2, 4)
+            new = [(torch.randn(R, H, T, d, generator=g), torch.randn(R, H, T, d, generator=g)) for _ in layers]
+            if mode == "grad":
+                new = [(k.requires_grad_(), v) for k, v in new]
+            for i, (k, v) in enumerate(new):
+                old = want[i] if want[i] is not None else (torch.zeros(R, H, 0, d),) * 2
+                if order is not None and want[i] is not None:
+                    old = tuple(x.index_select(0, order) for x in old)
+                want[i] = tuple(torch.cat([o, n.detach()], 2) for o, n in zip(old, (k, v)))
+            seen = _appends_of_layers(layers, R, new, compiled)
+            for i, lc in enumerate(layers):
+                assert all(torch.equal(a, b) for a, b in zip(seen[i], want[i])), (s, i, "as read")
+                assert torch.equal(lc.self_k.detach(), want[i][0]) and torch.equal(lc.self_v.detach(), want[i][1]), (s, i)
+            held = [lc.flat[0].untyped_storage().data_ptr() for lc in layers if lc.flat[0] is not None and lc.flat[0].numel()]
+            assert len(held) == len(set(held))
+            assert spare[0] is None or spare[0].untyped_storage().data_ptr() not in held
+
+
+def test_a_cache_of_no_rows_decodes_and_rows_must_match():
+    """A batch of no sentences decodes to nothing (as before the time-major cache), and appending
+    another number of rows than the cache holds, with no reorder between, is an error rather than
+    one row's keys copied to all."""
+    from aiayn.cache import LayerCache
+
+    empty = LayerCache(torch.zeros(0, 2, 1, 3), torch.zeros(0, 2, 1, 3))
+    for _ in range(3):
+        k, v = empty.append(torch.zeros(0, 2, 1, 3), torch.zeros(0, 2, 1, 3))
+    assert k.shape == (0, 2, 3, 3)
+    one = LayerCache(torch.zeros(1, 2, 1, 3), torch.zeros(1, 2, 1, 3))
+    one.append(torch.randn(1, 2, 1, 3), torch.randn(1, 2, 1, 3))
+    with pytest.raises(ValueError, match="without a reorder"):
+        one.append(torch.randn(3, 2, 1, 3), torch.randn(3, 2, 1, 3))
+
+
+def test_greedy_moves_rows_of_every_layer_or_of_none():
+    """A compiled step passes one selection of rows for all layers, so a reorder moves rows in
+    place in every layer or in none: here one layer's buffer was made under inference mode and
+    cannot be written outside it, so neither moves (both select at the next append)."""
+    from aiayn import step as step_module
+    from aiayn.cache import DecoderCache, LayerCache
+
+    unit = step_module.compiled_step()
+    if not unit:
+        pytest.skip("no compiled step in this torch")
+    H, d, g = 2, 3, torch.Generator().manual_seed(0)
+    layers = [LayerCache(torch.zeros(3, H, 1, d), torch.zeros(3, H, 1, d), spare=[None, None]) for _ in range(2)]
+    cache = DecoderCache(layers, torch.ones(3, 1, dtype=torch.bool))
+    want = []
+    for i, lc in enumerate(layers):
+        steps = [(torch.randn(3, H, 1, d, generator=g), torch.randn(3, H, 1, d, generator=g)) for _ in range(2)]
+        with torch.no_grad():
+            lc.append(*steps[0])  # the caller's tensors
+        with torch.inference_mode() if i else torch.no_grad():
+            lc.append(*steps[1])  # the layer's first buffer: an inference tensor in layer 1
+        want.append([torch.cat([a, b], 2) for a, b in zip(*steps)])
+    order = torch.tensor([2, 1])  # the first sentence finished: the last one takes its place
+    with torch.no_grad():
+        cache.reorder(order)
+        new = [(torch.randn(2, H, 1, d, generator=g), torch.randn(2, H, 1, d, generator=g)) for _ in layers]
+        seen = _appends_of_layers(layers, 2, new, unit)
+    for (k, v), (wk, wv), (nk, nv) in zip(seen, want, new):
+        assert torch.equal(k, torch.cat([wk[order], nk], 2)) and torch.equal(v, torch.cat([wv[order], nv], 2))

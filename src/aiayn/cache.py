@@ -83,14 +83,17 @@ class LayerCache:
         R, H, T, d = new
         if self.self_k is None or self.self_v is None:
             self.self_k = self.self_v = like.new_empty(R, H, 0, d)
-        per_row = H * (self.self_k.size(2) + T) * d
+        if self.pending is None and self.self_k.size(0) != R:  # (a copy would broadcast one row to all)
+            raise ValueError(f"appending {R} rows to a cache of {self.self_k.size(0)} rows without a reorder")
+        t = self.self_k.size(2)
+        per_row = H * (t + T) * d
         if self._fits(R, per_row, like):
             self._room, self._room_layout = list(self.flat), self.layout
         else:
             self._room = [_storage(s, R * per_row, R * H * d, like) for s in self.spare]
             self._room_layout = R
             self.spare[:] = self.flat  # the next append's, written after this one has read them
-        store_k, store_v = (_positions(s, self._room_layout, H, d).narrow(1, 0, R) for s in self._room if s is not None)
+        store_k, store_v = (_positions(s, t + T, self._room_layout, H, d).narrow(1, 0, R) for s in self._room if s is not None)
         return self.self_k, self.self_v, store_k, store_v
 
     def _fits(self, R: int, per_row: int, like: Tensor) -> bool:
@@ -118,18 +121,23 @@ class LayerCache:
 
     def reorder_rows(self, indices: Tensor, m: "Moves | None" = None) -> None:
         """Self-attention rows: new row i continues old row indices[i]. With `m`, the moves of
-        `indices` (`moves`), rows that stay in place are not copied: the moved ones are copied within
-        the keys' own buffer now, where it may be written; otherwise all are selected at the next append."""
+        `indices` (`moves`; only where `movable`), rows that stay in place are not copied: the
+        moved ones are copied within the keys' own buffer now. Otherwise all are selected at the
+        next append (every layer of a cache alike: a compiled step passes one selection for all)."""
         if self.self_k is None or self.self_v is None:
             return
-        if m is not None and self.pending is None and self.layout and all(
-                _usable(f, 0, self.self_k) for f in self.flat):
-            n = indices.numel()
+        if m is not None:
+            assert self.movable(), "moves need keys in a buffer of the cache's, writable here, no selection pending"
             self.self_k, self.self_v = (_keep_rows(x.permute(2, 0, 1, 3), indices, m, dim=1).permute(1, 2, 0, 3)
                                         for x in (self.self_k, self.self_v))
-            assert self.self_k.size(0) == n
             return
         self.pending = indices if self.pending is None else self.pending.index_select(0, indices)
+
+    def movable(self) -> bool:
+        """Whether rows can move within the keys' own buffer: they are in one (of `layout` rows a
+        position), which may be written here, and no selection is pending."""
+        return (self.pending is None and self.self_k is not None and self.layout > 0
+                and all(_usable(f, 0, self.self_k) for f in self.flat))
 
 
 def ungroup(x: Tensor, rows: int, T: int) -> Tensor:
@@ -158,9 +166,13 @@ def _append_into(old: Tensor, rows: Tensor | None, new: Tensor, store: Tensor) -
     return store.narrow(0, 0, t + T).permute(1, 2, 0, 3)
 
 
-def _positions(flat: Tensor, R: int, H: int, d: int) -> Tensor:
-    """A flat buffer as time-major positions. Shape: (n,) -> (n // (R*H*d), R, H, d)."""
-    return flat.narrow(0, 0, flat.numel() // (R * H * d) * (R * H * d)).view(-1, R, H, d)
+def _positions(flat: Tensor, need: int, R: int, H: int, d: int) -> Tensor:
+    """A flat buffer as time-major positions, at least `need` of them (all it holds, where a
+    position holds anything). Shape: (n,) -> (n // (R*H*d), R, H, d)."""
+    per = R * H * d
+    if not per:
+        return flat.narrow(0, 0, 0).view(need, R, H, d)
+    return flat.narrow(0, 0, flat.numel() // per * per).view(-1, R, H, d)
 
 
 def _storage(spare: Tensor | None, need: int, position: int, like: Tensor) -> Tensor:
@@ -250,6 +262,9 @@ class DecoderCache:
             self.src_keep = self.src_keep.index_select(0, sentences)
         if self.beam == beam == 1 and unchanged:
             return  # greedy, every row where it was
-        for layer in self.layers:  # greedy (a row per sentence) moves its rows as the source side's
-            layer.reorder_rows(indices, m if self.beam == beam == 1 else None)
+        # greedy (a row per sentence) moves its rows as the source side's, if every layer can
+        if not (m is not None and self.beam == beam == 1 and all(layer.movable() for layer in self.layers)):
+            m = None
+        for layer in self.layers:
+            layer.reorder_rows(indices, m)
         self.beam = beam
