@@ -14,6 +14,7 @@ from aiayn.data import prepare as P
 from aiayn.cli import main as cli_main
 from aiayn.config import TrainConfig
 from aiayn.data.corpus import open_corpus
+from aiayn.errors import AiaynError
 
 
 @pytest.fixture()
@@ -104,3 +105,31 @@ def test_data_bin_errors_are_one_line(tmp_path, corpus, capsys):
     half.mkdir()
     assert cli_main(_bin_args(half, tmp_path / "r", "--max-steps", "1")) == 2
     assert "not a prepared data directory (no manifest.json)" in capsys.readouterr().err
+
+
+def test_source_eos_widens_eight_bit_lengths(tmp_path, corpus):
+    """A directory prepared with --max-len 255 or less keeps its lengths in 8 bits; with an EOS on
+    every source, a 255-token source is 256 tokens in a batch, not 0 (the sum wrapped): a
+    --max-tokens below that is refused, and no batch holds more than --max-tokens."""
+    src = Path(corpus["train_src"]).read_text().splitlines()
+    src[5] = " ".join(["hund katze"] * 200)  # far past 255 tokens: truncated to 255
+    Path(corpus["train_src"]).write_text("\n".join(src) + "\n")
+    data = _prepare(corpus, tmp_path / "bin", max_len=255, long="truncate")
+    assert open_corpus(data, TrainConfig(max_tokens=300, max_len=255, long="truncate")).train.src.lengths.dtype == np.uint8
+    with pytest.raises(AiaynError, match="max-tokens"):
+        open_corpus(data, TrainConfig(max_tokens=255, max_len=255, long="truncate"), source_eos=True)
+    c = open_corpus(data, TrainConfig(max_tokens=300, max_len=255, long="truncate"), source_eos=True)
+    from aiayn.data.batching import epoch_batches
+    assert max(c.train.collate(b, 255, True).src.numel() for b in epoch_batches(c.plan, 1, 1)) <= 300
+
+
+def test_resume_follows_a_data_directory_that_moved(tmp_path, corpus):
+    """--data-bin may name another place on resume (the directory moved, or the same one by another
+    path): its manifest's sha256 is what must not change, and it is checked."""
+    data = _prepare(corpus, tmp_path / "bin")
+    extra = ["--save-every", "1", "--dropout", "0.1"]
+    train_cli(_bin_args(data, tmp_path / "ref", "--max-steps", "4", *extra))
+    train_cli(_bin_args(data, tmp_path / "run", "--max-steps", "2", *extra))
+    moved = data.rename(tmp_path / "moved")
+    s = train_cli(_bin_args(moved, tmp_path / "run", "--max-steps", "4", *extra, "--resume"))
+    assert s["step"] == 4 and _same(weights(tmp_path / "ref", 4), weights(tmp_path / "run", 4))

@@ -357,10 +357,11 @@ def _load_newest(existing: list[tuple[int, Path]], info: Log) -> ckpt.Checkpoint
 
 
 # Options that cannot change what a run has computed so far: a resumed run may take new values.
-# The data files may move (their sha256 is checked); `out` and `device` always come from the command.
+# The data files and a --data-bin directory may move (their sha256 is checked: a manifest's against
+# the checkpoint's); `out` and `device` always come from the command.
 FREE_ON_RESUME = frozenset({"max_epochs", "max_steps", "cooldown", "max_minutes", "patience", "keep_last", "save_every",
                             "valid_bleu", "log_every", "threads", "device", "out", "compile",
-                            "data_dir", "train_src", "train_tgt", "valid_src", "valid_tgt"})
+                            "data_dir", "train_src", "train_tgt", "valid_src", "valid_tgt", "data_bin"})
 
 
 # what a trainer_state.pt must hold to resume from it (`Trainer.state` and the loop's position)

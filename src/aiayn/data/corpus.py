@@ -108,6 +108,12 @@ def _raw_inputs(tc: TrainConfig) -> prepare.Inputs:
     return prepare.Inputs(Path(tc.train_src), Path(tc.train_tgt), opt(tc.valid_src), opt(tc.valid_tgt))
 
 
+def _with_eos(lengths: np.ndarray, source_eos: bool) -> np.ndarray:
+    """Source lengths with the EOS each source gets, if it does; widened first, as a prepared
+    directory of --max-len 255 or less stores them in 8 bits (255 + 1 would wrap to 0)."""
+    return lengths.astype(np.int64) + 1 if source_eos else lengths
+
+
 def open_corpus(path: Path, tc: TrainConfig, source_eos: bool = False) -> Corpus:
     """Open a prepared directory and plan its batches for `tc` (--max-len, --long, --max-tokens); the
     arrays hold bare sentences, and with `source_eos` every source is one token longer (its EOS)."""
@@ -118,7 +124,7 @@ def open_corpus(path: Path, tc: TrainConfig, source_eos: bool = False) -> Corpus
         keep = _within(src, tgt, tc.max_len)
     else:
         src, tgt = data.train.lengths(tc.max_len)
-    plan = batching.plan_batches(src + source_eos if source_eos else src, tgt, tc.max_tokens, keep)
+    plan = batching.plan_batches(_with_eos(src, source_eos), tgt, tc.max_tokens, keep)
     if len(plan.order) == 0:
         raise AiaynError(f"every training pair is longer than --max-len {tc.max_len}; raise --max-len")
     valid_plan: BatchPlan | None = None
@@ -126,7 +132,7 @@ def open_corpus(path: Path, tc: TrainConfig, source_eos: bool = False) -> Corpus
     vt: list[str] = []
     if data.valid is not None:
         vsrc, vtgt = data.valid.lengths(tc.max_len)
-        vsrc = vsrc + source_eos if source_eos else vsrc
+        vsrc = _with_eos(vsrc, source_eos)
         fits = batching.pair_costs(vsrc, vtgt) <= tc.max_tokens  # validation pairs too wide are left out
         valid_plan = batching.plan_batches(vsrc, vtgt, tc.max_tokens, fits)
         vs, vt = data.valid_text()
