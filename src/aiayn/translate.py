@@ -608,7 +608,7 @@ def _source_language(args: argparse.Namespace) -> str:
     """The language `--split-sentences` splits for: its LANG, else the checkpoint's source language."""
     if args.split_sentences:
         return str(args.split_sentences)
-    from aiayn.checkpoint import read_config, resolve_checkpoint
+    from aiayn.checkpoint import language_pair, read_config, resolve_checkpoint
 
     with contextlib.suppress(AiaynError, OSError, ValueError):
         path = Path(args.checkpoint)
@@ -616,9 +616,9 @@ def _source_language(args: argparse.Namespace) -> str:
             cfg = json.loads((path / "aiayn.json").read_text(encoding="utf-8"))
         else:
             cfg = read_config(resolve_checkpoint(path))
-        src = (cfg.get("train") or {}).get("src")
-        if isinstance(src, str) and src:
-            return src
+        pair = language_pair(cfg) if isinstance(cfg, dict) else None
+        if pair is not None:
+            return pair[0]
     raise AiaynError(f"{args.checkpoint} names no source language; give it: --split-sentences LANG (e.g. de)")
 
 

@@ -173,17 +173,17 @@ def load(checkpoint: str, precision: str, stop_rule: str | None = None,
          device: str = "cpu") -> tuple[Any, tuple[str, str], str]:
     """The server's translator (its own model, frozen once, on `device`), the language pair and the
     checkpoint path."""
-    from aiayn.checkpoint import load_checkpoint, resolve_checkpoint
+    from aiayn.checkpoint import language_pair, load_checkpoint, resolve_checkpoint
     from aiayn.serve.batch import refuse_long
     from aiayn.translate import Translator
 
     ckpt = load_checkpoint(resolve_checkpoint(checkpoint))
-    train = ckpt.config.get("train") or {}
-    if not (isinstance(train.get("src"), str) and isinstance(train.get("tgt"), str)):
+    pair = language_pair(ckpt.config)
+    if pair is None:
         raise AiaynError(f"{ckpt.path}/config.json names no source and target language (train.src, train.tgt)")
     rule = {"stop_rule": stop_rule} if stop_rule else {}
     translator = Translator.from_loaded(ckpt, precision=precision, device=device, note=refuse_long, **rule)
-    return translator, (train["src"], train["tgt"]), str(ckpt.path)
+    return translator, pair, str(ckpt.path)
 
 
 def uvicorn_config(app: Any, limits: Limits) -> Any:
