@@ -4,12 +4,15 @@ is one line naming file and line; a killed run leaves nothing `train` accepts; m
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -290,3 +293,77 @@ def test_two_prepares_at_once_on_one_folder_give_one_result(tmp_path, corpus):
     assert sum("prepared meanwhile by another process" in e or "already prepared" in e for e in said) == 1, said
     assert sorted(p.name for p in out.parent.iterdir()) == ["bin"]
     assert _tree(out) == _tree(_prep(corpus, tmp_path / "clean"))
+
+
+def test_on_resume_renamed_inputs_of_the_same_bytes_keep_the_prepared_data(tmp_path, corpus):
+    """replace=False (a resumed run) compares the four inputs' bytes only: names may change."""
+    out = _prep(corpus, tmp_path / "bin")
+    manifest = (out / "manifest.json").read_bytes()
+    renamed = tmp_path / "renamed.src"
+    renamed.write_bytes(Path(corpus["train_src"]).read_bytes())
+    inputs = P.Inputs(renamed, *(Path(corpus[k]) for k in ("train_tgt", "valid_src", "valid_tgt")))
+    messages: list[str] = []
+    P.prepare(inputs, out, SETTINGS, 1, log=messages.append, replace=False)
+    assert messages == [f"{out}: already prepared from these files and settings"]
+    assert (out / "manifest.json").read_bytes() == manifest
+    swapped = P.Inputs(Path(corpus["train_tgt"]), Path(corpus["train_src"]), Path(corpus["valid_src"]),
+                       Path(corpus["valid_tgt"]))  # the same bytes in other roles: other data
+    with pytest.raises(AiaynError, match=f"{corpus['train_tgt']} is not what {out} was prepared from"):
+        P.prepare(swapped, out, SETTINGS, 1, log=messages.append, replace=False)
+
+
+def test_out_dot_prepares_into_the_current_empty_folder(tmp_path, corpus, monkeypatch):
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    _prep(corpus, Path("."))
+    assert open_prepared(here).manifest["splits"]["train"]["lines"] == 300
+    assert not [p.name for p in here.iterdir() if p.name.startswith(".")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "here"]  # no lock or temporary left
+
+
+def test_a_validation_pair_of_other_lengths_is_refused_before_any_work(tmp_path, corpus):
+    short = tmp_path / "short.tgt"
+    short.write_text("".join(Path(corpus["valid_tgt"]).read_text().splitlines(keepends=True)[:-1]))
+    messages: list[str] = []
+    inputs = P.Inputs(Path(corpus["train_src"]), Path(corpus["train_tgt"]), Path(corpus["valid_src"]), short)
+    with pytest.raises(AiaynError, match=f"{corpus['valid_src']} has 20 lines but {short} has 19"):
+        P.prepare(inputs, tmp_path / "bin", SETTINGS, 1, log=messages.append)
+    assert messages == []  # neither scanned nor trained SentencePiece
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "short.tgt"]
+
+
+def test_ctrl_c_with_workers_is_one_line_and_exit_130(tmp_path, corpus):
+    """Ctrl-C reaches the whole process group: the workers leave it to the parent, which tears the
+    pool down and says one line. The workers hold their first chunk until the signal has come."""
+    started = tmp_path / "started"
+    started.mkdir()
+    script = (
+        "import os, signal, sys, time\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even if started ignoring it\n"
+        "from aiayn.data import prepare\n"
+        "prepare.CHUNK_PAIRS = 50\n"
+        "def held(chunk):\n"
+        f"    open(os.path.join({str(started)!r}, str(os.getpid())), 'w').close()\n"
+        "    time.sleep(120)\n"
+        "prepare._encode_chunk = held\n"
+        "from aiayn.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    argv = ["prepare", "--train-src", corpus["train_src"], "--train-tgt", corpus["train_tgt"], "--out",
+            str(tmp_path / "bin"), "--vocab-size", "300", "--workers", "2"]
+    proc = subprocess.Popen([sys.executable, "-c", script, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(started.iterdir())) < 2 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(list(started.iterdir())) == 2, proc.communicate()
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert err.split("processes\n", 1)[1] == "aiayn prepare: interrupted\n", err  # after "encoding with 2 processes"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "started"]

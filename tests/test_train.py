@@ -4,8 +4,11 @@ stopping rules, checkpoints and metrics, the command line and its errors."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -548,6 +551,94 @@ def test_resume_never_rewrites_metrics_or_train_json_it_did_not_write(tmp_path, 
         assert (out / "metrics.jsonl").read_bytes() == foreign
         assert train_json is None or (out / "train.json").read_bytes() == train_json
     assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "train.json"]
+
+
+def _train_dying(corpus: dict[str, str], out: Path, how: str, *extra: str) -> subprocess.CompletedProcess:
+    """`aiayn train` in a process that `how` ("SIGKILL", "SIGTERM") hits while it prepares its data:
+    once the training arrays are written into the temporary directory, before it is renamed."""
+    script = (
+        "import os, signal, sys\n"
+        "from aiayn.data import bindata\n"
+        "close = bindata.SplitWriter.close\n"
+        "def hit(self):\n"
+        "    files = close(self)\n"
+        f"    os.kill(os.getpid(), signal.{how})\n"
+        "    return files\n"
+        "bindata.SplitWriter.close = hit\n"
+        "from aiayn.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    return subprocess.run([sys.executable, "-c", script, *tiny_args(corpus, out, *extra)], capture_output=True,
+                          text=True, timeout=300)
+
+
+def _prepare_leftovers(out: Path) -> list[str]:
+    return sorted(p.name for p in out.iterdir() if p.name.startswith(".data."))
+
+
+def test_a_run_killed_while_preparing_its_data_goes_on_with_the_same_command(tmp_path, corpus, capsys):
+    """kill -9 during the preparation leaves its lock and temporary in --out: the same command starts
+    the run again, --resume of a run with checkpoints goes on, both clean them up; a user's file beside
+    them still makes --out "not empty"."""
+    out = tmp_path / "r"
+    proc = _train_dying(corpus, out, "SIGKILL", "--max-steps", "1")
+    assert proc.returncode == -9, proc.stderr
+    left = _prepare_leftovers(out)
+    assert left[0] == ".data.lock" and left[1].startswith(".data.prepare-") and len(left) == 2, left
+    shutil.copytree(out, tmp_path / "left")  # the same leftovers, for the cases below
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "1")) == 0
+    assert (out / "step_1").is_dir() and not _prepare_leftovers(out)
+    theirs = tmp_path / "theirs"
+    shutil.copytree(tmp_path / "left", theirs)
+    (theirs / "notes.txt").write_text("mine\n")
+    capsys.readouterr()
+    assert cli_main(tiny_args(corpus, theirs, "--max-steps", "1")) == 2
+    err = capsys.readouterr().err
+    assert f"--out {theirs} is not empty (it holds notes.txt)" in err and err.count("\n") == 1, err
+    assert _prepare_leftovers(theirs) == left and (theirs / "notes.txt").read_text() == "mine\n"
+    for name in left:  # killed again while preparing, after its first checkpoint (say its data was deleted)
+        shutil.copytree(tmp_path / "left" / name, out / name)
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--resume")) == 0
+    assert (out / "step_2").is_dir() and not _prepare_leftovers(out)
+
+
+def test_a_preparation_that_may_be_alive_on_another_machine_is_not_taken_over(tmp_path, corpus, capsys):
+    out = tmp_path / "r"
+    work = out / ".data.prepare-othermachine-4242-0a1b2c3d"  # its mark is fresh: it may be at work
+    work.mkdir(parents=True)
+    (work / ".aiayn-prepare").touch()
+    for extra in ((), ("--resume",)):
+        assert cli_main(tiny_args(corpus, out, "--max-steps", "1", *extra)) == 2
+        err = capsys.readouterr().err
+        assert f"--out {out} holds {work.name}: another aiayn process is preparing the data there" in err, err
+        assert err.count("\n") == 1
+        assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == [work.name, f"{work.name}/.aiayn-prepare"]
+    old = os.path.getmtime(work / ".aiayn-prepare") - 3600  # untouched for an hour: abandoned
+    os.utime(work / ".aiayn-prepare", (old, old))
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "1")) == 0
+    assert not work.exists() and (out / "step_1").is_dir()
+
+
+def test_sigterm_while_preparing_the_data_cleans_up_as_ctrl_c_does(tmp_path, corpus):
+    out = tmp_path / "r"
+    proc = _train_dying(corpus, out, "SIGTERM", "--max-steps", "1")
+    assert proc.returncode == 128 + 15, proc.stderr
+    assert proc.stderr == "aiayn train: interrupted by SIGTERM\n", proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == []  # no lock, no temporary
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "1")) == 0
+
+
+def test_resume_takes_renamed_data_files_of_the_same_bytes(tmp_path, corpus):
+    """The data files may move or be renamed on --resume: their bytes decide, and the prepared data
+    (whose manifest sha256 the checkpoint holds) stays as it is."""
+    out = tmp_path / "r"
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "1")) == 0
+    manifest = (out / "data" / "manifest.json").read_bytes()
+    renamed = dict(corpus, train_src=str(tmp_path / "train.renamed.de"), valid_tgt=str(tmp_path / "dev.en"))
+    for name in ("train_src", "valid_tgt"):
+        shutil.copyfile(corpus[name], renamed[name])
+    assert cli_main(tiny_args(renamed, out, "--max-steps", "2", "--resume")) == 0
+    assert (out / "step_2").is_dir() and (out / "data" / "manifest.json").read_bytes() == manifest
 
 
 def test_new_runs_feed_the_source_ending_with_eos_and_old_runs_go_on_without(tmp_path, corpus, monkeypatch):

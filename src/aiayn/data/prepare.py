@@ -24,6 +24,7 @@ import multiprocessing
 import os
 import random
 import shutil
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -33,7 +34,7 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 
 from aiayn.data import bindata
-from aiayn.data.lock import FolderLock, parse_work_name, stale, work_name
+from aiayn.data.lock import OWNER, FolderLock, parse_work_name, stale, work_name
 from aiayn.data.text import blank_line_error, line_count_error, read_parallel
 from aiayn.files import iter_lines
 from aiayn.errors import AiaynError
@@ -87,6 +88,11 @@ class Inputs:
     def digests(self) -> dict[str, dict[str, str]]:
         """File name and sha256 of each input (names, not paths: the output must not depend on where)."""
         return {name: {"name": Path(p).name, "sha256": file_sha256(p)} for name, p in asdict(self).items() if p}
+
+
+def _contents(digests: dict[str, Any]) -> dict[str, Any]:
+    """The sha256 of each input by its role: what a resumed run's data must match (files may be renamed)."""
+    return {name: d.get("sha256") if isinstance(d, dict) else d for name, d in digests.items()}
 
 
 # ------------------------------------------------------------------------------- pass 1: scanning
@@ -192,7 +198,7 @@ def _ordered_map(fn: Callable, tasks: Iterable, workers: int, init: Callable, in
         init(*initargs)
         yield from map(fn, tasks)
         return
-    with multiprocessing.get_context("fork").Pool(workers, init, initargs) as pool:
+    with multiprocessing.get_context("fork").Pool(workers, _in_worker, (init, *initargs)) as pool:
         pending: collections.deque = collections.deque()
         for task in tasks:
             pending.append(pool.apply_async(fn, (task,)))
@@ -200,6 +206,13 @@ def _ordered_map(fn: Callable, tasks: Iterable, workers: int, init: Callable, in
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()
+
+
+def _in_worker(init: Callable, *initargs: Any) -> None:
+    """A pool worker's start. Ctrl-C reaches the whole process group: the parent alone answers it (its
+    `with` tears the pool down); a worker that took it too would print a traceback of its own."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    init(*initargs)
 
 
 def encode_split(split: str, src_path: Path, tgt_path: Path, tok: TokenizerPair, settings: Settings, folder: Path,
@@ -234,20 +247,21 @@ def prepare(inputs: Inputs, out: str | os.PathLike[str], settings: Settings = Se
             tokenizers: TokenizerPair | None = None) -> Path:
     """Write the prepared directory `out`; returns it. Does nothing if `out` already holds the output
     of these inputs and settings (restart after an interruption costs only the hashing). An earlier
-    output of other inputs or settings is replaced, or with `replace=False` refused. `tokenizers`
+    output of other inputs or settings is replaced, or with `replace=False` refused (then renamed
+    inputs of the same bytes count as the same: a resumed run keeps its data as it is). `tokenizers`
     (fine-tuning) encode the text instead of new ones trained on it (the vocabulary settings are
     then unused)."""
     inputs.check()
     settings.check()
-    out = Path(out)
+    out = Path(os.path.abspath(out))  # the lock and temporaries go beside it: `Path(".").name` is ""
     _check_out(out)
     digests = inputs.digests()
-    if _up_to_date(out, digests, settings, tokenizers):
+    if _up_to_date(out, digests, settings, tokenizers, replace):
         log(f"{out}: already prepared from these files and settings")
         return out
     # Several machines may run this on one shared folder: one prepares, the others wait and find it done.
     with FolderLock(out.parent / f".{out.name}.lock", log) as lock:
-        if _up_to_date(out, digests, settings, tokenizers):
+        if _up_to_date(out, digests, settings, tokenizers, replace):
             log(f"{out}: prepared meanwhile by another process from these files and settings")
             return out
         if not replace and (out / bindata.MANIFEST).is_file():
@@ -274,6 +288,9 @@ def prepare(inputs: Inputs, out: str | os.PathLike[str], settings: Settings = Se
 def _write(inputs: Inputs, tmp: Path, settings: Settings, digests: dict[str, Any], workers: int,
            log: Callable[[str], None], tokenizers: TokenizerPair | None = None) -> dict[str, Any]:
     t0 = time.time()
+    valid = None  # read first: a bad validation pair must not wait for the training set's hours of work
+    if inputs.valid_src and inputs.valid_tgt:
+        valid = read_parallel(inputs.valid_src, inputs.valid_tgt)  # validation sets are small
     scan = scan_parallel(inputs.train_src, inputs.train_tgt, settings.spm_sample, settings.seed)
     log(f"checked {scan.lines:,} training pairs in {time.time() - t0:.0f}s; " + (
         "encoding them with the given tokenizer" if tokenizers else
@@ -288,9 +305,8 @@ def _write(inputs: Inputs, tmp: Path, settings: Settings, digests: dict[str, Any
     files.update(f)
     if splits["train"]["pairs"] == 0:
         raise AiaynError(f"every training pair is longer than --max-len {settings.max_len}; raise --max-len")
-    if inputs.valid_src and inputs.valid_tgt:
-        vs, vt = read_parallel(inputs.valid_src, inputs.valid_tgt)  # validation sets are small
-        for side, lines in (("src", vs), ("tgt", vt)):
+    if valid is not None:
+        for side, lines in zip(("src", "tgt"), valid):
             data = "".join(s + "\n" for s in lines).encode()
             atomic_write_bytes(tmp / bindata.VALID_TEXT[side], data)
             files[bindata.VALID_TEXT[side]] = {"sha256": hashlib.sha256(data).hexdigest()}
@@ -318,20 +334,26 @@ def _changed(out: Path, inputs: Inputs, digests: dict[str, Any]) -> str:
         was = json.loads((out / bindata.MANIFEST).read_text(encoding="utf-8")).get("inputs", {})
     except (OSError, ValueError):
         was = {}
+    was, now = _contents(was if isinstance(was, dict) else {}), _contents(digests)
     for name in ("train_src", "train_tgt", "valid_src", "valid_tgt"):
-        if was.get(name) != digests.get(name):
+        if was.get(name) != now.get(name):
             return str(getattr(inputs, name) or f"--{name.replace('_', '-')}")
     return "--vocab-size/--joint-vocab/--spm-model-type/--max-len/--long"
 
 
-def _up_to_date(out: Path, digests: dict[str, Any], settings: Settings, tokenizers: TokenizerPair | None = None) -> bool:
+def _up_to_date(out: Path, digests: dict[str, Any], settings: Settings, tokenizers: TokenizerPair | None = None,
+                replace: bool = True) -> bool:
+    """Whether `out` holds the output of these inputs and settings. Without `replace` (a resumed run,
+    whose checkpoint holds the manifest's sha256) the inputs' bytes decide, not their names."""
     try:
         m = json.loads((out / bindata.MANIFEST).read_text(encoding="utf-8"))
         bindata.open_prepared(out)
     except (OSError, ValueError, AiaynError):
         return False
     same_tok = tokenizers is None or all(m.get("tokenizer", {}).get(k) == v for k, v in tokenizers.describe().items())
-    return m.get("inputs") == digests and m.get("settings") == asdict(settings) and same_tok
+    was = m.get("inputs")
+    same_inputs = was == digests or (not replace and isinstance(was, dict) and _contents(was) == _contents(digests))
+    return same_inputs and m.get("settings") == asdict(settings) and same_tok
 
 
 def _replace(tmp: Path, out: Path, digests: dict[str, Any], settings: Settings,
@@ -359,12 +381,50 @@ def _replace(tmp: Path, out: Path, digests: dict[str, Any], settings: Settings,
 
 def _remove_stale_temporaries(out: Path) -> None:
     """Temporary directories of earlier, killed runs for the same --out: only those we marked, and
-    only if abandoned (a dead process of this host, or a mark untouched for `lock.STALE` seconds:
-    the directory may be the work of a live process on another machine that shares the folder)."""
+    only if abandoned (`leftovers`: the directory may be the work of a live process on another
+    machine that shares the folder)."""
+    for name, abandoned in leftovers(out).items():
+        if abandoned and name != f".{out.name}.lock":
+            shutil.rmtree(out.parent / name, ignore_errors=True)
+
+
+def leftovers(out: str | os.PathLike[str]) -> dict[str, bool]:
+    """What interrupted runs of `prepare` for `out` left beside it, by name: the lock (a directory
+    holding at most its `owner` file) and the marked temporaries, each True if abandoned (a dead
+    process of this host, or untouched for `lock.STALE` seconds), False if a live process, maybe on
+    another machine, may still use it. `train` tells them from a user's files in its run directory."""
+    out = Path(os.path.abspath(out))
+    found = {}
+    lock = out.parent / f".{out.name}.lock"
+    try:
+        is_lock = {p.name for p in lock.iterdir()} <= {OWNER}
+    except OSError:  # none, or released meanwhile
+        is_lock = False
+    if is_lock:
+        host, pid = _lock_owner(lock)
+        found[lock.name] = stale(lock / OWNER if host else lock, host, pid)  # no owner yet: the folder's age
     for p in out.parent.glob(f".{out.name}.prepare-*"):
-        host, pid = parse_work_name(p.name)
-        if (p / TMP_MARK).is_file() and stale(p / TMP_MARK, host, pid):
-            shutil.rmtree(p, ignore_errors=True)
+        if (p / TMP_MARK).is_file():
+            found[p.name] = stale(p / TMP_MARK, *parse_work_name(p.name))
+    return found
+
+
+def _lock_owner(lock: Path) -> tuple[str | None, int | None]:
+    try:
+        host, pid = (lock / OWNER).read_text(encoding="utf-8").split()
+        return host, int(pid)
+    except (OSError, ValueError):
+        return None, None
+
+
+def remove_abandoned(out: str | os.PathLike[str]) -> None:
+    """Removes the abandoned `leftovers` of `out`: the temporaries, and the lock by taking it as a
+    waiter does (moved aside first: of two processes taking it over, one succeeds)."""
+    out = Path(os.path.abspath(out))
+    _remove_stale_temporaries(out)
+    if leftovers(out).get(f".{out.name}.lock"):
+        with FolderLock(out.parent / f".{out.name}.lock"):
+            pass
 
 
 # ------------------------------------------------------------------------------------------- CLI
