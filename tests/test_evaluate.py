@@ -157,3 +157,38 @@ def test_save_hyps_is_checked_before_translating(ckpt, tmp_path, capsys, monkeyp
     assert cli.main(["evaluate", "--checkpoint", str(ckpt), "--src-file", s, "--ref-file", r, "--save-hyps",
                      str(tmp_path / "h.txt"), *FAST]) == 0
     assert searched  # the spy sees a translation when there is one
+
+
+def test_save_hyps_writes_through_a_link_and_into_a_fifo(ckpt, tmp_path, capsys):
+    """--save-hyps treats the user's file as `translate --output` does: a link is written through
+    (it stays a link), a FIFO is written into (not replaced by a file); a plain file is replaced."""
+    import threading
+
+    s, r = write(tmp_path / "s.txt", ["ein Mann", "der Hund"]), write(tmp_path / "r.txt", ["a man", "the dog"])
+    target, link = tmp_path / "target.txt", tmp_path / "link.txt"
+    target.write_text("old\n")
+    link.symlink_to(target)
+    argv = ["evaluate", "--checkpoint", str(ckpt), "--src-file", s, "--ref-file", r, *FAST, "--save-hyps"]
+    assert cli.main([*argv, str(link)]) == 0
+    assert link.is_symlink() and len(target.read_text().splitlines()) == 2
+    fifo, got = tmp_path / "fifo", []
+    os.mkfifo(fifo)
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()))
+    reader.start()
+    assert cli.main([*argv, str(fifo)]) == 0
+    reader.join(timeout=60)
+    assert fifo.is_fifo() and len(got[0].splitlines()) == 2
+
+
+def test_scoring_a_file_needs_no_device(tmp_path, capsys):
+    """--hyp-file scores text: --device (say cuda on a machine without one) has nothing to run on."""
+    h, r = write(tmp_path / "h.txt", HYPS), write(tmp_path / "r.txt", REFS)
+    assert cli.main(["evaluate", "--hyp-file", h, "--ref-file", r, "--device", "cuda", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["bleu"] == corpus_scores(HYPS, REFS)["bleu"]
+
+
+def test_a_length_penalty_that_overflows_is_refused_before_loading(ckpt, tmp_path, capsys):
+    s, r = write(tmp_path / "s.txt", ["ein Mann"]), write(tmp_path / "r.txt", ["a man"])
+    assert cli.main(["evaluate", "--checkpoint", str(ckpt), "--src-file", s, "--ref-file", r, "--alpha", "1000"]) == 2
+    err = capsys.readouterr().err
+    assert "--alpha must be between 0 and 10" in err and err.count("\n") == 1

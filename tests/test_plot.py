@@ -353,3 +353,33 @@ def test_attention_of_a_model_trained_on_bare_sources_reads_no_eos(model, tokeni
     maps = plot.attention_maps(old, tokenizers, SRC, TGT)
     assert maps.src_labels == [tokenizers.src.id_to_piece(i) for i in tokenizers.src.encode(SRC)]
     assert maps.encoder.shape[-1] == len(tokenizers.src.encode(SRC))
+
+
+def test_attention_titles_and_labels_show_dollar_signs_as_text(tmp_path, model, tokenizers):
+    """A "$" in the sentence is a dollar sign, not TeX: "$x^$" was a parse error (a traceback), and
+    text between two of them was set as a formula."""
+    for text in ("Er tippt $x^$ ein.", "Es kostet $5 und $10."):
+        maps = plot.attention_maps(model, tokenizers, text, text)
+        fig, _ = plot.attention_figure(maps, ("cross",), None, text)
+        plot.save_figure(fig, tmp_path / "dollar.png", 30)  # drawn: TeX would fail on "$x^$"
+        assert fig.get_suptitle() == text
+
+
+def test_attention_refuses_a_long_source_before_any_work(model, tokenizers, monkeypatch):
+    """Too long a --src to draw is refused as soon as it is tokenized, not after a greedy decode and
+    an attention pass that grow with its square (20,000 tokens: minutes and ~19 GB)."""
+    monkeypatch.setattr(plot, "greedy_ids", lambda *a, **k: pytest.fail("decoded a source too long to draw"))
+    monkeypatch.setattr(plot, "attention_arrays", lambda *a, **k: pytest.fail("computed attention first"))
+    with pytest.raises(AiaynError, match=r"--src: the source is \d+ tokens; attention maps are readable up to 200"):
+        plot.attention_maps(model, tokenizers, " ".join(["Mann"] * 400))
+    with pytest.raises(AiaynError, match=r"--tgt: the target is \d+ tokens"):
+        plot.attention_maps(model, tokenizers, SRC, " ".join(["man"] * 400))
+
+
+def test_plot_writes_through_a_link(tmp_path):
+    """-o names the user's file: a link is written through and stays a link, as `translate --output`."""
+    target, link = tmp_path / "target.png", tmp_path / "link.png"
+    target.write_bytes(b"old")
+    link.symlink_to(target)
+    assert main(["plot", "positional-encoding", "--dpi", "20", "-o", str(link)]) == 0
+    assert link.is_symlink() and target.read_bytes().startswith(b"\x89PNG")

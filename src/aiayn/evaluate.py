@@ -144,8 +144,8 @@ def run(args: argparse.Namespace) -> int:
 
     memory.keep_freed_memory()  # as `aiayn translate`
 
-    device = inference_device(args.device, args.precision)  # a flag error first, before any file is read
-    mode, first, ref_path = _inputs(args)
+    mode, first, ref_path = _inputs(args)  # flag errors first, before any file is read
+    device = inference_device(args.device, args.precision) if mode == "translate" else None  # (scoring needs none)
     if args.data:
         _check_direction(args)
     if args.save_hyps and mode == "translate":
@@ -171,10 +171,10 @@ def run(args: argparse.Namespace) -> int:
         info.update(source=first, checkpoint=args.checkpoint, beam=args.beam, alpha=args.alpha,
                     precision=args.precision)
         if args.save_hyps:
-            from aiayn.files import atomic_write_bytes
+            from aiayn.files import write_output_bytes
 
             try:
-                atomic_write_bytes(args.save_hyps, "".join(h + "\n" for h in hyps).encode("utf-8"))
+                write_output_bytes(args.save_hyps, "".join(h + "\n" for h in hyps).encode("utf-8"))
             except OSError as e:
                 raise AiaynError(f"{args.save_hyps}: cannot write ({e.strerror or e}) (--save-hyps)") from None
     scores = corpus_scores(hyps, refs)

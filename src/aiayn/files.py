@@ -142,6 +142,17 @@ def umask() -> int:
     return mask
 
 
+def write_output_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write `data` to a file the user named: a new file or a plain file of theirs atomically
+    (`atomic_write_bytes`), anything a new file would not stand for (a link, a device such as
+    /dev/stdout, a FIFO, someone else's file) in place, as `translate --output` does (`ReplacingFile`)."""
+    if os.path.lexists(path) and not _replaceable(str(path)):
+        with open(path, "wb") as f:
+            f.write(data)
+        return
+    atomic_write_bytes(path, data)
+
+
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     """Write `data` to `path` through a temporary file in the same folder, fsync, then rename."""
     path = Path(path)

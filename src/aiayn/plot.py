@@ -32,7 +32,7 @@ from matplotlib.ticker import MaxNLocator
 
 from aiayn.config import learning_rate
 from aiayn.errors import AiaynError
-from aiayn.files import atomic_write_bytes
+from aiayn.files import write_output_bytes
 from aiayn.model import PositionalEncoding, Transformer
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, PIECES
 
@@ -78,7 +78,7 @@ def save_figure(fig: Figure, path: str | os.PathLike, dpi: int = DEFAULT_DPI) ->
     buf = io.BytesIO()
     fig.savefig(buf, format=fmt, dpi=dpi, facecolor="white")
     try:
-        atomic_write_bytes(path, buf.getvalue())
+        write_output_bytes(path, buf.getvalue())
     except OSError as e:
         raise AiaynError(f"-o {path}: cannot write ({e.strerror or e}); choose another file name") from None
     return path
@@ -233,16 +233,25 @@ def attention_maps(model: Transformer, tokenizers: Any, src_text: str, tgt_text:
     src_ids = tokenizers.src.encode(src_text)
     if src_ids and model.cfg.source_eos:
         src_ids = src_ids + [EOS_ID]
+    _check_readable("source", len(src_ids), "--src")
     if tgt_text is None:
         src, _, _, _, _ = attention_inputs(tokenizers, src_ids, [])
         tgt_ids = greedy_ids(model, src, max_len_a, max_len_b)
         tgt_text = tokenizers.tgt.decode(tgt_ids)
     else:
         tgt_ids = tokenizers.tgt.encode(tgt_text)
+        _check_readable("target", len(tgt_ids) + 1, "--tgt")
     src, tgt_in, src_labels, tgt_in_labels, tgt_out_labels = attention_inputs(tokenizers, src_ids, tgt_ids)
     arrays = attention_arrays(model, src, tgt_in)
     return AttentionMaps(arrays["encoder"], arrays["decoder_self"], arrays["cross"], src_labels, tgt_in_labels,
                          tgt_out_labels, src_text, tgt_text)
+
+
+def _check_readable(side: str, tokens: int, flag: str) -> None:
+    """Refuses a sentence too long to draw before any attention is computed (quadratic in its length)."""
+    if tokens > MAX_ATTENTION_TOKENS:
+        raise AiaynError(f"{flag}: the {side} is {tokens} tokens; attention maps are readable up to "
+                         f"{MAX_ATTENTION_TOKENS} a side: use a shorter {flag}")
 
 
 ATTENTION_KINDS = ("encoder", "decoder", "cross")
@@ -322,8 +331,8 @@ def attention_figure(maps: AttentionMaps, kinds: Sequence[str] = ATTENTION_KINDS
                 im = ax.imshow(shown, cmap=cmap, vmin=0.0, vmax=1.0, interpolation="nearest", aspect="equal")
                 ax.set_xticks(range(Tk))
                 ax.set_yticks(range(Tq))
-                ax.set_xticklabels(xl if li == L - 1 else [], rotation=90, fontsize=7)
-                ax.set_yticklabels(yl if h == 0 else [], fontsize=7)
+                ax.set_xticklabels(xl if li == L - 1 else [], rotation=90, fontsize=7, parse_math=False)
+                ax.set_yticklabels(yl if h == 0 else [], fontsize=7, parse_math=False)
                 ax.tick_params(length=0)
                 if li == 0:
                     ax.set_title(f"head {h + 1}", fontsize=9)
@@ -334,8 +343,8 @@ def attention_figure(maps: AttentionMaps, kinds: Sequence[str] = ATTENTION_KINDS
         sub.suptitle(section_title, fontsize=11, fontweight="bold")
         sub.supxlabel(xlabel, fontsize=9)
         sub.supylabel(ylabel, fontsize=9)
-    if title:
-        fig.suptitle(title, fontsize=12)
+    if title:  # a "$" of the text is a dollar sign, not TeX
+        fig.suptitle(title, fontsize=12, parse_math=False)
     return fig, drawn
 
 

@@ -100,6 +100,9 @@ class SearchModel(Protocol[C]):
         ...
 
 
+MAX_ALPHA = 10.0  # the length penalty's largest exponent: lp(256 tokens) ** 10 is ~2e16; from about 190 on it overflows a float
+
+
 def length_penalty(length: int, alpha: float) -> float:
     """((5 + length) / 6) ** alpha, the GNMT length penalty; `length` counts tokens incl. EOS."""
     return ((5.0 + length) / 6.0) ** alpha
@@ -117,8 +120,8 @@ def _check(beam: int, nbest: int, alpha: float, max_len_a: float, max_len_b: flo
         raise AiaynError(f"--beam must be at least 1, got {beam}")
     if not 1 <= int(nbest) <= int(beam):
         raise AiaynError(f"--nbest must be between 1 and the beam size {beam}, got {nbest}")
-    if not alpha >= 0 or math.isinf(alpha):  # nan fails the comparison
-        raise AiaynError(f"--alpha (length penalty) must be a finite number >= 0, got {alpha}")
+    if not 0 <= alpha <= MAX_ALPHA:  # nan fails the comparison
+        raise AiaynError(f"--alpha (length penalty) must be between 0 and {MAX_ALPHA:g}, got {alpha}")
     if not (max_len_a >= 0 and max_len_b >= 0) or math.isinf(max_len_a) or math.isinf(max_len_b):
         raise AiaynError(f"maximum length a*len+b needs finite a >= 0 and b >= 0, got a={max_len_a}, b={max_len_b}")
     if min_len < 0:

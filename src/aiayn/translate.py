@@ -46,7 +46,7 @@ from aiayn.kernels import ModuleT
 from aiayn.errors import AiaynError, require
 from aiayn import memory
 from aiayn.files import ReplacingFile, silence_stdout
-from aiayn.search import DEFAULT_STOP_RULE, STOP_RULES, ScoredIds, beam_search, greedy_search
+from aiayn.search import DEFAULT_STOP_RULE, MAX_ALPHA, STOP_RULES, ScoredIds, beam_search, greedy_search
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, PIECES, TokenizerPair, vocabulary
 
 # Characters that `str.splitlines` treats as line ends: an output line must never contain one.
@@ -78,8 +78,8 @@ class Settings:
             raise AiaynError(f"--beam must be at least 1, got {self.beam}")
         if not 1 <= self.nbest <= self.beam:
             raise AiaynError(f"--nbest must be between 1 and --beam ({self.beam}), got {self.nbest}")
-        if not self.alpha >= 0 or math.isinf(self.alpha):  # nan fails the comparison
-            raise AiaynError(f"--alpha must be a finite number >= 0, got {self.alpha}")
+        if not 0 <= self.alpha <= MAX_ALPHA:  # nan fails the comparison
+            raise AiaynError(f"--alpha must be between 0 and {MAX_ALPHA:g} (the paper: 0.6), got {self.alpha}")
         if self.max_tokens < 1:
             raise AiaynError(f"--max-tokens must be positive, got {self.max_tokens}")
         if self.batch_size < 1:

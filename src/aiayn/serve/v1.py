@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from aiayn.search import MAX_ALPHA
 from aiayn.sentences import split
 from aiayn.serve.batch import DEFAULT_ALPHA, Key
 from aiayn.serve.clients import check_holdable
@@ -34,7 +35,7 @@ class TranslateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     text: list[str] = Field(min_length=1, description="lines to translate")
     beam: int | None = Field(None, ge=1, description="beam size (default: the server's; at most its --max-beam)")
-    alpha: float = Field(DEFAULT_ALPHA, ge=0, le=10, allow_inf_nan=False, description="length penalty")
+    alpha: float = Field(DEFAULT_ALPHA, ge=0, le=MAX_ALPHA, allow_inf_nan=False, description="length penalty")
     nbest: int = Field(1, ge=1, description="hypotheses per line, at most beam and the server's --max-nbest")
     attention: bool = Field(False, description="add each hypothesis's cross-attention (layers x target x source)")
     source: str | None = Field(None, description="source language (default: the first model's)")
