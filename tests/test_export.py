@@ -274,6 +274,32 @@ def test_translate_cli_with_ctranslate2_engine_matches_torch(trained, tmp_path, 
     assert "not a CTranslate2 export" in capsys.readouterr().err
 
 
+def test_evaluate_scores_a_ctranslate2_export_with_its_engine(trained, tmp_path, capsys):
+    """evaluate --engine ctranslate2 translates with the export as translate --engine does, then
+    scores; without the flag an export is a one-line hint, as in translate."""
+    pytest.importorskip("ctranslate2")
+    import json
+
+    from aiayn.export import export_ctranslate2
+
+    ckpt, _, _, lines = trained
+    export_ctranslate2(ckpt, tmp_path / "ct2")
+    (tmp_path / "src.txt").write_text("\n".join(lines[:8]) + "\n", encoding="utf-8")
+    (tmp_path / "ref.txt").write_text("\n".join(lines[:8]) + "\n", encoding="utf-8")
+    files = ["--src-file", str(tmp_path / "src.txt"), "--ref-file", str(tmp_path / "ref.txt"), "--beam", "1"]
+    assert main(["evaluate", "--engine", "ctranslate2", "--checkpoint", str(tmp_path / "ct2"), *files, "--json",
+                 "--save-hyps", str(tmp_path / "hyps.txt")]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert main(["translate", "--engine", "ctranslate2", "--checkpoint", str(tmp_path / "ct2"), "--beam", "1",
+                 "--input", str(tmp_path / "src.txt"), "--output", str(tmp_path / "want.txt")]) == 0
+    assert (tmp_path / "hyps.txt").read_text(encoding="utf-8") == (tmp_path / "want.txt").read_text(encoding="utf-8")
+    assert got["precision"] == "fp32" and "bleu" in got
+    capsys.readouterr()
+    assert main(["evaluate", "--checkpoint", str(tmp_path / "ct2"), *files]) == 2
+    err = capsys.readouterr().err
+    assert "is a CTranslate2 export" in err and "--engine ctranslate2" in err and err.count("\n") == 1
+
+
 def test_ctranslate2_translator_truncates_long_lines_with_a_note(trained, tmp_path):
     pytest.importorskip("ctranslate2")
     from aiayn.export import export_ctranslate2

@@ -72,9 +72,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hyp-file", help="translations to score, one a line (no model needed)")
     p.add_argument("--ref-file", help="references, one a line, aligned with the source or hypotheses")
     p.add_argument("--save-hyps", help="also write the translations to this file")
-    from aiayn.translate import add_search_arguments
+    from aiayn.translate import add_engine_argument, add_search_arguments
 
     add_search_arguments(p)
+    add_engine_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
@@ -145,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
     memory.keep_freed_memory()  # as `aiayn translate`
 
     mode, first, ref_path = _inputs(args)  # flag errors first, before any file is read
-    device = inference_device(args.device, args.precision) if mode == "translate" else None  # (scoring needs none)
+    if mode == "translate" and args.engine == "torch":  # (scoring a file needs no device)
+        inference_device(args.device, args.precision)
     if args.data:
         _check_direction(args)
     if args.save_hyps and mode == "translate":
@@ -160,13 +162,13 @@ def run(args: argparse.Namespace) -> int:
     if mode == "hyp":
         hyps, info["hypotheses"] = lines, first
     else:
-        from aiayn.translate import Settings, Translator
+        from aiayn.translate import Settings, load_translator
 
         settings = Settings(beam=args.beam, alpha=args.alpha, max_tokens=args.max_tokens, batch_size=args.batch_size,
                             max_len_a=args.max_len_a, max_len_b=args.max_len_b, min_len=args.min_len,
                             workers=args.workers, stop_rule=args.stop_rule)
         settings.check()
-        translator = Translator.from_checkpoint(args.checkpoint, precision=args.precision, device=str(device))
+        translator = load_translator(args)
         hyps = translator.translate(lines, **vars(settings))
         info.update(source=first, checkpoint=args.checkpoint, beam=args.beam, alpha=args.alpha,
                     precision=args.precision)

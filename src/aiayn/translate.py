@@ -587,9 +587,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split-sentences", nargs="?", const="", default=None, metavar="LANG",
                    help="a line may be a paragraph: translate its sentences (split for language LANG, by default "
                         "the checkpoint's source language) as one batch and join them with the line's own spacing")
+    add_engine_argument(p)
+
+
+def add_engine_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=("torch", "ctranslate2"), default="torch",
                    help="ctranslate2: --checkpoint is a directory from `aiayn export --to ctranslate2` "
                         "(needs pip install 'aiayn[export]')")
+
+
+def load_translator(args: argparse.Namespace) -> Any:
+    """The translator --checkpoint and --engine name (`Translator`, or `CT2Translator` on an export),
+    at --precision on --device; a CTranslate2 export without --engine ctranslate2 is a one-line error."""
+    if getattr(args, "engine", "torch") == "ctranslate2":
+        if args.device not in ("auto", "cpu"):
+            raise AiaynError(f"--device {args.device}: the ctranslate2 engine runs on the CPU here; use --engine torch")
+        return CT2Translator.from_path(args.checkpoint, precision=args.precision)
+    if all(os.path.isfile(os.path.join(args.checkpoint, f)) for f in ("model.bin", "aiayn.json")):
+        raise AiaynError(f"{args.checkpoint} is a CTranslate2 export (aiayn export --to ctranslate2); "
+                         "add --engine ctranslate2")
+    device = inference_device(args.device, args.precision)
+    return Translator.from_checkpoint(args.checkpoint, precision=args.precision, device=str(device))
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -780,23 +798,16 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     s = _settings(args)  # flags are checked before the model is loaded
     memory.keep_freed_memory()  # a job that decodes and ends: no page faults for every new activation
-    ct2_engine = getattr(args, "engine", "torch") == "ctranslate2"
-    if ct2_engine and args.device not in ("auto", "cpu"):
+    if getattr(args, "engine", "torch") == "ctranslate2" and args.device not in ("auto", "cpu"):
         raise AiaynError(f"--device {args.device}: the ctranslate2 engine runs on the CPU here; use --engine torch")
-    device = inference_device(args.device, args.precision)
+    inference_device(args.device, args.precision)  # a flag error before any file is opened
     src, close_in = _open_input(args.input)
     out: IO[bytes] | None = None
     out_file: ReplacingFile | None = None
     done = 0
     try:
         _check_output(args.output, src)
-        if ct2_engine:
-            translator: Any = CT2Translator.from_path(args.checkpoint, precision=args.precision)
-        else:
-            if all(os.path.isfile(os.path.join(args.checkpoint, f)) for f in ("model.bin", "aiayn.json")):
-                raise AiaynError(f"{args.checkpoint} is a CTranslate2 export (aiayn export --to ctranslate2); "
-                                 "add --engine ctranslate2")
-            translator = Translator.from_checkpoint(args.checkpoint, precision=args.precision, device=str(device))
+        translator = load_translator(args)
         language = _source_language(args) if getattr(args, "split_sentences", None) is not None else None
         out, out_file = _open_output(args.output)  # only now: a failed start adds no file
         name = "<stdin>" if args.input == "-" else args.input
