@@ -192,3 +192,20 @@ def test_a_length_penalty_that_overflows_is_refused_before_loading(ckpt, tmp_pat
     assert cli.main(["evaluate", "--checkpoint", str(ckpt), "--src-file", s, "--ref-file", r, "--alpha", "1000"]) == 2
     err = capsys.readouterr().err
     assert "--alpha must be between 0 and 10" in err and err.count("\n") == 1
+
+
+def test_save_hyps_in_a_folder_that_takes_no_new_file_writes_in_place(ckpt, tmp_path, capsys, monkeypatch):
+    """A writable file of the user's in a folder where no file can be added (no temporary beside it)
+    is written in place, as translate --output writes it; before, the temporary's failure refused it."""
+    import tempfile
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    s, r = write(tmp_path / "s.txt", ["ein Mann"]), write(tmp_path / "r.txt", ["a man"])
+    target = tmp_path / "hyps.txt"
+    target.write_text("old\n")
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    assert cli.main(["evaluate", "--checkpoint", str(ckpt), "--src-file", s, "--ref-file", r, *FAST,
+                     "--save-hyps", str(target)]) == 0
+    assert target.read_text() != "old\n" and len(target.read_text().splitlines()) == 1

@@ -367,3 +367,17 @@ def test_ctrl_c_with_workers_is_one_line_and_exit_130(tmp_path, corpus):
     assert proc.returncode == 130, err
     assert err.split("processes\n", 1)[1] == "aiayn prepare: interrupted\n", err  # after "encoding with 2 processes"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "started"]
+
+
+def test_out_after_a_link_and_dotdot_is_where_the_os_puts_it(tmp_path, monkeypatch):
+    """--out link/../x is beside the link's target, as the shell and the OS read it (a textual
+    normalisation would put it beside the link)."""
+    (tmp_path / "far" / "inner").mkdir(parents=True)
+    (tmp_path / "here").mkdir()
+    (tmp_path / "here" / "link").symlink_to(tmp_path / "far" / "inner")
+    monkeypatch.chdir(tmp_path / "here")
+    c = make_corpus(tmp_path / "text", n_train=60)
+    corpus = [Path(c[k]) for k in ("train_src", "train_tgt", "valid_src", "valid_tgt")]
+    out = P.prepare(P.Inputs(*corpus), "link/../x", P.Settings(vocab_size=300), workers=1, log=lambda m: None)
+    assert (tmp_path / "far" / "x" / "manifest.json").is_file() and not (tmp_path / "here" / "x").exists()
+    assert out.resolve() == (tmp_path / "far" / "x").resolve()

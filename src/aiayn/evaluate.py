@@ -134,20 +134,20 @@ def _check_save_path(path: str, inputs: Sequence[str]) -> None:
     parent = target.parent
     if not parent.is_dir():
         raise AiaynError(f"{parent}: no such directory (--save-hyps)")
-    if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+    if not os.access(target if target.exists() else parent, os.W_OK):  # (a file of theirs, a device: in place)
         raise AiaynError(f"{path}: cannot write there (--save-hyps)")
 
 
 def run(args: argparse.Namespace) -> int:
     from aiayn import memory
     from aiayn.files import read_lines
-    from aiayn.translate import inference_device
+    from aiayn.translate import engine_device
 
     memory.keep_freed_memory()  # as `aiayn translate`
 
     mode, first, ref_path = _inputs(args)  # flag errors first, before any file is read
-    if mode == "translate" and args.engine == "torch":  # (scoring a file needs no device)
-        inference_device(args.device, args.precision)
+    if mode == "translate":  # (scoring a file needs no device)
+        engine_device(args)
     if args.data:
         _check_direction(args)
     if args.save_hyps and mode == "translate":

@@ -143,14 +143,20 @@ def umask() -> int:
 
 
 def write_output_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write `data` to a file the user named: a new file or a plain file of theirs atomically
-    (`atomic_write_bytes`), anything a new file would not stand for (a link, a device such as
-    /dev/stdout, a FIFO, someone else's file) in place, as `translate --output` does (`ReplacingFile`)."""
-    if os.path.lexists(path) and not _replaceable(str(path)):
-        with open(path, "wb") as f:
-            f.write(data)
+    """Write `data` to a file the user named, as `translate --output` writes (`ReplacingFile`): a
+    plain file of theirs replaced whole, anything a new file would not stand for (a link, a device
+    such as /dev/stdout, a FIFO, someone else's file, one in a folder that takes no new file) written
+    in place; a new file atomically (`atomic_write_bytes`)."""
+    if not os.path.lexists(path):
+        atomic_write_bytes(path, data)
         return
-    atomic_write_bytes(path, data)
+    out = ReplacingFile(str(path))
+    try:
+        out.stream.write(data)
+    except BaseException:
+        out.discard()
+        raise
+    out.commit()
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:

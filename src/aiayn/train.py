@@ -21,7 +21,6 @@ and about as many tokens (aiayn.data.batching), and only rank 0 validates and wr
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import math
@@ -30,12 +29,11 @@ import random
 import shlex
 import signal
 import sys
-import threading
 import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Collection
 
 import torch
 import torch.distributed as dist
@@ -261,6 +259,13 @@ def with_update_freq(tc: TrainConfig, world: int) -> TrainConfig:
 _EARLY_FILES = frozenset({"train.json", "metrics.jsonl", "metrics.jsonl.tmp", "tokenizer", "data"})  # data: corpus.RUN_DATA
 
 
+def _remove_abandoned_preparation(out: Path) -> None:
+    from aiayn.data import prepare
+    from aiayn.data.corpus import RUN_DATA
+
+    prepare.remove_abandoned(out / RUN_DATA)
+
+
 def _open_run_dir(out: Path, resume: bool, d: Dist) -> list[tuple[int, Path]]:
     """Makes --out and returns its step checkpoints. A new run needs an empty or new --out, and
     --resume one with a checkpoint or only what a run leaves before its first: a run never deletes
@@ -295,8 +300,6 @@ def _open_run_dir(out: Path, resume: bool, d: Dist) -> list[tuple[int, Path]]:
             raise AiaynError(f"--out {out}: cannot make the run directory ({e.strerror or e}); choose another --out") from None
     if d.main:
         ckpt.remove_stale_temporaries(out)
-    if d.local == 0:  # where each machine prepares its data
-        prepare.remove_abandoned(out / RUN_DATA)
     return existing
 
 
@@ -669,32 +672,6 @@ class Stopper:
             signal.signal(s, signal.SIG_DFL if h is None else h)  # None: a handler set from C, not restorable
 
 
-class Interrupted(KeyboardInterrupt):
-    """SIGTERM before the loop (while the data is prepared), taken as Ctrl-C is there: `finally`
-    clean-up runs; the command exits 128 + the signal, as a signal in the loop makes it."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-@contextlib.contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
-    """SIGTERM raises `Interrupted` while the block runs (where its handler is the default, in the
-    main thread): its default would end the process without a `finally`, leaving a lock behind."""
-    def stop(signum: int, frame: Any) -> None:
-        raise Interrupted(signum)
-
-    if signal.getsignal(signal.SIGTERM) != signal.SIG_DFL or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
 class TrainLog:
     """Appends JSON lines to run_dir/metrics.jsonl (rank 0 only)."""
 
@@ -801,23 +778,25 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
         tc = tc.replace(device=_saved_device(Path(tc.out)) or tc.device)
     d = setup_distributed(tc.device)
     info = (lambda msg: log(msg)) if d.main else (lambda msg: None)
-    with _sigterm_interrupts():  # until the loop's Stopper: the data preparation's clean-up must run
-        existing = d.agree(lambda: _open_run_dir(Path(tc.out), resume, d))
-        # Rank 0 decides what the run resumes from and sends it to every rank: the machines may not share
-        # --out, and only rank 0 writes checkpoints (DDP then copies rank 0's weights at start-up anyway).
-        loaded = d.from_main(lambda: _load_newest(existing, info) if resume and existing else None)
-        if loaded:
-            preset_name, tc = resumed_settings(loaded, preset_name, model_over, tc, given)
-            info(f"resuming from {loaded.path}")
-        elif resume:
-            info(f"nothing to resume in {tc.out}; starting a new run")
-            preset_name, tc, init = _start(preset_name, model_over, tc, given)
-        if resume:
-            tc.check_cooldown()  # on the settings the run continues with (a fresh run was checked above)
-        tc = with_update_freq(tc, d.world)
-        if tc.threads:
-            torch.set_num_threads(tc.threads)
-        run = _set_up(preset_name, model_over, tc, loaded, init, d, info)
+    # An interrupted preparation's abandoned lock and temporaries go first, each machine's own, before
+    # any rank looks at --out (a rank that looked meanwhile would see a lock being taken over).
+    d.agree(lambda: _remove_abandoned_preparation(Path(tc.out)) if d.local == 0 else None)
+    existing = d.agree(lambda: _open_run_dir(Path(tc.out), resume, d))
+    # Rank 0 decides what the run resumes from and sends it to every rank: the machines may not share
+    # --out, and only rank 0 writes checkpoints (DDP then copies rank 0's weights at start-up anyway).
+    loaded = d.from_main(lambda: _load_newest(existing, info) if resume and existing else None)
+    if loaded:
+        preset_name, tc = resumed_settings(loaded, preset_name, model_over, tc, given)
+        info(f"resuming from {loaded.path}")
+    elif resume:
+        info(f"nothing to resume in {tc.out}; starting a new run")
+        preset_name, tc, init = _start(preset_name, model_over, tc, given)
+    if resume:
+        tc.check_cooldown()  # on the settings the run continues with (a fresh run was checked above)
+    tc = with_update_freq(tc, d.world)
+    if tc.threads:
+        torch.set_num_threads(tc.threads)
+    run = _set_up(preset_name, model_over, tc, loaded, init, d, info)
     with Stopper() as stopper:
         bar = _progress(_total_steps(run), run.trainer.step, d.main)
         run.t0 = time.time()
@@ -966,11 +945,7 @@ def _progress(total: int | None, initial: int, enabled: bool) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     name, model_over, tc = build_configs(args)
-    try:
-        summary = train(name, model_over, tc, resume=args.resume, given=given_options(args))
-    except Interrupted as e:  # SIGTERM before the loop (Ctrl-C there: the command line's "interrupted", 130)
-        print(f"aiayn train: interrupted by {signal.Signals(e.signum).name}", file=sys.stderr)
-        return 128 + e.signum
+    summary = train(name, model_over, tc, resume=args.resume, given=given_options(args))
     if summary["signal"] is not None:
         return 128 + int(summary["signal"])
     return 0

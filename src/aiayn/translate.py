@@ -596,17 +596,25 @@ def add_engine_argument(p: argparse.ArgumentParser) -> None:
                         "(needs pip install 'aiayn[export]')")
 
 
-def load_translator(args: argparse.Namespace) -> Any:
-    """The translator --checkpoint and --engine name (`Translator`, or `CT2Translator` on an export),
-    at --precision on --device; a CTranslate2 export without --engine ctranslate2 is a one-line error."""
+def engine_device(args: argparse.Namespace) -> torch.device | None:
+    """The device --device names for --engine (None: CTranslate2's, the CPU), or a one-line error;
+    checked before any file is read."""
     if getattr(args, "engine", "torch") == "ctranslate2":
         if args.device not in ("auto", "cpu"):
             raise AiaynError(f"--device {args.device}: the ctranslate2 engine runs on the CPU here; use --engine torch")
+        return None
+    return inference_device(args.device, args.precision)
+
+
+def load_translator(args: argparse.Namespace) -> Any:
+    """The translator --checkpoint and --engine name (`Translator`, or `CT2Translator` on an export),
+    at --precision on --device; a CTranslate2 export without --engine ctranslate2 is a one-line error."""
+    device = engine_device(args)
+    if device is None:
         return CT2Translator.from_path(args.checkpoint, precision=args.precision)
     if all(os.path.isfile(os.path.join(args.checkpoint, f)) for f in ("model.bin", "aiayn.json")):
         raise AiaynError(f"{args.checkpoint} is a CTranslate2 export (aiayn export --to ctranslate2); "
                          "add --engine ctranslate2")
-    device = inference_device(args.device, args.precision)
     return Translator.from_checkpoint(args.checkpoint, precision=args.precision, device=str(device))
 
 
@@ -798,9 +806,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     s = _settings(args)  # flags are checked before the model is loaded
     memory.keep_freed_memory()  # a job that decodes and ends: no page faults for every new activation
-    if getattr(args, "engine", "torch") == "ctranslate2" and args.device not in ("auto", "cpu"):
-        raise AiaynError(f"--device {args.device}: the ctranslate2 engine runs on the CPU here; use --engine torch")
-    inference_device(args.device, args.precision)  # a flag error before any file is opened
+    engine_device(args)  # a flag error before any file is opened
     src, close_in = _open_input(args.input)
     out: IO[bytes] | None = None
     out_file: ReplacingFile | None = None

@@ -253,7 +253,7 @@ def prepare(inputs: Inputs, out: str | os.PathLike[str], settings: Settings = Se
     then unused)."""
     inputs.check()
     settings.check()
-    out = Path(os.path.abspath(out))  # the lock and temporaries go beside it: `Path(".").name` is ""
+    out = _named(out)  # the lock and temporaries go beside it
     _check_out(out)
     digests = inputs.digests()
     if _up_to_date(out, digests, settings, tokenizers, replace):
@@ -393,7 +393,7 @@ def leftovers(out: str | os.PathLike[str]) -> dict[str, bool]:
     holding at most its `owner` file) and the marked temporaries, each True if abandoned (a dead
     process of this host, or untouched for `lock.STALE` seconds), False if a live process, maybe on
     another machine, may still use it. `train` tells them from a user's files in its run directory."""
-    out = Path(os.path.abspath(out))
+    out = _named(out)
     found = {}
     lock = out.parent / f".{out.name}.lock"
     try:
@@ -409,6 +409,13 @@ def leftovers(out: str | os.PathLike[str]) -> dict[str, bool]:
     return found
 
 
+def _named(out: str | os.PathLike[str]) -> Path:
+    """`out` as a path with a name (`Path(".").name` is empty) in its real folder: ".." after a link
+    is where the OS goes ("link/../x" is beside the link's target, not beside the link)."""
+    path = Path(out).absolute()
+    return path.resolve() if path.name == ".." else path.parent.resolve() / path.name
+
+
 def _lock_owner(lock: Path) -> tuple[str | None, int | None]:
     try:
         host, pid = (lock / OWNER).read_text(encoding="utf-8").split()
@@ -420,7 +427,7 @@ def _lock_owner(lock: Path) -> tuple[str | None, int | None]:
 def remove_abandoned(out: str | os.PathLike[str]) -> None:
     """Removes the abandoned `leftovers` of `out`: the temporaries, and the lock by taking it as a
     waiter does (moved aside first: of two processes taking it over, one succeeds)."""
-    out = Path(os.path.abspath(out))
+    out = _named(out)
     _remove_stale_temporaries(out)
     if leftovers(out).get(f".{out.name}.lock"):
         with FolderLock(out.parent / f".{out.name}.lock"):
