@@ -126,6 +126,22 @@ def test_multi30k_the_wrong_way_round_is_refused(ckpt, tmp_path, capsys):
                                        "not en to de; use --src de --tgt en\n")
 
 
+@pytest.mark.skipif(not os.path.isdir(os.path.join(os.environ.get("AIAYN_DATA", ""), "multi30k")),
+                    reason="needs AIAYN_DATA (the Multi30k data root)")
+def test_multi30k_the_wrong_way_round_is_refused_for_an_export_too(tmp_path, capsys):
+    """A CTranslate2 export records its checkpoint's languages and corpus (aiayn.json): evaluate
+    --engine ctranslate2 refuses the other direction before loading it, as for the checkpoint."""
+    export = tmp_path / "ct2"
+    export.mkdir()
+    (export / "aiayn.json").write_text(json.dumps({"train": {"src": "de", "tgt": "en", "data": "multi30k"}}))
+    (export / "model.bin").write_bytes(b"")
+    argv = ["evaluate", "--engine", "ctranslate2", "--checkpoint", str(export), "--data", "multi30k",
+            "--src", "en", "--tgt", "de", "--beam", "1"]
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err == (f"aiayn evaluate: error: {export} translates de to en (trained on Multi30k), "
+                                       "not en to de; use --src de --tgt en\n")
+
+
 def test_an_all_empty_hypothesis_file_is_scored(tmp_path, capsys):
     h, r = write(tmp_path / "h.txt", [""]), write(tmp_path / "r.txt", ["A dog runs ."])
     assert cli.main(["evaluate", "--hyp-file", h, "--ref-file", r, "--json"]) == 0

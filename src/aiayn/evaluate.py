@@ -107,17 +107,23 @@ def _inputs(args: argparse.Namespace) -> tuple[str, str, str]:
 
 
 def _check_direction(args: argparse.Namespace) -> None:
-    """--data multi30k --src/--tgt against the pair a Multi30k checkpoint was trained on: the other
-    way round it would be scored, near 0 BLEU, without a word. Other checkpoints are not checked
-    (a run from raw text records the defaults de/en when it was given no languages)."""
+    """--data multi30k --src/--tgt against the pair a Multi30k checkpoint (or its CTranslate2 export)
+    was trained on: the other way round it would be scored, near 0 BLEU, without a word. Other
+    checkpoints are not checked (a run from raw text records the defaults de/en when it was given
+    no languages)."""
     from aiayn.checkpoint import language_pair, read_config, resolve_checkpoint
 
+    marker = Path(args.checkpoint) / "aiayn.json"  # an export: what it was made from
     try:
-        cfg = read_config(resolve_checkpoint(Path(args.checkpoint)))
+        cfg = json.loads(marker.read_text(encoding="utf-8")) if marker.is_file() else \
+            read_config(resolve_checkpoint(Path(args.checkpoint)))
     except (AiaynError, OSError, ValueError):
         return  # loading it reports what is wrong with it
+    train = cfg.get("train") if isinstance(cfg, dict) else None
+    if not isinstance(train, dict):
+        return
     pair = language_pair(cfg)
-    if (cfg.get("train") or {}).get("data") == "multi30k" and pair is not None and pair != (args.src, args.tgt):
+    if pair is not None and train.get("data") == "multi30k" and pair != (args.src, args.tgt):
         raise AiaynError(f"{args.checkpoint} translates {pair[0]} to {pair[1]} (trained on Multi30k), "
                          f"not {args.src} to {args.tgt}; use --src {pair[0]} --tgt {pair[1]}")
 

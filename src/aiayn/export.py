@@ -366,7 +366,8 @@ def export_ctranslate2(checkpoint: str | Path, out: str | Path, quantization: st
     check_out(out, resolve_checkpoint(checkpoint))  # a run directory holds the checkpoint it resolves to
     ck = load_checkpoint(checkpoint)
     train = ck.config.get("train") or {}
-    pair = {k: train[k] for k in ("src", "tgt") if isinstance(train.get(k), str)}  # `translate --split-sentences`
+    # the languages (`translate --split-sentences`) and the corpus (`evaluate --data`'s direction check)
+    pair = {k: train[k] for k in ("src", "tgt", "data") if isinstance(train.get(k), str)}
     return to_ctranslate2(ck.model, ck.tokenizers, out, quantization, {"aiayn_checkpoint": str(ck.path), "train": pair})
 
 
