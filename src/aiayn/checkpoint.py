@@ -264,6 +264,19 @@ def language_pair(cfg: dict[str, Any]) -> tuple[str, str] | None:
     return (src, tgt) if isinstance(src, str) and src and isinstance(tgt, str) and tgt else None
 
 
+EXPORT_MARKER = "aiayn.json"  # what an export (`aiayn.export`) records of the checkpoint it was made from
+
+
+def recorded_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The config that a checkpoint (or run directory) records, or an export's aiayn.json, which
+    records its checkpoint's languages and corpus (`train`); raises AiaynError, OSError or ValueError."""
+    marker = Path(path) / EXPORT_MARKER
+    cfg = json.loads(marker.read_text(encoding="utf-8")) if marker.is_file() else read_config(resolve_checkpoint(path))
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{marker}: not a JSON object")
+    return cfg
+
+
 def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     """A checkpoint directory -> itself; a run directory -> its best/, else its newest step_<N>/."""
     path = Path(path)

@@ -111,15 +111,13 @@ def _check_direction(args: argparse.Namespace) -> None:
     was trained on: the other way round it would be scored, near 0 BLEU, without a word. Other
     checkpoints are not checked (a run from raw text records the defaults de/en when it was given
     no languages)."""
-    from aiayn.checkpoint import language_pair, read_config, resolve_checkpoint
+    from aiayn.checkpoint import language_pair, recorded_config
 
-    marker = Path(args.checkpoint) / "aiayn.json"  # an export: what it was made from
     try:
-        cfg = json.loads(marker.read_text(encoding="utf-8")) if marker.is_file() else \
-            read_config(resolve_checkpoint(Path(args.checkpoint)))
+        cfg = recorded_config(args.checkpoint)
     except (AiaynError, OSError, ValueError):
         return  # loading it reports what is wrong with it
-    train = cfg.get("train") if isinstance(cfg, dict) else None
+    train = cfg.get("train")
     if not isinstance(train, dict):
         return
     pair = language_pair(cfg)
@@ -152,8 +150,7 @@ def run(args: argparse.Namespace) -> int:
     memory.keep_freed_memory()  # as `aiayn translate`
 
     mode, first, ref_path = _inputs(args)  # flag errors first, before any file is read
-    if mode == "translate":  # (scoring a file needs no device)
-        engine_device(args)
+    device = engine_device(args) if mode == "translate" else None  # (scoring a file needs no device)
     if args.data:
         _check_direction(args)
     if args.save_hyps and mode == "translate":
@@ -174,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
                             max_len_a=args.max_len_a, max_len_b=args.max_len_b, min_len=args.min_len,
                             workers=args.workers, stop_rule=args.stop_rule)
         settings.check()
-        translator = load_translator(args)
+        translator = load_translator(args, device)
         hyps = translator.translate(lines, **vars(settings))
         info.update(source=first, checkpoint=args.checkpoint, beam=args.beam, alpha=args.alpha,
                     precision=args.precision)

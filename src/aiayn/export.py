@@ -39,6 +39,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from aiayn.checkpoint import EXPORT_MARKER
 from aiayn.errors import AiaynError, require
 from aiayn.files import umask
 from aiayn.model import Transformer, sinusoidal_table
@@ -374,7 +375,7 @@ def export_ctranslate2(checkpoint: str | Path, out: str | Path, quantization: st
 # ------------------------------------------------------------------------------------- helpers
 
 
-MARKER = "aiayn.json"  # written into every export: what it was made from, and the files it wrote
+MARKER = EXPORT_MARKER  # written into every export: what it was made from, and the files it wrote
 # the files of either kind before aiayn.json listed them
 _OLD_EXPORT_FILES = frozenset({
     MARKER, "config.json", "generation_config.json", "model.safetensors", "source.spm", "target.spm", "vocab.json",

@@ -41,6 +41,7 @@ from typing import IO, Any, BinaryIO, TypeVar
 import torch
 
 import aiayn.kernels
+from aiayn.checkpoint import EXPORT_MARKER
 from aiayn.config import INFERENCE_PRECISIONS
 from aiayn.kernels import ModuleT
 from aiayn.errors import AiaynError, require
@@ -606,13 +607,13 @@ def engine_device(args: argparse.Namespace) -> torch.device | None:
     return inference_device(args.device, args.precision)
 
 
-def load_translator(args: argparse.Namespace) -> Any:
+def load_translator(args: argparse.Namespace, device: torch.device | None) -> Any:
     """The translator --checkpoint and --engine name (`Translator`, or `CT2Translator` on an export),
-    at --precision on --device; a CTranslate2 export without --engine ctranslate2 is a one-line error."""
-    device = engine_device(args)
+    at --precision on `device` (`engine_device`'s); a CTranslate2 export without --engine ctranslate2
+    is a one-line error."""
     if device is None:
         return CT2Translator.from_path(args.checkpoint, precision=args.precision)
-    if all(os.path.isfile(os.path.join(args.checkpoint, f)) for f in ("model.bin", "aiayn.json")):
+    if all(os.path.isfile(os.path.join(args.checkpoint, f)) for f in ("model.bin", EXPORT_MARKER)):
         raise AiaynError(f"{args.checkpoint} is a CTranslate2 export (aiayn export --to ctranslate2); "
                          "add --engine ctranslate2")
     return Translator.from_checkpoint(args.checkpoint, precision=args.precision, device=str(device))
@@ -634,15 +635,10 @@ def _source_language(args: argparse.Namespace) -> str:
     """The language `--split-sentences` splits for: its LANG, else the checkpoint's source language."""
     if args.split_sentences:
         return str(args.split_sentences)
-    from aiayn.checkpoint import language_pair, read_config, resolve_checkpoint
+    from aiayn.checkpoint import language_pair, recorded_config
 
     with contextlib.suppress(AiaynError, OSError, ValueError):
-        path = Path(args.checkpoint)
-        if (path / "aiayn.json").is_file():  # a CTranslate2 export: what it was made from
-            cfg = json.loads((path / "aiayn.json").read_text(encoding="utf-8"))
-        else:
-            cfg = read_config(resolve_checkpoint(path))
-        pair = language_pair(cfg) if isinstance(cfg, dict) else None
+        pair = language_pair(recorded_config(args.checkpoint))
         if pair is not None:
             return pair[0]
     raise AiaynError(f"{args.checkpoint} names no source language; give it: --split-sentences LANG (e.g. de)")
@@ -806,14 +802,14 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     s = _settings(args)  # flags are checked before the model is loaded
     memory.keep_freed_memory()  # a job that decodes and ends: no page faults for every new activation
-    engine_device(args)  # a flag error before any file is opened
+    device = engine_device(args)  # a flag error before any file is opened
     src, close_in = _open_input(args.input)
     out: IO[bytes] | None = None
     out_file: ReplacingFile | None = None
     done = 0
     try:
         _check_output(args.output, src)
-        translator = load_translator(args)
+        translator = load_translator(args, device)
         language = _source_language(args) if getattr(args, "split_sentences", None) is not None else None
         out, out_file = _open_output(args.output)  # only now: a failed start adds no file
         name = "<stdin>" if args.input == "-" else args.input

@@ -91,12 +91,11 @@ class FolderLock:
             try:
                 self.path.mkdir(parents=True)
             except FileExistsError:
-                host, pid = self._owner()
-                mark = self.path / OWNER if host else self.path  # owner not yet written: the folder's age
-                if stale(mark, host, pid, self.max_age):
+                if self.abandoned():
                     self._break()
                     continue
                 if not said:
+                    host, pid = self._owner()
                     self.log(f"waiting for {host}:{pid}, which holds {self.path}")
                     said = True
                 time.sleep(self.poll)
@@ -112,6 +111,13 @@ class FolderLock:
         if self._thread:
             self._thread.join()
         shutil.rmtree(self.path, ignore_errors=True)
+
+    def abandoned(self) -> bool:
+        """Whether the lock folder there is held by no live process: its owner is a dead process of
+        this host, or it is untouched for `max_age` (the owner of another machine cannot be asked)."""
+        host, pid = self._owner()
+        mark = self.path / OWNER if host else self.path  # owner not yet written: the folder's age
+        return stale(mark, host, pid, self.max_age)
 
     def _owner(self) -> tuple[str | None, int | None]:
         try:

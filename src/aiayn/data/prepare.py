@@ -260,7 +260,7 @@ def prepare(inputs: Inputs, out: str | os.PathLike[str], settings: Settings = Se
         log(f"{out}: already prepared from these files and settings")
         return out
     # Several machines may run this on one shared folder: one prepares, the others wait and find it done.
-    with FolderLock(out.parent / f".{out.name}.lock", log) as lock:
+    with FolderLock(_lock_path(out), log) as lock:
         if _up_to_date(out, digests, settings, tokenizers, replace):
             log(f"{out}: prepared meanwhile by another process from these files and settings")
             return out
@@ -379,12 +379,13 @@ def _replace(tmp: Path, out: Path, digests: dict[str, Any], settings: Settings,
     shutil.rmtree(old)
 
 
-def _remove_stale_temporaries(out: Path) -> None:
+def _remove_stale_temporaries(out: Path, left: dict[str, bool] | None = None) -> None:
     """Temporary directories of earlier, killed runs for the same --out: only those we marked, and
-    only if abandoned (`leftovers`: the directory may be the work of a live process on another
-    machine that shares the folder)."""
-    for name, abandoned in leftovers(out).items():
-        if abandoned and name != f".{out.name}.lock":
+    only if abandoned (`leftovers`, or `left` if already found: the directory may be the work of a
+    live process on another machine that shares the folder)."""
+    lock = _lock_path(out).name
+    for name, abandoned in (leftovers(out) if left is None else left).items():
+        if abandoned and name != lock:
             shutil.rmtree(out.parent / name, ignore_errors=True)
 
 
@@ -395,18 +396,22 @@ def leftovers(out: str | os.PathLike[str]) -> dict[str, bool]:
     another machine, may still use it. `train` tells them from a user's files in its run directory."""
     out = _named(out)
     found = {}
-    lock = out.parent / f".{out.name}.lock"
+    lock = _lock_path(out)
     try:
         is_lock = {p.name for p in lock.iterdir()} <= {OWNER}
     except OSError:  # none, or released meanwhile
         is_lock = False
     if is_lock:
-        host, pid = _lock_owner(lock)
-        found[lock.name] = stale(lock / OWNER if host else lock, host, pid)  # no owner yet: the folder's age
+        found[lock.name] = FolderLock(lock).abandoned()
     for p in out.parent.glob(f".{out.name}.prepare-*"):
         if (p / TMP_MARK).is_file():
             found[p.name] = stale(p / TMP_MARK, *parse_work_name(p.name))
     return found
+
+
+def _lock_path(out: Path) -> Path:
+    """The lock of `out`'s preparation, beside it (several machines may share the folder)."""
+    return out.parent / f".{out.name}.lock"
 
 
 def _named(out: str | os.PathLike[str]) -> Path:
@@ -416,21 +421,14 @@ def _named(out: str | os.PathLike[str]) -> Path:
     return path.resolve() if path.name == ".." else path.parent.resolve() / path.name
 
 
-def _lock_owner(lock: Path) -> tuple[str | None, int | None]:
-    try:
-        host, pid = (lock / OWNER).read_text(encoding="utf-8").split()
-        return host, int(pid)
-    except (OSError, ValueError):
-        return None, None
-
-
 def remove_abandoned(out: str | os.PathLike[str]) -> None:
     """Removes the abandoned `leftovers` of `out`: the temporaries, and the lock by taking it as a
     waiter does (moved aside first: of two processes taking it over, one succeeds)."""
     out = _named(out)
-    _remove_stale_temporaries(out)
-    if leftovers(out).get(f".{out.name}.lock"):
-        with FolderLock(out.parent / f".{out.name}.lock"):
+    left = leftovers(out)
+    _remove_stale_temporaries(out, left)
+    if left.get(_lock_path(out).name):
+        with FolderLock(_lock_path(out)):
             pass
 
 
