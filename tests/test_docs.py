@@ -48,3 +48,13 @@ def test_the_check_sees_links():
 def test_readme_stays_short():
     """The README is for a first read; the rest lives in docs/."""
     assert len((ROOT / "README.md").read_text().splitlines()) <= 260
+
+
+def test_readme_size_claim_holds():
+    """The README's "about N lines of Python" counts the package's code lines (neither blank nor a
+    comment) to within 15%: a claim of size is part of why one picks the package."""
+    claim = re.search(r"about ([\d,]+) lines of Python", (ROOT / "README.md").read_text())
+    assert claim, "the README no longer states the package's size"
+    lines = [line for f in (ROOT / "src").rglob("*.py") for line in f.read_text().splitlines()]
+    code = sum(1 for line in lines if line.strip() and not line.strip().startswith("#"))
+    assert abs(code / int(claim.group(1).replace(",", "")) - 1) <= 0.15, f"{code} code lines"
