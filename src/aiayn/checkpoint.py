@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from aiayn.config import ConfigError, ModelConfig
@@ -163,25 +163,57 @@ def read_config(path: Path) -> dict[str, Any]:
         raise AiaynError(f"{file} is missing; {path} is not a complete checkpoint directory")
     try:
         cfg = json.loads(file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deep
         raise AiaynError(f"{file} is corrupt ({e}); use another checkpoint") from e
     except OSError as e:
         raise AiaynError(f"{file}: cannot read ({e.strerror or e})") from e
     if not isinstance(cfg, dict) or not isinstance(cfg.get("model"), dict):
         raise AiaynError(f"{file} has no \"model\" section; it is not an aiayn checkpoint config")
-    if not isinstance(cfg.get("tokenizer") or {}, dict):
-        raise AiaynError(f"{file}: \"tokenizer\" must be an object; use another checkpoint")
+    for section in ("tokenizer", "train"):  # read as objects by translate, train --init-from and export
+        if not isinstance(cfg.get(section) or {}, dict):
+            raise AiaynError(f"{file}: \"{section}\" must be an object; use another checkpoint")
     return cfg
 
 
+def _unreadable(file: Path, e: Exception) -> AiaynError:
+    if isinstance(e, OSError) and e.strerror:
+        return AiaynError(f"{file}: cannot read ({e.strerror}); use another checkpoint")
+    return AiaynError(f"{file} is corrupt or truncated ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                      "use another checkpoint")
+
+
+def check_weights_header(file: Path, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Checks the names, shapes and dtypes that `file`'s header lists against `shapes` (a model's state
+    dict shapes) before any weight is allocated: a config.json whose sizes are wrong (a digit too
+    many) is reported against the weights instead of allocating a model of its size first."""
+    if not file.is_file():
+        raise AiaynError(f"{file} is missing; the checkpoint is incomplete")
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            header = {n: (tuple(f.get_slice(n).get_shape()), f.get_slice(n).get_dtype()) for n in f.keys()}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise _unreadable(file, e) from None
+    unknown = sorted(set(header) - set(shapes))
+    if unknown:
+        raise AiaynError(f"{file} holds tensors the model does not have ({', '.join(unknown[:3])}); "
+                         "the config does not fit the weights")
+    for name, (shape, dtype) in sorted(header.items()):
+        if shape != shapes[name]:
+            raise AiaynError(f"{file}: tensor {name!r} has shape {shape} but config.json's model needs {shapes[name]}; "
+                             "the config does not fit the weights")
+        if not dtype.startswith(("F", "BF")):  # F16, BF16, F32, F64, F8_*
+            raise AiaynError(f"{file}: tensor {name!r} has dtype {dtype}, not floating point; it does not hold "
+                             "model weights")
+
+
 def load_weights(model: Transformer, file: Path) -> None:
-    """Loads safetensors weights into `model`, checking names and shapes against its config."""
+    """Loads safetensors weights into `model`, checking names, shapes and dtypes against its config."""
     if not file.is_file():
         raise AiaynError(f"{file} is missing; the checkpoint is incomplete")
     try:
         loaded = load_file(str(file))
     except (SafetensorError, OSError, ValueError) as e:
-        raise AiaynError(f"{file} is corrupt or truncated ({str(e).splitlines()[0]}); use another checkpoint") from e
+        raise _unreadable(file, e) from e
     sd = model.state_dict()
     full: dict[str, torch.Tensor] = {}
     for group in _tied_groups(model):
@@ -190,6 +222,9 @@ def load_weights(model: Transformer, file: Path) -> None:
             raise AiaynError(f"{file} has no tensor {group[0]!r} that config.json's model needs; "
                              "the config does not fit the weights")
         t = loaded[present[0]]
+        if not t.is_floating_point():  # an integer or bool tensor would be cast into the weights without a word
+            raise AiaynError(f"{file}: tensor {present[0]!r} has dtype {t.dtype}, not floating point; it does not "
+                             "hold model weights")
         if tuple(t.shape) != tuple(sd[group[0]].shape):
             raise AiaynError(f"{file}: tensor {present[0]!r} has shape {tuple(t.shape)} but config.json's model "
                              f"needs {tuple(sd[group[0]].shape)}; the config does not fit the weights")
@@ -237,6 +272,13 @@ def load_checkpoint(path: str | Path, with_trainer_state: bool = False) -> Check
         if want_sha and getattr(tokenizers, side).sha256() != want_sha:
             raise AiaynError(f"{path}: the {side} SentencePiece model is not the one this model was trained with "
                              "(sha256 differs from config.json)")
+    try:  # the shapes the config asks for, without allocating them
+        with torch.device("meta"):
+            shapes = {k: tuple(v.shape) for k, v in Transformer(mcfg).state_dict().items()}
+    except (RuntimeError, TypeError, ValueError, OverflowError) as e:  # sizes past what torch can index
+        raise AiaynError(f"{path / CONFIG}: invalid model config (cannot build it: "
+                         f"{str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__})") from None
+    check_weights_header(path / WEIGHTS, shapes)
     model = Transformer(mcfg)
     load_weights(model, path / WEIGHTS)
     model.eval()
@@ -271,7 +313,10 @@ def recorded_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The config that a checkpoint (or run directory) records, or an export's aiayn.json, which
     records its checkpoint's languages and corpus (`train`); raises AiaynError, OSError or ValueError."""
     marker = Path(path) / EXPORT_MARKER
-    cfg = json.loads(marker.read_text(encoding="utf-8")) if marker.is_file() else read_config(resolve_checkpoint(path))
+    try:
+        cfg = json.loads(marker.read_text(encoding="utf-8")) if marker.is_file() else read_config(resolve_checkpoint(path))
+    except RecursionError:  # JSON nested too deep
+        raise ValueError(f"{marker}: nested too deep to be an export's record") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"{marker}: not a JSON object")
     return cfg

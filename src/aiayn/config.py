@@ -116,6 +116,7 @@ class ModelConfig:
         need(self.d_model % 2 == 0, f"d_model must be even for the sinusoidal encoding, got {self.d_model}")
         for name in ("dropout", "attention_dropout", "activation_dropout"):
             need(0.0 <= getattr(self, name) < 1.0, f"{name} must be in [0, 1), got {getattr(self, name)}")
+        need(self.layer_norm_eps > 0, f"layer_norm_eps must be positive, got {self.layer_norm_eps}")  # else NaN
         need(self.activation in ACTIVATIONS, f"activation must be one of {', '.join(ACTIVATIONS)}, got {self.activation!r}")
         need(
             not self.share_embeddings or self.src_vocab_size == self.tgt_vocab_size,

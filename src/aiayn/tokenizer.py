@@ -108,6 +108,9 @@ class Tokenizer:
                     f"--vocab-size {m.group(1)} is too small for this text: it needs at least {m.group(2)} "
                     "(4 special ids, 256 byte pieces and every distinct character); raise --vocab-size"
                 ) from None
+            if "!sentences_.empty()" in str(e):  # SentencePiece skips lines over max_sentence_length (4192 bytes)
+                raise AiaynError("cannot train a tokenizer: every line is longer than SentencePiece's limit of 4192 "
+                                 "bytes; split the text into sentences, one a line") from None
             raise AiaynError(f"SentencePiece training failed: {_short(e)}") from None
         return cls(buf.getvalue())
 

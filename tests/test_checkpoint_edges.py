@@ -1,0 +1,122 @@
+"""Damaged checkpoints, odd configs and odd text: each gives one line naming the file (or flag)
+and what to do, never a traceback, and never loads weights that are not weights."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from aiayn import checkpoint as ckpt
+from aiayn import copytask
+from aiayn.cli import main as cli_main
+from aiayn.config import ConfigError, ModelConfig, preset
+from aiayn.errors import AiaynError
+from aiayn.model import Transformer
+from aiayn.tokenizer import Tokenizer, TokenizerPair
+
+WORDS = "the a cat dog sees runs big small red house tree man woman child ball blue green eats".split()
+
+
+@pytest.fixture(scope="module")
+def tok() -> TokenizerPair:
+    lines = [" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(5)) for i in range(200)]
+    t = Tokenizer.train(lines, 300)
+    return TokenizerPair(t, t, joint=True)
+
+
+@pytest.fixture
+def good(tmp_path: Path, tok: TokenizerPair) -> Path:
+    torch.manual_seed(0)
+    v = tok.src.vocab_size
+    model = Transformer(preset("tiny", src_vocab_size=v, tgt_vocab_size=v))
+    ckpt.save_checkpoint(tmp_path / "c", model, tok, {"train": {"seed": 1, "src": "de", "tgt": "en"}, "step": 1})
+    return tmp_path / "c"
+
+
+def _edit_config(path: Path, **model: object) -> None:
+    cfg = json.loads((path / ckpt.CONFIG).read_text())
+    cfg["model"].update(model)
+    (path / ckpt.CONFIG).write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool])
+def test_weights_that_are_not_floating_point_are_refused(good: Path, dtype: torch.dtype) -> None:
+    weights = load_file(str(good / ckpt.WEIGHTS))
+    save_file({k: v.to(dtype) for k, v in weights.items()}, str(good / ckpt.WEIGHTS))
+    with pytest.raises(AiaynError, match=r"model\.safetensors: tensor .* not floating point"):
+        ckpt.load_checkpoint(good)
+
+
+def test_half_precision_weights_still_load(good: Path) -> None:
+    weights = load_file(str(good / ckpt.WEIGHTS))
+    save_file({k: v.half() for k, v in weights.items()}, str(good / ckpt.WEIGHTS))
+    c = ckpt.load_checkpoint(good)
+    k = next(iter(weights))
+    assert torch.equal(c.model.state_dict()[k], weights[k].half().float())
+
+
+def test_a_size_far_off_the_weights_is_reported_before_the_model_is_allocated(good: Path) -> None:
+    _edit_config(good, d_ff=10**12)  # 10^12 x 32 floats: no memory holds it
+    with pytest.raises(AiaynError, match=r"model\.safetensors: tensor .* has shape .* needs .*1000000000000"):
+        ckpt.load_checkpoint(good)
+
+
+def test_a_size_torch_cannot_index_names_config_json(good: Path) -> None:
+    _edit_config(good, d_model=10**400)
+    with pytest.raises(AiaynError, match=r"config\.json: invalid model config"):
+        ckpt.load_checkpoint(good)
+
+
+def test_config_json_nested_too_deep_is_corrupt(good: Path) -> None:
+    (good / ckpt.CONFIG).write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(AiaynError, match=r"config\.json is corrupt"):
+        ckpt.load_checkpoint(good)
+
+
+def test_export_record_nested_too_deep_is_a_value_error(tmp_path: Path) -> None:
+    (tmp_path / ckpt.EXPORT_MARKER).write_text("{\"a\": " * 100_000 + "1" + "}" * 100_000)
+    with pytest.raises(ValueError, match="aiayn.json"):
+        ckpt.recorded_config(tmp_path)
+
+
+@pytest.mark.parametrize("train", [[1], "de-en", 3])
+def test_a_train_section_that_is_not_an_object_is_one_line(good: Path, tmp_path: Path, train: object,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = json.loads((good / ckpt.CONFIG).read_text())
+    cfg["train"] = train
+    (good / ckpt.CONFIG).write_text(json.dumps(cfg))
+    with pytest.raises(AiaynError, match=r"config\.json: \"train\" must be an object"):
+        ckpt.load_checkpoint(good)
+    # export reads train.src/tgt as an object (an AttributeError before)
+    assert cli_main(["export", "--checkpoint", str(good), "--to", "ctranslate2", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "must be an object" in err, err
+
+
+def test_a_checkpoint_without_train_section_still_loads(good: Path) -> None:
+    cfg = json.loads((good / ckpt.CONFIG).read_text())
+    del cfg["train"]
+    (good / ckpt.CONFIG).write_text(json.dumps(cfg))
+    assert ckpt.load_checkpoint(good).model_config.d_model == 32
+
+
+@pytest.mark.parametrize("eps", [0.0, -1.0])
+def test_layer_norm_eps_must_be_positive(eps: float) -> None:
+    with pytest.raises(ConfigError, match="layer_norm_eps must be positive"):
+        ModelConfig(layer_norm_eps=eps)
+    assert ModelConfig.from_dict(ModelConfig(layer_norm_eps=1e-6).to_dict()).layer_norm_eps == 1e-6
+
+
+def test_demo_takes_the_largest_seed_it_accepts(capsys: pytest.CaptureFixture[str]) -> None:
+    assert copytask.run(argparse.Namespace(steps=1, seed=2**64 - 1)) == 0
+    assert "exact-match" in capsys.readouterr().out
+
+
+def test_tokenizer_on_only_over_long_lines_says_what_to_do() -> None:
+    with pytest.raises(AiaynError, match="every line is longer than .* one a line"):
+        Tokenizer.train(["x" * 5000, "a b " * 1500], 300)
