@@ -759,6 +759,9 @@ def test_a_config_file_with_a_bom_is_read_and_one_not_in_utf8_is_a_one_line_erro
     ([], '[model]\nd_model = "x"', "c.toml: d_model must be a whole number, got 'x'"),
     ([], "[model]\nn_heads = 3", "c.toml: d_model 32 is not divisible by n_heads 3"),
     (["--share-embeddings", "--no-joint-vocab"], "", "--share-embeddings needs a joint vocabulary"),
+    # sizes that pass the config's checks but no machine holds: an allocator traceback after preparation
+    (["--d-model", "10000000000000", "--n-heads", "1"], "", "cannot build a model of these options"),
+    (["--d-ff", "100000000000"], "", "more than this machine's"),
 ])
 def test_bad_model_options_are_refused_before_the_data_is_prepared(tmp_path, corpus, capsys, extra, toml, message):
     # preparing a large corpus takes hours: a bad option must not wait for it, nor leave data/ in --out

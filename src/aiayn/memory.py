@@ -55,6 +55,14 @@ def status_bytes(field: str) -> int:
     return 0
 
 
+def physical_bytes() -> int:
+    """This machine's physical memory in bytes; 0 where the OS does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
 def resident_anon_bytes() -> int:
     """This process's anonymous resident memory (RssAnon: what it owns, not file pages)."""
     return status_bytes("RssAnon")

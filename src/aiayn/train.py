@@ -218,7 +218,7 @@ def _check_model_options(name: str, model_over: dict[str, Any], tc: TrainConfig,
     in --out would block the corrected command). The error names `config` (its path and the options
     it sets that no flag overrides) where those options alone fail, else the model options given."""
     try:
-        _new_model_config(name, model_over, tc, (tc.vocab_size, tc.vocab_size))
+        mcfg = _new_model_config(name, model_over, tc, (tc.vocab_size, tc.vocab_size))
     except ConfigError as e:
         why = str(e).removeprefix("ModelConfig: ")
         if config and config[1]:
@@ -226,8 +226,30 @@ def _check_model_options(name: str, model_over: dict[str, Any], tc: TrainConfig,
                 _new_model_config(name, config[1], tc, (tc.vocab_size, tc.vocab_size))
             except ConfigError:
                 raise AiaynError(f"--config {config[0]}: {why}; fix it there") from e
-        flags = "".join(f" --{k.replace('_', '-')} {v}" for k, v in sorted(model_over.items()))
-        raise AiaynError(f"{why} (--preset {name}{flags}); change these model options") from e
+        raise AiaynError(f"{why} ({_model_flags(name, model_over)}); change these model options") from e
+    _check_model_fits(mcfg, name, model_over)
+
+
+def _model_flags(name: str, model_over: dict[str, Any]) -> str:
+    return f"--preset {name}" + "".join(f" --{k.replace('_', '-')} {v}" for k, v in sorted(model_over.items()))
+
+
+def _check_model_fits(mcfg: ModelConfig, name: str, model_over: dict[str, Any]) -> None:
+    """Sizes that pass the config's checks but no machine holds (a digit too many) are refused here,
+    from the model's shapes on the meta device, rather than by the allocator after the data is
+    prepared: its float32 weights alone must fit in this machine's memory."""
+    try:
+        with torch.device("meta"):
+            n = Transformer(mcfg).num_parameters()
+    except (RuntimeError, OverflowError, TypeError, ValueError) as e:  # sizes past what torch can index
+        why = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+        raise AiaynError(f"cannot build a model of these options ({why}; {_model_flags(name, model_over)}); "
+                         "change them") from None
+    have = memory.physical_bytes()
+    if have and 4 * n > have:
+        raise AiaynError(f"the model would have {n:,} parameters, {4 * n / 2**30:,.1f} GiB of float32 weights "
+                         f"alone, more than this machine's {have / 2**30:,.1f} GiB of memory "
+                         f"({_model_flags(name, model_over)}); change these model options")
 
 
 def given_options(args: argparse.Namespace) -> set[str]:
