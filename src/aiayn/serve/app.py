@@ -133,6 +133,8 @@ class _Middleware:
         headers = dict(scope["headers"])
         length = headers.get(b"content-length")
         if length is None:
+            if b"transfer-encoding" not in headers:  # no body at all (RFC 9112, 6.3): fields in the query string
+                return None
             return _error(411, "send the body with a Content-Length header", {"Connection": "close"})
         if not length.isdigit() or int(length) > self.max_body:  # answered unread: the connection cannot go on
             return _error(413, f"the body is over {self.max_body} bytes", {"Connection": "close"})

@@ -88,10 +88,16 @@ async def fields(request: Request) -> dict[str, Any]:
         return fields_replaced(data)
     out: dict[str, Any] = {}
     if kind in ("application/x-www-form-urlencoded", "multipart/form-data"):
-        form = await request.form()
-        out = {k: form.getlist(k)[0] for k in form.keys()}  # a field given twice: its first value, as Flask
-    query = request.query_params
-    out.update({k: query.getlist(k)[0] for k in query.keys()})  # the query string wins, as in request.values
+        out = _first_values((await request.form()).multi_items())  # a field given twice: its first value, as Flask
+    out.update(_first_values(request.query_params.multi_items()))  # the query string wins, as in request.values
+    return out
+
+
+def _first_values(items: list[tuple[str, Any]]) -> dict[str, Any]:
+    """Each name's first value, in one pass (`getlist` per name scans them all: quadratic time)."""
+    out: dict[str, Any] = {}
+    for k, v in items:
+        out.setdefault(k, v)
     return out
 
 
@@ -113,7 +119,7 @@ def _texts(f: dict[str, Any], is_json: bool) -> list[str] | str:
         return q
     if not isinstance(q, str):
         raise _bad("Invalid request: q parameter must be a text or a list of texts")
-    return q if is_json else "\n".join(q.splitlines())  # a form's CRLF line ends count as one character
+    return q if is_json else q.replace("\r\n", "\n")  # a form's CRLF line ends count as one character
 
 
 def _alternatives(f: dict[str, Any], limit: int, flag: str = "") -> int:
@@ -191,6 +197,15 @@ async def translate_pieces(srv: Served, request: Request, pieces: list[Piece], n
     return out
 
 
+def _words(text: str) -> str:
+    """What an HTML text says: its text nodes to translate, one a line (its language is theirs, not
+    that of its tags, links and mentions); HTML that cannot be read as it is (`piece` refuses it)."""
+    try:
+        return "\n".join(markup.parse(text).texts)
+    except markup.NotHtml:
+        return text
+
+
 def libre_error(e: Exception) -> Exception:
     """An error of the scheduler's path as LibreTranslate answers it: 400 for a text over a limit,
     429 "Slowdown" when the server is busy or the client holds --max-client-lines; anything else as it was."""
@@ -240,8 +255,9 @@ def routes(app: FastAPI, srv: Served) -> None:
         form = _text(f.get("format"), "format") or "text"
         if form not in ("text", "html"):
             raise _bad(f"{form} format is not supported")
-        detected = await _sources(srv, texts, source, target)
         html = form == "html"  # parsing and splitting a large request is work: off the event loop
+        shown = await asyncio.to_thread(lambda: [_words(t) for t in texts]) if html and source == "auto" else texts
+        detected = await _sources(srv, shown, source, target)
         pieces = await asyncio.to_thread(
             lambda: [piece(t, (lang, target), html) for t, (lang, _) in zip(texts, detected)])
         try:

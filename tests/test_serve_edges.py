@@ -1,0 +1,111 @@
+"""`aiayn serve` at its edges, as real clients reach them: a POST without a body, form-encoded texts
+with their line ends, and HTML whose language is detected (`source: auto`)."""
+
+import asyncio
+import socket
+import time
+
+import httpx
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+from fastapi import Request  # noqa: E402
+from fastapi.testclient import TestClient  # noqa: E402
+
+from aiayn.serve import libre  # noqa: E402
+from aiayn.serve.app import Model, create_app  # noqa: E402
+from aiayn.serve.scheduler import Limits  # noqa: E402
+from aiayn.translate import Translator  # noqa: E402
+from serve_model import tiny_checkpoint  # noqa: E402
+from test_serve import ready, served  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def de_en(tmp_path_factory):
+    return Translator.from_checkpoint(tiny_checkpoint(tmp_path_factory.getbasetemp()))
+
+
+@pytest.fixture(scope="module")
+def client(de_en):
+    with TestClient(create_app(de_en, Limits(max_wait_ms=5), ("de", "en"))) as c:
+        yield ready(c)
+
+
+def _raw(port: int, head: bytes) -> tuple[int, bytes]:
+    """Sends `head` (a request without a body) and returns the answer's status and body."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(head)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += sock.recv(65536)
+        top, _, body = data.partition(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in top.split(b"\r\n") if line.lower().startswith(b"content-length")))
+        while len(body) < length:
+            body += sock.recv(65536)
+        return int(top.split()[1]), body
+
+
+def test_a_post_without_a_body_reads_its_fields_from_the_query_string(de_en):
+    """`curl -X POST 'host/translate?q=...&source=de&target=en'` sends neither Content-Length nor
+    Transfer-Encoding: a request so has no body (RFC 9112, 6.3), which LibreTranslate (Flask) reads
+    from the query string; a chunked body, whose length is unknown, is still a 411."""
+    app = create_app(de_en, Limits(max_wait_ms=5), ("de", "en"))
+    with served(app) as (base, port):
+        status, body = _raw(port, b"POST /translate?q=ein%20Mann&source=de&target=en HTTP/1.1\r\nHost: x\r\n"
+                                   b"Connection: close\r\n\r\n")
+        want = httpx.post(f"{base}/translate", json={"q": "ein Mann", "source": "de", "target": "en"}).json()
+        assert (status, httpx.Response(200, content=body).json()) == (200, want)
+        status, _ = _raw(port, b"POST /translate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                               b"Connection: close\r\n\r\n")
+        assert status == 411
+
+
+@pytest.mark.parametrize("text", ["ein Mann läuft\n", "ein Mann läuft\n\n", "ein Mann\u2028eine Frau sitzt",
+                                  "ein Mann\x0ceine Frau"])
+def test_a_form_text_is_translated_as_the_same_text_in_json(client, text):
+    """A form sends its line ends as CRLF (browsers do): they read as "\\n", and nothing else of the
+    text changes: a trailing line end stays, a line separator is not made a line end."""
+    want = client.post("/translate", json={"q": text, "source": "de", "target": "en"}).json()
+    form = {"q": text.replace("\n", "\r\n"), "source": "de", "target": "en"}
+    assert client.post("/translate", data=form).json() == want
+    assert client.post("/translate", files={k: (None, v) for k, v in form.items()}).json() == want
+
+
+MASTODON_POST = ('<p>Guten Morgen! <a href="https://mastodon.social/@anne" class="u-url mention">@<span>anne</span>'
+                 '</a> <a href="https://mastodon.social/tags/Katze" class="mention hashtag" rel="tag">#<span>Katze'
+                 '</span></a></p>')
+
+
+def test_auto_detects_the_language_of_an_html_texts_words_not_of_its_markup(de_en):
+    """Mastodon sends a post as HTML with source auto: its language is that of the text the server
+    translates (the text nodes), not that of the tags, addresses and mentions around them."""
+    app = create_app([Model(de_en, "de", "en"), Model(de_en, "fr", "en")], Limits(max_wait_ms=5))
+    with TestClient(app) as c:
+        ready(c)
+        r = c.post("/translate", json={"q": MASTODON_POST, "source": "auto", "target": "en", "format": "html"})
+        assert r.status_code == 200 and r.json()["detectedLanguage"]["language"] == "de"
+        text = c.post("/translate", json={"q": "Guten Morgen! ", "source": "auto", "target": "en"}).json()
+        assert r.json()["detectedLanguage"] == text["detectedLanguage"]
+
+
+
+def test_many_fields_in_the_query_string_are_read_in_linear_time():
+    """Each field of the query string (and form) is read once: reading them took time quadratic in
+    their number, on the event loop, so one request of some 60 kB (as much as a request head may
+    hold) held every other client (/health included) for seconds."""
+    query = "&".join(f"k{i}" for i in range(20_000)) + "&q=ein+Mann&source=de&target=en"
+    request = Request({"type": "http", "method": "POST", "path": "/translate", "headers": [],
+                       "query_string": query.encode()})
+    start = time.monotonic()
+    f = asyncio.run(libre.fields(request))
+    assert f["q"] == "ein Mann" and len(f) == 20_003
+    assert time.monotonic() - start < 5  # linear: 0.1 s; quadratic: some 20 s
