@@ -92,7 +92,8 @@ def inference_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, relu
         return _int8_linear(x if x.dtype == torch.float32 else x.float(), q[1], q[2], relu)
     dev = x.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
-    if dev != "cpu" or (x.requires_grad and torch.is_grad_enabled()) or not packs(weight, dtype):
+    grads = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
+    if dev != "cpu" or grads or not packs(weight, dtype):  # (a trainable bias of a frozen weight: F.linear)
         return F.relu(F.linear(x, weight, bias)) if relu else F.linear(x, weight, bias)
     w, b = packed_weight(weight, bias, dtype)
     return torch.ops.mkldnn._linear_pointwise(x.to(dtype).contiguous(), w, b, "relu" if relu else "none", [], "")
