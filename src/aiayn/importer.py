@@ -8,7 +8,8 @@ recomputed), or refused in one line that names the config field:
 - Positions. Marian's table holds every sine, then every cosine; ours interleaves them (Section
   3.5). As `aiayn.export` does in reverse, the hidden features are permuted: our feature perm[k] is
   Marian's feature k, in every matrix that reads or writes the residual stream, every LayerNorm
-  and the embeddings. The permuted model computes the same function on our table.
+  and the embeddings. The permuted model computes the same function on our table. A table the
+  weights file holds (older OPUS-MT files do) must be that sinusoid: transformers uses the file's.
 - Vocabulary. Marian's ids come from vocab.json (typically eos 0, unk 1, pad last); ours are fixed
   (pad 0, unk 1, bos 2, eos 3). Embedding rows, output rows and `final_logits_bias` are reordered
   to our ids. Marian starts decoding from pad: its pad row becomes our BOS row too (one extra row).
@@ -43,7 +44,7 @@ from aiayn.checkpoint import CONFIG, WEIGHTS, save_checkpoint
 from aiayn.config import ConfigError, ModelConfig
 from aiayn.errors import AiaynError, require
 from aiayn.export import MARKER, feature_permutation, map_marian_layers
-from aiayn.model import Transformer
+from aiayn.model import Transformer, sinusoidal_table
 from aiayn.tokenizer import (BOS_ID, EOS_ID, JOINT_FILE, PAD_ID, PIECES, SRC_FILE, TGT_FILE, UNK_ID, Tokenizer,
                              TokenizerPair, read_varint)
 
@@ -412,7 +413,14 @@ def load_marian_weights(model: Transformer, sd: dict[str, Tensor], src: Side, tg
     if model.out_bias is not None:
         model.out_bias.copy_(get("final_logits_bias", (1, V_tgt))[0, tgt.order])
     used.add("final_logits_bias")
-    unknown = sorted(n for n in set(sd) - used if "embed_positions" not in n)
+    marian_table = sinusoidal_table(cfg.max_positions, d)[:, p]
+    for name in sorted(n for n in sd if "embed_positions" in n):  # transformers uses a table the file holds
+        t = sd[name]
+        tol = max(1e-5, torch.finfo(t.dtype).eps) if t.is_floating_point() else 0.0  # a half-precision file's rounding
+        if not torch.allclose(get(name, (cfg.max_positions, d)), marian_table, atol=tol, rtol=0):
+            raise AiaynError(f"{file}: {name} is not Marian's sinusoidal table, and transformers uses the table the "
+                             "file holds; aiayn's positions are sinusoidal only")
+    unknown = sorted(set(sd) - used)
     if unknown:
         raise AiaynError(f"{file} holds {unknown[0]}, which aiayn's model has no place for (a Marian variation it "
                          "does not have)")

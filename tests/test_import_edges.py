@@ -1,0 +1,103 @@
+"""Edges of `aiayn import --from marian` and of the Hugging Face / CTranslate2 exports that a bug
+hunt found: each test failed before its fix.
+
+Marian directories are built offline from the kept fixture (tests/marian_models.py) with
+transformers' own classes; the reference is always what transformers itself computes.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import marian_models as mm  # noqa: E402
+
+from aiayn.errors import AiaynError  # noqa: E402
+from aiayn.importer import convert  # noqa: E402
+from aiayn.search import greedy_search  # noqa: E402
+from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID  # noqa: E402
+from aiayn.translate import Translator  # noqa: E402
+
+MAX_B = 30
+
+
+def _sentences(n: int = 20) -> list[str]:
+    if not mm.have_data():
+        pytest.skip("Multi30k is not in AIAYN_DATA")
+    return [s for s in mm.multi30k("val", "de", 300) if len(s.split()) <= mm.SHORT][:n]
+
+
+def _hf_greedy(d: Path, lines: list[str]) -> list[list[int]]:
+    """transformers' greedy target ids (Marian's), start, pad and EOS left out."""
+    from transformers import MarianMTModel, MarianTokenizer
+
+    hf, tok = MarianMTModel.from_pretrained(str(d)).eval(), MarianTokenizer.from_pretrained(str(d))
+    with torch.no_grad():
+        out = hf.generate(**tok(lines, return_tensors="pt", padding=True), do_sample=False, num_beams=1,
+                          max_length=MAX_B + 2)
+    special = {tok.pad_token_id, tok.eos_token_id, hf.config.decoder_start_token_id}
+    return [[i for i in row.tolist() if i not in special] for row in out]
+
+
+def _aiayn_greedy(d: Path, lines: list[str]) -> list[list[int]]:
+    """The imported model's greedy target ids, mapped to Marian's through the directory's vocabulary."""
+    from transformers import MarianTokenizer
+
+    model, toks = convert(d, warn=lambda m: None)
+    enc = Translator(model, toks).encode(lines)
+    src = torch.full((len(enc), max(map(len, enc))), PAD_ID)
+    for i, ids in enumerate(enc):
+        src[i, :len(ids)] = torch.tensor(ids)
+    vocab = MarianTokenizer.from_pretrained(str(d)).get_vocab()
+    return [[vocab[toks.tgt.id_to_piece(i)] for i in ids] for ids in greedy_search(model, src, BOS_ID, EOS_ID, 0.0, MAX_B)]
+
+
+def _with_positions(d: Path, noise: float) -> Path:
+    """The fixture with position tables written into its weights (older OPUS-MT files hold them):
+    Marian's own sinusoid, plus `noise`."""
+    from safetensors.torch import load_file, save_file
+    from transformers import MarianMTModel
+
+    shutil.copytree(mm.FIXTURE, d)
+    sd = load_file(str(d / "model.safetensors"))
+    table = MarianMTModel.from_pretrained(str(mm.FIXTURE)).model.encoder.embed_positions.weight.detach().clone()
+    g = torch.Generator().manual_seed(0)
+    for side in ("encoder", "decoder"):
+        sd[f"model.{side}.embed_positions.weight"] = table + noise * torch.randn(table.shape, generator=g)
+    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return d
+
+
+def test_position_tables_in_the_weights_are_used_by_transformers_so_they_are_checked(tmp_path):
+    """transformers loads a position table the weights file holds (it does not rebuild it): a table
+    that is Marian's sinusoid imports and translates alike, any other one is refused in one line
+    naming the tensor (it was ignored, and the import translated differently from transformers)."""
+    lines = _sentences()
+    same = _with_positions(tmp_path / "sinusoid", 0.0)
+    assert _aiayn_greedy(same, lines) == _hf_greedy(same, lines)
+    other = _with_positions(tmp_path / "learned", 0.5)
+    assert _hf_greedy(other, lines) != _hf_greedy(same, lines)  # transformers does use the file's table
+    with pytest.raises(AiaynError, match="embed_positions") as e:
+        convert(other, warn=pytest.fail)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.xfail(strict=True, reason="needs aiayn.tokenizer: SentencePiece merges a run of unknown characters "
+                   "into one piece, which MarianTokenizer looks up whole (usually <unk>); the rewritten model knows "
+                   "the other side's single characters and splits the run")
+def test_a_run_of_characters_this_sides_model_lacks_is_one_piece_as_in_marian_tokenizer():
+    """source.spm of the fixture lacks "2" (target.spm has it, so vocab.json does): a lone "2" is
+    that piece in both; "22" is one unknown piece to MarianTokenizer (<unk>), two "2"s here."""
+    from transformers import MarianTokenizer
+
+    tok = MarianTokenizer.from_pretrained(str(mm.FIXTURE))
+    model, toks = convert(mm.FIXTURE, warn=pytest.fail)
+    vocab = tok.get_vocab()
+    lines = ["Der Bus 2 fährt.", "Der Bus 22 fährt."]
+    ours = [[vocab[toks.src.id_to_piece(i)] for i in ids] for ids in Translator(model, toks).encode(lines)]
+    assert ours == tok(lines)["input_ids"]
