@@ -87,17 +87,16 @@ def test_position_tables_in_the_weights_are_used_by_transformers_so_they_are_che
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.xfail(strict=True, reason="needs aiayn.tokenizer: SentencePiece merges a run of unknown characters "
-                   "into one piece, which MarianTokenizer looks up whole (usually <unk>); the rewritten model knows "
-                   "the other side's single characters and splits the run")
 def test_a_run_of_characters_this_sides_model_lacks_is_one_piece_as_in_marian_tokenizer():
-    """source.spm of the fixture lacks "2" (target.spm has it, so vocab.json does): a lone "2" is
-    that piece in both; "22" is one unknown piece to MarianTokenizer (<unk>), two "2"s here."""
+    """source.spm of the fixture lacks "2", "'" and "Y" (target.spm has them, so vocab.json does): a
+    lone "2" is that piece; a run such as "22" is one unknown piece to SentencePiece, which
+    MarianTokenizer looks up whole (<unk>). The import made every such character a piece of the
+    source model, which split the run into two "2"s."""
     from transformers import MarianTokenizer
 
     tok = MarianTokenizer.from_pretrained(str(mm.FIXTURE))
     model, toks = convert(mm.FIXTURE, warn=pytest.fail)
     vocab = tok.get_vocab()
-    lines = ["Der Bus 2 fährt.", "Der Bus 22 fährt."]
+    lines = ["Der Bus 2 fährt.", "Der Bus 22 fährt.", "''Hallo'' Y2 und 2Y", "Y", "2 2 22 222"]
     ours = [[vocab[toks.src.id_to_piece(i)] for i in ids] for ids in Translator(model, toks).encode(lines)]
     assert ours == tok(lines)["input_ids"]

@@ -281,7 +281,6 @@ def rewrite_spm(model: bytes, side: Side, file: str) -> tuple[bytes, int]:
     except (ValueError, IndexError, UnicodeDecodeError, struct.error):
         raise AiaynError(f"{file}: not a SentencePiece model") from None
     marian = {i: p for p, i in side.pieces.items()}
-    unk_score = min((sc for sc, kind in own.values() if kind == NORMAL), default=0.0) - 10.0  # SentencePiece's
     reserved = set(PIECES.values())
     pieces = []
     for ours, mid in enumerate(side.order):
@@ -291,12 +290,9 @@ def rewrite_spm(model: bytes, side: Side, file: str) -> tuple[bytes, int]:
             pieces.append(_piece(f"<marian:{mid}>", 0.0, CONTROL))  # a second copy of a special name
         elif marian[mid] in own:
             pieces.append(_piece(marian[mid], *own[marian[mid]]))
-        elif len(marian[mid]) == 1:
-            # A character this side's model lacks is an unknown piece to it, which MarianTokenizer looks up
-            # in the vocabulary by its text: as a piece with the score of an unknown one, it segments alike.
-            pieces.append(_piece(marian[mid], unk_score, NORMAL))
-        else:
-            pieces.append(_piece(marian[mid], 0.0, UNUSED))  # the other side's piece: never produced
+        else:  # the other side's piece: never produced. A character (or run) this side's model lacks is
+            # one unknown piece, which MarianTokenizer looks up by its text, and so does `Tokenizer.encode`.
+            pieces.append(_piece(marian[mid], 0.0, UNUSED))
     dropped = sum(1 for p, (_, kind) in own.items() if p not in side.pieces and kind not in (CONTROL, UNKNOWN))
     out = b"".join(_bytes_field(1, p) for p in pieces)
     for number, wire, raw in fields:

@@ -147,10 +147,20 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Subword ids of `text`, without BOS/EOS."""
-        return list(self._sp.encode(text, out_type=int))
+        return self._looked_up(text, list(self._sp.encode(text, out_type=int)))
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [list(ids) for ids in self._sp.encode(list(texts), out_type=int)]
+        return [self._looked_up(t, list(ids)) for t, ids in zip(texts, self._sp.encode(list(texts), out_type=int))]
+
+    def _looked_up(self, text: str, ids: list[int]) -> list[int]:
+        """`ids` with each unknown piece looked up by its text, as MarianTokenizer does: an imported
+        model's vocabulary holds characters (and runs of them) that its SentencePiece model lacks,
+        as pieces it never produces (`aiayn.importer.rewrite_spm`). Our own models spell unknown
+        characters in bytes, so they never get here."""
+        if UNK_ID not in ids:
+            return ids
+        pieces = self._sp.encode(text, out_type=str)
+        return [int(self._sp.piece_to_id(p)) if i == UNK_ID else i for i, p in zip(ids, pieces, strict=True)]
 
     def decode(self, ids: Iterable[int] | Any) -> str:
         """Text of `ids` (a list or a 1-D tensor); pad, bos and eos ids are dropped wherever they are."""
