@@ -181,11 +181,13 @@ class ReplacingFile:
     file, not a link, theirs, of one name, writable, without an access control list) is written beside
     it and renamed over it by `commit`, so a run that fails or is stopped leaves it as it was, and
     `keep` saves what was written beside it. Anything else is written in place, as `open(path, "wb")`
-    does: a new file (nothing to protect, and a killed run leaves its lines there), a device or pipe
-    (/dev/null, /dev/stdout), a link, someone else's file, a folder that takes no new file."""
+    does: a new file (nothing to protect, and a killed run leaves its lines there; `discard` removes
+    it), a device or pipe (/dev/null, /dev/stdout), a link, someone else's file, a folder that takes
+    no new file."""
 
     def __init__(self, path: str) -> None:
         self.path, self.tmp = path, None
+        self.created: os.stat_result | None = None  # the new file this made at `path`, if it made one
         if _replaceable(path):
             with contextlib.suppress(OSError):  # e.g. no right to add a file to the folder: in place
                 mode = stat.S_IMODE(os.stat(path).st_mode)
@@ -195,7 +197,13 @@ class ReplacingFile:
                 self.stream: BinaryIO = os.fdopen(fd, "wb")
                 self.tmp = tmp
                 return
-        self.stream = open(path, "wb")
+        try:  # a new file, known to be ours: `discard` takes it away again
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            self.stream = open(path, "wb")
+            return
+        self.stream = os.fdopen(fd, "wb")
+        self.created = os.fstat(fd)
 
     def commit(self) -> None:
         """Close, and put the new file in place (on disk first: a crash then leaves one or the other)."""
@@ -231,6 +239,11 @@ class ReplacingFile:
             self.stream.close()
         if self.tmp is not None:
             Path(self.tmp).unlink(missing_ok=True)
+        if self.created is not None:  # the empty file this made, if it is still the one at `path`
+            with contextlib.suppress(OSError):
+                st = os.lstat(self.path)
+                if (st.st_dev, st.st_ino) == (self.created.st_dev, self.created.st_ino):
+                    os.unlink(self.path)
 
 
 def _replaceable(path: str) -> bool:

@@ -432,11 +432,12 @@ class CT2Translator(BaseTranslator):
         todo = [i for i, s in enumerate(src_ids) if len(s)]
         if not todo:
             return out
-        limits = [min(max(1, math.floor(len(src_ids[i]) * max_len_a + max_len_b)), self.max_positions) for i in todo]
+        # (the product can overflow to inf: the table of positions is the limit then)
+        limits = [max(1, math.floor(min(len(src_ids[i]) * max_len_a + max_len_b, self.max_positions))) for i in todo]
         results = self.engine.translate_batch(
             [[self._src_vocab[t] for t in src_ids[i]] for i in todo],
             beam_size=int(beam), num_hypotheses=int(nbest), length_penalty=float(alpha) if beam > 1 else 0.0,
-            max_decoding_length=max(limits), min_decoding_length=int(min_len), max_input_length=0,
+            max_decoding_length=max(limits), min_decoding_length=min(int(min_len), max(limits)), max_input_length=0,
             suppress_sequences=[[PIECES[PAD_ID]], [PIECES[BOS_ID]]], return_scores=beam > 1,
             max_batch_size=int(max_tokens), batch_type="tokens",
         )
@@ -558,7 +559,7 @@ def add_search_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--beam", type=int, default=4, help="beam size (1 = greedy)")
     p.add_argument("--alpha", type=float, default=0.6, help="length penalty ((5+len)/6)^alpha")
     p.add_argument("--max-tokens", type=int, default=4096, help="source tokens per batch (padding included)")
-    p.add_argument("--batch-size", type=int, default=256, help="sentences per batch at most")
+    p.add_argument("--batch-size", type=int, default=256, help="sentences per batch at most; the torch engine only")
     p.add_argument("--max-len-a", type=float, default=1.0, help="output length limit a*source_length+b: a")
     p.add_argument("--max-len-b", type=int, default=50, help="output length limit a*source_length+b: b")
     p.add_argument("--min-len", type=int, default=0, help="minimum output length in tokens")
@@ -603,6 +604,15 @@ def engine_device(args: argparse.Namespace) -> torch.device | None:
     if getattr(args, "engine", "torch") == "ctranslate2":
         if args.device not in ("auto", "cpu"):
             raise AiaynError(f"--device {args.device}: the ctranslate2 engine runs on the CPU here; use --engine torch")
+        # what CTranslate2 cannot do is refused, not ignored (its beam search stops as --stop-rule best does)
+        if getattr(args, "stop_rule", None) not in (None, "best"):
+            raise AiaynError(f"--stop-rule {args.stop_rule}: the ctranslate2 engine stops as --stop-rule best does; "
+                             "leave it out or use --engine torch")
+        if getattr(args, "workers", Settings.workers) != Settings.workers:
+            raise AiaynError(f"--workers {args.workers}: the torch engine only; leave it out with --engine ctranslate2")
+        if getattr(args, "batch_size", Settings.batch_size) != Settings.batch_size:
+            raise AiaynError(f"--batch-size {args.batch_size}: the ctranslate2 engine cuts its batches by "
+                             "--max-tokens only; use --max-tokens, or --engine torch")
         return None
     return inference_device(args.device, args.precision)
 
@@ -660,8 +670,8 @@ def search_paragraphs(translator: BaseTranslator, lines: Sequence[str], language
     finally:
         translator.note = note
     out, at = [], 0
-    for p in paragraphs:
-        out.append(one_line(p.join([nb[0][0] for nb in found[at:at + len(p.sentences)]])))
+    for line, p in zip(lines, paragraphs):  # a blank line gives an empty line, as without splitting
+        out.append(one_line(p.join([nb[0][0] for nb in found[at:at + len(p.sentences)]])) if has_text(line) else "")
         at += len(p.sentences)
     return out
 

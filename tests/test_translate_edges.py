@@ -1,0 +1,119 @@
+"""`aiayn translate` at its edges: the CTranslate2 engine's flags at their extremes and the flags it
+cannot honour, --split-sentences on blank lines, and a new --output file after a failed start. Each
+test failed before its fix."""
+
+import pytest
+
+from aiayn.cli import main
+from serve_model import tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.getbasetemp())
+
+
+@pytest.fixture(scope="module")
+def export(ckpt, tmp_path_factory):
+    pytest.importorskip("ctranslate2")
+    from aiayn.export import export_ctranslate2
+
+    return export_ctranslate2(str(ckpt), str(tmp_path_factory.mktemp("edges") / "ct2"))
+
+
+@pytest.fixture
+def src(tmp_path):
+    path = tmp_path / "in.txt"
+    path.write_text("ein Mann läuft.\n\nHund\n", encoding="utf-8")
+    return path
+
+
+def _ct2(export, src, out, *flags):
+    return main(["translate", "--engine", "ctranslate2", "--checkpoint", str(export), "--input", str(src),
+                 "--output", str(out), *flags])
+
+
+@pytest.mark.parametrize("flags", [
+    ["--min-len", "100", "--max-len-a", "0", "--max-len-b", "3"],  # CTranslate2: "minimum ... greater than maximum"
+    ["--min-len", "100", "--max-len-a", "0", "--max-len-b", "3", "--beam", "1"],
+    ["--max-len-a", "1e308"],  # a finite factor whose product overflows: OverflowError from math.floor(inf)
+])
+def test_ctranslate2_length_flags_at_their_extremes_translate(export, src, tmp_path, flags, capsys):
+    """The torch engine takes these (a minimum above the limit stops at the limit; a huge factor is no
+    limit); the ctranslate2 engine raised a traceback."""
+    out = tmp_path / "out.txt"
+    assert _ct2(export, src, out, *flags) == 0
+    lines = out.read_text(encoding="utf-8").split("\n")
+    assert len(lines) == 4 and lines[1] == "" and lines[3] == "" and lines[0]
+    assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--stop-rule", "first"], "--stop-rule first"),
+    (["--workers", "2"], "--workers 2"),
+    (["--batch-size", "3"], "--batch-size 3"),
+])
+def test_ctranslate2_refuses_the_flags_it_cannot_honour(export, src, tmp_path, capsys, flags, words):
+    """They were silently ignored: --stop-rule first gave best's translations, --batch-size no bound."""
+    out = tmp_path / "out.txt"
+    assert _ct2(export, src, out, *flags) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and words in err and "ctranslate2" in err
+    assert not out.exists()
+    # what it does (the defaults, said out loud) still runs
+    assert _ct2(export, src, out, "--stop-rule", "best", "--workers", "0", "--batch-size", "256") == 0
+
+
+def test_evaluate_refuses_them_too(export, src, tmp_path, capsys):
+    assert main(["evaluate", "--engine", "ctranslate2", "--checkpoint", str(export), "--src-file", str(src),
+                 "--ref-file", str(src), "--stop-rule", "first"]) == 2
+    assert "--stop-rule first" in capsys.readouterr().err
+
+
+def test_split_sentences_gives_a_blank_line_an_empty_line(ckpt, tmp_path):
+    """The promise of `aiayn translate` (an empty or blank line gives an empty line) held without
+    --split-sentences only: with it, a line of spaces and tabs came back as itself."""
+    src, out = tmp_path / "in.txt", tmp_path / "out.txt"
+    src.write_text("ein Mann.  Hund!\n   \t \n\n \u200b \nHund \n", encoding="utf-8")
+    assert main(["translate", "--checkpoint", str(ckpt), "--input", str(src), "--output", str(out),
+                 "--split-sentences", "--max-len-a", "0", "--max-len-b", "4"]) == 0
+    lines = out.read_text(encoding="utf-8").split("\n")
+    assert len(lines) == 6 and lines[1:4] == ["", "", ""] and lines[5] == ""
+    assert lines[0] and "  " in lines[0] and lines[4].endswith(" ")  # a line's own spacing is kept
+
+
+def test_a_run_that_fails_before_its_first_line_adds_no_output_file(ckpt, tmp_path, capsys):
+    """Invalid UTF-8 on line 1 (or Ctrl-C before the first chunk) left an empty new --output file
+    behind, which `make` and friends then take for a finished translation."""
+    src, out = tmp_path / "in.txt", tmp_path / "new.txt"
+    src.write_bytes(b"A\xffB\nein Mann\n")
+    assert main(["translate", "--checkpoint", str(ckpt), "--input", str(src), "--output", str(out)]) == 2
+    assert "in.txt:1: invalid UTF-8" in capsys.readouterr().err
+    assert not out.exists()
+    # with a line translated first, the new file keeps it
+    src.write_bytes(b"ein Mann\nA\xffB\n")
+    assert main(["translate", "--checkpoint", str(ckpt), "--input", str(src), "--output", str(out),
+                 "--max-len-a", "0", "--max-len-b", "4"]) == 2
+    assert "the first 1 input line(s) are translated and written" in capsys.readouterr().err
+    assert out.read_text(encoding="utf-8").count("\n") == 1
+
+
+def test_discard_removes_only_the_new_file_it_made(tmp_path):
+    from aiayn.files import ReplacingFile
+
+    new = tmp_path / "new.txt"
+    f = ReplacingFile(str(new))
+    assert new.exists()
+    f.discard()
+    assert not new.exists()
+    theirs = tmp_path / "theirs.txt"
+    theirs.write_text("old\n")
+    link = tmp_path / "link.txt"
+    link.symlink_to(theirs)  # written in place, as open(FILE, "wb") writes it: emptied, but never removed
+    ReplacingFile(str(link)).discard()
+    assert link.is_symlink() and theirs.exists()
+    f = ReplacingFile(str(new))
+    new.unlink()
+    new.write_text("someone else's\n")  # another file there now: not ours to remove
+    f.discard()
+    assert new.read_text() == "someone else's\n"
