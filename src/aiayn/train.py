@@ -259,11 +259,11 @@ def given_options(args: argparse.Namespace) -> set[str]:
     return set(train_over) | ({"preset"} if name is not None else set())
 
 
-def with_update_freq(tc: TrainConfig, world: int) -> TrainConfig:
+def with_update_freq(tc: TrainConfig, world: int, given_update_freq: bool = False) -> TrainConfig:
     """--tokens-per-update N: update_freq = N / (max_tokens x world) to the nearest whole number (at
     least 1), so a step holds about N padded positions on any number of processes. Where one batch
     per process already holds more than N, the step would grow with the world: refused, naming the
-    --max-tokens that fits."""
+    --max-tokens that fits. A --update-freq also given (`given_update_freq`) must be the derived one."""
     if not tc.tokens_per_update:
         return tc
     per_round = tc.max_tokens * world
@@ -271,7 +271,25 @@ def with_update_freq(tc: TrainConfig, world: int) -> TrainConfig:
         raise AiaynError(f"--tokens-per-update {tc.tokens_per_update}: {world} processes x --max-tokens "
                          f"{tc.max_tokens} already take {per_round} per step; use --max-tokens "
                          f"{max(2, tc.tokens_per_update // world)} or less (or a larger --tokens-per-update)")
-    return tc.replace(update_freq=max(1, math.floor(tc.tokens_per_update / per_round + 0.5)))
+    derived = max(1, math.floor(tc.tokens_per_update / per_round + 0.5))
+    if given_update_freq and tc.update_freq != derived:  # a flag or --config value that would be overridden
+        raise AiaynError(f"--update-freq {tc.update_freq} disagrees with --tokens-per-update {tc.tokens_per_update}, "
+                         f"which sets it to {derived} here ({tc.tokens_per_update} / ({world} processes x --max-tokens "
+                         f"{tc.max_tokens})); drop one of them")
+    return tc.replace(update_freq=derived)
+
+
+def check_patience(tc: TrainConfig) -> None:
+    """--patience counts epochs without a better validation BLEU: refused where no BLEU is scored (it
+    would never stop the run). A --data-bin without a validation set shows once it is opened."""
+    if not tc.patience:
+        return
+    if not tc.valid_bleu:
+        raise AiaynError(f"--patience {tc.patience} counts epochs without a better validation BLEU, but --valid-bleu "
+                         "is 0 (no BLEU is scored); give --valid-bleu N or drop --patience")
+    if not (tc.data or tc.data_bin) and tc.train_src and not tc.valid_src:
+        raise AiaynError(f"--patience {tc.patience} counts epochs without a better validation BLEU, but there is no "
+                         "validation set; give --valid-src and --valid-tgt or drop --patience")
 
 
 # --------------------------------------------------- the run directory and what a run resumes from
@@ -530,6 +548,9 @@ def _set_up(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, loade
     start = loaded or init
     source_eos = start.model_config.source_eos if start else model_over.get("source_eos", ModelConfig.source_eos)
     corpus = load_corpus(tc, loaded, out, d, source_eos, info, start.tokenizers if tc.init_from and start else None)
+    if tc.patience and not corpus.valid_src:  # (a --data-bin without one; text files are checked before)
+        raise AiaynError(f"--patience {tc.patience} counts epochs without a better validation BLEU, but "
+                         f"{corpus.data.path} holds no validation set; drop --patience")
     if loaded:
         mcfg = loaded.model_config
     elif init:
@@ -545,7 +566,7 @@ def _set_up(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, loade
     if init:
         info(f"fine-tuning from {init.path}")
     if d.rank:  # other ranks draw their own dropout masks
-        torch.manual_seed(tc.seed + 1000 * d.rank)
+        torch.manual_seed((tc.seed + 1000 * d.rank) % 2**64)  # torch's seeds are 64-bit: wrap, as it does -1
         random.seed(tc.seed + 1000 * d.rank)
     run = Run(tc, preset_name, d, out, corpus, model, Trainer(model, tc, d, _precision(tc, loaded, d)),
               TrainLog(out / "metrics.jsonl", d.main), last_saved=loaded.path if loaded else None)
@@ -794,6 +815,7 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
         tc = _init_language_pair(tc.init_from, tc, preset_name, given)
     if not resume:
         tc.check_cooldown()  # before anything is written
+        check_patience(tc)
         preset_name, tc, init = _start(preset_name, model_over, tc, given)
     memory.cap_onednn_caches()  # before the first bf16 matmul
     if resume and given is not None and "device" not in given:  # not given anew: where the run ran
@@ -815,7 +837,8 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
         preset_name, tc, init = _start(preset_name, model_over, tc, given)
     if resume:
         tc.check_cooldown()  # on the settings the run continues with (a fresh run was checked above)
-    tc = with_update_freq(tc, d.world)
+        check_patience(tc)
+    tc = with_update_freq(tc, d.world, given is not None and "update_freq" in given)
     if tc.threads:
         torch.set_num_threads(tc.threads)
     run = _set_up(preset_name, model_over, tc, loaded, init, d, info)

@@ -1,0 +1,86 @@
+"""Edges of the training mechanism: options that would be silently ignored, and what they leave."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from aiayn.cli import main as cli_main
+from test_train import make_corpus, tiny_args
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # tokenizer cache stays in tmp
+
+
+@pytest.fixture()
+def corpus(tmp_path) -> dict[str, str]:
+    return make_corpus(tmp_path / "data")
+
+
+def _without_validation(args: list[str]) -> list[str]:
+    out = list(args)
+    for flag in ("--valid-src", "--valid-tgt"):
+        i = out.index(flag)
+        del out[i : i + 2]
+    return out
+
+
+@pytest.mark.parametrize("how", ["valid-bleu 0", "no validation set"])
+def test_patience_without_validation_bleu_is_refused_before_anything_is_written(tmp_path, corpus, capsys, how):
+    """--patience counts epochs without a better validation BLEU; where none is scored it never stopped
+    the run (a `--patience 1 --valid-bleu 0` run trained all its epochs)."""
+    out = tmp_path / "run"
+    args = tiny_args(corpus, out, "--max-epochs", "3", "--patience", "1")
+    args = args + ["--valid-bleu", "0"] if how == "valid-bleu 0" else _without_validation(args)
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("aiayn train: error: --patience 1 counts epochs without a better validation BLEU")
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_patience_is_refused_on_resume_with_valid_bleu_0(tmp_path, corpus, capsys):
+    out = tmp_path / "run"
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--patience", "2")) == 0
+    capsys.readouterr()
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "4", "--patience", "2", "--valid-bleu", "0", "--resume")) == 2
+    assert "--patience 2 counts epochs without a better validation BLEU" in capsys.readouterr().err
+    assert sorted(p.name for p in out.glob("step_*")) == ["step_2"]
+
+
+def test_an_update_freq_that_tokens_per_update_would_override_is_refused(tmp_path, corpus, capsys):
+    """--tokens-per-update derives --update-freq; a --update-freq given beside it (a flag over a --config
+    file that sets tokens_per_update, as the WMT14 recipes do) was silently replaced."""
+    cfg = tmp_path / "recipe.toml"
+    cfg.write_text("[train]\ntokens_per_update = 640\n", encoding="utf-8")
+    out = tmp_path / "run"
+    assert cli_main(tiny_args(corpus, out, "--config", str(cfg), "--update-freq", "2", "--max-steps", "1")) == 2
+    err = capsys.readouterr().err
+    assert err == ("aiayn train: error: --update-freq 2 disagrees with --tokens-per-update 640, which sets it to 4 "
+                   "here (640 / (1 processes x --max-tokens 160)); drop one of them\n")
+    assert not (out / "data").exists() and not list(out.glob("step_*"))
+    # the value it derives may be given (a run's train.json holds both), and then it is the run's
+    assert cli_main(tiny_args(corpus, out, "--config", str(cfg), "--update-freq", "4", "--max-steps", "1")) == 0
+    assert json.loads((out / "train.json").read_text(encoding="utf-8"))["train"]["update_freq"] == 4
+    assert cli_main(["train", "--config", str(out / "train.json"), "--max-steps", "2", "--resume"]) == 0
+    assert (out / "step_2").is_dir()
+
+
+def test_every_64_bit_seed_seeds_the_other_ranks(tmp_path, corpus, monkeypatch):
+    """--seed takes any 64-bit value; rank r seeds its dropout with seed + 1000 r, which for a seed near
+    2^64 overflowed torch.manual_seed on every rank but 0 (a traceback under torchrun)."""
+    from aiayn import train as T
+    from aiayn.trainer import Dist
+
+    class Rank1(Dist):  # seeds as rank 1 does; writes as rank 0, alone (no process group)
+        main = property(lambda self: True)  # type: ignore[assignment]
+
+    monkeypatch.setattr(T, "setup_distributed", lambda device: Rank1(rank=1, world=1))
+    batches = T.rank_batches
+    monkeypatch.setattr(T, "rank_batches", lambda plan, seed, epoch, rank, world, uf: batches(plan, seed, epoch, 0, world, uf))
+    seed = str(2**64 - 1)
+    assert cli_main(tiny_args(corpus, tmp_path / "run", "--max-steps", "1", "--seed", seed)) == 0
