@@ -84,3 +84,20 @@ def test_every_64_bit_seed_seeds_the_other_ranks(tmp_path, corpus, monkeypatch):
     monkeypatch.setattr(T, "rank_batches", lambda plan, seed, epoch, rank, world, uf: batches(plan, seed, epoch, 0, world, uf))
     seed = str(2**64 - 1)
     assert cli_main(tiny_args(corpus, tmp_path / "run", "--max-steps", "1", "--seed", seed)) == 0
+
+
+def test_metrics_lines_stay_json_when_the_loss_is_not_finite(tmp_path):
+    """A diverged step's loss (NaN, inf) is logged as null: NaN is not JSON (jq refuses the line),
+    and `aiayn plot` skips the value either way."""
+    import json
+    from aiayn.plot import read_metrics
+    from aiayn.train import TrainLog
+
+    log = TrainLog(tmp_path / "metrics.jsonl", True)
+    log.write({"kind": "train", "step": 1, "loss": float("nan"), "lr": float("inf"), "tokens": 5})
+    line = (tmp_path / "metrics.jsonl").read_text().strip()
+
+    def refuse(name):
+        raise ValueError(name)
+    assert json.loads(line, parse_constant=refuse) == {"kind": "train", "step": 1, "loss": None, "lr": None, "tokens": 5}
+    assert read_metrics(tmp_path / "metrics.jsonl")[0]["loss"] is None

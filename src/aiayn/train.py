@@ -722,9 +722,12 @@ class TrainLog:
         self.path, self.enabled = path, enabled
 
     def write(self, record: dict[str, Any]) -> None:
+        """One record; a value that is not a finite number (the loss of a diverged step) is written
+        as null, since NaN is not JSON and strict readers (jq, other languages) refuse the line."""
         if self.enabled:
+            clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
             with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json.dumps(clean, allow_nan=False) + "\n")
 
     def truncate_after(self, step: int) -> None:
         """On resume: drop lines logged after the checkpoint (and a torn last line)."""
