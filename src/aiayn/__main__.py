@@ -1,3 +1,3 @@
-from aiayn.cli import main
+from aiayn.cli import entry
 
-raise SystemExit(main())
+entry()

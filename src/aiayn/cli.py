@@ -8,6 +8,7 @@ as one line on stderr, exit status 2, no traceback.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import sys
 
@@ -74,3 +75,15 @@ def main(argv: list[str] | None = None) -> int:
         where = f"{e.filename}: " if e.filename else ""
         print(f"aiayn {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
         return 2
+
+
+def entry() -> None:
+    """The `aiayn` executable: `main`, then exit. Before the interpreter's shutdown, everything
+    alive is frozen out of the garbage collector, whose last full pass over torch's and the
+    model's objects took 1-2 s after every command (0.2 s frozen; docs/speed.md, Exit). Not in `main`,
+    which tests and scripts call many times in one process."""
+    try:
+        rc = main()
+    finally:
+        gc.freeze()
+    raise SystemExit(rc)
