@@ -120,3 +120,16 @@ def test_demo_takes_the_largest_seed_it_accepts(capsys: pytest.CaptureFixture[st
 def test_tokenizer_on_only_over_long_lines_says_what_to_do() -> None:
     with pytest.raises(AiaynError, match="every line is longer than .* one a line"):
         Tokenizer.train(["x" * 5000, "a b " * 1500], 300)
+
+
+def test_loading_a_checkpoint_does_not_import_torchs_compiler(good: Path) -> None:
+    """The shapes check builds the model on the meta device, where torch runs some ops (arange,
+    normal_) through its compiler's references: importing torch._dynamo cost every translate,
+    evaluate and serve start 2 s. The model's own init skips meta tensors."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom aiayn.checkpoint import load_checkpoint\n"
+            f"load_checkpoint({str(good)!r})\nprint('torch._dynamo' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["False"], done.stdout + done.stderr

@@ -48,7 +48,8 @@ class PositionalEncoding(nn.Module):
     def __init__(self, d_model: int, max_len: int) -> None:
         super().__init__()
         self.d_model = d_model
-        self.register_buffer("table", sinusoidal_table(max_len, d_model), persistent=False)
+        with torch.device("cpu"):  # computed, never on meta: its ops there import torch's compiler (2 s)
+            self.register_buffer("table", sinusoidal_table(max_len, d_model), persistent=False)
 
     def forward(self, x: Tensor, offset: int = 0) -> Tensor:
         """Shape: x (B, T, d_model) -> (B, T, d_model); positions start at `offset`."""
@@ -65,6 +66,8 @@ class Embedding(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, cfg.d_model))
         self.pad_id, self.scale = cfg.pad_id, math.sqrt(cfg.d_model) if cfg.scale_embedding else 1.0
+        if self.weight.is_meta:  # shapes only (a checkpoint's check): meta's normal_ imports torch's compiler
+            return
         # N(0, d^-1/2): unit-variance inputs after scaling, and unit-scale logits when tied.
         nn.init.normal_(self.weight, mean=0.0, std=cfg.d_model**-0.5)
         with torch.no_grad():
@@ -307,7 +310,7 @@ class Transformer(nn.Module):
     def _init_linear(self) -> None:
         # Xavier-uniform matrices and zero biases, as in the reference implementation (tensor2tensor).
         for name, p in self.named_parameters():
-            if "embed" in name:
+            if "embed" in name or p.is_meta:
                 continue
             if p.dim() == 2:
                 nn.init.xavier_uniform_(p)
