@@ -187,7 +187,7 @@ def test_sentences_leaving_a_greedy_cache_move_only_the_rows_that_fill_their_pla
     src[2, 4:] = 0
     keep_src = src.ne(0)
     tok = torch.randint(4, V, (5, 3), generator=torch.Generator().manual_seed(6))
-    with torch.no_grad():
+    with torch.inference_mode():  # as search runs: only there are rows moved in place
         memory = model.encode(src, keep_src)
         caches = [model.new_cache(memory, keep_src) for _ in range(2)]
         for c in caches:

@@ -442,6 +442,7 @@ def test_layer_cache_appends_in_place_under_inference_mode(how):
 
 
 @pytest.mark.parametrize("how", ["append", "compiled"])
+@torch.inference_mode()  # as search runs: only there are rows moved in place
 def test_layer_cache_moves_greedy_rows_in_place(how):
     """Greedy's reorders (finished rows' places taken by the last live ones: `search._survivors`,
     `cache.moves`) copy only the moved rows, within the keys' own buffer, and the appends after

@@ -15,14 +15,20 @@ def tiny(vocab: int = 20, seed: int = 0) -> Transformer:
     return Transformer(preset("tiny", src_vocab_size=vocab, tgt_vocab_size=vocab)).eval()
 
 
+@pytest.mark.parametrize("frozen_source_side", [False, True])
 @pytest.mark.parametrize("reorder_grad", [True, False])
-def test_a_cache_reordered_with_gradients_on_still_backpropagates(reorder_grad):
+def test_a_cache_reordered_with_gradients_on_still_backpropagates(reorder_grad, frozen_source_side):
     """Cached decoding with autograd on (`LayerCache.append` keeps gradients) and a greedy-style
     reorder (a finished row's place taken by the last one), with gradients on or under no_grad: the
     source side was moved in place, overwriting cross-attention keys that the earlier steps saved
     for backward, so `backward` failed ("modified by an inplace operation"). Keys that require
-    grad are copied, as without moves."""
+    grad are copied, as without moves. So are keys that need none (a frozen encoder and cross-attention
+    key/value projection, the rest of the decoder trained): q @ k^T saves k for q's gradient."""
     model = tiny()
+    if frozen_source_side:  # (the embeddings too: shared, they would carry gradients into the keys)
+        for name, p in model.named_parameters():
+            if name.startswith("encoder") or "embed" in name or "cross_attn.kv_proj" in name:
+                p.requires_grad_(False)
     src = torch.randint(4, 20, (3, 5), generator=torch.Generator().manual_seed(1))
     keep = src.ne(0)
     grads = []

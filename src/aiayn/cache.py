@@ -209,12 +209,12 @@ def moves(indices: Tensor, rows: int) -> Moves | None:
 
 
 def _keep_rows(x: Tensor, indices: Tensor, m: Moves | None, dim: int = 0) -> Tensor:
-    """x[indices] along `dim`: in place by the moves `m` of `indices` if given, else a copy. An
-    inference tensor outside inference mode (a cache made by search, reordered by hand) is copied:
-    it cannot be written there; so is one that requires grad (cached decoding with gradients on:
-    earlier steps saved it for backward, which a write would break, even one under no_grad).
+    """x[indices] along `dim`: in place by the moves `m` of `indices` if given, else a copy. Only an
+    inference tensor in inference mode (search's) is moved: outside it, one cannot be written, and
+    any other tensor may have been saved for backward by cached decoding with autograd on (q @ k^T
+    saves k even where k needs no gradient), which a write would break.
     Shape: (R, ...) -> (n, ...) (along `dim`)."""
-    if m is None or x.requires_grad or (torch.is_inference(x) and not torch.is_inference_mode_enabled()):
+    if m is None or not (torch.is_inference(x) and torch.is_inference_mode_enabled()):
         return x.index_select(dim, indices)
     if m[0].numel():
         x.index_copy_(dim, m[0], x.index_select(dim, m[1]))
