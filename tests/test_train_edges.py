@@ -68,6 +68,11 @@ def test_an_update_freq_that_tokens_per_update_would_override_is_refused(tmp_pat
     assert json.loads((out / "train.json").read_text(encoding="utf-8"))["train"]["update_freq"] == 4
     assert cli_main(["train", "--config", str(out / "train.json"), "--max-steps", "2", "--resume"]) == 0
     assert (out / "step_2").is_dir()
+    # a run's train.json as the recipe of a new run on larger batches: its update_freq was derived, not given
+    other = tmp_path / "other"
+    assert cli_main(["train", "--config", str(out / "train.json"), "--out", str(other), "--max-tokens", "320",
+                     "--max-steps", "1"]) == 0, capsys.readouterr().err
+    assert json.loads((other / "train.json").read_text(encoding="utf-8"))["train"]["update_freq"] == 2
 
 
 def test_every_64_bit_seed_seeds_the_other_ranks(tmp_path, corpus, monkeypatch):

@@ -254,9 +254,13 @@ def _check_model_fits(mcfg: ModelConfig, name: str, model_over: dict[str, Any]) 
 
 def given_options(args: argparse.Namespace) -> set[str]:
     """Names of the TrainConfig fields (and "preset") that the --config file or a flag set: on
-    --resume, the others take the run's saved values."""
+    --resume, the others take the run's saved values. A file's update_freq beside tokens_per_update
+    is not one (a run's train.json records the value derived then; `with_update_freq` derives it again)."""
     name, _, train_over = _options_given(args)
-    return set(train_over) | ({"preset"} if name is not None else set())
+    given = set(train_over) | ({"preset"} if name is not None else set())
+    if train_over.get("tokens_per_update") and not hasattr(args, "update_freq"):
+        given.discard("update_freq")
+    return given
 
 
 def with_update_freq(tc: TrainConfig, world: int, given_update_freq: bool = False) -> TrainConfig:
@@ -286,10 +290,10 @@ def check_patience(tc: TrainConfig) -> None:
         return
     if not tc.valid_bleu:
         raise AiaynError(f"--patience {tc.patience} counts epochs without a better validation BLEU, but --valid-bleu "
-                         "is 0 (no BLEU is scored); give --valid-bleu N or drop --patience")
+                         "is 0 (no BLEU is scored); give --valid-bleu N or --patience 0")
     if not (tc.data or tc.data_bin) and tc.train_src and not tc.valid_src:
         raise AiaynError(f"--patience {tc.patience} counts epochs without a better validation BLEU, but there is no "
-                         "validation set; give --valid-src and --valid-tgt or drop --patience")
+                         "validation set; give --valid-src and --valid-tgt or --patience 0")
 
 
 # --------------------------------------------------- the run directory and what a run resumes from
@@ -550,7 +554,7 @@ def _set_up(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, loade
     corpus = load_corpus(tc, loaded, out, d, source_eos, info, start.tokenizers if tc.init_from and start else None)
     if tc.patience and not corpus.valid_src:  # (a --data-bin without one; text files are checked before)
         raise AiaynError(f"--patience {tc.patience} counts epochs without a better validation BLEU, but "
-                         f"{corpus.data.path} holds no validation set; drop --patience")
+                         f"{corpus.data.path} holds no validation set; give --patience 0")
     if loaded:
         mcfg = loaded.model_config
     elif init:
