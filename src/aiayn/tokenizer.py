@@ -150,7 +150,8 @@ class Tokenizer:
         return self._looked_up(text, list(self._sp.encode(text, out_type=int)))
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [self._looked_up(t, list(ids)) for t, ids in zip(texts, self._sp.encode(list(texts), out_type=int))]
+        texts = list(texts)  # (read twice below: an iterator would be empty the second time)
+        return [self._looked_up(t, list(ids)) for t, ids in zip(texts, self._sp.encode(texts, out_type=int), strict=True)]
 
     def _looked_up(self, text: str, ids: list[int]) -> list[int]:
         """`ids` with each unknown piece looked up by its text, as MarianTokenizer does: an imported

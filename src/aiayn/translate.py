@@ -605,7 +605,7 @@ def engine_device(args: argparse.Namespace) -> torch.device | None:
         if args.device not in ("auto", "cpu"):
             raise AiaynError(f"--device {args.device}: the ctranslate2 engine runs on the CPU here; use --engine torch")
         # what CTranslate2 cannot do is refused, not ignored (its beam search stops as --stop-rule best does)
-        if getattr(args, "stop_rule", None) not in (None, "best"):
+        if getattr(args, "stop_rule", None) not in (None, "best"):  # (CTranslate2's rule, whatever the default)
             raise AiaynError(f"--stop-rule {args.stop_rule}: the ctranslate2 engine stops as --stop-rule best does; "
                              "leave it out or use --engine torch")
         if getattr(args, "workers", Settings.workers) != Settings.workers:

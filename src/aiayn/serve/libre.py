@@ -255,7 +255,8 @@ def routes(app: FastAPI, srv: Served) -> None:
         form = _text(f.get("format"), "format") or "text"
         if form not in ("text", "html"):
             raise _bad(f"{form} format is not supported")
-        html = form == "html"  # parsing and splitting a large request is work: off the event loop
+        html = form == "html"
+        # parsing and splitting a large request is work: off the event loop
         shown = await asyncio.to_thread(lambda: [_words(t) for t in texts]) if html and source == "auto" else texts
         detected = await _sources(srv, shown, source, target)
         pieces = await asyncio.to_thread(
