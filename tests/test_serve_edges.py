@@ -6,7 +6,6 @@ import socket
 
 import httpx
 import pytest
-import torch
 
 pytest.importorskip("fastapi")
 from fastapi import Request  # noqa: E402
@@ -18,14 +17,7 @@ from aiayn.serve.scheduler import Limits  # noqa: E402
 from aiayn.translate import Translator  # noqa: E402
 from serve_model import tiny_checkpoint  # noqa: E402
 from test_serve import ready, served  # noqa: E402
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+from test_serve_libre import _one_thread  # noqa: E402,F401 (autouse: one thread)
 
 
 @pytest.fixture(scope="module")

@@ -8,17 +8,7 @@ from pathlib import Path
 import pytest
 
 from aiayn.cli import main as cli_main
-from test_train import make_corpus, tiny_args
-
-
-@pytest.fixture(autouse=True)
-def _cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # tokenizer cache stays in tmp
-
-
-@pytest.fixture()
-def corpus(tmp_path) -> dict[str, str]:
-    return make_corpus(tmp_path / "data")
+from test_train import _cache, corpus, tiny_args  # noqa: F401 (fixtures: the tokenizer cache in tmp, a tiny corpus)
 
 
 def _without_validation(args: list[str]) -> list[str]:
