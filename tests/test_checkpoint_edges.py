@@ -133,3 +133,10 @@ def test_loading_a_checkpoint_does_not_import_torchs_compiler(good: Path) -> Non
             f"load_checkpoint({str(good)!r})\nprint('torch._dynamo' in sys.modules)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.split() == ["False"], done.stdout + done.stderr
+
+
+def test_encode_batch_takes_any_iterable_of_texts(tok: TokenizerPair) -> None:
+    """Its texts are read twice (encoded, then looked up where a piece is unknown): an iterator came
+    back empty the second time, and so did the whole batch."""
+    lines = ["the cat sees a dog", "", "red house"]
+    assert tok.src.encode_batch(iter(lines)) == tok.src.encode_batch(lines) == [tok.src.encode(t) for t in lines]

@@ -762,6 +762,7 @@ def test_a_config_file_with_a_bom_is_read_and_one_not_in_utf8_is_a_one_line_erro
     # sizes that pass the config's checks but no machine holds: an allocator traceback after preparation
     (["--d-model", "10000000000000", "--n-heads", "1"], "", "cannot build a model of these options"),
     (["--d-ff", "100000000000"], "", "more than this machine's"),
+    (["--d-model", "40000000", "--n-heads", "4"], "", "more than this machine's"),  # no table computed to say so
 ])
 def test_bad_model_options_are_refused_before_the_data_is_prepared(tmp_path, corpus, capsys, extra, toml, message):
     # preparing a large corpus takes hours: a bad option must not wait for it, nor leave data/ in --out

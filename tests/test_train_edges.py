@@ -39,6 +39,9 @@ def test_patience_is_refused_on_resume_with_valid_bleu_0(tmp_path, corpus, capsy
     capsys.readouterr()
     assert cli_main(tiny_args(corpus, out, "--max-steps", "4", "--patience", "2", "--valid-bleu", "0", "--resume")) == 2
     assert "--patience 2 counts epochs without a better validation BLEU" in capsys.readouterr().err
+    # the run's saved --patience applies without the flag: the message names the value that undoes it
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "4", "--valid-bleu", "0", "--resume")) == 2
+    assert "or --patience 0" in capsys.readouterr().err
     assert sorted(p.name for p in out.glob("step_*")) == ["step_2"]
 
 

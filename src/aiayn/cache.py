@@ -136,7 +136,7 @@ class LayerCache:
     def movable(self) -> bool:
         """Whether rows can move within the keys' own buffer: they are in one (of `layout` rows a
         position), which may be written here, and no selection is pending."""
-        return (self.pending is None and self.self_k is not None and self.layout > 0
+        return (self.pending is None and self.self_k is not None and self.layout > 0 and _writable_rows(self.self_k)
                 and all(_usable(f, 0, self.self_k) for f in self.flat))
 
 
@@ -208,13 +208,18 @@ def moves(indices: Tensor, rows: int) -> Moves | None:
     return (dst, indices.index_select(0, dst)) if 2 * dst.numel() <= n else None
 
 
+def _writable_rows(x: Tensor) -> bool:
+    """Whether rows of `x` may move in place (`_keep_rows`): search's inference tensors, in inference mode."""
+    return torch.is_inference(x) and torch.is_inference_mode_enabled()
+
+
 def _keep_rows(x: Tensor, indices: Tensor, m: Moves | None, dim: int = 0) -> Tensor:
     """x[indices] along `dim`: in place by the moves `m` of `indices` if given, else a copy. Only an
     inference tensor in inference mode (search's) is moved: outside it, one cannot be written, and
     any other tensor may have been saved for backward by cached decoding with autograd on (q @ k^T
     saves k even where k needs no gradient), which a write would break.
     Shape: (R, ...) -> (n, ...) (along `dim`)."""
-    if m is None or not (torch.is_inference(x) and torch.is_inference_mode_enabled()):
+    if m is None or not _writable_rows(x):
         return x.index_select(dim, indices)
     if m[0].numel():
         x.index_copy_(dim, m[0], x.index_select(dim, m[1]))

@@ -48,8 +48,13 @@ class PositionalEncoding(nn.Module):
     def __init__(self, d_model: int, max_len: int) -> None:
         super().__init__()
         self.d_model = d_model
-        with torch.device("cpu"):  # computed, never on meta: its ops there import torch's compiler (2 s)
-            self.register_buffer("table", sinusoidal_table(max_len, d_model), persistent=False)
+        here = torch.empty(0).device  # where a `with torch.device(...)` block builds the model
+        if here.type == "meta":  # shapes only (checks of sizes): computing it there imports torch's compiler
+            table = torch.empty(max_len, d_model)
+        else:
+            with torch.device("cpu"):
+                table = sinusoidal_table(max_len, d_model).to(here)
+        self.register_buffer("table", table, persistent=False)
 
     def forward(self, x: Tensor, offset: int = 0) -> Tensor:
         """Shape: x (B, T, d_model) -> (B, T, d_model); positions start at `offset`."""

@@ -149,7 +149,7 @@ class Tokenizer:
         """Subword ids of `text`, without BOS/EOS."""
         return self._looked_up(text, list(self._sp.encode(text, out_type=int)))
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
         texts = list(texts)  # (read twice below: an iterator would be empty the second time)
         return [self._looked_up(t, list(ids)) for t, ids in zip(texts, self._sp.encode(texts, out_type=int), strict=True)]
 
