@@ -238,6 +238,7 @@ def _check_model_fits(mcfg: ModelConfig, name: str, model_over: dict[str, Any]) 
     """Sizes that pass the config's checks but no machine holds (a digit too many) are refused here,
     from the model's shapes on the meta device, rather than by the allocator after the data is
     prepared: its float32 weights alone must fit in this machine's memory."""
+    memory.cap_onednn_caches()  # before any model is built, as `train` does (this one on meta)
     try:
         with torch.device("meta"):
             n = Transformer(mcfg).num_parameters()
