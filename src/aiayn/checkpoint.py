@@ -206,6 +206,17 @@ def check_weights_header(file: Path, shapes: dict[str, tuple[int, ...]]) -> None
                              "model weights")
 
 
+def meta_model(mcfg: ModelConfig) -> Transformer:
+    """`mcfg`'s model on the meta device: its shapes and size with nothing allocated, to check a
+    config before a real model is built. Raises ConfigError (the reason, one line) where torch
+    cannot build it: sizes past what it can index."""
+    try:
+        with torch.device("meta"):
+            return Transformer(mcfg)
+    except (RuntimeError, TypeError, ValueError, OverflowError) as e:
+        raise ConfigError(str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__) from None
+
+
 def load_weights(model: Transformer, file: Path) -> None:
     """Loads safetensors weights into `model`, checking names, shapes and dtypes against its config."""
     if not file.is_file():
@@ -273,11 +284,9 @@ def load_checkpoint(path: str | Path, with_trainer_state: bool = False) -> Check
             raise AiaynError(f"{path}: the {side} SentencePiece model is not the one this model was trained with "
                              "(sha256 differs from config.json)")
     try:  # the shapes the config asks for, without allocating them
-        with torch.device("meta"):
-            shapes = {k: tuple(v.shape) for k, v in Transformer(mcfg).state_dict().items()}
-    except (RuntimeError, TypeError, ValueError, OverflowError) as e:  # sizes past what torch can index
-        raise AiaynError(f"{path / CONFIG}: invalid model config (cannot build it: "
-                         f"{str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__})") from None
+        shapes = {k: tuple(v.shape) for k, v in meta_model(mcfg).state_dict().items()}
+    except ConfigError as e:
+        raise AiaynError(f"{path / CONFIG}: invalid model config (cannot build it: {e})") from None
     check_weights_header(path / WEIGHTS, shapes)
     model = Transformer(mcfg)
     load_weights(model, path / WEIGHTS)

@@ -240,11 +240,9 @@ def _check_model_fits(mcfg: ModelConfig, name: str, model_over: dict[str, Any]) 
     prepared: its float32 weights alone must fit in this machine's memory."""
     memory.cap_onednn_caches()  # before any model is built, as `train` does (this one on meta)
     try:
-        with torch.device("meta"):
-            n = Transformer(mcfg).num_parameters()
-    except (RuntimeError, OverflowError, TypeError, ValueError) as e:  # sizes past what torch can index
-        why = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
-        raise AiaynError(f"cannot build a model of these options ({why}; {_model_flags(name, model_over)}); "
+        n = ckpt.meta_model(mcfg).num_parameters()
+    except ConfigError as e:
+        raise AiaynError(f"cannot build a model of these options ({e}; {_model_flags(name, model_over)}); "
                          "change them") from None
     have = memory.physical_bytes()
     if have and 4 * n > have:
