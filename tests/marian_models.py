@@ -157,6 +157,41 @@ def variation(base: Path, d: Path, kind: str) -> Path:
     return d
 
 
+def multilingual(base: Path, d: Path, codes: list[str]) -> Path:
+    """A copy of `base` as a multilingual model: `codes` (target-language tokens such as ">>fr<<")
+    join vocab.json before <pad>, with embedding rows of the others' spread, so that the code a
+    sentence starts with changes its translation."""
+    from transformers import MarianMTModel, MarianTokenizer
+
+    model = MarianMTModel.from_pretrained(str(base))
+    vocab = json.loads((base / "vocab.json").read_text(encoding="utf-8"))
+    V, k = len(vocab), len(codes)
+    pad = vocab.pop("<pad>")
+    vocab.update({c: V - 1 + i for i, c in enumerate(codes)})
+    vocab["<pad>"] = V - 1 + k
+    g = torch.Generator().manual_seed(2)
+    old = model.get_input_embeddings().weight.detach()  # (V, d), pad last
+    rows = torch.cat([old[:pad], torch.randn(k, old.size(1), generator=g) * old.std(), old[pad:]])  # (V + k, d)
+    model.resize_token_embeddings(V + k, mean_resizing=False)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.copy_(rows)
+    model.final_logits_bias = torch.zeros(1, V + k)
+    for cfg in (model.config, model.generation_config):
+        cfg.pad_token_id = cfg.decoder_start_token_id = V - 1 + k
+    model.config.vocab_size = model.config.decoder_vocab_size = V + k
+    model.generation_config.suppress_tokens = [V - 1 + k]
+    d.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(d))
+    tmp = d / "tok"  # MarianTokenizer reads its files from paths; save_pretrained copies them into d
+    tmp.mkdir()
+    for f in ("source.spm", "target.spm"):
+        (tmp / f).write_bytes((base / f).read_bytes())
+    (tmp / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    MarianTokenizer(source_spm=str(tmp / "source.spm"), target_spm=str(tmp / "target.spm"),
+                    vocab=str(tmp / "vocab.json"), source_lang="de", target_lang="en").save_pretrained(str(d))
+    return d
+
+
 FIXTURE = Path(__file__).resolve().parent / "data" / "marian-tiny"  # train_tiny's output, kept in the repository
 
 if __name__ == "__main__":  # regenerate the kept fixture (a few minutes on one core)

@@ -31,7 +31,7 @@ from aiayn.importer import convert, import_marian  # noqa: E402
 from aiayn.model import Transformer  # noqa: E402
 from aiayn.search import beam_search, greedy_search  # noqa: E402
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, TokenizerPair  # noqa: E402
-from aiayn.translate import Translator  # noqa: E402
+from aiayn.translate import Translator, search_paragraphs  # noqa: E402
 
 N = 100  # validation sentences compared
 MAX_B = 60  # aiayn's max_len_b with max_len_a 0; transformers' max_length is MAX_B + 2 (start and EOS)
@@ -171,6 +171,33 @@ def test_cli_import_then_translate(dirs, sentences, tmp_path, capsys):
     assert main(["import", "--from", "marian", str(dirs["base"]), "--out", str(out)]) == 0
     assert main(["import", "--from", "marian", str(dirs["base"]), "--out", str(dirs["gelu"].parent)]) == 2
     assert "is not an earlier import" in capsys.readouterr().err
+
+
+def test_a_multilingual_model_reads_its_target_language_token(tmp_path, sentences):
+    """A multilingual model's source starts with a target-language token (">>fr<<"): aiayn splits
+    it off as MarianTokenizer does, one token (<unk> if unknown, one piece of text for a model
+    without such tokens), and translates as `generate` does; the token changes translations."""
+    d = mm.multilingual(mm.FIXTURE, tmp_path / "mul", [">>fr<<", ">>de<<"])
+    hf, tok = _hf(d)
+    model, toks = convert(d, warn=pytest.fail)
+    vocab = tok.get_vocab()
+    tr = Translator(model, toks)
+    lines = [c + s for c in (">>fr<< ", ">>de<<", ">>xx<< ", "") for s in sentences[:25]]
+    assert [_to_marian(s, toks.src, vocab) for s in tr.encode(lines)] == tok(lines)["input_ids"]
+    assert toks.src.id_to_piece(tr.encode([">>fr<< Ein Hund."])[0][0]) == ">>fr<<"
+    want_ids, want_text = _generate(hf, tok, lines, num_beams=1)
+    got = greedy_search(model, _src_batch(tr, lines), BOS_ID, EOS_ID, 0.0, MAX_B)
+    assert [_to_marian(ids, toks.tgt, vocab) for ids in got] == want_ids
+    assert tr.translate(lines, beam=1) == want_text
+    assert want_text[:25] != want_text[25:50]  # >>fr<< and >>de<< translate differently
+    # --split-sentences gives the token to each sentence of a line, and keeps it out of the layout
+    ends = [s for s in sentences if s.endswith(".")]
+    two = [s for s, a, b in zip(ends, tr.translate([f">>de<< {s}" for s in ends], beam=1), tr.translate(ends, beam=1))
+           if a != b][:2]  # sentences whose translation the token changes
+    want = " ".join(tr.translate([f">>de<< {s}" for s in two], beam=1))
+    assert search_paragraphs(tr, [f">>de<< {two[0]} {two[1]}"], "de", beam=1, alpha=0.0, nbest=1) == [want]
+    plain = convert(mm.FIXTURE, warn=pytest.fail)[1].src
+    assert plain.language_code(">>fr<< Ein Hund.") == ("", ">>fr<< Ein Hund.")  # no codes: ">>" is text
 
 
 def _one_line_error(argv: list[str], capsys) -> str:  # type: ignore[no-untyped-def]

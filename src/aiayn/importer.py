@@ -490,10 +490,6 @@ def convert(d: Path, warn: Any = print) -> tuple[Transformer, TokenizerPair]:
     if start in (tgt_pieces[names["unk"]], eos):
         raise AiaynError(f"config.json: decoder_start_token_id {start} is the unk or eos token; aiayn needs a "
                          "start token of its own (pad, as Marian, or a bos)")
-    codes = [p for p in src.pieces if p.startswith(">>") and p.endswith("<<")]
-    if codes:
-        warn(f"vocab.json has {len(codes)} target-language tokens ({codes[0]}, ...): aiayn does not treat a leading "
-             ">>xx<< as one token as MarianTokenizer does; this multilingual model's outputs may differ")
     sd = read_weights(d)
     file = "model.safetensors" if (d / "model.safetensors").is_file() else "pytorch_model.bin"
     bias = sd.get("final_logits_bias")

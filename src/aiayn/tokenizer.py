@@ -29,6 +29,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -147,11 +148,28 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Subword ids of `text`, without BOS/EOS."""
-        return self._looked_up(text, list(self._sp.encode(text, out_type=int)))
+        return self.encode_batch([text])[0]
 
     def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
-        texts = list(texts)  # (read twice below: an iterator would be empty the second time)
-        return [self._looked_up(t, list(ids)) for t, ids in zip(texts, self._sp.encode(texts, out_type=int), strict=True)]
+        parts = [self.language_code(t) for t in texts]  # (code, rest)
+        ids = self._sp.encode([rest for _, rest in parts], out_type=int)
+        return [([self._language_codes.get(code, UNK_ID)] if code else []) + self._looked_up(rest, list(row))
+                for (code, rest), row in zip(parts, ids, strict=True)]
+
+    def language_code(self, text: str) -> tuple[str, str]:
+        """(code, rest): the target-language token that a multilingual model's source starts with
+        (">>fr<< Ein Mann ..."), split off as MarianTokenizer does, up to the first "<<", to be one
+        token (<unk> if the vocabulary lacks it); ("", text) where there is none, or where the
+        vocabulary holds no such tokens (a model of one target language reads ">>" as text)."""
+        end = text.find("<<") if text.startswith(">>") else -1
+        if end < 0 or not self._language_codes:
+            return "", text
+        return text[:end + 2], text[end + 2:]
+
+    @cached_property
+    def _language_codes(self) -> dict[str, int]:
+        """The vocabulary's target-language tokens (">>fr<<": an imported multilingual model's), by piece."""
+        return {p: i for i in range(self.vocab_size) if (p := self.id_to_piece(i)).startswith(">>") and p.endswith("<<")}
 
     def _looked_up(self, text: str, ids: list[int]) -> list[int]:
         """`ids` with each unknown piece looked up by its text, as MarianTokenizer does: an imported

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, BinaryIO, TypeVar
+from typing import IO, TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 import torch
 
@@ -48,7 +48,10 @@ from aiayn.errors import AiaynError, require
 from aiayn import memory
 from aiayn.files import ReplacingFile, silence_stdout
 from aiayn.search import DEFAULT_STOP_RULE, MAX_ALPHA, STOP_RULES, ScoredIds, beam_search, greedy_search
-from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, PIECES, TokenizerPair, vocabulary
+from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, PIECES, Tokenizer, TokenizerPair, vocabulary
+
+if TYPE_CHECKING:
+    from aiayn.sentences import Paragraph
 
 # Characters that `str.splitlines` treats as line ends: an output line must never contain one.
 _LINE_BREAKS = str.maketrans({c: " " for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"})
@@ -257,6 +260,7 @@ class BaseTranslator:
     `search` gives each input line its n-best (translation, score) list, `translate` the texts."""
 
     note: Callable[[str], None]  # told about each line longer than the model takes
+    tokenizers: TokenizerPair
 
     def search(self, lines: Sequence[str], first_line: int = 1, **settings: Any) -> list[list[tuple[str, float]]]:
         raise NotImplementedError
@@ -659,9 +663,7 @@ def search_paragraphs(translator: BaseTranslator, lines: Sequence[str], language
     """One translation per line, where a line may hold a paragraph: its sentences are translated as one
     batch (so a line of 40 sentences is not cut at the model's length) and joined with the line's own
     spacing. A note about a sentence names its input line."""
-    from aiayn.sentences import split
-
-    paragraphs = [split(line, language) for line in lines]
+    paragraphs = [split_coded(translator.tokenizers.src, line, language) for line in lines]
     owner = [first_line + k for k, p in enumerate(paragraphs) for _ in p.sentences]  # sentence -> input line
     note = translator.note
     translator.note = lambda msg: note(_renumbered(msg, owner))
@@ -674,6 +676,18 @@ def search_paragraphs(translator: BaseTranslator, lines: Sequence[str], language
         out.append(one_line(p.join([nb[0][0] for nb in found[at:at + len(p.sentences)]])) if has_text(line) else "")
         at += len(p.sentences)
     return out
+
+
+def split_coded(tokenizer: Tokenizer, text: str, language: str) -> Paragraph:
+    """`sentences.split`, where a multilingual model's leading target-language token (">>fr<< ...",
+    `Tokenizer.language_code`) goes before each sentence and stays out of the layout put back."""
+    from aiayn.sentences import Paragraph, split  # (sentencex on first use only)
+
+    code, rest = tokenizer.language_code(text)
+    if not code:
+        return split(text, language)
+    p = split(rest.lstrip(" "), language)
+    return Paragraph(p.lead, tuple(f"{code} {s}" for s in p.sentences), p.gaps)
 
 
 def _renumbered(message: str, owner: Sequence[int]) -> str:
