@@ -236,3 +236,9 @@ def test_multi30k_joint_bpe_8k(tmp_path: Path) -> None:
         assert [pair.src.decode(x) for x in ids] == [re.sub(" +", " ", s.strip(" ")) for s in lines]
         mean = sum(map(len, ids)) / len(ids)
         assert 10 < mean < 25  # Multi30k captions are ~12 words; subwords add a little
+
+
+def test_decode_drops_every_special_id_as_transformers_does(tok: Tokenizer) -> None:
+    """<unk> in a translation is dropped, not spelled " ⁇ " (transformers' skip_special_tokens)."""
+    ids = tok.encode("Two dogs")
+    assert tok.decode([BOS_ID, ids[0], UNK_ID, *ids[1:], EOS_ID, PAD_ID]) == tok.decode(ids) == "Two dogs"

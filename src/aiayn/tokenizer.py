@@ -182,11 +182,13 @@ class Tokenizer:
         return [int(self._sp.piece_to_id(p)) if i == UNK_ID else i for i, p in zip(ids, pieces, strict=True)]
 
     def decode(self, ids: Iterable[int] | Any) -> str:
-        """Text of `ids` (a list or a 1-D tensor); pad, bos and eos ids are dropped wherever they are."""
+        """Text of `ids` (a list or a 1-D tensor); the special ids (pad, unk, bos, eos) are dropped
+        wherever they are, as transformers' `skip_special_tokens` does (SentencePiece would spell
+        <unk> " ⁇ ", which an imported model's translations then had and `generate`'s had not)."""
         if hasattr(ids, "tolist"):
             ids = ids.tolist()
         n = self.vocab_size
-        keep = [int(i) for i in ids if int(i) not in (PAD_ID, BOS_ID, EOS_ID)]
+        keep = [int(i) for i in ids if int(i) not in PIECES]
         bad = [i for i in keep if not 0 <= i < n]
         if bad:
             raise AiaynError(f"token id {bad[0]} is outside the tokenizer's vocabulary of {n}; model and tokenizer do not match")
