@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from aiayn import checkpoint as ckpt
 from aiayn import train as T
 from aiayn import trainer as TR
 from aiayn.cli import build_parser
@@ -992,6 +993,20 @@ def test_resume_skips_an_unreadable_newest_checkpoint(tmp_path, corpus, capsys):
         (p / "model.safetensors").write_bytes(b"")
     assert cli_main(tiny_args(corpus, out, "--max-steps", "9", "--resume")) == 2
     assert "corrupt or truncated" in capsys.readouterr().err
+
+
+def test_pruning_after_resuming_past_an_unreadable_checkpoint_keeps_the_new_one(tmp_path, corpus, capsys):
+    """Resumed from step_2 past an unreadable step_5, the run's new step_3 is the one --keep-last 1
+    keeps (step_5 waits to be replaced when the run gets there), not deleted for the bad one."""
+    out = tmp_path / "r"
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "5", "--save-every", "1")) == 0
+    shutil.rmtree(out / "step_3")
+    shutil.rmtree(out / "step_4")
+    (out / "step_5" / "model.safetensors").write_bytes(b"")
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "3", "--save-every", "1", "--keep-last", "1", "--resume")) == 0
+    assert f"resuming from {out / 'step_2'}" in capsys.readouterr().out
+    assert [n for n, _ in ckpt.step_checkpoints(out)] == [3, 5]
+    assert ckpt.load_checkpoint(out / "step_3", with_trainer_state=True).config["step"] == 3
 
 
 def test_resuming_a_finished_run_takes_no_further_step(tmp_path, corpus):

@@ -349,13 +349,16 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
                      "pass the --out directory of `aiayn train` or a checkpoint inside it")
 
 
-def prune_checkpoints(run_dir: str | Path, keep_last: int) -> None:
-    """Removes all but the newest `keep_last` step checkpoints (only ever after a new one is complete).
+def prune_checkpoints(run_dir: str | Path, keep_last: int, upto: int | None = None) -> None:
+    """Removes all but the newest `keep_last` step checkpoints up to step `upto` (the one just
+    written; only ever after it is complete). Later ones are left alone: a run that resumed past an
+    unreadable newer checkpoint would otherwise keep that one and delete what it just saved.
 
     Each is first renamed to a `.tmp-` name, so a run killed while deleting leaves no half-deleted
     `step_<N>/` that would still look complete; the next start removes the leftover.
     """
-    for _, d in step_checkpoints(run_dir)[:-keep_last]:
+    older = [d for n, d in step_checkpoints(run_dir) if upto is None or n <= upto]
+    for d in older[:-keep_last]:
         gone = d.parent / f"{TMP_PREFIX}pruned-{d.name}-{uuid.uuid4().hex[:8]}"
         try:
             os.rename(d, gone)

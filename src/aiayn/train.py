@@ -803,7 +803,7 @@ class Run:
             ckpt.save_checkpoint(path, self.model, self.corpus.tokenizers, config, state)
             if best:
                 ckpt.save_checkpoint(self.out / "best", self.model, self.corpus.tokenizers, config)
-            ckpt.prune_checkpoints(self.out, tc.keep_last)
+            ckpt.prune_checkpoints(self.out, tc.keep_last, upto=self.trainer.step)
         d.barrier()
         self.last_saved = path
         return path
