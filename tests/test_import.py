@@ -200,6 +200,30 @@ def test_a_multilingual_model_reads_its_target_language_token(tmp_path, sentence
     assert plain.language_code(">>fr<< Ein Hund.") == ("", ">>fr<< Ein Hund.")  # no codes: ">>" is text
 
 
+def test_translate_tgt_lang_leads_each_line_with_the_token(tmp_path, sentences, capsys):
+    """`aiayn translate --tgt-lang de` on a multilingual model: each line as if it started with
+    >>de<< (a line with a token of its own keeps it, a blank one stays blank); a language the model
+    lacks, or a model of one target language, is a one-line error naming the flag."""
+    d = mm.multilingual(mm.FIXTURE, tmp_path / "mul", [">>fr<<", ">>de<<"])
+    out = tmp_path / "imported"
+    assert main(["import", "--from", "marian", str(d), "--out", str(out)]) == 0
+    lines = [sentences[0], "", f">>fr<< {sentences[1]}", sentences[2]]
+    (tmp_path / "in.de").write_text("".join(s + "\n" for s in lines), encoding="utf-8")
+    argv = ["translate", "--checkpoint", str(out), "--beam", "1", "--input", str(tmp_path / "in.de")]
+    assert main([*argv, "--output", str(tmp_path / "out.en"), "--tgt-lang", "de"]) == 0
+    tr = Translator.from_checkpoint(out)
+    want = tr.translate([f">>de<< {sentences[0]}", f">>fr<< {sentences[1]}", f">>de<< {sentences[2]}"], beam=1)
+    assert (tmp_path / "out.en").read_text(encoding="utf-8").split("\n") == [want[0], "", want[1], want[2], ""]
+    capsys.readouterr()  # (transformers' progress bars)
+    err = _one_line_error([*argv, "--tgt-lang", "es"], capsys)
+    assert err.endswith("--tgt-lang es: the model has no >>es<< token; it has 2: >>de<< >>fr<<"), err
+    assert main(["import", "--from", "marian", str(mm.FIXTURE), "--out", str(tmp_path / "bilingual")]) == 0
+    capsys.readouterr()
+    err = _one_line_error(["translate", "--checkpoint", str(tmp_path / "bilingual"), "--tgt-lang", "de",
+                           "--input", str(tmp_path / "in.de")], capsys)
+    assert "--tgt-lang de: this model translates into one language" in err, err
+
+
 def _one_line_error(argv: list[str], capsys) -> str:  # type: ignore[no-untyped-def]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()

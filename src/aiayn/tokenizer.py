@@ -153,7 +153,7 @@ class Tokenizer:
     def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
         parts = [self.language_code(t) for t in texts]  # (code, rest)
         ids = self._sp.encode([rest for _, rest in parts], out_type=int)
-        return [([self._language_codes.get(code, UNK_ID)] if code else []) + self._looked_up(rest, list(row))
+        return [([self.language_codes.get(code, UNK_ID)] if code else []) + self._looked_up(rest, list(row))
                 for (code, rest), row in zip(parts, ids, strict=True)]
 
     def language_code(self, text: str) -> tuple[str, str]:
@@ -162,12 +162,12 @@ class Tokenizer:
         token (<unk> if the vocabulary lacks it); ("", text) where there is none, or where the
         vocabulary holds no such tokens (a model of one target language reads ">>" as text)."""
         end = text.find("<<") if text.startswith(">>") else -1
-        if end < 0 or not self._language_codes:
+        if end < 0 or not self.language_codes:
             return "", text
         return text[:end + 2], text[end + 2:]
 
     @cached_property
-    def _language_codes(self) -> dict[str, int]:
+    def language_codes(self) -> dict[str, int]:
         """The vocabulary's target-language tokens (">>fr<<": an imported multilingual model's), by piece."""
         return {p: i for i in range(self.vocab_size) if (p := self.id_to_piece(i)).startswith(">>") and p.endswith("<<")}
 

@@ -593,7 +593,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split-sentences", nargs="?", const="", default=None, metavar="LANG",
                    help="a line may be a paragraph: translate its sentences (split for language LANG, by default "
                         "the checkpoint's source language) as one batch and join them with the line's own spacing")
+    add_target_language_argument(p)
     add_engine_argument(p)
+
+
+def add_target_language_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tgt-lang", metavar="LANG",
+                   help="a multilingual model's target language: each line starts with its >>LANG<< token (a line "
+                        "that starts with a >>xx<< token of its own keeps that one)")
+
+
+def target_token(tok: Tokenizer, lang: str) -> str:
+    """`--tgt-lang LANG` as the multilingual model's target-language token, ">>LANG<<"; a one-line
+    error where the model has no such token."""
+    codes, token = tok.language_codes, f">>{lang}<<"
+    if not codes:
+        raise AiaynError(f"--tgt-lang {lang}: this model translates into one language (its vocabulary has no "
+                         ">>xx<< tokens); leave --tgt-lang out")
+    if token not in codes:
+        some = sorted(codes)
+        raise AiaynError(f"--tgt-lang {lang}: the model has no {token} token; it has {len(some)}: "
+                         f"{' '.join(some[:10])}{' ...' if len(some) > 10 else ''}")
+    return token
+
+
+def with_target_token(lines: Sequence[str], token: str, tok: Tokenizer) -> list[str]:
+    """Each line with text, and no language token of its own, led by `token` (`target_token`)."""
+    return [f"{token} {line}" if has_text(line) and not tok.language_code(line)[0] else line for line in lines]
 
 
 def add_engine_argument(p: argparse.ArgumentParser) -> None:
@@ -834,10 +860,13 @@ def _run(args: argparse.Namespace) -> int:
     try:
         _check_output(args.output, src)
         translator = load_translator(args, device)
+        token = target_token(translator.tokenizers.src, args.tgt_lang) if getattr(args, "tgt_lang", None) else ""
         language = _source_language(args) if getattr(args, "split_sentences", None) is not None else None
         out, out_file = _open_output(args.output)  # only now: a failed start adds no file
         name = "<stdin>" if args.input == "-" else args.input
         for chunk in LineChunks(src, name, args.chunk_lines):
+            if token:
+                chunk = with_target_token(chunk, token, translator.tokenizers.src)
             if language is not None:
                 paragraphs = search_paragraphs(translator, chunk, language, done + 1, **vars(s))
                 text = "".join(p + "\n" for p in paragraphs).encode("utf-8")
