@@ -225,3 +225,43 @@ def test_save_hyps_in_a_folder_that_takes_no_new_file_writes_in_place(ckpt, tmp_
     assert cli.main(["evaluate", "--checkpoint", str(ckpt), "--src-file", s, "--ref-file", r, *FAST,
                      "--save-hyps", str(target)]) == 0
     assert target.read_text() != "old\n" and len(target.read_text().splitlines()) == 1
+
+
+def test_save_hyps_on_a_full_disk_leaves_the_old_file_and_nothing_beside_it(ckpt, tmp_path, capsys, monkeypatch):
+    """A disk that fills when the translations are flushed: one line, the old file as it was, and
+    no hidden `.hyps.txt.*.partial` left in the folder (the failed commit was not cleaned up)."""
+    import errno
+
+    from aiayn import files
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    s, r = write(tmp_path / "s.txt", ["ein Mann"]), write(tmp_path / "r.txt", ["a man"])
+    target = tmp_path / "hyps.txt"
+    target.write_text("old\n")
+    monkeypatch.setattr(files.os, "fsync", full)
+    assert cli.main(["evaluate", "--checkpoint", str(ckpt), "--src-file", s, "--ref-file", r, *FAST,
+                     "--save-hyps", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "No space left on device" in err
+    assert target.read_text() == "old\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hyps.txt", "r.txt", "s.txt"]
+
+
+def test_save_hyps_over_a_file_shared_through_a_group_keeps_its_group(ckpt, tmp_path, capsys):
+    """The new file put in place of the user's takes its group as well as its mode; before, a file
+    chgrp'd to a team's group came back in the user's own group, unreadable to the team."""
+    new_gid = os.stat(write(tmp_path / "probe.txt", ["x"])).st_gid
+    others = [g for g in ([1, 2] if os.geteuid() == 0 else os.getgroups()) if g != new_gid]
+    if not others:
+        pytest.skip("needs a second group to give the file")
+    s, r = write(tmp_path / "s.txt", ["ein Mann"]), write(tmp_path / "r.txt", ["a man"])
+    target = tmp_path / "hyps.txt"
+    target.write_text("old\n")
+    os.chown(target, -1, others[0])
+    os.chmod(target, 0o640)
+    assert cli.main(["evaluate", "--checkpoint", str(ckpt), "--src-file", s, "--ref-file", r, *FAST,
+                     "--save-hyps", str(target)]) == 0
+    st = os.stat(target)
+    assert target.read_text() != "old\n" and (st.st_gid, st.st_mode & 0o7777) == (others[0], 0o640)

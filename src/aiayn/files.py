@@ -153,10 +153,10 @@ def write_output_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     out = ReplacingFile(str(path))
     try:
         out.stream.write(data)
+        out.commit()  # (a full disk may first show here, at the flush: no hidden file left behind)
     except BaseException:
         out.discard()
         raise
-    out.commit()
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
@@ -190,12 +190,7 @@ class ReplacingFile:
         self.created: os.stat_result | None = None  # the new file this made at `path`, if it made one
         if _replaceable(path):
             with contextlib.suppress(OSError):  # e.g. no right to add a file to the folder: in place
-                mode = stat.S_IMODE(os.stat(path).st_mode)
-                fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
-                                           prefix=f".{os.path.basename(path)}.", suffix=".partial")
-                os.fchmod(fd, mode)
-                self.stream: BinaryIO = os.fdopen(fd, "wb")
-                self.tmp = tmp
+                self.stream, self.tmp = _beside(path)
                 return
         try:  # a new file, known to be ours: `discard` takes it away again
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
@@ -244,6 +239,23 @@ class ReplacingFile:
                 st = os.lstat(self.path)
                 if (st.st_dev, st.st_ino) == (self.created.st_dev, self.created.st_ino):
                     os.unlink(self.path)
+
+
+def _beside(path: str) -> tuple[BinaryIO, str]:
+    """A new hidden file beside `path` that can stand for it: its mode and its group (a file shared
+    through a group must stay readable by it); OSError, and nothing left behind, where it cannot."""
+    st = os.stat(path)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
+                               prefix=f".{os.path.basename(path)}.", suffix=".partial")
+    try:
+        if os.fstat(fd).st_gid != st.st_gid:
+            os.fchown(fd, -1, st.st_gid)  # (a group the user is not in: refused, and written in place)
+        os.fchmod(fd, stat.S_IMODE(st.st_mode))  # (after the group: a change of group clears set-group-ID)
+        return os.fdopen(fd, "wb"), tmp
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
 
 
 def _replaceable(path: str) -> bool:
