@@ -59,6 +59,21 @@ def test_hyp_file_mode_json_and_text(tmp_path, capsys):
     assert "BLEU (lowercased)" in text and "chrF2 = " in text
 
 
+def test_several_reference_files_are_several_references_per_line(tmp_path, capsys):
+    """--ref-file A B scores as sacreBLEU does with two references a line; a second file of another
+    length is named."""
+    other = ["A dog runs through the snow.", "Two people are walking.", "A woman sings on stage."]
+    hyp, ref, ref2 = write(tmp_path / "hyp.txt", HYPS), write(tmp_path / "ref.txt", REFS), write(tmp_path / "r2.txt", other)
+    assert cli.main(["evaluate", "--hyp-file", hyp, "--ref-file", ref, ref2, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["bleu"] == round(sacrebleu.corpus_bleu(HYPS, [REFS, other]).score, 2) != corpus_scores(HYPS, REFS)["bleu"]
+    assert got["chrf"] == round(sacrebleu.corpus_chrf(HYPS, [REFS, other]).score, 2)
+    assert "nrefs:2" in got["bleu_signature"] and got["references"] == [ref, ref2]
+    short = write(tmp_path / "short.txt", other[:2])
+    assert cli.main(["evaluate", "--hyp-file", hyp, "--ref-file", ref, short]) == 2
+    assert f"but {short} has 2 references" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--hyp-file", "H", "--ref-file", "R3"], "has 2 hypotheses but"),
     (["--hyp-file", "H"], "--ref-file"),
@@ -163,7 +178,8 @@ def test_save_hyps_is_checked_before_translating(ckpt, tmp_path, capsys, monkeyp
                             searched.append(_name) or _real(self, *a, **k))
     s, r = write(tmp_path / "s.txt", ["ein Mann"]), write(tmp_path / "r.txt", ["a man"])
     for target, words in ((r, "is also an input file"), (s, "is also an input file"),
-                          (str(tmp_path), "is a directory"), (str(tmp_path / "no" / "h.txt"), "no such directory")):
+                          (str(tmp_path), "is a directory"), (str(tmp_path / "no" / "h.txt"), "no such directory"),
+                          ("-", "the scores go to standard output")):
         assert cli.main(["evaluate", "--checkpoint", str(ckpt), "--src-file", s, "--ref-file", r,
                          "--save-hyps", target, *FAST]) == 2
         err = capsys.readouterr().err

@@ -5,8 +5,9 @@ its default 13a tokenization, printed with sacreBLEU's signature so that scores 
 
 `aiayn evaluate` takes one of three inputs:
   --checkpoint DIR --data multi30k --src de --tgt en --split test_2016_flickr   translate, then score
-  --checkpoint DIR --src-file F --ref-file F                                     translate, then score
-  --hyp-file F --ref-file F                                                      score only
+  --checkpoint DIR --src-file F --ref-file F [F ...]                             translate, then score
+  --hyp-file F --ref-file F [F ...]                                              score only
+Several --ref-file files are several references for each line, as sacreBLEU takes them.
 """
 
 from __future__ import annotations
@@ -28,17 +29,19 @@ class ScoreError(AiaynError, ValueError):
     """Hypotheses and references that cannot be scored together."""
 
 
-def corpus_scores(hyps: Sequence[str], refs: Sequence[str]) -> dict[str, Any]:
-    """BLEU, lowercased BLEU and chrF of detokenized hypotheses against one reference each."""
-    if len(hyps) != len(refs):
-        raise ScoreError(f"{len(hyps)} hypotheses but {len(refs)} references; they must be line-aligned")
+def corpus_scores(hyps: Sequence[str], refs: Sequence[str], *more: Sequence[str]) -> dict[str, Any]:
+    """BLEU, lowercased BLEU and chrF of detokenized hypotheses against one reference each (`refs`),
+    or several: each of `more` is another line-aligned set of references."""
+    streams = [list(r) for r in (refs, *more)]
+    for r in streams:
+        if len(hyps) != len(r):
+            raise ScoreError(f"{len(hyps)} hypotheses but {len(r)} references; they must be line-aligned")
     if not hyps:
         raise ScoreError("nothing to score: no hypotheses and no references")
     bleu = sacrebleu.metrics.BLEU()
     bleu_lc = sacrebleu.metrics.BLEU(lowercase=True)
     chrf = sacrebleu.metrics.CHRF()
-    refs = list(refs)
-    b, lc, c = bleu.corpus_score(list(hyps), [refs]), bleu_lc.corpus_score(list(hyps), [refs]), chrf.corpus_score(list(hyps), [refs])
+    b, lc, c = (m.corpus_score(list(hyps), streams) for m in (bleu, bleu_lc, chrf))
     return {
         "bleu": round(b.score, 2),
         "bleu_lc": round(lc.score, 2),
@@ -70,7 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", help="folder holding multi30k/ (default: $AIAYN_DATA, else the download cache)")
     p.add_argument("--src-file", help="source sentences to translate, one a line (needs --checkpoint)")
     p.add_argument("--hyp-file", help="translations to score, one a line (no model needed)")
-    p.add_argument("--ref-file", help="references, one a line, aligned with the source or hypotheses")
+    p.add_argument("--ref-file", nargs="+", metavar="FILE",
+                   help="references, one a line, aligned with the source or hypotheses; several files: several "
+                        "references per line")
     p.add_argument("--save-hyps", help="also write the translations to this file")
     from aiayn.translate import add_engine_argument, add_search_arguments
 
@@ -79,8 +84,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
-def _inputs(args: argparse.Namespace) -> tuple[str, str, str]:
-    """(mode, source path, reference path); one-line errors for incomplete flag sets."""
+def _inputs(args: argparse.Namespace) -> tuple[str, str, list[str]]:
+    """(mode, source path, reference paths); one-line errors for incomplete flag sets."""
     if args.hyp_file:
         if args.checkpoint or args.src_file or args.data:
             raise AiaynError("--hyp-file scores existing translations: drop --checkpoint, --src-file and --data")
@@ -100,7 +105,7 @@ def _inputs(args: argparse.Namespace) -> tuple[str, str, str]:
         from aiayn.data.text import multi30k_paths
 
         src, ref = multi30k_paths(args.split, args.src, args.tgt, args.data_dir)
-        return "translate", str(src), str(ref)
+        return "translate", str(src), [str(ref)]
     if not args.src_file or not args.ref_file:
         raise AiaynError("--checkpoint needs --data multi30k, or --src-file and --ref-file")
     return "translate", args.src_file, args.ref_file
@@ -128,6 +133,8 @@ def _check_direction(args: argparse.Namespace) -> None:
 
 def _check_save_path(path: str, inputs: Sequence[str]) -> None:
     """--save-hyps must be writable and must not be one of the input files; checked before translating."""
+    if path == "-":  # (it made a file named "-")
+        raise AiaynError("--save-hyps -: the scores go to standard output; give a file name for the translations")
     target = Path(path)
     for other in inputs:
         with contextlib.suppress(OSError):
@@ -149,19 +156,20 @@ def run(args: argparse.Namespace) -> int:
 
     memory.keep_freed_memory()  # as `aiayn translate`
 
-    mode, first, ref_path = _inputs(args)  # flag errors first, before any file is read
+    mode, first, ref_paths = _inputs(args)  # flag errors first, before any file is read
     device = engine_device(args) if mode == "translate" else None  # (scoring a file needs no device)
     if args.data:
         _check_direction(args)
     if args.save_hyps and mode == "translate":
-        _check_save_path(args.save_hyps, [first, ref_path])
-    refs = read_lines(ref_path)
+        _check_save_path(args.save_hyps, [first, *ref_paths])
+    refs = [read_lines(path) for path in ref_paths]
     lines = read_lines(first, blank_ok=mode == "hyp")
-    if len(lines) != len(refs):
-        kind = "hypotheses" if mode == "hyp" else "source lines"
-        raise AiaynError(f"{first} has {len(lines)} {kind} but {ref_path} has {len(refs)} references; "
-                         "the files must be line-aligned")
-    info: dict[str, Any] = {"references": ref_path}
+    for path, r in zip(ref_paths, refs):
+        if len(lines) != len(r):
+            kind = "hypotheses" if mode == "hyp" else "source lines"
+            raise AiaynError(f"{first} has {len(lines)} {kind} but {path} has {len(r)} references; "
+                             "the files must be line-aligned")
+    info: dict[str, Any] = {"references": ref_paths[0] if len(ref_paths) == 1 else ref_paths}
     if mode == "hyp":
         hyps, info["hypotheses"] = lines, first
     else:
@@ -182,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
                 write_output_bytes(args.save_hyps, "".join(h + "\n" for h in hyps).encode("utf-8"))
             except OSError as e:
                 raise AiaynError(f"{args.save_hyps}: cannot write ({e.strerror or e}) (--save-hyps)") from None
-    scores = corpus_scores(hyps, refs)
+    scores = corpus_scores(hyps, *refs)
     if args.json:
         print(json.dumps({**scores, **info}, sort_keys=True))
     else:
