@@ -133,3 +133,42 @@ def test_resume_follows_a_data_directory_that_moved(tmp_path, corpus):
     moved = data.rename(tmp_path / "moved")
     s = train_cli(_bin_args(moved, tmp_path / "run", "--max-steps", "4", *extra, "--resume"))
     assert s["step"] == 4 and _same(weights(tmp_path / "ref", 4), weights(tmp_path / "run", 4))
+
+
+def test_the_log_counts_pairs_truncated_at_train_time_and_skipped_when_prepared(tmp_path, corpus):
+    """Data prepared with --max-len 20 (skipping) and trained with --max-len 10 --long truncate: the
+    log said "0 of N truncated" although the arrays' longer pairs are cut at batching time."""
+    data = _prepare(corpus, tmp_path / "bin", max_len=20)
+    c = open_corpus(data, TrainConfig(max_tokens=160, max_len=10, long="truncate"))
+    lines = c.data.manifest["splits"]["train"]["lines"]
+    skipped = lines - c.n_train_pairs
+    cut = int((np.maximum(c.train.src.lengths, c.train.tgt.lengths) > 10).sum())
+    assert cut > 0 and skipped > 0
+    line = c.describe(TrainConfig(max_len=10, long="truncate"))
+    assert f"({cut:,} of {lines:,} truncated, {skipped:,} skipped as longer than 10 tokens)" in line, line
+    c = open_corpus(data, TrainConfig(max_tokens=160, max_len=10))
+    assert f"({lines - c.n_train_pairs:,} of {lines:,} skipped as longer than 10 tokens)" in c.describe(
+        TrainConfig(max_len=10))
+
+
+@pytest.mark.parametrize("damage", ["no files", "bad dtype", "offsets", "lengths"])
+def test_a_damaged_prepared_directory_is_one_line_at_open(tmp_path, corpus, damage):
+    """A manifest edited by hand, or index arrays of the right size but wrong content, gave a KeyError,
+    TypeError or an IndexError hours into training; now one line when the directory is opened."""
+    import json
+
+    data = _prepare(corpus, tmp_path / "bin")
+    manifest = json.loads((data / "manifest.json").read_text())
+    if damage == "no files":
+        del manifest["files"]
+    if damage == "bad dtype":
+        manifest["files"]["train.src.tokens"]["dtype"] = "zz"
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    if damage in ("offsets", "lengths"):
+        f = data / f"train.tgt.{damage}"
+        raw = bytearray(f.read_bytes())
+        raw[-1] ^= 0x40  # the last sentence: past the end of the tokens
+        f.write_bytes(bytes(raw))
+    with pytest.raises(AiaynError, match="prepare the data again") as e:
+        open_corpus(data, TrainConfig(max_tokens=160))
+    assert "\n" not in str(e.value)

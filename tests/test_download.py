@@ -191,3 +191,35 @@ def test_no_network_is_one_clear_line(served: _Server, tmp_path: Path, monkeypat
     assert (f"could not download {url}/val.de.gz ([Errno 111] Connection refused); check the connection, or get "
             "the files another way and pass --data-dir or set $AIAYN_DATA") in err, err
     assert list((tmp_path / "cache" / "aiayn" / "multi30k").iterdir()) == []  # no temporary left behind
+
+
+def test_cli_download_goes_where_train_looks_under_aiayn_data(served: _Server, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """With $AIAYN_DATA set, `train --data multi30k` reads $AIAYN_DATA only, so `aiayn download`
+    must fetch there (it filled the user cache, and train then said the files were missing)."""
+    root = tmp_path / "shared"
+    root.mkdir()
+    monkeypatch.setenv("AIAYN_DATA", str(root))
+    assert cli.main(["download", "--src", "de", "--tgt", "en", "--splits", "val"]) == 0
+    assert capsys.readouterr().out.strip() == str(root / "multi30k")
+    assert multi30k_paths("val", "de", "en") == (root / "multi30k" / "val.de.gz", root / "multi30k" / "val.en.gz")
+
+
+def test_what_a_killed_download_left_is_removed_by_the_next(served: _Server, tmp_path: Path) -> None:
+    """kill -9 or SIGTERM leaves the partial file (WMT14's archives: up to ~1 GB each, every try):
+    the next download removes those of dead processes and old ones, not a live process's."""
+    folder = tmp_path / "cache" / "aiayn" / "multi30k"
+    folder.mkdir(parents=True)
+    from aiayn.data.lock import _host
+
+    dead = folder / f".val.de.gz-{_host()}-999999999-0000abcd.part"  # a pid no process has
+    old = folder / ".val.de.gz.k2j_x9a1.part"  # mkstemp's name, untouched for ages
+    live = folder / f".val.de.gz-{_host()}-{os.getppid()}-0000abcd.part"  # a live process's
+    other = folder / f".val.en.gz-{_host()}-999999999-0000abcd.part"  # another file's: its own download's
+    for p in (dead, old, live, other):
+        p.write_bytes(b"x" * 100)
+    os.utime(old, (0, 0))
+    multi30k_paths("val", "de", "en")
+    left = sorted(p.name for p in folder.iterdir())
+    assert left == sorted([live.name, "val.de.gz", "val.en.gz"]), left

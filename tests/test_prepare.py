@@ -381,3 +381,44 @@ def test_out_after_a_link_and_dotdot_is_where_the_os_puts_it(tmp_path, monkeypat
     out = P.prepare(P.Inputs(*corpus), "link/../x", P.Settings(vocab_size=300), workers=1, log=lambda m: None)
     assert (tmp_path / "far" / "x" / "manifest.json").is_file() and not (tmp_path / "here" / "x").exists()
     assert out.resolve() == (tmp_path / "far" / "x").resolve()
+
+
+def test_a_folder_with_another_tools_manifest_is_refused_and_kept(tmp_path, corpus, capsys):
+    """`manifest.json` is a common name: a folder holding one of another tool's is not an earlier
+    output to replace, nor is a prepared folder the user added a file to (before: both were deleted)."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "manifest.json").write_text('{"name": "my web app"}')
+    (mine / "notes.txt").write_text("keep me")
+    rc, err = _cli(capsys, "--train-src", corpus["train_src"], "--train-tgt", corpus["train_tgt"], "--out", str(mine))
+    assert rc == 2 and "holds files that `aiayn prepare` did not write" in err
+    assert sorted(p.name for p in mine.iterdir()) == ["manifest.json", "notes.txt"]
+    out = _prep(corpus, tmp_path / "bin")
+    (out / "README").write_text("mine")
+    assert _prep(corpus, out) == out  # up to date: left as it is, the user's file too
+    with pytest.raises(AiaynError, match="holds files that `aiayn prepare` did not write"):
+        _prep(corpus, out, P.Settings(vocab_size=290, max_len=20))  # would replace it: refused
+    assert (out / "README").read_text() == "mine" and open_prepared(out).manifest["settings"]["vocab_size"] == 300
+
+
+def test_out_as_a_link_replaces_its_target_and_keeps_the_link(tmp_path, corpus):
+    """A link to a folder on a bigger disk is a common --out; it was renamed aside with the old
+    output, a directory put in its place, and the run failed on `rmtree` of the link."""
+    (tmp_path / "big").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "big")
+    _prep(corpus, tmp_path / "link")
+    _prep(corpus, tmp_path / "link", P.Settings(vocab_size=290, max_len=20))  # an earlier output, replaced
+    assert (tmp_path / "link").is_symlink() and open_prepared(tmp_path / "big").manifest["settings"]["vocab_size"] == 290
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big", "data", "link"]  # nothing left aside
+
+
+def test_a_killed_prepare_of_an_out_named_with_brackets_is_cleaned_up(tmp_path, corpus):
+    """The temporaries of --out "data[v2]" are found by a glob: the brackets are not a pattern."""
+    out = tmp_path / "data[v2]"
+    left = tmp_path / ".data[v2].prepare-nohost-999999999-00000000"
+    left.mkdir()
+    (left / P.TMP_MARK).touch()
+    os.utime(left / P.TMP_MARK, (0, 0))  # untouched for ages: abandoned
+    assert P.leftovers(out) == {left.name: True}
+    _prep(corpus, out)
+    assert not left.exists() and (out / "manifest.json").is_file()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import tarfile
 from pathlib import Path
 from typing import Iterator
@@ -124,3 +125,19 @@ def test_a_second_download_neither_downloads_nor_unpacks_again(served, tmp_path,
     assert cli.main(["download", "--data", "wmt14", "--src", "en", "--tgt", "de", "--data-dir", str(d)]) == 0
     assert len(served.requests) == n
     assert not [p.name for p in d.iterdir() if p.name.startswith(".")]  # no lock left behind
+
+
+def test_what_a_killed_unpack_left_is_removed_by_the_next(served, tmp_path):
+    """A killed unpack left its temporary folder (~1.5 GB of text at full size) for good; the next
+    removes those of dead processes and old ones, never a fresh one another machine may be filling."""
+    from aiayn.data.lock import _host
+
+    folder = tmp_path / "d" / "wmt14"
+    dead, old, fresh = (folder / n for n in (f".unpack-{_host()}-999999999-0000abcd", ".unpack-k2j_x9a1",
+                                             ".unpack-otherhost-12-0000abcd"))
+    for d in (dead, old, fresh):
+        d.mkdir(parents=True)
+        (d / "train.en").write_text("half\n")
+    os.utime(old, (0, 0))
+    wmt14.wmt14_paths("en", "de", tmp_path / "d")
+    assert sorted(p.name for p in folder.iterdir() if p.name.startswith(".")) == [fresh.name]

@@ -196,7 +196,9 @@ def open_prepared(path: str | os.PathLike[str], flag: str = "--data-bin") -> Pre
     if manifest.get("version") != VERSION:
         raise AiaynError(f"{flag} {path}: format version {manifest.get('version')}, this aiayn reads {VERSION}; "
                          "prepare the data again")
-    files = manifest["files"]
+    files = manifest.get("files")
+    if not isinstance(files, dict) or "train.src.tokens" not in files:
+        raise AiaynError(f"{flag} {path}: {MANIFEST} lists no training arrays (damaged?); prepare the data again")
     splits = {name: _open_split(path, name, files, flag) for name in ("train", "valid") if f"{name}.src.tokens" in files}
     return Prepared(path, manifest, hashlib.sha256(raw).hexdigest(), TokenizerPair.load(path), splits["train"],
                     splits.get("valid"))
@@ -206,13 +208,33 @@ def _open_split(folder: Path, split: str, files: dict[str, Any], flag: str) -> S
     sides = []
     for side in SIDES:
         arrays = [_open_array(folder, f"{split}.{side}.{kind}", files, flag) for kind in ("tokens", "offsets", "lengths")]
-        sides.append(Side(*arrays))
+        sides.append(_checked(Side(*arrays), f"{flag} {folder}: {split}.{side}"))
     return Split(*sides)
+
+
+def _checked(side: Side, where: str, chunk: int = 1 << 20) -> Side:
+    """`side`, once its offsets are known to place the sentences one after another within its tokens:
+    damaged index arrays of the right size would otherwise index out of range hours into training.
+    Reads the offsets and lengths only (in chunks), never the tokens."""
+    start = 0
+    for s in range(0, len(side.lengths), chunk):
+        lengths = np.asarray(side.lengths[s : s + chunk], np.int64)
+        ends = start + np.cumsum(lengths)  # (n,)
+        if not np.array_equal(side.offsets[s : s + chunk], ends - lengths):
+            raise AiaynError(f"{where}.offsets does not match its lengths (a damaged file); prepare the data again")
+        start = int(ends[-1])
+    if start != len(side.tokens):
+        raise AiaynError(f"{where}.lengths add up to {start} tokens, .tokens holds {len(side.tokens)} (a damaged "
+                         "file); prepare the data again")
+    return side
 
 
 def _open_array(folder: Path, name: str, files: dict[str, Any], flag: str) -> np.ndarray:
     entry = files.get(name) or {}
-    dtype, count = np.dtype(entry.get("dtype", "<u1")), int(entry.get("count", -1))
+    try:
+        dtype, count = np.dtype(entry.get("dtype", "<u1")), int(entry.get("count", -1))
+    except (TypeError, ValueError, AttributeError):
+        raise AiaynError(f"{flag} {folder}: {MANIFEST} has a damaged entry for {name}; prepare the data again") from None
     try:
         size = (folder / name).stat().st_size
     except OSError:

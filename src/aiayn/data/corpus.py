@@ -34,6 +34,7 @@ class Corpus:
     valid_plan: BatchPlan | None
     valid_src: list[str]  # validation text, for BLEU
     valid_tgt: list[str]
+    truncated: int = 0  # training pairs cut to --max-len, when prepared or at batching time
 
     @property
     def tokenizers(self) -> TokenizerPair:
@@ -57,13 +58,13 @@ class Corpus:
         return len(self.plan.order)
 
     def describe(self, tc: TrainConfig) -> str:
-        """One line for the log: pairs kept of lines read, validation pairs."""
-        split = self.data.manifest["splits"]["train"]
-        left_out = split["lines"] - self.n_train_pairs
+        """One line for the log: pairs kept of lines read, how many of them skipped or truncated (by
+        --long, then the other where data prepared with other settings did it), validation pairs."""
+        lines = self.data.manifest["splits"]["train"]["lines"]
+        counts = {"skipped": lines - self.n_train_pairs, "truncated": self.truncated}
         how = "skipped" if tc.long == "skip" else "truncated"
-        if tc.long == "truncate":
-            left_out = split.get("truncated", 0)
-        return (f"{self.n_train_pairs:,} training pairs ({left_out:,} of {split['lines']:,} {how} as longer than "
+        shown = [f"{counts[how]:,} of {lines:,} {how}"] + [f"{n:,} {k}" for k, n in counts.items() if k != how and n]
+        return (f"{self.n_train_pairs:,} training pairs ({', '.join(shown)} as longer than "
                 f"{min(tc.max_len, self.data.manifest['settings']['max_len'])} tokens), {len(self.valid_src):,} "
                 f"validation pairs, from {self.data.path}")
 
@@ -119,10 +120,13 @@ def open_corpus(path: Path, tc: TrainConfig, source_eos: bool = False) -> Corpus
     arrays hold bare sentences, and with `source_eos` every source is one token longer (its EOS)."""
     data = open_prepared(path)
     src, tgt = data.train.src.lengths, data.train.tgt.lengths
-    keep = None
-    if tc.long == "skip" and tc.max_len < data.manifest["settings"]["max_len"]:
-        keep = _within(src, tgt, tc.max_len)
+    keep, shorter = None, tc.max_len < data.manifest["settings"]["max_len"]
+    truncated = data.manifest["splits"]["train"].get("truncated", 0)  # by prepare, each to its --max-len
+    if tc.long == "skip" and shorter:
+        keep, truncated = _within(src, tgt, tc.max_len), 0  # those prepare cut are longer than this
     else:
+        if shorter:  # cut now, those prepare cut among them
+            truncated = max(truncated, len(src) - int(_within(src, tgt, tc.max_len).sum()))
         src, tgt = data.train.lengths(tc.max_len)
     plan = batching.plan_batches(_with_eos(src, source_eos), tgt, tc.max_tokens, keep)
     if len(plan.order) == 0:
@@ -136,7 +140,7 @@ def open_corpus(path: Path, tc: TrainConfig, source_eos: bool = False) -> Corpus
         fits = batching.pair_costs(vsrc, vtgt) <= tc.max_tokens  # validation pairs too wide are left out
         valid_plan = batching.plan_batches(vsrc, vtgt, tc.max_tokens, fits)
         vs, vt = data.valid_text()
-    return Corpus(data, plan, valid_plan, vs, vt)
+    return Corpus(data, plan, valid_plan, vs, vt, truncated)
 
 
 def _within(src: np.ndarray, tgt: np.ndarray, max_len: int) -> np.ndarray:

@@ -6,6 +6,7 @@ The command sits above both corpora's modules (`data` for Multi30k, `wmt14`), so
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -21,8 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data-dir",
         default=None,
-        help="download into DIR/multi30k/ instead of the user cache "
-        f"({data.multi30k_cache_dir()}); then pass --data-dir DIR or set ${data.DATA_ENV}=DIR",
+        help=f"download into DIR/multi30k/ (else ${data.DATA_ENV}/multi30k/, else the user cache, "
+        f"{data.multi30k_cache_dir()}): where train looks; then pass --data-dir DIR or set ${data.DATA_ENV}=DIR",
     )
 
 
@@ -36,7 +37,8 @@ def run(args: argparse.Namespace) -> int:
     data.check_pair(args.src, args.tgt)
     for split in args.splits:
         data.check_split(split)
-    folder = Path(args.data_dir).expanduser() / "multi30k" if args.data_dir else data.multi30k_cache_dir()
+    root = args.data_dir or os.environ.get(data.DATA_ENV)  # where `multi30k_paths` will look for them
+    folder = Path(root).expanduser() / "multi30k" if root else data.multi30k_cache_dir()
     for split in args.splits:
         for lang in (args.src, args.tgt):
             path = data.download_multi30k(split, lang, folder)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import glob
 import hashlib
 import itertools
 import json
@@ -254,11 +255,11 @@ def prepare(inputs: Inputs, out: str | os.PathLike[str], settings: Settings = Se
     inputs.check()
     settings.check()
     out = _named(out)  # the lock and temporaries go beside it
-    _check_out(out)
     digests = inputs.digests()
     if _up_to_date(out, digests, settings, tokenizers, replace):
         log(f"{out}: already prepared from these files and settings")
         return out
+    _check_out(out)  # only a folder prepare would replace must hold nothing else
     # Several machines may run this on one shared folder: one prepares, the others wait and find it done.
     with FolderLock(_lock_path(out), log) as lock:
         if _up_to_date(out, digests, settings, tokenizers, replace):
@@ -324,8 +325,20 @@ def _check_out(out: Path) -> None:
     """--out may be new, an empty directory, or an earlier `prepare` output (replaced when done)."""
     if out.exists() and not out.is_dir():
         raise AiaynError(f"--out {out} is a file; choose a new directory")
-    if out.is_dir() and any(out.iterdir()) and not (out / bindata.MANIFEST).is_file():
+    if out.is_dir() and not {p.name for p in out.iterdir()} <= _written(out):
         raise AiaynError(f"--out {out} holds files that `aiayn prepare` did not write; choose a new or empty directory")
+
+
+def _written(out: Path) -> set[str]:
+    """The names an earlier `prepare` wrote in `out`, as its manifest lists them (none without one: a
+    `manifest.json` of another tool does not make a folder ours to replace)."""
+    try:
+        m = json.loads((out / bindata.MANIFEST).read_text(encoding="utf-8"))
+        if m.get("format") == bindata.FORMAT:
+            return {bindata.MANIFEST, *m["files"], *m["tokenizer"]["files"]}
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        pass
+    return set()
 
 
 def _changed(out: Path, inputs: Inputs, digests: dict[str, Any]) -> str:
@@ -403,7 +416,7 @@ def leftovers(out: str | os.PathLike[str]) -> dict[str, bool]:
         is_lock = False
     if is_lock:
         found[lock.name] = FolderLock(lock).abandoned()
-    for p in out.parent.glob(f".{out.name}.prepare-*"):
+    for p in out.parent.glob(f".{glob.escape(out.name)}.prepare-*"):  # "data[v2]" is a name, not a pattern
         if (p / TMP_MARK).is_file():
             found[p.name] = stale(p / TMP_MARK, *parse_work_name(p.name))
     return found
@@ -416,9 +429,10 @@ def _lock_path(out: Path) -> Path:
 
 def _named(out: str | os.PathLike[str]) -> Path:
     """`out` as a path with a name (`Path(".").name` is empty) in its real folder: ".." after a link
-    is where the OS goes ("link/../x" is beside the link's target, not beside the link)."""
+    is where the OS goes ("link/../x" is beside the link's target, not beside the link). A link as
+    `out` stands for its target, which is what gets replaced (renamed aside, the link itself was lost)."""
     path = Path(out).absolute()
-    return path.resolve() if path.name == ".." else path.parent.resolve() / path.name
+    return path.resolve() if path.name == ".." or path.is_symlink() else path.parent.resolve() / path.name
 
 
 def remove_abandoned(out: str | os.PathLike[str]) -> None:

@@ -16,11 +16,11 @@ approximately 25000 source tokens and 25000 target tokens").
 from __future__ import annotations
 
 import argparse
+import glob
 import hashlib
 import http.client
 import os
 import sys
-import tempfile
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -30,6 +30,7 @@ from typing import Iterator, Sequence
 import torch
 from torch import Tensor
 
+from aiayn.data.lock import parse_work_name, stale, work_name
 from aiayn.errors import AiaynError
 from aiayn.files import default_cache_dir, file_sha256, read_lines
 from aiayn.kernels import LossPacking
@@ -168,8 +169,9 @@ def download_file(url: str, target: Path, want: str, mirror_env: str, timeout: f
     """`target`, downloaded from `url` unless already there with sha256 `want`.
 
     The file is written to a temporary name, checked, and only then renamed into place, so an
-    interrupted or corrupt download never looks like a finished one. `mirror_env` is the variable
-    that points the download elsewhere (named in the messages).
+    interrupted or corrupt download never looks like a finished one; what a killed download left
+    (WMT14's archives are ~1.7 GB) is removed by the next. `mirror_env` is the variable that points
+    the download elsewhere (named in the messages).
     """
     folder, name = target.parent, target.name
     if target.is_file() and file_sha256(target) == want:
@@ -178,8 +180,9 @@ def download_file(url: str, target: Path, want: str, mirror_env: str, timeout: f
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise AiaynError(f"cannot create {folder} ({e.strerror or e}); pass --data-dir to a writable folder") from None
-    fd, tmp_name = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".part")
-    tmp = Path(tmp_name)
+    _remove_abandoned_parts(folder, name)
+    tmp = folder / f"{work_name(f'.{name}')}.part"  # host and pid in the name: `_remove_abandoned_parts`
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     h = hashlib.sha256()
     try:
         with os.fdopen(fd, "wb") as out:
@@ -214,6 +217,14 @@ def download_file(url: str, target: Path, want: str, mirror_env: str, timeout: f
     finally:
         tmp.unlink(missing_ok=True)
     return target
+
+
+def _remove_abandoned_parts(folder: Path, name: str) -> None:
+    """Partial downloads of `name` left by a killed process (kill -9, SIGTERM): one of a dead process
+    of this host, or untouched for `lock.STALE` seconds (a live download keeps writing to its own)."""
+    for part in folder.glob(f".{glob.escape(name)}[.-]*.part"):
+        if stale(part, *parse_work_name(part.name[: -len(".part")])):
+            part.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,11 +19,10 @@ import re
 import shutil
 import sys
 import tarfile
-import tempfile
 from pathlib import Path
 from typing import Iterator
 
-from aiayn.data.lock import FolderLock
+from aiayn.data.lock import FolderLock, parse_work_name, stale, work_name
 from aiayn.data.text import DATA_ENV, download_file
 from aiayn.errors import AiaynError
 from aiayn.files import atomic_write_bytes, default_cache_dir
@@ -81,14 +80,14 @@ def download_wmt14(folder: Path, timeout: float = 120.0) -> Path:
     (`FolderLock`), so the same command on each downloads and unpacks once."""
     if _unpacked(folder):
         return folder
-    with FolderLock(folder.parent / f".{folder.name}.lock", lambda m: print(m, file=sys.stderr)):
+    with FolderLock(folder.parent / f".{folder.name}.lock", lambda m: print(m, file=sys.stderr)) as lock:
         if _unpacked(folder):  # another machine finished while this one waited
             return folder
         base = os.environ.get(URL_ENV)
         archives = folder / "archives"
         for name, (url, sha) in ARCHIVES.items():
             download_file(f"{base.rstrip('/')}/{name}" if base else url, archives / name, sha, URL_ENV, timeout)
-        counts = unpack(archives, folder)
+        counts = unpack(archives, folder, lock.marks)
         atomic_write_bytes(folder / DONE, (json.dumps(counts, indent=2, sort_keys=True) + "\n").encode())
     return folder
 
@@ -100,11 +99,19 @@ def _unpacked(folder: Path) -> bool:
     return all((folder / name).is_file() for name in [DONE, *texts])
 
 
-def unpack(archives: Path, folder: Path) -> dict[str, int]:
-    """Write train.{en,de}, newstest2013.{en,de} and newstest2014.{en-de,de-en}.* into `folder`."""
+def unpack(archives: Path, folder: Path, marks: list[Path] | None = None) -> dict[str, int]:
+    """Write train.{en,de}, newstest2013.{en,de} and newstest2014.{en-de,de-en}.* into `folder`, through
+    a temporary folder there (added to `marks`, the holder's heartbeat: it shows the work is alive);
+    the ones killed runs left (~1.5 GB each) are removed first."""
     counts = {"train_pairs": 0, "train_left_out": 0}
-    with tempfile.TemporaryDirectory(dir=folder, prefix=".unpack-") as tmp:
-        work = Path(tmp)
+    for old in folder.glob(".unpack-*"):
+        if old.is_dir() and stale(old, *parse_work_name(old.name)):
+            shutil.rmtree(old, ignore_errors=True)
+    work = folder / work_name(".unpack")
+    work.mkdir()
+    if marks is not None:
+        marks.append(work)
+    try:
         outs = {lang: open(work / f"train.{lang}", "w", encoding="utf-8") for lang in LANGS}
         try:
             for archive, member in TRAIN:
@@ -128,6 +135,8 @@ def unpack(archives: Path, folder: Path) -> dict[str, int]:
                 sgm.unlink()
         for p in sorted(work.iterdir()):
             os.replace(p, folder / p.name)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return counts
 
 
