@@ -52,6 +52,18 @@ def test_an_abandoned_lock_is_taken_over(tmp_path):
         assert not lock.exists()
 
 
+def test_a_lock_of_another_machine_is_abandoned_after_three_minutes_without_a_touch(tmp_path):
+    """A job restarted on new machines after a preemption waits minutes, not ten, for the lock its
+    killed run left (the holder touches it every 30 s)."""
+    lock = tmp_path / ".bin.lock"
+    _foreign_lock(lock, "othermachine", 1, 200.0)
+    t0 = time.monotonic()
+    with FolderLock(lock, poll=0.05):
+        assert time.monotonic() - t0 < 5
+    _foreign_lock(lock, "othermachine", 1, 100.0)
+    assert not FolderLock(lock).abandoned()
+
+
 def test_the_heartbeat_keeps_the_holder_and_its_marks_fresh(tmp_path):
     mark = tmp_path / "mark"
     mark.touch()

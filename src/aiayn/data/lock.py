@@ -29,7 +29,10 @@ from types import TracebackType
 from typing import Callable
 
 BEAT = 30.0  # seconds between the holder's touches of its files
-STALE = 600.0  # seconds without a touch after which a lock or temporary counts as abandoned
+# Seconds without a touch after which a lock or temporary counts as abandoned: 6 missed beats, and
+# 3x the 60 s for which NFS clients may cache a file's times. (It was 10 minutes: a job restarted on
+# new machines after a preemption was refused that long.)
+STALE = 180.0
 OWNER = "owner"
 
 
