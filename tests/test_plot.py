@@ -383,3 +383,54 @@ def test_plot_writes_through_a_link(tmp_path):
     link.symlink_to(target)
     assert main(["plot", "positional-encoding", "--dpi", "20", "-o", str(link)]) == 0
     assert link.is_symlink() and target.read_bytes().startswith(b"\x89PNG")
+
+
+def test_greedy_translation_stops_where_no_map_could_show_it(model, tokenizers, monkeypatch):
+    """Without --tgt, the model's own translation is decoded no further than a map can show: an
+    untrained model runs to --max-len-b (5,000 took minutes, then was refused after the fact)."""
+    monkeypatch.setattr(plot, "MAX_ATTENTION_TOKENS", 20)
+    maps = plot.attention_maps(model, tokenizers, SRC, max_len_b=300)
+    assert len(maps.tgt_in_labels) == 21  # BOS + 20 tokens, not the 300 + |SRC| asked for
+    with pytest.raises(AiaynError, match="--max-len-b"):  # too long to draw, said with the flags to change
+        plot.attention_figure(maps, ("decoder",))
+    plot.attention_figure(maps, ("encoder",))  # the source side is still drawn
+    for a, b in ((float("inf"), 50), (-1.0, 1000)):  # the search still checks the flags
+        with pytest.raises(AiaynError, match="maximum length"):
+            plot.attention_maps(model, tokenizers, SRC, max_len_a=a, max_len_b=b)
+
+
+def test_curves_title_shows_dollar_signs_as_text(tmp_path):
+    """A run directory named with "$" is text in the title, as in attention titles: "$x^$" was a
+    TeX parse error (a traceback)."""
+    run = tmp_path / "lr $x^$"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 5.0, "lr": 0.001}\n')
+    assert main(["plot", "curves", "--checkpoint", str(run), "--dpi", "20", "-o", str(tmp_path / "c.png")]) == 0
+
+
+def test_attention_title_names_a_checkpoint_given_as_dot(tmp_path, run_dir, monkeypatch):
+    """`--checkpoint .` inside a checkpoint is named by its folders, not as "/"."""
+    titles = []
+    real = plot.attention_figure
+    monkeypatch.setattr(plot, "attention_figure", lambda m, k, n, t: titles.append(t) or real(m, k, n, t))
+    monkeypatch.chdir(run_dir / "best")
+    assert main(["plot", "attention", "--checkpoint", ".", "--src", SRC, "--tgt", TGT, "--kind", "cross",
+                 "--dpi", "20", "-o", str(tmp_path / "a.png")]) == 0
+    assert titles[0].startswith(f"Attention weights of {run_dir.name}/best\n")
+
+
+@pytest.mark.parametrize("section, key, value", [("model", "d_model", "32x"), ("train", "warmup", None),
+                                                 ("train", "lr_factor", "fast"), ("train", "cooldown", "x")])
+def test_a_bad_number_in_a_checkpoint_config_is_a_one_line_error(tmp_path, model, tokenizers, capsys,
+                                                                 section, key, value):
+    """plot reads config.json as raw JSON (no weights loaded): a hand-edited value was a traceback."""
+    cfg = {"train": TrainConfig(warmup=100).to_dict(), "step": 1}
+    checkpoint.save_checkpoint(tmp_path / "best", model, tokenizers, cfg)
+    file = tmp_path / "best" / "config.json"
+    data = json.loads(file.read_text())
+    data[section][key] = value
+    file.write_text(json.dumps(data))
+    for picture in ["lr-schedule"] + (["positional-encoding"] if section == "model" else []):
+        assert main(["plot", picture, "--checkpoint", str(tmp_path), "-o", str(tmp_path / "x.png")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{section}.{key}" in err, err

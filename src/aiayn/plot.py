@@ -212,9 +212,14 @@ def attention_arrays(model: Transformer, src: torch.Tensor, tgt_in: torch.Tensor
 
 @torch.no_grad()
 def greedy_ids(model: Transformer, src: torch.Tensor, max_len_a: float = 1.0, max_len_b: int = 50) -> list[int]:
-    """The model's greedy translation of one source (1, S) (aiayn.search.greedy_search), in eval mode."""
+    """The model's greedy translation of one source (1, S) (aiayn.search.greedy_search), in eval mode,
+    at most MAX_ATTENTION_TOKENS long: a longer one cannot be drawn, and a model that never ends a
+    sentence would decode to any --max-len-b (minutes, and gigabytes of attention) only to be refused."""
     from aiayn.search import greedy_search
 
+    limit = max_len_a * src.size(1) + max_len_b
+    if max_len_a >= 0 and max_len_b >= 0 and MAX_ATTENTION_TOKENS < limit < math.inf:  # else the search refuses them
+        max_len_a, max_len_b = 0.0, MAX_ATTENTION_TOKENS
     was_training = model.training
     model.eval()
     try:
@@ -301,7 +306,8 @@ def attention_figure(maps: AttentionMaps, kinds: Sequence[str] = ATTENTION_KINDS
         L, H, Tq, Tk = drawn[kind].shape
         if max(Tq, Tk) > MAX_ATTENTION_TOKENS:
             raise AiaynError(f"the {kind} attention map would be {Tq} x {Tk} tokens; it is readable up to "
-                             f"{MAX_ATTENTION_TOKENS} a side: use a shorter --src (or --tgt)")
+                             f"{MAX_ATTENTION_TOKENS} a side: use a shorter --src or --tgt (without --tgt, the "
+                             "model's own translation: lower --max-len-a/--max-len-b)")
         cell = 0.19  # inches per token: room for a 7-point label
         pw, ph = max(1.3, cell * Tk), max(1.3, cell * Tq)
         margin_x = 0.07 * max(map(len, yl)) + 1.3  # y tick labels, layer labels, colorbar
@@ -455,8 +461,8 @@ def curves_figure(records: list[dict[str, Any]], title: str | None = None) -> tu
             ax.legend(fontsize=9)
         else:
             ax.text(0.5, 0.5, "no records", transform=ax.transAxes, ha="center", va="center", color="gray")
-    if title:
-        fig.suptitle(title, fontsize=12)
+    if title:  # a "$" of a run's name is a dollar sign, not TeX
+        fig.suptitle(title, fontsize=12, parse_math=False)
     return fig, {k: np.stack([s.astype(np.float64), v]) for k, (s, v) in series.items()}
 
 
@@ -531,11 +537,17 @@ def _checkpoint_config(path: str) -> dict[str, Any]:
     return read_config(resolve_checkpoint(path))
 
 
-def _config_value(cfg: dict[str, Any], section: str, key: str, path: str) -> Any:
-    try:
-        return cfg[section][key]
-    except (KeyError, TypeError):
-        raise AiaynError(f"--checkpoint {path}: config.json has no {section}.{key}") from None
+def _config_value(cfg: dict[str, Any], section: str, key: str, path: str, default: float | None = None) -> float:
+    """A number of config.json, or `default` where it has none (older runs); plot reads the raw
+    JSON, so a hand-edited value ("32x") is refused here, not met as a traceback."""
+    value = (cfg.get(section) or {}).get(key)  # read_config: each section is an object or absent
+    if value is None and default is None:
+        raise AiaynError(f"--checkpoint {path}: config.json has no {section}.{key}")
+    value = default if value is None else value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise AiaynError(f"--checkpoint {path}: config.json's {section}.{key} is {value!r}, not a number; "
+                         "use another checkpoint")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -598,7 +610,8 @@ def run(args: argparse.Namespace) -> int:
         maps = attention_maps(ckpt.model, ckpt.tokenizers, args.src, args.tgt, args.max_len_a, args.max_len_b)
         kinds = ATTENTION_KINDS if args.kind == "all" else (args.kind,)
         source = "the model's greedy translation" if args.tgt is None else "the given target"
-        name = f"{ckpt.path.parent.name}/{ckpt.path.name}"
+        path = ckpt.path.resolve()  # `--checkpoint .` has no name of its own
+        name = f"{path.parent.name}/{path.name}"
         title = f"Attention weights of {name}\n\u201c{args.src}\u201d \u2192 \u201c{maps.tgt_text}\u201d ({source})"
         fig, _ = attention_figure(maps, kinds, args.layers, title)
     elif args.picture == "curves":
@@ -611,8 +624,8 @@ def run(args: argparse.Namespace) -> int:
             d_models = [int(_config_value(cfg, "model", "d_model", args.checkpoint))]
             warmups = [int(_config_value(cfg, "train", "warmup", args.checkpoint))]
             factor = float(_config_value(cfg, "train", "lr_factor", args.checkpoint))
-            train = cfg.get("train") or {}
-            ramp = (int(train.get("cooldown") or 0), int(train.get("max_steps") or 0))  # older runs: none
+            ramp = (int(_config_value(cfg, "train", "cooldown", args.checkpoint, 0)),  # older runs: none
+                    int(_config_value(cfg, "train", "max_steps", args.checkpoint, 0)))
         fig, _ = lr_schedule_figure(d_models, warmups, args.steps, factor, *ramp)
     out = save_figure(fig, args.output, args.dpi)
     print(out)
