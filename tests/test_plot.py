@@ -167,7 +167,8 @@ def test_attention_default_is_the_models_greedy_translation(model, tokenizers):
     src = torch.tensor([tokenizers.src.encode(SRC) + [EOS_ID]])
     ids = greedy_search(model, src, BOS_ID, EOS_ID)[0]
     assert maps.tgt_text == tokenizers.tgt.decode(ids)
-    assert maps.tgt_out_labels == [tokenizers.tgt.id_to_piece(i) for i in ids] + ["</s>"]
+    ended = len(ids) < src.size(1) + 50  # (this untrained model runs to the length limit: no EOS predicted)
+    assert maps.tgt_out_labels == [tokenizers.tgt.id_to_piece(i) for i in ids] + ["</s>"] * ended
     np.testing.assert_allclose(maps.decoder_self.sum(-1), 1.0, atol=1e-5)
 
 
@@ -390,13 +391,29 @@ def test_greedy_translation_stops_where_no_map_could_show_it(model, tokenizers, 
     untrained model runs to --max-len-b (5,000 took minutes, then was refused after the fact)."""
     monkeypatch.setattr(plot, "MAX_ATTENTION_TOKENS", 20)
     maps = plot.attention_maps(model, tokenizers, SRC, max_len_b=300)
-    assert len(maps.tgt_in_labels) == 21  # BOS + 20 tokens, not the 300 + |SRC| asked for
-    with pytest.raises(AiaynError, match="--max-len-b"):  # too long to draw, said with the flags to change
-        plot.attention_figure(maps, ("decoder",))
-    plot.attention_figure(maps, ("encoder",))  # the source side is still drawn
+    assert len(maps.tgt_in_labels) == 20  # BOS + 19 tokens, not the 300 + |SRC| asked for (the 20th
+    plot.attention_figure(maps, ("decoder",))  # predicted at the last row: cut, no row predicts EOS)
     for a, b in ((float("inf"), 50), (-1.0, 1000)):  # the search still checks the flags
         with pytest.raises(AiaynError, match="maximum length"):
             plot.attention_maps(model, tokenizers, SRC, max_len_a=a, max_len_b=b)
+
+
+def test_a_translation_cut_at_the_length_limit_has_no_row_predicting_eos(model, tokenizers):
+    """Cut at --max-len-b, the model's own translation never predicted </s>: each row is labelled by
+    the token it did predict, the last one included, and the rows are those of the full pass."""
+    maps = plot.attention_maps(model, tokenizers, SRC, max_len_a=0.0, max_len_b=5)  # (it runs on: untrained)
+    ids, ended = plot.greedy_ids(model, torch.tensor([maps_src(tokenizers, model)]), 0.0, 5)
+    assert not ended and len(ids) == 5
+    assert maps.tgt_out_labels == [tokenizers.tgt.id_to_piece(i) for i in ids] and "</s>" not in maps.tgt_out_labels
+    assert maps.decoder_self.shape[-2:] == (5, 5) and maps.cross.shape[-2] == 5
+    full = plot.attention_maps(model, tokenizers, SRC, tokenizers.tgt.decode(ids))  # the same tokens as --tgt
+    if tokenizers.tgt.encode(full.tgt_text) == ids:  # (decoding and encoding again may re-segment)
+        assert np.array_equal(full.cross[:, :, :5], maps.cross) and full.tgt_out_labels[-1] == "</s>"
+
+
+def maps_src(tokenizers, model) -> list[int]:  # type: ignore[no-untyped-def]
+    ids = tokenizers.src.encode(SRC)
+    return ids + [3] if model.cfg.source_eos else ids
 
 
 def test_curves_title_shows_dollar_signs_as_text(tmp_path):

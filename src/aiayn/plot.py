@@ -211,10 +211,12 @@ def attention_arrays(model: Transformer, src: torch.Tensor, tgt_in: torch.Tensor
 
 
 @torch.no_grad()
-def greedy_ids(model: Transformer, src: torch.Tensor, max_len_a: float = 1.0, max_len_b: int = 50) -> list[int]:
+def greedy_ids(model: Transformer, src: torch.Tensor, max_len_a: float = 1.0,
+               max_len_b: int = 50) -> tuple[list[int], bool]:
     """The model's greedy translation of one source (1, S) (aiayn.search.greedy_search), in eval mode,
     at most MAX_ATTENTION_TOKENS long: a longer one cannot be drawn, and a model that never ends a
-    sentence would decode to any --max-len-b (minutes, and gigabytes of attention) only to be refused."""
+    sentence would decode to any --max-len-b (minutes, and gigabytes of attention) only to be refused.
+    Also whether it ended by itself (EOS chosen) rather than at the length limit."""
     from aiayn.search import greedy_search
 
     limit = max_len_a * src.size(1) + max_len_b
@@ -223,7 +225,8 @@ def greedy_ids(model: Transformer, src: torch.Tensor, max_len_a: float = 1.0, ma
     was_training = model.training
     model.eval()
     try:
-        return greedy_search(model, src, BOS_ID, EOS_ID, max_len_a=max_len_a, max_len_b=max_len_b)[0]
+        ids = greedy_search(model, src, BOS_ID, EOS_ID, max_len_a=max_len_a, max_len_b=max_len_b)[0]
+        return ids, len(ids) < max(1, math.floor(max_len_a * src.size(1) + max_len_b))  # (as search's limit)
     finally:
         model.train(was_training)
 
@@ -239,14 +242,17 @@ def attention_maps(model: Transformer, tokenizers: Any, src_text: str, tgt_text:
     if src_ids and model.cfg.source_eos:
         src_ids = src_ids + [EOS_ID]
     _check_readable("source", len(src_ids), "--src")
+    ended = True
     if tgt_text is None:
         src, _, _, _, _ = attention_inputs(tokenizers, src_ids, [])
-        tgt_ids = greedy_ids(model, src, max_len_a, max_len_b)
+        tgt_ids, ended = greedy_ids(model, src, max_len_a, max_len_b)
         tgt_text = tokenizers.tgt.decode(tgt_ids)
     else:
         tgt_ids = tokenizers.tgt.encode(tgt_text)
         _check_readable("target", len(tgt_ids) + 1, "--tgt")
     src, tgt_in, src_labels, tgt_in_labels, tgt_out_labels = attention_inputs(tokenizers, src_ids, tgt_ids)
+    if not ended:  # cut at the length limit: no position predicted EOS, so the last row is not drawn
+        tgt_in, tgt_in_labels, tgt_out_labels = tgt_in[:, :-1], tgt_in_labels[:-1], tgt_out_labels[:-1]
     arrays = attention_arrays(model, src, tgt_in)
     return AttentionMaps(arrays["encoder"], arrays["decoder_self"], arrays["cross"], src_labels, tgt_in_labels,
                          tgt_out_labels, src_text, tgt_text)
