@@ -565,6 +565,35 @@ def test_client_disconnect_drops_its_unstarted_lines(ckpt):
         assert httpx.post(f"{base}/v1/translate", json={"text": ["rot"]}, timeout=30).status_code == 200
 
 
+def test_a_client_gone_while_its_lines_are_tokenized_gets_none_of_them_searched(ckpt):
+    """docs/serving.md: a client that disconnects before its batch starts has its lines dropped,
+    never searched; one that went while its 1,024 lines were tokenized got a whole batch searched."""
+    app = make_app(ckpt)
+    srv = app.state.server
+    gate, tokenize = threading.Event(), srv.source_ids
+
+    def slow(*args):
+        gate.wait(60)
+        return tokenize(*args)
+
+    srv.source_ids = slow
+    with served(app) as (base, port):
+        body = json.dumps({"text": ["ein Mann", "rot blau"]}).encode()
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(b"POST /v1/translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            _held_by(srv, "ip:127.0.0.1", 2)  # its lines are being tokenized
+        time.sleep(0.5)  # the server sees the connection closed
+        gate.set()
+        end = time.monotonic() + 30
+        while srv.scheduler.stats.dropped < 2:
+            assert time.monotonic() < end, f"searched {srv.scheduler.stats.lines} lines of a client gone"
+            time.sleep(0.01)
+        assert srv.scheduler.stats.lines == 0 and srv.scheduler.waiting == 0
+        assert "aiayn_dropped_lines_total 2.0" in httpx.get(f"{base}/metrics").text
+        assert httpx.post(f"{base}/v1/translate", json={"text": ["rot"]}, timeout=30).status_code == 200
+
+
 @contextlib.contextmanager
 def model_held(srv):
     """Holds the model thread at its next batch until the block ends (the scheduler's lines stay in)."""
@@ -909,3 +938,17 @@ def test_a_gpu_batch_is_not_cut_into_one_part_per_cpu_thread():
         assert _split_tokens(on("meta"), lines) == 4096  # any device that is not the CPU
     finally:
         torch.set_num_threads(threads)
+
+
+def test_head_is_answered_as_get_without_a_body_on_every_get_route(client):
+    """Uptime monitors and link checkers ask with HEAD (RFC 9110: every GET resource answers it);
+    FastAPI's GET routes, unlike Starlette's, answered it 405."""
+    routes = [r.path for r in client.app.routes if "GET" in (getattr(r, "methods", None) or ())]
+    assert {"/languages", "/frontend/settings", "/spec", "/v1/info", "/metrics", "/health", "/"} <= set(routes)
+    for path in [*routes, "/static/app.js"]:
+        get, head = client.get(path), client.head(path)
+        assert head.status_code == get.status_code == 200, path
+        assert head.content == b"" and head.headers["content-type"] == get.headers["content-type"], path
+    assert client.head("/languages").headers["content-length"] == client.get("/languages").headers["content-length"]
+    r = client.head("/v1/translate")  # a POST route: still 405, naming the method it takes
+    assert r.status_code == 405 and r.headers["allow"] == "POST"

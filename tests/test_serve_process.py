@@ -20,7 +20,7 @@ import pytest
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
-from serve_model import sentence, tiny_checkpoint  # noqa: E402
+from serve_model import DE_EN, sentence, tiny_checkpoint  # noqa: E402
 
 from aiayn.memory import ONEDNN_CACHES  # noqa: E402
 from aiayn.translate import Translator  # noqa: E402
@@ -399,4 +399,34 @@ def test_a_connection_with_an_unread_body_is_closed_after_its_answer(served):
             assert conn.getresponse().read() == b'{"status":"ok"}'
             time.sleep(0.6)
         assert conn.sock is not None
+    assert s.proc.poll() is None
+
+
+def test_an_answer_left_unread_loses_its_connection_after_head_timeout(served):
+    """A client that asks for megabytes (attention) and never reads them held its connection, and
+    the answer's memory, for ever (the transport's close waits to send it all): --max-connections of
+    them locked everyone out. Now a stalled answer is aborted after --head-timeout; one that is read
+    comes whole."""
+    s = served("--head-timeout", "1", "--max-connections", "2", "--max-work", "100000000").wait_ready()
+    rng = random.Random(0)
+    lines = [" ".join(rng.choice(list(DE_EN)) for _ in range(16)) for _ in range(40)]
+    body = json.dumps({"text": lines, "attention": True, "nbest": 4}).encode()
+    read = httpx.post(f"{s.url}/v1/translate", content=body, headers={"Content-Type": "application/json"}, timeout=120)
+    assert read.status_code == 200 and len(read.content) > 4_000_000 and len(read.json()["translations"]) == 40
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window, then nothing read
+        sock.connect(("127.0.0.1", s.port))
+        sock.sendall(b"POST /v1/translate HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        sock.settimeout(120)
+        assert sock.recv(12) == b"HTTP/1.1 200"
+        end = time.monotonic() + 20
+        while httpx.get(f"{s.url}/health").status_code != 200:  # 503: the unread answer held one of 2
+            assert time.monotonic() < end, "a client that reads nothing still holds its connection"
+            time.sleep(0.2)
+        got = 0
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(1 << 20):
+                got += len(chunk)
+        assert got < len(read.content)  # aborted, not sent whole
     assert s.proc.poll() is None

@@ -92,9 +92,9 @@ class Metrics:
 
 
 class _Middleware:
-    """Counts every request (status, latency), refuses bodies over the size limit and reads a POST
-    body whole within `body_timeout` seconds (ASGI): a client that stalls mid-body gets a 408 and
-    its connection closed, instead of holding a handler (and a graceful shutdown) for ever."""
+    """Counts every request (status, latency), answers HEAD as GET, refuses bodies over the size limit
+    and reads a POST body whole within `body_timeout` seconds (ASGI): a client that stalls mid-body
+    gets a 408 and its connection closed, instead of holding a handler (and a graceful shutdown) for ever."""
 
     def __init__(self, app: Any, metrics: Metrics, max_body: int, body_timeout: float) -> None:
         self.app, self.metrics, self.max_body, self.body_timeout = app, metrics, max_body, body_timeout
@@ -102,6 +102,8 @@ class _Middleware:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if scope["method"] == "HEAD":  # as GET (FastAPI's GET routes answer HEAD 405); the server sends no body
+            scope = {**scope, "method": "GET"}
         path = scope["path"] if scope["path"] in PATHS else "other"  # bounded label values
         status = [0]  # 0 until the response starts
 
@@ -307,18 +309,21 @@ class Server:
 
     async def _translate(self, request: Request, lines: list[str], key: Key) -> tuple[list[list[int]], list[Any]]:
         translator = self.model(key.pair).translator
-        ids = await asyncio.to_thread(self.source_ids, lines, translator)  # a long request's tokenization: not on the loop
-        self.check_work(ids, key, translator)
+        gone = asyncio.ensure_future(_disconnected(request))  # watched from the start, tokenization included
         try:
-            job = self.scheduler.submit(key, lines, [len(x) for x in ids])
-        except QueueFull as e:
-            raise Busy(f"the server is busy ({e}); retry shortly") from None
-        gone = asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait({job.future, gone}, return_when=asyncio.FIRST_COMPLETED)
+            ids = await asyncio.to_thread(self.source_ids, lines, translator)  # a long request's: not on the loop
+            self.check_work(ids, key, translator)
+            try:
+                job = self.scheduler.submit(key, lines, [len(x) for x in ids])
+            except QueueFull as e:
+                raise Busy(f"the server is busy ({e}); retry shortly") from None
+            try:
+                if not gone.done():  # gone already: dropped now (`wait` would first let a batch take them)
+                    await asyncio.wait({job.future, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                self.scheduler.cancel(job)  # a no-op once answered; drops unstarted lines otherwise
         finally:
             gone.cancel()
-            self.scheduler.cancel(job)  # a no-op once answered; drops unstarted lines otherwise
         if job.future.cancelled():
             raise ApiError(499, "the client closed the request")
         if job.future.exception() is not None:
@@ -407,8 +412,7 @@ def _info_routes(app: FastAPI, srv: Server) -> None:
                         **{k.lower(): os.environ.get(k) for k in memory.ONEDNN_CACHES}}}
     page = resources.files("aiayn.serve") / "static"
 
-    @app.get("/health")
-    @app.head("/health", include_in_schema=False)  # uptime monitors (one operation in /spec)
+    @app.get("/health")  # HEAD too, as every GET route (`_Middleware`): uptime monitors ask with it
     async def health() -> JSONResponse:
         """200 once the model is loaded and warmed up; 503 before (or if warm-up failed)."""
         if srv.ready:
@@ -427,7 +431,6 @@ def _info_routes(app: FastAPI, srv: Server) -> None:
         return Response(generate_latest(srv.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
-    @app.head("/", response_class=HTMLResponse, include_in_schema=False)  # uptime monitors
     async def index() -> HTMLResponse:
         return HTMLResponse((page / "index.html").read_text(encoding="utf-8"))
 

@@ -62,7 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="open connections and requests in flight (more: 503)")
     g.add_argument("--head-timeout", type=float, default=d.head_timeout_s,
                    help="seconds a client has to send a request's line and headers, from the connection's start or "
-                        "the first byte of its next request (more: 408, the connection is closed)")
+                        "the first byte of its next request (more: 408, the connection is closed); also the longest "
+                        "an answer may stall unread (then its connection is closed)")
     g.add_argument("--body-timeout", type=float, default=d.body_timeout_s,
                    help="seconds a client has to send a request body (more: 408, the connection is closed)")
     g.add_argument("--shutdown-timeout", type=int, default=d.shutdown_timeout_s,

@@ -15,8 +15,14 @@ once with 411/413), counted from the answer: h11 waits for its end to discard it
 it cancels uvicorn's keep-alive timer, so a client trickling it would hold the connection for ever;
 once it ends, the connection idles on this timer, not uvicorn's (which that byte cancelled).
 
+And it bounds an answer the client does not read: once the transport holds more of it than its
+high-water mark (the socket's buffers are full), the client must take enough to bring it under the
+low-water mark within the deadline, else the connection is aborted. Without that, a client that
+asks for a large answer and never reads it holds its connection, and the answer's memory, for ever
+(`close` waits to send what the transport holds), and --max-connections of them lock everyone out.
+
 The seam is the protocol class itself (`uvicorn.Config(http=...)`): only it sees bytes arrive
-before h11 has a whole request for the app.
+before h11 has a whole request for the app, and the transport's word that its writes are paused.
 """
 
 from __future__ import annotations
@@ -30,11 +36,12 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
 class HeadTimedH11(H11Protocol):
-    """`H11Protocol` whose request heads must arrive within `head_timeout` seconds (a subclass per
-    value: `with_head_timeout`)."""
+    """`H11Protocol` whose request heads must arrive within `head_timeout` seconds, and whose
+    answers must not stall unread longer (a subclass per value: `with_head_timeout`)."""
 
     head_timeout: float = 10.0
     _head_timer: asyncio.TimerHandle | None = None
+    _write_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(cast(asyncio.Transport, transport))  # a stream transport: uvicorn's own type
@@ -56,7 +63,26 @@ class HeadTimedH11(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._write_resumed()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()  # the client takes the answer slower than it is written, or not at all
+        self._write_resumed()
+        self._write_timer = self.loop.call_later(self.head_timeout, self._write_timed_out)
+
+    def resume_writing(self) -> None:
+        self._write_resumed()
+        super().resume_writing()
+
+    def _write_resumed(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _write_timed_out(self) -> None:
+        self._write_timer = None
+        self.transport.abort()  # not close(): that waits to send what the buffer holds, for ever
 
     def _waiting(self) -> bool:
         """Whether the connection waits on the client alone: for a request head, or for the rest of a
