@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -222,6 +223,35 @@ def test_translate_tgt_lang_leads_each_line_with_the_token(tmp_path, sentences, 
     err = _one_line_error(["translate", "--checkpoint", str(tmp_path / "bilingual"), "--tgt-lang", "de",
                            "--input", str(tmp_path / "in.de")], capsys)
     assert "--tgt-lang de: this model translates into one language" in err, err
+
+
+def test_serve_offers_each_target_of_a_multilingual_model(tmp_path, sentences):
+    """`aiayn serve` on a multilingual model serves one pair per >>xx<< token (one model in memory):
+    LibreTranslate's target picks the token, as if the line started with it."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from aiayn.serve.app import create_app
+    from aiayn.serve.cli import load_models
+    from aiayn.serve.scheduler import Limits
+
+    d = mm.multilingual(mm.FIXTURE, tmp_path / "mul", [">>fr<<", ">>de<<"])
+    out = tmp_path / "imported"
+    assert main(["import", "--from", "marian", str(d), "--out", str(out)]) == 0
+    models = load_models([str(out)], "fp32")
+    assert [m.pair for m in models] == [("de", "de"), ("de", "fr")] and len({id(m.translator) for m in models}) == 1
+    tr = Translator.from_checkpoint(out)
+    s = next(s for s in sentences if s.endswith(".") and len(set(tr.translate([f">>de<< {s}", f">>fr<< {s}"], beam=1))) == 2)
+    with TestClient(create_app(models, Limits(beam=1))) as c:
+        end = time.monotonic() + 60
+        while c.get("/health").status_code != 200:  # warming up (the one model, once)
+            assert time.monotonic() < end, "the server never became ready"
+            time.sleep(0.02)
+        assert c.get("/languages").json()[0]["targets"] == ["de", "fr"]
+        for lang in ("de", "fr"):
+            got = c.post("/translate", json={"q": s, "source": "de", "target": lang}).json()
+            assert got["translatedText"] == tr.translate([f">>{lang}<< {s}"], beam=1)[0], lang
+        assert c.post("/translate", json={"q": s, "source": "de", "target": "es"}).status_code == 400
 
 
 def _one_line_error(argv: list[str], capsys) -> str:  # type: ignore[no-untyped-def]

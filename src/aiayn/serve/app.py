@@ -48,6 +48,7 @@ from aiayn.serve.errors import ApiError, Busy
 from aiayn.serve.libre import LANGUAGE_NAMES
 from aiayn.serve.scheduler import Limits, QueueFull, Scheduler
 from aiayn.serve.unicode import replaced
+from aiayn.translate import with_target_token
 
 __all__ = ["ApiError", "Busy", "LANGUAGE_NAMES", "Model", "create_app"]
 PATHS = ("/", "/translate", "/detect", "/languages", "/frontend/settings", "/spec", "/suggest", "/translate_file",
@@ -57,12 +58,15 @@ log = logging.getLogger("aiayn.serve")
 
 @dataclass(frozen=True)
 class Model:
-    """One served model: its translator (`aiayn.translate.Translator`), language pair and checkpoint."""
+    """One served model: its translator (`aiayn.translate.Translator`), language pair and checkpoint;
+    for one target of a multilingual model, the token ">>xx<<" that leads each line (one `Model` per
+    target, sharing the translator)."""
 
     translator: Any
     source: str
     target: str
     checkpoint: str = ""
+    token: str = ""
 
     @property
     def pair(self) -> tuple[str, str]:
@@ -264,8 +268,8 @@ class Server:
 
     async def warm_up(self) -> None:
         try:
-            for m in self.pairs.values():
-                await self.scheduler.call(warm_up, m.translator, self.limits.beam)
+            for translator in {id(m.translator): m.translator for m in self.pairs.values()}.values():
+                await self.scheduler.call(warm_up, translator, self.limits.beam)  # (a multilingual one once)
             self.ready = True
         except Exception as e:  # reported by /health; the process stays up to say so
             log.exception("warm-up failed")
@@ -308,7 +312,10 @@ class Server:
             return await self._translate(request, lines, key)
 
     async def _translate(self, request: Request, lines: list[str], key: Key) -> tuple[list[list[int]], list[Any]]:
-        translator = self.model(key.pair).translator
+        model = self.model(key.pair)
+        translator = model.translator
+        if model.token:  # a multilingual model's target: its token leads each line without one
+            lines = with_target_token(lines, model.token, translator.tokenizers.src)
         gone = asyncio.ensure_future(_disconnected(request))  # watched from the start, tokenization included
         try:
             ids = await asyncio.to_thread(self.source_ids, lines, translator)  # a long request's: not on the loop

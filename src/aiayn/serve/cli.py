@@ -156,17 +156,20 @@ def read_api_keys(path: str | None) -> frozenset[str] | None:
 
 def load_models(checkpoints: list[str], precision: str, stop_rule: str | None = None,
                 device: str = "cpu") -> list[Any]:
-    """One `aiayn.serve.app.Model` per --checkpoint; two for one language pair are an error."""
+    """One `aiayn.serve.app.Model` per --checkpoint, and per target language of a multilingual one
+    (its >>xx<< tokens: target xx); two for one language pair are an error."""
     from aiayn.serve.app import Model
 
     models: list[Model] = []
     for path in checkpoints:
         translator, (src, tgt), where = load(path, precision, stop_rule, device)
-        same = [m.checkpoint for m in models if m.pair == (src, tgt)]
-        if same:
-            raise AiaynError(f"--checkpoint {path} translates {src} to {tgt}, as --checkpoint {same[0]} does; "
-                             "serve one model per language pair")
-        models.append(Model(translator, src, tgt, where))
+        codes = sorted(translator.tokenizers.src.language_codes)
+        for target, token in [(c[2:-2], c) for c in codes] or [(tgt, "")]:
+            same = [m.checkpoint for m in models if m.pair == (src, target)]
+            if same:
+                raise AiaynError(f"--checkpoint {path} translates {src} to {target}, as --checkpoint {same[0]} does; "
+                                 "serve one model per language pair")
+            models.append(Model(translator, src, target, where, token))
     return models
 
 
