@@ -218,6 +218,10 @@ def test_translate_tgt_lang_leads_each_line_with_the_token(tmp_path, sentences, 
     capsys.readouterr()  # (transformers' progress bars)
     err = _one_line_error([*argv, "--tgt-lang", "es"], capsys)
     assert err.endswith("--tgt-lang es: the model has no >>es<< token; it has 2: >>de<< >>fr<<"), err
+    (tmp_path / "ref.en").write_text("".join(s + "\n" for s in want[:1] + ["", *want[1:]]), encoding="utf-8")
+    assert main(["evaluate", "--checkpoint", str(out), "--beam", "1", "--src-file", str(tmp_path / "in.de"),
+                 "--ref-file", str(tmp_path / "ref.en"), "--tgt-lang", "de", "--save-hyps", str(tmp_path / "h.en")]) == 0
+    assert (tmp_path / "h.en").read_text(encoding="utf-8") == (tmp_path / "out.en").read_text(encoding="utf-8")
     assert main(["import", "--from", "marian", str(mm.FIXTURE), "--out", str(tmp_path / "bilingual")]) == 0
     capsys.readouterr()
     err = _one_line_error(["translate", "--checkpoint", str(tmp_path / "bilingual"), "--tgt-lang", "de",

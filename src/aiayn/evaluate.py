@@ -77,9 +77,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="references, one a line, aligned with the source or hypotheses; several files: several "
                         "references per line")
     p.add_argument("--save-hyps", help="also write the translations to this file")
-    from aiayn.translate import add_engine_argument, add_search_arguments
+    from aiayn.translate import add_engine_argument, add_search_arguments, add_target_language_argument
 
     add_search_arguments(p)
+    add_target_language_argument(p)
     add_engine_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
@@ -173,13 +174,17 @@ def run(args: argparse.Namespace) -> int:
     if mode == "hyp":
         hyps, info["hypotheses"] = lines, first
     else:
-        from aiayn.translate import Settings, load_translator
+        from aiayn.translate import Settings, load_translator, target_token, with_target_token
 
         settings = Settings(beam=args.beam, alpha=args.alpha, max_tokens=args.max_tokens, batch_size=args.batch_size,
                             max_len_a=args.max_len_a, max_len_b=args.max_len_b, min_len=args.min_len,
                             workers=args.workers, stop_rule=args.stop_rule)
         settings.check()
         translator = load_translator(args, device)
+        src_tok = translator.tokenizers.src
+        lang = args.tgt_lang or (args.data and f">>{args.tgt}<<" in src_tok.language_codes and args.tgt)
+        if lang:  # a multilingual model: --tgt-lang, else --data's --tgt where the model has its token
+            lines = with_target_token(lines, target_token(src_tok, lang), src_tok)
         hyps = translator.translate(lines, **vars(settings))
         info.update(source=first, checkpoint=args.checkpoint, beam=args.beam, alpha=args.alpha,
                     precision=args.precision)
