@@ -201,7 +201,7 @@ def test_a_multilingual_model_reads_its_target_language_token(tmp_path, sentence
     assert plain.language_code(">>fr<< Ein Hund.") == ("", ">>fr<< Ein Hund.")  # no codes: ">>" is text
 
 
-def test_translate_tgt_lang_leads_each_line_with_the_token(tmp_path, sentences, capsys):
+def test_translate_tgt_lang_leads_each_line_with_the_token(tmp_path, sentences, capsys, monkeypatch):
     """`aiayn translate --tgt-lang de` on a multilingual model: each line as if it started with
     >>de<< (a line with a token of its own keeps it, a blank one stays blank); a language the model
     lacks, or a model of one target language, is a one-line error naming the flag."""
@@ -222,6 +222,12 @@ def test_translate_tgt_lang_leads_each_line_with_the_token(tmp_path, sentences, 
     assert main(["evaluate", "--checkpoint", str(out), "--beam", "1", "--src-file", str(tmp_path / "in.de"),
                  "--ref-file", str(tmp_path / "ref.en"), "--tgt-lang", "de", "--save-hyps", str(tmp_path / "h.en")]) == 0
     assert (tmp_path / "h.en").read_text(encoding="utf-8") == (tmp_path / "out.en").read_text(encoding="utf-8")
+    seen: list[str] = []  # --data multi30k --tgt fr: the model's >>fr<< leads each line
+    monkeypatch.setattr(Translator, "translate", lambda self, lines, **k: seen.extend(lines) or [""] * len(lines))
+    assert main(["evaluate", "--checkpoint", str(out), "--data", "multi30k", "--src", "de", "--tgt", "fr",
+                 "--split", "val", "--json"]) == 0
+    assert seen and all(line.startswith(">>fr<< ") for line in seen)
+    monkeypatch.undo()
     assert main(["import", "--from", "marian", str(mm.FIXTURE), "--out", str(tmp_path / "bilingual")]) == 0
     capsys.readouterr()
     err = _one_line_error(["translate", "--checkpoint", str(tmp_path / "bilingual"), "--tgt-lang", "de",
