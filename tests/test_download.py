@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 import gzip
 import hashlib
 import http.server
@@ -204,11 +205,20 @@ def test_cli_download_goes_where_train_looks_under_aiayn_data(served: _Server, t
     assert cli.main(["download", "--src", "de", "--tgt", "en", "--splits", "val"]) == 0
     assert capsys.readouterr().out.strip() == str(root / "multi30k")
     assert multi30k_paths("val", "de", "en") == (root / "multi30k" / "val.de.gz", root / "multi30k" / "val.en.gz")
+    flat = tmp_path / "flat"  # a root that is the Multi30k folder itself: its files stay in sight
+    flat.mkdir()
+    for lang in ("de", "en"):
+        (flat / f"train.{lang}.gz").write_bytes((root / "multi30k" / f"val.{lang}.gz").read_bytes())
+    monkeypatch.setenv("AIAYN_DATA", str(flat))
+    assert cli.main(["download", "--src", "de", "--tgt", "en", "--splits", "val"]) == 0
+    assert capsys.readouterr().out.strip() == str(flat) and not (flat / "multi30k").exists()
+    assert multi30k_paths("train", "de", "en")[0] == flat / "train.de.gz"
 
 
 def test_what_a_killed_download_left_is_removed_by_the_next(served: _Server, tmp_path: Path) -> None:
     """kill -9 or SIGTERM leaves the partial file (WMT14's archives: up to ~1 GB each, every try):
-    the next download removes those of dead processes and old ones, not a live process's."""
+    the next download removes those of dead processes and old ones, not a live process's, nor one
+    written to within a minute (another container may share the host name, its pids unseen here)."""
     folder = tmp_path / "cache" / "aiayn" / "multi30k"
     folder.mkdir(parents=True)
     from aiayn.data.lock import _host
@@ -217,9 +227,13 @@ def test_what_a_killed_download_left_is_removed_by_the_next(served: _Server, tmp
     old = folder / ".val.de.gz.k2j_x9a1.part"  # mkstemp's name, untouched for ages
     live = folder / f".val.de.gz-{_host()}-{os.getppid()}-0000abcd.part"  # a live process's
     other = folder / f".val.en.gz-{_host()}-999999999-0000abcd.part"  # another file's: its own download's
-    for p in (dead, old, live, other):
+    fresh = folder / f".val.de.gz-{_host()}-999999998-0000abcd.part"  # a dead pid's, written to just now
+    for p in (dead, old, live, other, fresh):
         p.write_bytes(b"x" * 100)
     os.utime(old, (0, 0))
+    minutes_ago = time.time() - 120
+    for p in (dead, other):
+        os.utime(p, (minutes_ago, minutes_ago))
     multi30k_paths("val", "de", "en")
     left = sorted(p.name for p in folder.iterdir())
-    assert left == sorted([live.name, "val.de.gz", "val.en.gz"]), left
+    assert left == sorted([live.name, fresh.name, "val.de.gz", "val.en.gz"]), left

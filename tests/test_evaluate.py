@@ -68,7 +68,9 @@ def test_several_reference_files_are_several_references_per_line(tmp_path, capsy
     got = json.loads(capsys.readouterr().out)
     assert got["bleu"] == round(sacrebleu.corpus_bleu(HYPS, [REFS, other]).score, 2) != corpus_scores(HYPS, REFS)["bleu"]
     assert got["chrf"] == round(sacrebleu.corpus_chrf(HYPS, [REFS, other]).score, 2)
-    assert "nrefs:2" in got["bleu_signature"] and got["references"] == [ref, ref2]
+    assert "nrefs:2" in got["bleu_signature"] and got["reference_files"] == [ref, ref2] and got["references"] == ref
+    assert cli.main(["evaluate", "--hyp-file", hyp, "--ref-file", ref, "--ref-file", ref2, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["bleu"] == got["bleu"]  # the flag again: one more file, not another
     short = write(tmp_path / "short.txt", other[:2])
     assert cli.main(["evaluate", "--hyp-file", hyp, "--ref-file", ref, short]) == 2
     assert f"but {short} has 2 references" in capsys.readouterr().err

@@ -55,6 +55,12 @@ def dirs(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+@pytest.fixture(scope="module")
+def multilingual(tmp_path_factory) -> Path:
+    """The kept fixture as a multilingual model with the target-language tokens >>fr<< and >>de<<."""
+    return mm.multilingual(mm.FIXTURE, tmp_path_factory.mktemp("marian") / "mul", [">>fr<<", ">>de<<"])
+
+
 def _hf(d: Path):  # type: ignore[no-untyped-def]
     from transformers import MarianMTModel, MarianTokenizer
 
@@ -174,23 +180,23 @@ def test_cli_import_then_translate(dirs, sentences, tmp_path, capsys):
     assert "is not an earlier import" in capsys.readouterr().err
 
 
-def test_a_multilingual_model_reads_its_target_language_token(tmp_path, sentences):
+def test_a_multilingual_model_reads_its_target_language_token(multilingual, sentences):
     """A multilingual model's source starts with a target-language token (">>fr<<"): aiayn splits
     it off as MarianTokenizer does, one token (<unk> if unknown, one piece of text for a model
     without such tokens), and translates as `generate` does; the token changes translations."""
-    d = mm.multilingual(mm.FIXTURE, tmp_path / "mul", [">>fr<<", ">>de<<"])
+    d = multilingual
     hf, tok = _hf(d)
     model, toks = convert(d, warn=pytest.fail)
     vocab = tok.get_vocab()
     tr = Translator(model, toks)
-    lines = [c + s for c in (">>fr<< ", ">>de<<", ">>xx<< ", "") for s in sentences[:25]]
+    lines = [c + s for c in (">>fr<< ", ">>de<<", ">>xx<< ", "") for s in sentences[:15]]
     assert [_to_marian(s, toks.src, vocab) for s in tr.encode(lines)] == tok(lines)["input_ids"]
     assert toks.src.id_to_piece(tr.encode([">>fr<< Ein Hund."])[0][0]) == ">>fr<<"
     want_ids, want_text = _generate(hf, tok, lines, num_beams=1)
     got = greedy_search(model, _src_batch(tr, lines), BOS_ID, EOS_ID, 0.0, MAX_B)
     assert [_to_marian(ids, toks.tgt, vocab) for ids in got] == want_ids
     assert tr.translate(lines, beam=1) == want_text
-    assert want_text[:25] != want_text[25:50]  # >>fr<< and >>de<< translate differently
+    assert want_text[:15] != want_text[15:30]  # >>fr<< and >>de<< translate differently
     # --split-sentences gives the token to each sentence of a line, and keeps it out of the layout
     ends = [s for s in sentences if s.endswith(".")]
     two = [s for s, a, b in zip(ends, tr.translate([f">>de<< {s}" for s in ends], beam=1), tr.translate(ends, beam=1))
@@ -201,11 +207,11 @@ def test_a_multilingual_model_reads_its_target_language_token(tmp_path, sentence
     assert plain.language_code(">>fr<< Ein Hund.") == ("", ">>fr<< Ein Hund.")  # no codes: ">>" is text
 
 
-def test_translate_tgt_lang_leads_each_line_with_the_token(tmp_path, sentences, capsys, monkeypatch):
+def test_translate_tgt_lang_leads_each_line_with_the_token(multilingual, tmp_path, sentences, capsys, monkeypatch):
     """`aiayn translate --tgt-lang de` on a multilingual model: each line as if it started with
     >>de<< (a line with a token of its own keeps it, a blank one stays blank); a language the model
     lacks, or a model of one target language, is a one-line error naming the flag."""
-    d = mm.multilingual(mm.FIXTURE, tmp_path / "mul", [">>fr<<", ">>de<<"])
+    d = multilingual
     out = tmp_path / "imported"
     assert main(["import", "--from", "marian", str(d), "--out", str(out)]) == 0
     lines = [sentences[0], "", f">>fr<< {sentences[1]}", sentences[2]]
@@ -235,7 +241,7 @@ def test_translate_tgt_lang_leads_each_line_with_the_token(tmp_path, sentences, 
     assert "--tgt-lang de: this model translates into one language" in err, err
 
 
-def test_serve_offers_each_target_of_a_multilingual_model(tmp_path, sentences):
+def test_serve_offers_each_target_of_a_multilingual_model(multilingual, tmp_path, sentences):
     """`aiayn serve` on a multilingual model serves one pair per >>xx<< token (one model in memory):
     LibreTranslate's target picks the token, as if the line started with it."""
     pytest.importorskip("fastapi")
@@ -245,7 +251,7 @@ def test_serve_offers_each_target_of_a_multilingual_model(tmp_path, sentences):
     from aiayn.serve.cli import load_models
     from aiayn.serve.scheduler import Limits
 
-    d = mm.multilingual(mm.FIXTURE, tmp_path / "mul", [">>fr<<", ">>de<<"])
+    d = multilingual
     out = tmp_path / "imported"
     assert main(["import", "--from", "marian", str(d), "--out", str(out)]) == 0
     models = load_models([str(out)], "fp32")

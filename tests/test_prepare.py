@@ -383,14 +383,17 @@ def test_out_after_a_link_and_dotdot_is_where_the_os_puts_it(tmp_path, monkeypat
     assert out.resolve() == (tmp_path / "far" / "x").resolve()
 
 
-def test_a_folder_with_another_tools_manifest_is_refused_and_kept(tmp_path, corpus, capsys):
+def test_a_folder_with_another_tools_manifest_is_refused_and_kept(tmp_path, corpus, capsys, monkeypatch):
     """`manifest.json` is a common name: a folder holding one of another tool's is not an earlier
-    output to replace, nor is a prepared folder the user added a file to (before: both were deleted)."""
+    output to replace, nor is a prepared folder the user added a file to (before: both were deleted).
+    Refused before the inputs are hashed (gigabytes for WMT14)."""
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "manifest.json").write_text('{"name": "my web app"}')
     (mine / "notes.txt").write_text("keep me")
-    rc, err = _cli(capsys, "--train-src", corpus["train_src"], "--train-tgt", corpus["train_tgt"], "--out", str(mine))
+    with monkeypatch.context() as m:
+        m.setattr(P.Inputs, "digests", lambda self: pytest.fail("hashed the inputs of a refused --out"))
+        rc, err = _cli(capsys, "--train-src", corpus["train_src"], "--train-tgt", corpus["train_tgt"], "--out", str(mine))
     assert rc == 2 and "holds files that `aiayn prepare` did not write" in err
     assert sorted(p.name for p in mine.iterdir()) == ["manifest.json", "notes.txt"]
     out = _prep(corpus, tmp_path / "bin")

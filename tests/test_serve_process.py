@@ -402,6 +402,50 @@ def test_a_connection_with_an_unread_body_is_closed_after_its_answer(served):
     assert s.proc.poll() is None
 
 
+def test_a_slow_reader_that_keeps_reading_gets_the_whole_answer():
+    """The deadline on an answer is for a client that stops reading: one that takes a large answer
+    slowly (longer than --head-timeout in all, some of it within each) gets every byte."""
+    import threading
+
+    import uvicorn
+
+    from aiayn.serve.protocol import with_head_timeout
+
+    body = b"x" * 12_000_000  # more than the kernel's buffers hold (localhost: up to ~4 MB)
+
+    async def app(scope, receive, send):  # type: ignore[no-untyped-def]
+        if scope["type"] == "http":
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, http=with_head_timeout(1.0),
+                                           log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        end = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < end, "the server never started"
+            time.sleep(0.05)
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
+            sock.settimeout(30)
+            got, start = 0, time.monotonic()
+            with contextlib.suppress(ConnectionResetError):
+                while chunk := sock.recv(65536):  # at most ~3 MB/s: 4 s or more in all, 4 deadlines
+                    got += len(chunk)
+                    time.sleep(0.02)
+            assert got > len(body) and time.monotonic() - start > 2.0, (got, time.monotonic() - start)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
 def test_an_answer_left_unread_loses_its_connection_after_head_timeout(served):
     """A client that asks for megabytes (attention) and never reads them held its connection, and
     the answer's memory, for ever (the transport's close waits to send it all): --max-connections of

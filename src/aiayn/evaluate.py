@@ -73,9 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", help="folder holding multi30k/ (default: $AIAYN_DATA, else the download cache)")
     p.add_argument("--src-file", help="source sentences to translate, one a line (needs --checkpoint)")
     p.add_argument("--hyp-file", help="translations to score, one a line (no model needed)")
-    p.add_argument("--ref-file", nargs="+", metavar="FILE",
-                   help="references, one a line, aligned with the source or hypotheses; several files: several "
-                        "references per line")
+    p.add_argument("--ref-file", action="extend", nargs="+", metavar="FILE",
+                   help="references, one a line, aligned with the source or hypotheses; several files (--ref-file A "
+                        "B, or the flag again): several references per line")
     p.add_argument("--save-hyps", help="also write the translations to this file")
     from aiayn.translate import add_engine_argument, add_search_arguments, add_target_language_argument
 
@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
             kind = "hypotheses" if mode == "hyp" else "source lines"
             raise AiaynError(f"{first} has {len(lines)} {kind} but {path} has {len(r)} references; "
                              "the files must be line-aligned")
-    info: dict[str, Any] = {"references": ref_paths[0] if len(ref_paths) == 1 else ref_paths}
+    info: dict[str, Any] = {"references": ref_paths[0], "reference_files": ref_paths}  # (the first: as before)
     if mode == "hyp":
         hyps, info["hypotheses"] = lines, first
     else:

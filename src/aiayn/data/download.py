@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     for split in args.splits:
         data.check_split(split)
     root = args.data_dir or os.environ.get(data.DATA_ENV)  # where `multi30k_paths` will look for them
-    folder = Path(root).expanduser() / "multi30k" if root else data.multi30k_cache_dir()
+    folder = data.download_folder(Path(root).expanduser()) if root else data.multi30k_cache_dir()
     for split in args.splits:
         for lang in (args.src, args.tgt):
             path = data.download_multi30k(split, lang, folder)

@@ -255,6 +255,7 @@ def prepare(inputs: Inputs, out: str | os.PathLike[str], settings: Settings = Se
     inputs.check()
     settings.check()
     out = _named(out)  # the lock and temporaries go beside it
+    _check_out(out, ours_at_all=True)  # before hashing the inputs (gigabytes for WMT14)
     digests = inputs.digests()
     if _up_to_date(out, digests, settings, tokenizers, replace):
         log(f"{out}: already prepared from these files and settings")
@@ -321,11 +322,15 @@ def _write(inputs: Inputs, tmp: Path, settings: Settings, digests: dict[str, Any
             "tokenizer": tokenizer, "splits": splits, "files": files}
 
 
-def _check_out(out: Path) -> None:
-    """--out may be new, an empty directory, or an earlier `prepare` output (replaced when done)."""
+def _check_out(out: Path, ours_at_all: bool = False) -> None:
+    """--out may be new, an empty directory, or an earlier `prepare` output (replaced when done).
+    `ours_at_all`: only that it is one (a user's file added to an up-to-date one is not refused)."""
     if out.exists() and not out.is_dir():
         raise AiaynError(f"--out {out} is a file; choose a new directory")
-    if out.is_dir() and not {p.name for p in out.iterdir()} <= _written(out):
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    written = _written(out)
+    if not written if ours_at_all else {p.name for p in out.iterdir()} - written:
         raise AiaynError(f"--out {out} holds files that `aiayn prepare` did not write; choose a new or empty directory")
 
 

@@ -16,11 +16,13 @@ approximately 25000 source tokens and 25000 target tokens").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import hashlib
 import http.client
 import os
 import sys
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -30,7 +32,7 @@ from typing import Iterator, Sequence
 import torch
 from torch import Tensor
 
-from aiayn.data.lock import parse_work_name, stale, work_name
+from aiayn.data.lock import BEAT, parse_work_name, stale, work_name
 from aiayn.errors import AiaynError
 from aiayn.files import default_cache_dir, file_sha256, read_lines
 from aiayn.kernels import LossPacking
@@ -116,6 +118,14 @@ def _multi30k_folder(root: Path) -> Path:
     return root / "multi30k" if (root / "multi30k").is_dir() else root
 
 
+def download_folder(root: Path) -> Path:
+    """Where `aiayn download` puts Multi30k under a data root: where `multi30k_paths` reads, the root
+    itself where it already holds Multi30k's files (a multi30k/ made beside them would hide them),
+    else root/multi30k/."""
+    holds = any(_find(root, split, lang) for split in SPLITS for lang in LANGS)
+    return root if holds and not (root / "multi30k").is_dir() else root / "multi30k"
+
+
 def _find(folder: Path, split: str, lang: str) -> Path | None:
     for name in (f"{split}.{lang}.gz", f"{split}.{lang}"):
         if (folder / name).is_file():
@@ -179,7 +189,8 @@ def download_file(url: str, target: Path, want: str, mirror_env: str, timeout: f
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise AiaynError(f"cannot create {folder} ({e.strerror or e}); pass --data-dir to a writable folder") from None
+        raise AiaynError(f"cannot create {folder} ({e.strerror or e}); choose a writable folder (--data-dir, or "
+                         f"${DATA_ENV} for Multi30k)") from None
     _remove_abandoned_parts(folder, name)
     tmp = folder / f"{work_name(f'.{name}')}.part"  # host and pid in the name: `_remove_abandoned_parts`
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -223,8 +234,9 @@ def _remove_abandoned_parts(folder: Path, name: str) -> None:
     """Partial downloads of `name` left by a killed process (kill -9, SIGTERM): one of a dead process
     of this host, or untouched for `lock.STALE` seconds (a live download keeps writing to its own)."""
     for part in folder.glob(f".{glob.escape(name)}[.-]*.part"):
-        if stale(part, *parse_work_name(part.name[: -len(".part")])):
-            part.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # (a live download writes all the time: a part of its is never
+            if time.time() - part.stat().st_mtime > 2 * BEAT and stale(part, *parse_work_name(part.name[:-5])):
+                part.unlink()  # this old, even where another container shares the host name and pids)
 
 
 # ---------------------------------------------------------------------------------------------

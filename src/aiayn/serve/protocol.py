@@ -16,8 +16,8 @@ it cancels uvicorn's keep-alive timer, so a client trickling it would hold the c
 once it ends, the connection idles on this timer, not uvicorn's (which that byte cancelled).
 
 And it bounds an answer the client does not read: once the transport holds more of it than its
-high-water mark (the socket's buffers are full), the client must take enough to bring it under the
-low-water mark within the deadline, else the connection is aborted. Without that, a client that
+high-water mark (the socket's buffers are full), the client must take some of it within each
+deadline, else the connection is aborted (a slow reader that keeps reading gets it all). Without that, a client that
 asks for a large answer and never reads it holds its connection, and the answer's memory, for ever
 (`close` waits to send what the transport holds), and --max-connections of them lock everyone out.
 
@@ -42,6 +42,7 @@ class HeadTimedH11(H11Protocol):
     head_timeout: float = 10.0
     _head_timer: asyncio.TimerHandle | None = None
     _write_timer: asyncio.TimerHandle | None = None
+    _write_left = 0  # what the transport held when the write timer was armed
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(cast(asyncio.Transport, transport))  # a stream transport: uvicorn's own type
@@ -69,6 +70,10 @@ class HeadTimedH11(H11Protocol):
     def pause_writing(self) -> None:
         super().pause_writing()  # the client takes the answer slower than it is written, or not at all
         self._write_resumed()
+        self._arm_write_timer()
+
+    def _arm_write_timer(self) -> None:
+        self._write_left = self.transport.get_write_buffer_size()
         self._write_timer = self.loop.call_later(self.head_timeout, self._write_timed_out)
 
     def resume_writing(self) -> None:
@@ -82,6 +87,9 @@ class HeadTimedH11(H11Protocol):
 
     def _write_timed_out(self) -> None:
         self._write_timer = None
+        if self.transport.get_write_buffer_size() < self._write_left:  # read since: a slow client, not a gone one
+            self._arm_write_timer()
+            return
         self.transport.abort()  # not close(): that waits to send what the buffer holds, for ever
 
     def _waiting(self) -> bool:
