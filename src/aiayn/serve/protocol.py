@@ -81,9 +81,8 @@ class HeadTimedH11(H11Protocol):
         super().resume_writing()
 
     def _write_resumed(self) -> None:
-        if self._write_timer is not None:
-            self._write_timer.cancel()
-            self._write_timer = None
+        _cancel(self._write_timer)
+        self._write_timer = None
 
     def _write_timed_out(self) -> None:
         self._write_timer = None
@@ -103,9 +102,8 @@ class HeadTimedH11(H11Protocol):
         self._head_timer = self.loop.call_later(self.head_timeout, self._head_timed_out)
 
     def _disarm(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+        _cancel(self._head_timer)
+        self._head_timer = None
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
@@ -122,3 +120,8 @@ class HeadTimedH11(H11Protocol):
 def with_head_timeout(seconds: float) -> type[HeadTimedH11]:
     """The protocol class to give `uvicorn.Config(http=...)`: request heads within `seconds`."""
     return type("HeadTimedH11", (HeadTimedH11,), {"head_timeout": float(seconds)})
+
+
+def _cancel(timer: asyncio.TimerHandle | None) -> None:
+    if timer is not None:
+        timer.cancel()
