@@ -87,6 +87,23 @@ def test_health_is_503_until_warmed_up_and_translate_refuses_meanwhile(ckpt):
         assert ready(c).get("/health").json() == {"status": "ok"}
 
 
+def test_a_failed_warm_up_is_503_without_a_retry_hint(ckpt, monkeypatch):
+    """Warm-up failed: /health and requests say why, and no Retry-After (a retry would not help)."""
+    import aiayn.serve.app as A
+
+    def broken(*a, **k):  # type: ignore[no-untyped-def]
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(A, "warm_up", broken)
+    with TestClient(make_app(ckpt)) as c:
+        end = time.monotonic() + 30
+        while c.get("/health").json()["status"] != "failed":
+            assert time.monotonic() < end
+            time.sleep(0.02)
+        for r in (c.get("/health"), c.post("/v1/translate", json={"text": ["ein Mann"]})):
+            assert r.status_code == 503 and "out of memory" in r.text and "retry-after" not in r.headers
+
+
 # ------------------------------------------------------------------------------- /v1/translate
 
 

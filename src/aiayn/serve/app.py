@@ -275,6 +275,10 @@ class Server:
             log.exception("warm-up failed")
             self.failure = f"warm-up failed: {type(e).__name__}: {e}"
 
+    def retry_after(self) -> dict[str, str]:
+        """A 503's Retry-After while warming up; none once warm-up failed (a retry would not help)."""
+        return {} if self.failure else {"Retry-After": "1"}
+
     def source_ids(self, lines: Sequence[str], translator: Any = None) -> list[list[int]]:
         """Source ids per line; 413 for a line over --max-chars or the model's length."""
         translator = translator or self.translator
@@ -304,7 +308,7 @@ class Server:
         """Source ids and results per line, once the scheduler has them (or the client has gone);
         `asked`: the client's lines, when `lines` are their sentences (what --max-lines counts)."""
         if not self.ready:
-            raise ApiError(503, self.failure or "the model is warming up; retry shortly", {"Retry-After": "1"})
+            raise ApiError(503, self.failure or "the model is warming up; retry shortly", self.retry_after())
         asked = len(lines) if asked is None else asked
         if asked > self.limits.max_lines:
             raise ApiError(413, f"{asked} lines in one request, more than --max-lines {self.limits.max_lines}")
@@ -425,7 +429,7 @@ def _info_routes(app: FastAPI, srv: Server) -> None:
         if srv.ready:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "failed" if srv.failure else "warming up", "error": srv.failure or None},
-                            status_code=503, headers={"Retry-After": "1"})
+                            status_code=503, headers=srv.retry_after())
 
     @app.get("/v1/info")
     async def v1_info() -> dict[str, Any]:
