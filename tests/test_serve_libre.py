@@ -342,6 +342,7 @@ def test_cors_is_off_by_default_and_on_for_the_given_origins(client, ckpts):
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://example.org"
         r = c.get("/languages", headers={"Origin": "https://example.org"})
         assert r.headers["access-control-allow-origin"] == "https://example.org"
+        assert r.headers["access-control-expose-headers"] == "Retry-After"  # a page reads a 429's hint
         r = c.get("/languages", headers={"Origin": "https://elsewhere.org"})
         assert "access-control-allow-origin" not in r.headers
 

@@ -377,7 +377,8 @@ def create_app(models: Any, limits: Limits, languages: tuple[str, str] | None = 
         from starlette.middleware.cors import CORSMiddleware
 
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"], max_age=600)
+                           allow_headers=["Authorization", "Content-Type"], max_age=600,
+                           expose_headers=["Retry-After"])  # a page must read a 429/503's hint too
     _handlers(app)
     libre.routes(app, srv)
     v1.routes(app, srv)
