@@ -416,6 +416,13 @@ def maps_src(tokenizers, model) -> list[int]:  # type: ignore[no-untyped-def]
     return ids + [3] if model.cfg.source_eos else ids
 
 
+def test_a_layer_the_model_lacks_is_refused_before_it_runs(tmp_path, run_dir, monkeypatch, capsys):
+    monkeypatch.setattr(plot, "attention_maps", lambda *a, **k: pytest.fail("ran the model for a bad --layers"))
+    assert main(["plot", "attention", "--checkpoint", str(run_dir), "--src", SRC, "--layers", "9",
+                 "-o", str(tmp_path / "a.png")]) == 2
+    assert "--layers: layer 9 does not exist; the model has" in capsys.readouterr().err
+
+
 def test_curves_title_shows_dollar_signs_as_text(tmp_path):
     """A run directory named with "$" is text in the title, as in attention titles: "$x^$" was a
     TeX parse error (a traceback)."""

@@ -258,6 +258,15 @@ def attention_maps(model: Transformer, tokenizers: Any, src_text: str, tgt_text:
                          tgt_out_labels, src_text, tgt_text)
 
 
+def _check_layers(layers: Sequence[int] | None, kinds: Sequence[str], cfg: Any) -> None:
+    """--layers against the model's layer counts, as `attention_figure` checks them."""
+    for kind in kinds:
+        n = cfg.encoder_layers if kind == "encoder" else cfg.decoder_layers
+        bad = [x for x in layers or () if not 1 <= x <= n]
+        if bad:
+            raise AiaynError(f"--layers: layer {bad[0]} does not exist; the model has {n} ({kind})")
+
+
 def _check_readable(side: str, tokens: int, flag: str) -> None:
     """Refuses a sentence too long to draw before any attention is computed (quadratic in its length)."""
     if tokens > MAX_ATTENTION_TOKENS:
@@ -613,8 +622,9 @@ def run(args: argparse.Namespace) -> int:
         from aiayn.checkpoint import load_checkpoint, resolve_checkpoint
 
         ckpt = load_checkpoint(resolve_checkpoint(args.checkpoint))
-        maps = attention_maps(ckpt.model, ckpt.tokenizers, args.src, args.tgt, args.max_len_a, args.max_len_b)
         kinds = ATTENTION_KINDS if args.kind == "all" else (args.kind,)
+        _check_layers(args.layers, kinds, ckpt.model.cfg)  # before the model runs, which may take a while
+        maps = attention_maps(ckpt.model, ckpt.tokenizers, args.src, args.tgt, args.max_len_a, args.max_len_b)
         source = "the model's greedy translation" if args.tgt is None else "the given target"
         path = ckpt.path.resolve()  # `--checkpoint .` has no name of its own
         name = f"{path.parent.name}/{path.name}"
