@@ -99,6 +99,16 @@ def test_feature_permutation_maps_our_sinusoids_onto_marians():
     assert not torch.allclose(sinusoidal_table(50, 16), marian, atol=1e-2)  # the layouts do differ
 
 
+def test_the_exports_generate_stops_as_aiayns_default_rule():
+    """generate's early_stopping=False is aiayn's default --stop-rule best (it was True, the rule
+    aiayn had before, so the export's default beam search stopped differently)."""
+    from aiayn.export import generation_config
+    from aiayn.search import DEFAULT_STOP_RULE
+
+    model = Transformer(preset("tiny", src_vocab_size=40, tgt_vocab_size=40))
+    assert DEFAULT_STOP_RULE == "best" and generation_config(model).early_stopping is False
+
+
 def test_pre_norm_model_is_refused_for_hf_with_a_clear_error():
     pytest.importorskip("transformers")
     from aiayn.export import to_marian
@@ -134,7 +144,8 @@ def test_hf_export_translates_like_aiayn_greedy_and_beam(trained, tmp_path, monk
     assert texts == Translator(model, pair).translate(lines, beam=1)  # aiayn's own text-in, text-out path
 
     # Beam 4: transformers divides by len**alpha, aiayn by ((5 + len) / 6)**alpha; with alpha = 0 both
-    # rank by the summed log-probability, and early_stopping=True stops, as aiayn does, at 4 finished.
+    # rank by the summed log-probability, under which no longer hypothesis can beat a finished one, so
+    # generate's early stopping and aiayn's rules (both) end at the same place.
     with torch.no_grad():
         ours_b = beam_search(model, src, BOS_ID, EOS_ID, beam=4, alpha=0.0, nbest=4)
         theirs_b = hf.generate(**enc, num_beams=4, length_penalty=0.0, early_stopping=True,

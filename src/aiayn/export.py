@@ -43,6 +43,7 @@ from aiayn.checkpoint import EXPORT_MARKER
 from aiayn.errors import AiaynError, require
 from aiayn.files import umask
 from aiayn.model import Transformer, sinusoidal_table
+from aiayn.search import DEFAULT_STOP_RULE
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, PIECES, UNK_ID, TokenizerPair, vocabulary
 
 
@@ -189,7 +190,8 @@ def generation_config(model: Transformer) -> Any:
     """Defaults for `generate`: aiayn's beam 4, PAD/BOS never generated, starts from BOS.
 
     `length_penalty` in transformers divides by len**alpha, not aiayn's ((5 + len) / 6)**alpha; 0.6 is
-    kept as the nearest setting, and `early_stopping=True` stops, like aiayn, once `beam` hypotheses end.
+    kept as the nearest setting; `early_stopping` follows aiayn's default stopping rule (`--stop-rule
+    best`: searching on while a live hypothesis could still win, which is transformers' False).
     """
     transformers = require("transformers")
     return transformers.GenerationConfig(
@@ -200,7 +202,7 @@ def generation_config(model: Transformer) -> Any:
         suppress_tokens=[PAD_ID, BOS_ID],
         num_beams=4,
         length_penalty=0.6,
-        early_stopping=True,
+        early_stopping=DEFAULT_STOP_RULE == "first",
         max_length=min(model.cfg.max_positions, 256),
     )
 
