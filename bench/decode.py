@@ -193,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--int8-output", choices=("int8", "fp32"), default="int8",
                     help="with --isolated: aiayn int8's projection to the vocabulary in int8 or fp32")
     args = ap.parse_args(argv)
+    if args.repeat < 1 or (args.n is not None and args.n < 1):  # else an empty table, or a KeyError after the runs
+        ap.error("--repeat and --n take a number above 0")
     if args.isolated:
         return isolated(args)
     if args.threads:

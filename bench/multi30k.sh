@@ -12,8 +12,9 @@ src=${1:?source language}; tgt=${2:?target language}; minutes=${3:-60}; threads=
 shift $(( $# < 4 ? $# : 4 ))  # the rest go to `aiayn train` (e.g. --dropout 0.3), after the recipe
 aiayn=${AIAYN:-aiayn}
 run=${RUN:-runs/multi30k-$src-$tgt}  # RUN=DIR scores (or trains) another run directory
+recipe=$(cd "$(dirname "$0")/.." && pwd)/configs/multi30k.toml  # the repo's, from whatever directory it runs
 if [ ! -e "$run/averaged-10" ]; then
-  $aiayn train --config configs/multi30k.toml --src "$src" --tgt "$tgt" --max-minutes "$minutes" \
+  $aiayn train --config "$recipe" --src "$src" --tgt "$tgt" --max-minutes "$minutes" \
     --threads "$threads" --out "$run" --resume "$@"  # a re-run after an interruption continues the run
   $aiayn average --checkpoint "$run" -n 5 -o "$run/averaged-5"
   $aiayn average --checkpoint "$run" -n 10 -o "$run/averaged-10"
@@ -30,9 +31,9 @@ score() {  # score SPLIT CHECKPOINT BEAM ALPHA PRECISION -> one JSON line
 : > "$run/val.jsonl"
 best_on_val() {  # the row of val.jsonl with the highest BLEU among those whose checkpoint is $1 (or any)
   python3 -c "
-import json, sys; rows = [json.loads(l) for l in open('$run/val.jsonl')]
+import json, sys; rows = [json.loads(l) for l in open(sys.argv[2])]
 rows = [r for r in rows if sys.argv[1] in ('', r['checkpoint'])]
-r = max(rows, key=lambda r: r['bleu']); print(r['checkpoint'], r['beam'], r['alpha'])" "${1:-}"
+r = max(rows, key=lambda r: r['bleu']); print(r['checkpoint'], r['beam'], r['alpha'])" "${1:-}" "$run/val.jsonl"
 }
 for avg in averaged-5 averaged-10 averaged-20; do  # how many epochs to average, at beam 4 / alpha 0.6
   [ -e "$run/$avg" ] || continue

@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # peer.py
 
-from aiayn.config import ModelConfig, preset  # noqa: E402
+from aiayn.config import PRESETS, ModelConfig, preset  # noqa: E402
 from aiayn.kernels import SLOW_BF16, cpu_has_fast_bf16  # noqa: E402
 from aiayn.model import Transformer  # noqa: E402
 from aiayn.tokenizer import BOS_ID as BOS, EOS_ID as EOS, PAD_ID as PAD  # noqa: E402
@@ -132,17 +132,31 @@ def profile_table(c: Contender, batches: list[Batch], top: int, title: str) -> s
     return "\n".join(lines)
 
 
+def positive(kind: type = int):  # type: ignore[no-untyped-def]
+    """An argparse type: a number above zero, so that a bad value is a one-line usage error, not a
+    division by zero or an empty batch's traceback later."""
+    def parse(text: str):  # type: ignore[no-untyped-def]
+        try:
+            value = kind(text)
+        except ValueError:
+            value = 0
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"expected a number above 0, got {text!r}")
+        return value
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny shapes and few steps: a smoke run in seconds")
     p.add_argument("--sizes", default="small,base", help="comma-separated presets")
     p.add_argument("--precisions", default=None,
                    help="comma-separated: fp32, bf16 (default both; fp32 alone on a CPU without oneDNN bf16 kernels)")
-    p.add_argument("--vocab", type=int, default=8000, help="joint vocabulary size")
-    p.add_argument("--batch", type=int, default=64, help="sentences per batch")
-    p.add_argument("--mean-len", type=float, default=14.0, help="mean sentence length in tokens")
-    p.add_argument("--steps", type=int, default=8, help="timed steps per round (one pass over the batches)")
-    p.add_argument("--rounds", type=int, default=3, help="alternating rounds; each contender keeps its best")
+    p.add_argument("--vocab", type=positive(), default=8000, help="joint vocabulary size")
+    p.add_argument("--batch", type=positive(), default=64, help="sentences per batch")
+    p.add_argument("--mean-len", type=positive(float), default=14.0, help="mean sentence length in tokens")
+    p.add_argument("--steps", type=positive(), default=8, help="timed steps per round (one pass over the batches)")
+    p.add_argument("--rounds", type=positive(), default=3, help="alternating rounds; each contender keeps its best")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile'd nn.Transformer")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0)
@@ -152,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     sizes = args.sizes.split(",")
+    if not set(sizes) <= set(PRESETS):
+        p.error(f"--sizes takes a comma-separated list of {', '.join(PRESETS)}, got {args.sizes!r}")
+    if args.vocab <= EOS:
+        p.error(f"--vocab must be above {EOS}: ids 0-{EOS} are the special tokens")
     overrides: dict = dict(src_vocab_size=args.vocab, tgt_vocab_size=args.vocab)
     if args.quick:
         sizes, args.steps, args.rounds = ["tiny"], 2, 1
@@ -177,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for size in sizes:
         cfg = preset(size, **overrides)
-        batches = make_batches(args.steps + 2, args.batch, cfg.tgt_vocab_size, args.mean_len, 4 * int(args.mean_len),
-                               args.seed)
+        batches = make_batches(args.steps + 2, args.batch, cfg.tgt_vocab_size, args.mean_len,
+                               max(4, 4 * int(args.mean_len)), args.seed)
         warm, timed = batches[:2], batches[2:]
         tokens = sum(sum(b.tgt_lens) for b in timed)
         flops = sum(step_flops(cfg, b) for b in timed)

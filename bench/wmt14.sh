@@ -30,6 +30,7 @@ NPROC=${NPROC:-$(nvidia-smi -L 2>/dev/null | wc -l)}
 # The configs hold tokens_per_update = 28,000 (~25k tokens a side per step, as in the paper): train
 # derives --update-freq from it for NNODES x NPROC GPUs. MAX_TOKENS: padded positions per batch per GPU.
 MAX_TOKENS=${MAX_TOKENS:-3500}
+CONFIG=$(cd "$(dirname "$0")/.." && pwd)/configs/wmt14-en-de-$MODEL.toml  # the repo's, from any directory
 
 echo "== 1. download WMT14 en-de into $DATA/wmt14"
 $AIAYN download --data wmt14 --src en --tgt de --data-dir "$DATA"
@@ -40,7 +41,7 @@ $AIAYN prepare --data wmt14 --src en --tgt de --data-dir "$DATA" --vocab-size 37
 echo "== 3. train $MODEL on $NNODES x $NPROC GPUs, --max-tokens $MAX_TOKENS per GPU"
 python -m torch.distributed.run --nnodes "$NNODES" --nproc_per_node "$NPROC" --node_rank "$NODE_RANK" \
   --rdzv_backend c10d --rdzv_endpoint "$MASTER" --rdzv_id "aiayn-wmt14-$MODEL" \
-  -m aiayn train --config "configs/wmt14-en-de-$MODEL.toml" --data-bin "$BIN" --out "$RUN" \
+  -m aiayn train --config "$CONFIG" --data-bin "$BIN" --out "$RUN" \
   --max-tokens "$MAX_TOKENS" --resume
 
 [ "$NODE_RANK" = 0 ] || exit 0

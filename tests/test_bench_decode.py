@@ -114,3 +114,10 @@ def test_isolated_run_prints_the_four_engines_with_memory(tmp_path, capsys, monk
     # each worker's own peak, not the parent's image it was forked from (torch alone is ~200 MB)
     assert peak["ct2 int8"] < 150 < peak["aiayn int8"]
     assert re.search(r"^  native beam 4  [\d.]+x  fastest: [\d.]+x$", out, re.M)
+
+
+@pytest.mark.parametrize("flags", [["--repeat", "0"], ["--n", "0"], ["--n", "-3"]])
+def test_a_bad_count_is_a_one_line_usage_error(flags, capsys):
+    with pytest.raises(SystemExit) as e:
+        benches.load("decode.py").main(["--skip", "hf,ct2,bf16,uncached,work", *flags])
+    assert e.value.code == 2 and "--repeat and --n" in capsys.readouterr().err

@@ -293,3 +293,22 @@ def test_warm_up_starts_with_the_longest_step_and_the_eager_pair_runs_first():
     assert all(any(w is t for t in timed) for w in warmup)  # the shapes the timed rounds will see
     assert bench.phases("all") == [["aiayn", "nn.Transformer"], ["aiayn+compile"], ["nn.Transformer+compile"]]
     assert bench.phases("none") == [["aiayn", "nn.Transformer"]]
+
+
+@pytest.mark.parametrize("flags", [["--tokens", "abc"], ["--tokens", "0"], ["--sizes", "bogus"], ["--steps", "0"],
+                                   ["--rounds", "0"], ["--micro", "0"], ["--vocab", "3"], ["--device", "bogus"]])
+def test_a_bad_value_is_a_one_line_usage_error(flags, capsys):
+    """Not a ValueError, ConfigError or IndexError traceback after the peak was measured."""
+    with pytest.raises(SystemExit) as e:
+        load_bench().parse(["--device", "cpu", "--compile", "none", *flags])
+    assert e.value.code == 2
+    assert flags[0] in capsys.readouterr().err
+
+
+def test_an_fp32_run_reports_shares_of_the_fp32_peak(tmp_path, one_thread):
+    bench = load_bench()
+    bench.main(["--device", "cpu", "--quick", "--compile", "none", "--precision", "fp32", "--out", str(tmp_path)])
+    md = (tmp_path / "gpu_train.md").read_text()
+    assert "fp32 matmul peak" in md and "| % of fp32 peak |" in md and "bf16" not in md
+    row = bench.Row("base", 25_000, "aiayn", micro=1, step_ms=1.0, tok_s=1.0, tflops=1.0)
+    assert "of the fp32 peak" in bench.verdicts([row], 1e12, "fp32")[0]

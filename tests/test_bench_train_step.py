@@ -93,3 +93,24 @@ def test_one_peer_for_both_training_benches_computing_aiayns_loss():
         assert float(ours.loss_fn(b)) == pytest.approx(float(peer.loss_fn(b)), rel=1e-5)
     gpu = benches.load("gpu_train.py")
     assert gpu.PeerLoss is bench.PeerLoss and gpu.peak_matmul_flops is bench.peak_matmul_flops
+
+
+@pytest.mark.parametrize("flags", [["--steps", "0"], ["--rounds", "0"], ["--batch", "0"], ["--mean-len", "0"],
+                                   ["--vocab", "3"], ["--sizes", "bogus"], ["--sizes", "tiny,"]])
+def test_a_bad_value_is_a_one_line_usage_error(flags, capsys):
+    """Not a ZeroDivisionError in the table or an empty batch's traceback after the peak is measured."""
+    with pytest.raises(SystemExit) as e:
+        load_bench().main(["--sizes", "tiny", "--precisions", "fp32", "--no-compile", *flags])
+    assert e.value.code == 2
+    assert flags[0] in capsys.readouterr().err
+
+
+def test_a_mean_length_under_one_still_makes_sentences(capsys):
+    threads = torch.get_num_threads()
+    try:
+        assert load_bench().main(["--sizes", "tiny", "--precisions", "fp32", "--no-compile", "--threads", "1",
+                                  "--vocab", "50", "--batch", "2", "--mean-len", "0.5", "--steps", "1",
+                                  "--rounds", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert "ratio tiny fp32" in capsys.readouterr().out

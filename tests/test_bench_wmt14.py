@@ -106,3 +106,20 @@ def test_scale_bench_runs_end_to_end_on_a_tiny_corpus(tmp_path):
     assert all(r.get("rc", 0) == 0 for r in results.values()), results
     assert results["train --data-bin 3000"]["first_step_s"] > 0
     assert "| prepare | 3000 |" in res.stdout
+
+
+def test_wmt14_script_finds_its_config_from_another_directory(tmp_path):
+    """Run from elsewhere (every command faked), the training step gets the repo's config, not a path
+    that only exists in the repo's root."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "log"
+    bin_dir.mkdir()
+    (tmp_path / "run").mkdir()  # as the real training would leave it
+    for name in ("python", "aiayn"):  # `python -m torch.distributed.run ...` and $AIAYN, each logging its args
+        (bin_dir / name).write_text(f'#!/usr/bin/env bash\necho "{name} $*" >> "{log}"\n')
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "AIAYN": str(bin_dir / "aiayn"), "NPROC": "1",
+           "DATA": str(tmp_path / "data"), "RUN": str(tmp_path / "run")}
+    subprocess.run(["bash", str(ROOT / "bench" / "wmt14.sh"), "base"], cwd=tmp_path, env=env, check=True,
+                   capture_output=True, timeout=60)
+    train = next(line.split() for line in log.read_text().splitlines() if " train " in line)
+    assert (tmp_path / train[train.index("--config") + 1]).is_file()  # a relative path counts from the cwd
