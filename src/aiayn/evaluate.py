@@ -182,8 +182,10 @@ def run(args: argparse.Namespace) -> int:
         settings.check()
         translator = load_translator(args, device)
         src_tok = translator.tokenizers.src
-        lang = args.tgt_lang or (args.data and f">>{args.tgt}<<" in src_tok.language_codes and args.tgt)
-        if lang:  # a multilingual model: --tgt-lang, else --data's --tgt where the model has its token
+        lang = args.tgt_lang  # a multilingual model: --tgt-lang, else --data's --tgt where the model has its token
+        if not lang and args.data and f">>{args.tgt}<<" in src_tok.language_codes:
+            lang = args.tgt
+        if lang:
             lines = with_target_token(lines, target_token(src_tok, lang), src_tok)
         hyps = translator.translate(lines, **vars(settings))
         info.update(source=first, checkpoint=args.checkpoint, beam=args.beam, alpha=args.alpha,

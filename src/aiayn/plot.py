@@ -258,13 +258,11 @@ def attention_maps(model: Transformer, tokenizers: Any, src_text: str, tgt_text:
                          tgt_out_labels, src_text, tgt_text)
 
 
-def _check_layers(layers: Sequence[int] | None, kinds: Sequence[str], cfg: Any) -> None:
-    """--layers against the model's layer counts, as `attention_figure` checks them."""
-    for kind in kinds:
-        n = cfg.encoder_layers if kind == "encoder" else cfg.decoder_layers
-        bad = [x for x in layers or () if not 1 <= x <= n]
-        if bad:
-            raise AiaynError(f"--layers: layer {bad[0]} does not exist; the model has {n} ({kind})")
+def _check_layers(layers: Sequence[int] | None, kind: str, n: int) -> None:
+    """--layers (1-based; None: all) against the `n` layers of one attention kind."""
+    bad = [x for x in layers or () if not 1 <= x <= n]
+    if bad:
+        raise AiaynError(f"--layers: layer {bad[0]} does not exist; the model has {n} ({kind})")
 
 
 def _check_readable(side: str, tokens: int, flag: str) -> None:
@@ -312,10 +310,8 @@ def attention_figure(maps: AttentionMaps, kinds: Sequence[str] = ATTENTION_KINDS
     for kind in kinds:
         arr = getattr(maps, _SECTION[kind][0])
         n_layers = arr.shape[0]
+        _check_layers(layers, kind, n_layers)
         chosen = list(range(1, n_layers + 1)) if not layers else list(layers)
-        bad = [n for n in chosen if not 1 <= n <= n_layers]
-        if bad:
-            raise AiaynError(f"--layers: layer {bad[0]} does not exist; the model has {n_layers} ({kind})")
         drawn[kind], numbers[kind] = arr[[n - 1 for n in chosen]], chosen
         xl, yl = _section_labels(maps, kind)
         L, H, Tq, Tk = drawn[kind].shape
@@ -623,7 +619,9 @@ def run(args: argparse.Namespace) -> int:
 
         ckpt = load_checkpoint(resolve_checkpoint(args.checkpoint))
         kinds = ATTENTION_KINDS if args.kind == "all" else (args.kind,)
-        _check_layers(args.layers, kinds, ckpt.model.cfg)  # before the model runs, which may take a while
+        cfg = ckpt.model.cfg
+        for kind in kinds:  # before the model runs, which may take a while
+            _check_layers(args.layers, kind, cfg.encoder_layers if kind == "encoder" else cfg.decoder_layers)
         maps = attention_maps(ckpt.model, ckpt.tokenizers, args.src, args.tgt, args.max_len_a, args.max_len_b)
         source = "the model's greedy translation" if args.tgt is None else "the given target"
         path = ckpt.path.resolve()  # `--checkpoint .` has no name of its own

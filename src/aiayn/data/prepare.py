@@ -330,7 +330,8 @@ def _check_out(out: Path, ours_at_all: bool = False) -> None:
     if not out.is_dir() or not any(out.iterdir()):
         return
     written = _written(out)
-    if not written if ours_at_all else {p.name for p in out.iterdir()} - written:
+    foreign = not written if ours_at_all else bool({p.name for p in out.iterdir()} - written)
+    if foreign:
         raise AiaynError(f"--out {out} holds files that `aiayn prepare` did not write; choose a new or empty directory")
 
 

@@ -231,12 +231,14 @@ def download_file(url: str, target: Path, want: str, mirror_env: str, timeout: f
 
 
 def _remove_abandoned_parts(folder: Path, name: str) -> None:
-    """Partial downloads of `name` left by a killed process (kill -9, SIGTERM): one of a dead process
-    of this host, or untouched for `lock.STALE` seconds (a live download keeps writing to its own)."""
+    """Partial downloads of `name` left by a killed process (kill -9, SIGTERM): `lock.stale` ones (a
+    dead process of this host, or untouched for `lock.STALE` seconds) that are also untouched for two
+    beats. A live download writes all the time, so its part is never that old, even where another
+    container shares this host's name but not its pids."""
     for part in folder.glob(f".{glob.escape(name)}[.-]*.part"):
-        with contextlib.suppress(OSError):  # (a live download writes all the time: a part of its is never
+        with contextlib.suppress(OSError):  # (gone meanwhile: another process removed or finished it)
             if time.time() - part.stat().st_mtime > 2 * BEAT and stale(part, *parse_work_name(part.name[:-5])):
-                part.unlink()  # this old, even where another container shares the host name and pids)
+                part.unlink()
 
 
 # ---------------------------------------------------------------------------------------------
