@@ -275,6 +275,14 @@ def test_lr_schedule_of_a_run(tmp_path, run_dir, monkeypatch):
     assert seen == [([32], [300], 600, 2.0, 0, 0)]  # d_model, warmup and lr_factor of the run; no ramp
 
 
+def test_lr_schedule_of_a_run_refuses_the_flags_it_would_override(tmp_path, run_dir, capsys):
+    for flags in (["--d-model", "256"], ["--warmup", "100"], ["--factor", "2"]):
+        assert main(["plot", "lr-schedule", "--checkpoint", str(run_dir), *flags, "-o", str(tmp_path / "lr.png")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and flags[0] in err[0] and "--checkpoint" in err[0]
+    assert not list(tmp_path.iterdir())
+
+
 def test_lr_schedule_of_a_run_with_a_cooldown(tmp_path, model, tokenizers, monkeypatch):
     cfg = {"train": TrainConfig(warmup=100, max_steps=500, cooldown=200).to_dict(), "step": 500}
     checkpoint.save_checkpoint(tmp_path / "best", model, tokenizers, cfg)

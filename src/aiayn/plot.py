@@ -597,13 +597,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     common(p, "curves.png")
 
     p = sub.add_parser("lr-schedule", formatter_class=fmt, help="the paper's learning-rate schedule")
-    p.add_argument("--d-model", type=int, nargs="+", default=[512], help="one or more model widths")
-    p.add_argument("--warmup", type=int, nargs="+", default=[4000], help="one or more warm-up step counts")
-    p.add_argument("--factor", type=float, default=1.0, help="multiplier of the whole schedule (--lr-factor of training)")
+    # defaults filled in by `_schedule_flags`: with --checkpoint the run's own settings stand instead
+    p.add_argument("--d-model", type=int, nargs="+", default=None, help="one or more model widths (default: 512)")
+    p.add_argument("--warmup", type=int, nargs="+", default=None, help="one or more warm-up step counts (default: 4000)")
+    p.add_argument("--factor", type=float, default=None,
+                   help="multiplier of the whole schedule (--lr-factor of training; default: 1)")
     p.add_argument("--steps", type=int, default=None, help="last step drawn (default: 10 x the largest warmup)")
     p.add_argument("--checkpoint", default=None,
                    help="draw the schedule of this checkpoint or run (its d_model, warmup and lr_factor)")
     common(p, "lr-schedule.png")
+
+
+def _schedule_flags(args: argparse.Namespace) -> tuple[list[int], list[int], float]:
+    """lr-schedule's --d-model, --warmup and --factor, with their defaults; refused beside
+    --checkpoint, whose run's own settings would replace them unseen."""
+    given = [flag for flag, value in (("--d-model", args.d_model), ("--warmup", args.warmup), ("--factor", args.factor))
+             if value is not None]
+    if args.checkpoint and given:
+        raise AiaynError(f"{given[0]} and --checkpoint: the checkpoint's run sets d_model, warmup and the factor; "
+                         f"give one or the other")
+    return args.d_model or [512], args.warmup or [4000], 1.0 if args.factor is None else args.factor
 
 
 def run(args: argparse.Namespace) -> int:
@@ -632,7 +645,8 @@ def run(args: argparse.Namespace) -> int:
         path = find_metrics(args.checkpoint)
         fig, _ = curves_figure(read_metrics(path), title=f"Training run {path.parent.resolve().name} ({path.name})")
     else:
-        d_models, warmups, factor, ramp = args.d_model, args.warmup, args.factor, (0, 0)
+        d_models, warmups, factor = _schedule_flags(args)
+        ramp = (0, 0)
         if args.checkpoint:  # the schedule that run trained with
             cfg = _checkpoint_config(args.checkpoint)
             d_models = [int(_config_value(cfg, "model", "d_model", args.checkpoint))]
