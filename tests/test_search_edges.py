@@ -1,5 +1,7 @@
 """Edge cases of decoding found by adversarial testing: each test failed before its fix."""
 
+import copy
+
 import pytest
 import torch
 
@@ -64,3 +66,41 @@ def test_a_frozen_weight_with_a_trainable_bias_keeps_the_bias_gradient():
     assert torch.allclose(lin.bias.grad, bias.grad, atol=1e-6)
     with torch.no_grad():  # without gradients the packed path still runs, with the same results
         assert torch.allclose(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias), atol=1e-6)
+
+
+@pytest.mark.parametrize("tie_output", [True, False])
+def test_int8_keeps_the_output_bias(tie_output):
+    """An imported Marian model has a bias on its projection to the vocabulary (final_logits_bias,
+    `output_bias`); `quantize_int8` packed that projection without it and the int8 call takes no
+    other, so `--precision int8` searched on logits without the bias."""
+    from aiayn.kernels import quantize_int8
+    from aiayn.search import greedy_search
+
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", src_vocab_size=20, tgt_vocab_size=20, output_bias=True, tie_output=tie_output))
+    model.eval().requires_grad_(False)
+    with torch.no_grad():
+        model.out_bias.copy_(torch.randn(20) * 5)
+        model.out_bias[9] = 40.0  # token 9 wins every step with the bias, rarely without it
+    h = torch.randn(3, model.cfg.d_model)
+    want = model.project(h)
+    int8 = quantize_int8(copy.deepcopy(model))
+    assert (int8.project(h) - want).abs().max() < 0.2  # int8 rounding, not the bias (up to 40) missing
+    src = torch.randint(4, 20, (2, 5), generator=torch.Generator().manual_seed(1))
+    assert greedy_search(int8, src, BOS, 3, max_len_b=3) == [[9] * 8] * 2
+
+
+def test_a_model_built_under_inference_mode_searches():
+    """A model loaded inside `torch.inference_mode()` (`Translator.from_checkpoint` in such a block)
+    has inference tensors for weights, which have no version counter: packing them for the
+    inference GEMMs (`kernels.packed_weight`) raised "Inference tensors do not track version counter"."""
+    from aiayn.search import beam_search, greedy_search
+
+    model = tiny().requires_grad_(False)
+    src = torch.randint(4, 20, (2, 5), generator=torch.Generator().manual_seed(1))
+    want = greedy_search(model, src, BOS, 3, max_len_b=4), beam_search(model, src, BOS, 3, max_len_b=4)
+    with torch.inference_mode():
+        built = Transformer(model.cfg).eval().requires_grad_(False)
+        built.load_state_dict(model.state_dict())
+        assert built.output_weight.is_inference()
+        assert (greedy_search(built, src, BOS, 3, max_len_b=4), beam_search(built, src, BOS, 3, max_len_b=4)) == want

@@ -106,11 +106,17 @@ def packs(weight: Tensor, dtype: torch.dtype) -> bool:
             and not is_int8(weight))
 
 
+def _version(t: Tensor) -> int:
+    """`t`'s version counter, -1 for an inference tensor (a model built under `inference_mode`),
+    which has none: written in place under inference mode, its packed copy goes stale unseen."""
+    return -1 if t.is_inference() else t._version
+
+
 def packed_weight(weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
     """The oneDNN-packed copy of `weight` in `dtype` and `bias` in `dtype`: made on first use, again
     when either tensor changes, and kept while the weight lives (`inference_linear`, search's
     compiled float step on the CPU)."""
-    key = (weight.data_ptr(), weight._version, dtype, None if bias is None else (bias.data_ptr(), bias._version))
+    key = (weight.data_ptr(), _version(weight), dtype, None if bias is None else (bias.data_ptr(), _version(bias)))
     entry = _PACKED.get(id(weight))
     if entry is None or entry[0]() is not weight or entry[1] != key:
         w = weight.detach().to(dtype)
@@ -273,8 +279,8 @@ def quantize_int8(model: ModuleT, output: bool = True) -> ModuleT:
     pairs: list[tuple[Tensor, Tensor | None]] = [(m.weight, m.bias) for m in model.modules()
                                                  if isinstance(m, nn.Linear)]
     out_w = getattr(model, "output_weight", None)
-    if output and isinstance(out_w, Tensor):
-        pairs.append((out_w, None))
+    if output and isinstance(out_w, Tensor):  # with its bias (Marian's), packed in: the int8 call takes no other
+        pairs.append((out_w, getattr(model, "out_bias", None)))
     for w, b in pairs:
         if w.requires_grad or w.device.type != "cpu":
             raise ValueError("quantize_int8 takes a frozen model on the CPU")
