@@ -3,8 +3,8 @@ selenium; nothing downloads a browser): type, Ctrl+Enter, the translation, the n
 heatmap appear, hovering a target token highlights the source token it attends to most, for the
 mean of the layers and for one layer. It saves a screenshot (AIAYN_SCREENSHOT names a copy). With two
 pairs and --api-keys the page offers both pairs and a key field (kept across a reload), shows the
-server's 400 and 403, and translates with the second pair once the key is good; a 429 and uvicorn's
-plain-text 503 are shown in the server's words.
+server's 400 and 403, and translates with the second pair once the key is good; a 429 and a
+plain-text 503 (a proxy's, say) are shown in the server's words.
 
 Skipped where Chromium is not installed, except under CI (CI=true), where `.ci/run` installs it."""
 
@@ -215,8 +215,8 @@ def test_page_picks_a_pair_and_sends_the_api_key_the_server_asks_for(tmp_path_fa
 
 
 def test_page_shows_the_servers_words_for_a_429_and_a_plain_text_503(tmp_path_factory, tmp_path, one_thread):
-    """A client over --max-client-lines gets LibreTranslate's 429; uvicorn's own 503 is plain text: the
-    page shows both as the server wrote them."""
+    """A client over --max-client-lines gets LibreTranslate's 429; a proxy in front of the server may
+    answer a plain-text 503: the page shows both as they were written."""
     ckpt = tiny_checkpoint(tmp_path_factory.getbasetemp())
     app = create_app(Translator.from_checkpoint(ckpt), Limits(max_lines=2, max_client_lines=2), ("de", "en"))
     with opened(app, tmp_path / "profile") as (url, driver, wait):
@@ -227,7 +227,7 @@ def test_page_shows_the_servers_words_for_a_429_and_a_plain_text_503(tmp_path_fa
         driver.find_element(By.ID, "go").click()
         assert _error_shown(driver, wait, "429").startswith("429: IP address 127.0.0.1 has 2 lines in the server")
         del srv.clients.held["ip:127.0.0.1"]
-        driver.execute_script(  # a plain-text answer, as uvicorn gives past --max-connections
+        driver.execute_script(  # a plain-text answer, as a proxy in front may give
             "const real = window.fetch; window.fetch = (u, o) => u === '/v1/translate' ? "
             "Promise.resolve(new Response('Exceeded concurrency limit.', {status: 503})) : real(u, o);")
         driver.find_element(By.ID, "go").click()

@@ -2,7 +2,11 @@
 with their line ends, and HTML whose language is detected (`source: auto`)."""
 
 import asyncio
+import contextlib
+import re
 import socket
+import threading
+import time
 
 import httpx
 import pytest
@@ -104,3 +108,106 @@ def test_many_fields_in_the_query_string_are_read_in_linear_time(monkeypatch):
     f = asyncio.run(libre.fields(request))
     assert f["q"] == "ein Mann" and len(f) == 2_003  # a field given twice: its first value
     assert len(lookups) < 10
+
+
+@contextlib.contextmanager
+def _served_as_cli(app, limits):
+    """`app` on uvicorn with `aiayn serve`'s settings (`uvicorn_config`), in a thread on a free
+    loopback port, once ready: yields (base URL, port)."""
+    import uvicorn
+
+    from aiayn.serve.cli import _bind, uvicorn_config
+
+    sock = _bind("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn_config(app, limits))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        base = f"http://127.0.0.1:{port}"
+        end = time.monotonic() + 60
+        while not server.started or httpx.get(f"{base}/health").status_code != 200:
+            assert time.monotonic() < end and thread.is_alive(), "the server never became ready"
+            time.sleep(0.05)
+        yield base, port
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+def _metric(base: str, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)} (\S+)$", httpx.get(f"{base}/metrics").text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_refusals_the_http_protocol_makes_itself_are_counted(de_en):
+    """Past --max-connections uvicorn answered 503 before the app ran, and a late request head got
+    its 408 from the protocol: neither reached the middleware that counts requests, so /metrics
+    showed no client turned away. Now both are in aiayn_requests_total (and h11's 400 for a head
+    that is not HTTP), and every connection closed
+    on --head-timeout in aiayn_timeout_closes_total by reason; the 503 is JSON naming the flag."""
+    limits = Limits(max_wait_ms=5, max_connections=3, head_timeout_s=0.5)
+    with _served_as_cli(create_app(de_en, limits, ("de", "en")), limits) as (base, port):
+        warming = _metric(base, 'aiayn_requests_total{path="/health",status="503"}')  # the app's, while warming up
+        held = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+        try:
+            time.sleep(0.1)
+            r = httpx.get(f"{base}/health")
+        finally:
+            for sock in held:
+                sock.close()
+        assert r.status_code == 503 and "--max-connections 3" in r.json()["error"] and r.headers["retry-after"] == "1"
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:  # a head begun, never ended
+            sock.sendall(b"POST /translate HTTP/1.1\r\nHost: t\r\n")
+            assert sock.recv(65536).startswith(b"HTTP/1.1 408 ")
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:  # not HTTP: h11's 400
+            sock.sendall(b"HELLO\r\n\r\n")
+            assert sock.recv(65536).startswith(b"HTTP/1.1 400 ")
+        time.sleep(0.7)  # the held connections, closed on the deadline too (idle) if not gone already
+        assert _metric(base, 'aiayn_requests_total{path="/health",status="503"}') == warming + 1
+        assert _metric(base, 'aiayn_requests_total{path="/translate",status="408"}') == 1
+        assert _metric(base, 'aiayn_requests_total{path="other",status="400"}') == 1
+        assert _metric(base, 'aiayn_timeout_closes_total{reason="head"}') == 1
+
+
+def test_a_large_answer_is_encoded_without_holding_the_event_loop(de_en):
+    """A /v1 answer with attention is megabytes of numbers: `JSONResponse` encoded it in one call on
+    the event loop (~0.5 s for 4 MB), and /health and every other client waited meanwhile. Now it is
+    encoded in pieces, the loop's turn between them: a task that ticks each millisecond is never
+    held 0.25 s while a 14 MB answer (searched here at once) is encoded, and the body is the same."""
+    import json
+
+    app = create_app(de_en, Limits(max_wait_ms=5, max_work=10**9), ("de", "en"))
+    srv = app.state.server
+    row = [0.123456789 + i for i in range(48)]  # 3 layers x 48 target x 48 source per hypothesis
+    hypothesis = {"text": "a man", "score": -1.25, "tokens": ["▁a", "▁man"], "attention": [[row] * 48] * 3}
+
+    async def main():
+        async with app.router.lifespan_context(app):
+            while not srv.ready:
+                await asyncio.sleep(0.01)
+            srv.scheduler.run = lambda key, lines, early: [[hypothesis] * key.nbest for _ in lines]
+            gaps, done = [], asyncio.Event()
+
+            async def tick():
+                last = time.perf_counter()
+                while not done.is_set():
+                    await asyncio.sleep(0.001)
+                    gaps.append(time.perf_counter() - last)
+                    last = time.perf_counter()
+
+            ticker = asyncio.ensure_future(tick())
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                r = await c.post("/v1/translate", json={"text": ["ein Mann"] * 40, "beam": 4, "nbest": 4,
+                                                        "attention": True, "split_sentences": False}, timeout=60)
+            done.set()
+            await ticker
+            return r, gaps
+
+    r, gaps = asyncio.run(main())
+    assert r.status_code == 200 and len(r.content) > 10_000_000
+    want = {"translations": [{"source_tokens": r.json()["translations"][0]["source_tokens"],
+                              "hypotheses": [hypothesis] * 4}] * 40, "beam": 4, "alpha": 0.6}
+    assert r.content == json.dumps(want, ensure_ascii=False, separators=(",", ":")).encode()
+    assert max(gaps) < 0.25, f"the event loop was held {max(gaps):.3f} s"

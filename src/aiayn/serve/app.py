@@ -92,7 +92,23 @@ class Metrics:
         self.target_tokens = Counter("aiayn_target_tokens", "target subwords of the best translations", registry=r)
         self.tokens_per_s = Gauge("aiayn_tokens_per_second", "target subwords per second in the last batch", registry=r)
         self.dropped = Counter("aiayn_dropped_lines", "lines dropped unsearched: their client went away", registry=r)
+        self.closes = Counter("aiayn_timeout_closes", "connections closed on --head-timeout, by what the client had "
+                              "not done: head (answered 408), idle, body (of a request answered), read (an answer)",
+                              ["reason"], registry=r)
         Gauge("aiayn_queue_lines", "lines waiting for a batch", registry=r).set_function(lambda: scheduler.waiting)
+
+    def answered(self, path: str, status: int) -> None:
+        """A request the HTTP protocol answered before the app could (`aiayn.serve.protocol`: a 503 past
+        --max-connections, a 408 past --head-timeout, a 400 for a malformed head): counted as the app's."""
+        self.requests.labels(_label(path), str(status)).inc()
+
+    def closed(self, reason: str) -> None:
+        """A connection the HTTP protocol closed on --head-timeout (`aiayn.serve.protocol`)."""
+        self.closes.labels(reason).inc()
+
+
+def _label(path: str) -> str:
+    return path if path in PATHS else "other"  # bounded label values
 
 
 class _Middleware:
@@ -108,7 +124,7 @@ class _Middleware:
             return await self.app(scope, receive, send)
         if scope["method"] == "HEAD":  # as GET (FastAPI's GET routes answer HEAD 405); the server sends no body
             scope = {**scope, "method": "GET"}
-        path = scope["path"] if scope["path"] in PATHS else "other"  # bounded label values
+        path = _label(scope["path"])
         status = [0]  # 0 until the response starts
 
         async def counted(message: MutableMapping[str, Any]) -> None:

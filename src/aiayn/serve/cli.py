@@ -191,17 +191,17 @@ def load(checkpoint: str, precision: str, stop_rule: str | None = None,
 
 
 def uvicorn_config(app: Any, limits: Limits) -> Any:
-    """uvicorn's settings for `app`. limit_concurrency: past it uvicorn answers 503 before the app
-    runs; timeout_graceful_shutdown: a request still in flight then (a stalled upload, say) is
+    """uvicorn's settings for `app`. limit_concurrency: past it the protocol answers 503 before the
+    app runs; timeout_graceful_shutdown: a request still in flight then (a stalled upload, say) is
     cancelled, so SIGTERM always ends; http: the h11 protocol with a deadline on request heads
-    (`aiayn.serve.protocol`)."""
+    (`aiayn.serve.protocol`), which counts what it answers itself in the app's metrics."""
     import uvicorn
 
     from aiayn.serve.protocol import with_head_timeout
 
     return uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
                           limit_concurrency=limits.max_connections, timeout_graceful_shutdown=limits.shutdown_timeout_s,
-                          http=with_head_timeout(limits.head_timeout_s))
+                          http=with_head_timeout(limits.head_timeout_s, app.state.server.metrics))
 
 
 def run(args: argparse.Namespace) -> int:

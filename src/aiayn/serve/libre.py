@@ -30,13 +30,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from aiayn.sentences import Paragraph, split
 from aiayn.serve import markup
 from aiayn.serve.batch import DEFAULT_ALPHA, Key
 from aiayn.serve.clients import ClientBusy, check_holdable
 from aiayn.serve.detect import Detector, as_libre, detect_texts
+from aiayn.serve.encode import json_response
 from aiayn.serve.errors import ApiError, Busy
 from aiayn.serve.scheduler import Limits
 from aiayn.serve.unicode import fields_replaced
@@ -235,7 +236,7 @@ def _unique(alternatives: list[str], best: str) -> list[str]:
 def routes(app: FastAPI, srv: Served) -> None:
     @app.post("/translate", openapi_extra=_body("q", "source", "target", "format", "alternatives", "api_key"),
               tags=["LibreTranslate"])
-    async def translate(request: Request) -> JSONResponse:
+    async def translate(request: Request) -> Response:
         """LibreTranslate's translation: `{"translatedText", "detectedLanguage" (with source auto),
         "alternatives" (when asked)}`, each a list when `q` is one."""
         f = await fields(request)
@@ -273,7 +274,7 @@ def routes(app: FastAPI, srv: Served) -> None:
         if asked:
             alts = [_unique(nb[1:], nb[0]) for nb in found]
             body["alternatives"] = alts if isinstance(q, list) else alts[0]
-        return JSONResponse(body)
+        return await json_response(body)  # megabytes, at times
 
     @app.post("/detect", openapi_extra=_body("q", "api_key"), tags=["LibreTranslate"])
     async def detect(request: Request) -> JSONResponse:

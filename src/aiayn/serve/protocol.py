@@ -23,16 +23,38 @@ asks for a large answer and never reads it holds its connection, and the answer'
 
 The seam is the protocol class itself (`uvicorn.Config(http=...)`): only it sees bytes arrive
 before h11 has a whole request for the app, and the transport's word that its writes are paused.
+
+What it answers or closes itself never reaches the app's middleware, so it tells the app's metrics
+(`Counts`): the 408s above, h11's 400 for a malformed head, the connections closed on the deadline,
+and the 503 past --max-connections (uvicorn's limit_concurrency, checked here instead of by uvicorn,
+whose own 503 no one could count).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import cast
+from typing import Any, Protocol, cast
+from urllib.parse import unquote
 
 import h11
+from starlette.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+
+class Counts(Protocol):
+    """What the protocol reports to the metrics (`aiayn.serve.app.Metrics`)."""
+
+    def answered(self, path: str, status: int) -> None: ...  # a request it answered itself
+    def closed(self, reason: str) -> None: ...  # a connection it closed on the deadline: head, idle, body, read
+
+
+class _Uncounted:
+    def answered(self, path: str, status: int) -> None:
+        pass
+
+    def closed(self, reason: str) -> None:
+        pass
 
 
 class HeadTimedH11(H11Protocol):
@@ -40,9 +62,35 @@ class HeadTimedH11(H11Protocol):
     answers must not stall unread longer (a subclass per value: `with_head_timeout`)."""
 
     head_timeout: float = 10.0
+    counts: Counts = _Uncounted()
     _head_timer: asyncio.TimerHandle | None = None
     _write_timer: asyncio.TimerHandle | None = None
     _write_left = 0  # what the transport held when the write timer was armed
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # uvicorn's check would answer with an app of its own: `app` checks the same, and counts
+        self.max_concurrency, self.limit_concurrency = self.limit_concurrency, None
+
+    @property
+    def app(self) -> Any:
+        """The app for the request whose head just came in (uvicorn's `handle_events` reads it once per
+        request, where it checks limit_concurrency): past --max-connections, a counted 503."""
+        limit = self.max_concurrency
+        if limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit):
+            self.logger.warning("Exceeded concurrency limit.")
+            self.counts.answered(self.scope["path"], 503)
+            return JSONResponse({"error": f"more than --max-connections {limit} connections and requests at "
+                                          "once; retry shortly"}, 503, {"Retry-After": "1", "Connection": "close"})
+        return self._app
+
+    @app.setter
+    def app(self, app: Any) -> None:
+        self._app = app
+
+    def send_400_response(self, msg: str) -> None:
+        self.counts.answered("", 400)  # a head h11 cannot read: no path to name
+        super().send_400_response(msg)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(cast(asyncio.Transport, transport))  # a stream transport: uvicorn's own type
@@ -89,6 +137,7 @@ class HeadTimedH11(H11Protocol):
         if self.transport.get_write_buffer_size() < self._write_left:  # read since: a slow client, not a gone one
             self._arm_write_timer()
             return
+        self.counts.closed("read")
         self.transport.abort()  # not close(): that waits to send what the buffer holds, for ever
 
     def _waiting(self) -> bool:
@@ -109,7 +158,14 @@ class HeadTimedH11(H11Protocol):
         self._head_timer = None
         if self.transport.is_closing() or not self._waiting():
             return
-        if self.conn.their_state is h11.IDLE and self.conn.trailing_data[0]:  # a head begun: say why
+        head = self.conn.trailing_data[0]
+        if self.conn.their_state is not h11.IDLE:  # the rest of a body answered unread
+            self.counts.closed("body")
+        elif not head:  # nothing sent: closed without a word
+            self.counts.closed("idle")
+        else:  # a head begun: say why
+            self.counts.answered(_target(bytes(head)), 408)
+            self.counts.closed("head")
             body = json.dumps({"error": f"the request head was not sent within --head-timeout "
                                         f"{self.head_timeout:g} s"}).encode()
             self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
@@ -117,9 +173,17 @@ class HeadTimedH11(H11Protocol):
         self.transport.close()
 
 
-def with_head_timeout(seconds: float) -> type[HeadTimedH11]:
-    """The protocol class to give `uvicorn.Config(http=...)`: request heads within `seconds`."""
-    return type("HeadTimedH11", (HeadTimedH11,), {"head_timeout": float(seconds)})
+def with_head_timeout(seconds: float, counts: Counts | None = None) -> type[HeadTimedH11]:
+    """The protocol class to give `uvicorn.Config(http=...)`: request heads within `seconds`; what it
+    answers or closes itself reported to `counts`."""
+    return type("HeadTimedH11", (HeadTimedH11,), {"head_timeout": float(seconds), "counts": counts or _Uncounted()})
+
+
+def _target(head: bytes) -> str:
+    """The path of a partial request head, once its request line is whole ("" before)."""
+    line, end, _ = head.partition(b"\r\n")
+    parts = line.split(b" ")
+    return unquote(parts[1].partition(b"?")[0].decode("latin-1")) if end and len(parts) == 3 else ""
 
 
 def _cancel(timer: asyncio.TimerHandle | None) -> None:

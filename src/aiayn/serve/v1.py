@@ -19,13 +19,14 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from aiayn.search import MAX_ALPHA
 from aiayn.sentences import split
 from aiayn.serve.batch import DEFAULT_ALPHA, Key
 from aiayn.serve.clients import check_holdable
+from aiayn.serve.encode import json_response
 from aiayn.serve.errors import ApiError
 from aiayn.serve.scheduler import Limits
 from aiayn.serve.unicode import fields_replaced
@@ -92,7 +93,7 @@ class Served(Protocol):
 
 def routes(app: FastAPI, srv: Served) -> None:
     @app.post("/v1/translate", response_model=None, responses={200: {"model": TranslateResponse}})
-    async def translate(req: TranslateRequest, request: Request) -> JSONResponse:
+    async def translate(req: TranslateRequest, request: Request) -> Response:
         """Per line: the n-best translations with scores, the subwords on both sides and, with
         `attention`, each hypothesis's cross-attention (per layer, target x source subwords); a line
         of several sentences is translated sentence by sentence (`split_sentences`)."""
@@ -106,7 +107,7 @@ def routes(app: FastAPI, srv: Served) -> None:
         else:
             ids, results = await srv.translate(request, req.text, key)
             lines = [_result([piece(i) for i in src], hyps) for src, hyps in zip(ids, results)]
-        return JSONResponse({"translations": lines, "beam": beam, "alpha": req.alpha})
+        return await json_response({"translations": lines, "beam": beam, "alpha": req.alpha})  # megabytes, at times
 
 
 def _beam(req: TranslateRequest, limits: Limits) -> int:
