@@ -99,3 +99,103 @@ def test_metrics_lines_stay_json_when_the_loss_is_not_finite(tmp_path):
         raise ValueError(name)
     assert json.loads(line, parse_constant=refuse) == {"kind": "train", "step": 1, "loss": None, "lr": None, "tokens": 5}
     assert read_metrics(tmp_path / "metrics.jsonl")[0]["loss"] is None
+
+
+def test_a_trainer_state_that_does_not_fit_the_model_is_not_resumed_from(tmp_path, corpus, capsys):
+    """A step_<N>/ whose trainer_state.pt is another model's (copied from another run): torch loads
+    Adam's moments of any shape, and the fused step then ran past them (garbage weights, or a process
+    killed). Such a checkpoint is refused like a damaged one: the run resumes from the one before."""
+    import shutil
+
+    out, other = tmp_path / "run", tmp_path / "other"
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--save-every", "1", "--keep-last", "5")) == 0
+    assert cli_main(tiny_args(corpus, other, "--max-steps", "1", "--d-model", "64")) == 0
+    shutil.copy(other / "step_1" / "trainer_state.pt", out / "step_2" / "trainer_state.pt")
+    capsys.readouterr()
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "3", "--save-every", "1", "--keep-last", "5", "--resume")) == 0
+    said = capsys.readouterr().out
+    assert f"warning: cannot resume from {out / 'step_2'}: {out / 'step_2' / 'trainer_state.pt'}" in said
+    assert "does not fit the model" in said and f"resuming from {out / 'step_1'}" in said
+    # the only checkpoint: one line naming the file
+    shutil.rmtree(out / "step_1")
+    shutil.copy(other / "step_1" / "trainer_state.pt", out / "step_3" / "trainer_state.pt")
+    shutil.rmtree(out / "step_2")
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "4", "--resume")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"aiayn train: error: {out / 'step_3' / 'trainer_state.pt'} does not fit the model")
+    assert err.count("\n") == 1
+
+
+def test_a_diverged_loss_says_what_can_be_done(tmp_path, corpus, capsys):
+    """The message said "lower --lr-factor ... and resume from an earlier checkpoint", but --resume
+    refuses a new --lr-factor (it continues the run with its own settings)."""
+    out = tmp_path / "run"
+    args = tiny_args(corpus, out, "--max-steps", "20", "--save-every", "1", "--lr-factor", "1e9")
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err.splitlines()[-1] + "\n"  # below the progress bar
+    assert err.startswith("aiayn train: error: the loss became nan at step 2; ") and err.count("\n") == 1
+    assert "--resume" not in err.replace("not --resume", "") and "--init-from" in err and "--out" in err
+    assert "--precision fp32" not in err  # this run already trains in fp32
+
+
+# Run as `python BEST_KILLER aiayn-args...`: `aiayn` that SIGKILLs itself inside its first write of best/.
+BEST_KILLER = '''
+import os, signal, sys
+from pathlib import Path
+import aiayn.checkpoint as C
+from aiayn.cli import main
+
+real_save = C.save_file
+def save_file(tensors, path, *a, **kw):
+    real_save(tensors, path, *a, **kw)
+    if Path(path).parent.name.startswith(".tmp-best-"):
+        os.kill(os.getpid(), signal.SIGKILL)
+C.save_file = save_file
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+def test_a_kill_while_best_is_written_loses_no_best_checkpoint(tmp_path, corpus):
+    """The step checkpoint (which records the new best BLEU) was written before best/: killed in
+    between, the resumed run never wrote best/ again, so the best model was lost once pruned (here
+    best/ was missing altogether, and `translate --checkpoint RUN` took the last step instead)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from test_train import train_cli
+
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    extra = ["--max-epochs", "1", "--save-every", "0", "--keep-last", "1"]
+    train_cli(tiny_args(corpus, ref, *extra))
+    killer = tmp_path / "killer.py"
+    killer.write_text(BEST_KILLER)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    argv = tiny_args(corpus, run, *extra, "--resume")
+    rc = subprocess.run([sys.executable, str(killer), *argv], env=env, capture_output=True, timeout=600).returncode
+    assert rc == -signal.SIGKILL and list(run.glob(".tmp-best-*"))
+    assert cli_main(argv) == 0
+    a, b = load_file(str(ref / "best" / "model.safetensors")), load_file(str(run / "best" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
+def test_a_fine_tuning_runs_train_json_records_the_checkpoints_settings_and_is_a_recipe(tmp_path, corpus, capsys):
+    """--init-from decides the preset and the tokenizer options, but the run recorded the defaults
+    (preset small, vocab_size 8000) in train.json and its checkpoints: wrong, and its own train.json
+    as --config (as the docs offer) was then refused ("--preset small ... cannot be used with --init-from")."""
+    base, tuned = tmp_path / "base", tmp_path / "tuned"
+    assert cli_main(tiny_args(corpus, base, "--max-steps", "1")) == 0
+    args = [a for a in tiny_args(corpus, tuned, "--max-steps", "1", "--init-from", str(base / "step_1"))]
+    for flag in ("--preset", "--vocab-size"):  # the checkpoint decides them
+        i = args.index(flag)
+        del args[i : i + 2]
+    assert cli_main(args) == 0
+    for saved in (json.loads((tuned / "train.json").read_text(encoding="utf-8")),
+                  json.loads((tuned / "step_1" / "config.json").read_text(encoding="utf-8"))):
+        assert (saved["preset"], saved["train"]["vocab_size"]) == ("tiny", 300)
+    capsys.readouterr()
+    again = ["train", "--config", str(tuned / "train.json"), "--out", str(tmp_path / "again"), "--max-steps", "1"]
+    assert cli_main(again) == 0, capsys.readouterr().err

@@ -46,7 +46,8 @@ from aiayn.data.batching import Batches, rank_batches
 from aiayn.data.lock import STALE
 from aiayn.errors import AiaynError
 from aiayn.model import Transformer
-from aiayn.trainer import Dist, Prefetch, Trainer, rng_state, set_rng_state, setup_distributed, validate
+from aiayn.trainer import (Dist, Prefetch, Trainer, check_optimizer_state, rng_state, set_rng_state, setup_distributed,
+                           validate)
 
 if TYPE_CHECKING:  # for the checker only: train imports the rest of the data path where it uses it
     from aiayn.data.corpus import Corpus
@@ -399,15 +400,20 @@ def _saved_device(out: Path) -> str | None:
 
 
 def _load_newest(existing: list[tuple[int, Path]], info: Log) -> ckpt.Checkpoint:
-    """The newest readable step checkpoint with a complete trainer state (an unreadable newest one
-    falls back to the one before); the first error if none is."""
+    """The newest readable step checkpoint with a complete trainer state that fits its model (an
+    unreadable newest one falls back to the one before); the first error if none is."""
     first_error: AiaynError | None = None
     for _, path in reversed(existing):
         try:
             loaded = ckpt.load_checkpoint(path, with_trainer_state=True)
-            missing = sorted(RESUME_KEYS - set(loaded.trainer_state or {}))
+            state = loaded.trainer_state or {}
+            missing = sorted(RESUME_KEYS - set(state))
             if missing:
                 raise AiaynError(f"{path / ckpt.TRAINER_STATE} lacks {', '.join(missing)}")
+            try:
+                check_optimizer_state(state["optimizer"], loaded.model)  # (a copy from another run)
+            except AiaynError as e:
+                raise AiaynError(f"{path / ckpt.TRAINER_STATE} does not fit the model ({e}); it is another run's") from None
             return loaded
         except AiaynError as e:
             first_error = first_error or e
@@ -648,16 +654,27 @@ def _fine_tune_start(init_from: str, preset_name: str, model_over: dict[str, Any
     (a run's recipe file, as `configs/multi30k.toml`, fine-tuning that run)."""
     typed = _options_set(tc, preset_name, given)
     init = ckpt.load_checkpoint(init_from)
-    saved = {**(init.config.get("train") or {}), "preset": init.config.get("preset")}
+    own = _init_settings(init)
     for k in ("preset", *_FROM_INIT):
         value = preset_name if k == "preset" else getattr(tc, k)
-        if k in typed and saved.get(k) != value:
+        if k in typed and own[k] != value:
             flag = "--no-joint-vocab" if value is False else f"--{k.replace('_', '-')}"
             shown = flag if isinstance(value, bool) else f"{flag} {value}"
             raise AiaynError(f"{shown} (a flag, or the --config file's {k}) cannot be used with --init-from "
                              f"{init_from}: the model, its shape and tokenizer are the checkpoint's; drop it")
     fine_tuned_config(init, model_over)
-    return preset_name, tc, init
+    return own.pop("preset"), tc.replace(**own), init
+
+
+def _init_settings(init: ckpt.Checkpoint) -> dict[str, Any]:
+    """The preset and _FROM_INIT options --init-from's checkpoint was trained with, which its fine-tuning
+    records in turn (its train.json is then a recipe that works); the defaults stand for those its
+    config lacks (an imported model's)."""
+    saved, defaults = init.config.get("train") or {}, TrainConfig()
+    own: dict[str, Any] = {k: saved[k] if type(saved.get(k)) is type(getattr(defaults, k)) else getattr(defaults, k)
+                           for k in _FROM_INIT}
+    name = init.config.get("preset")
+    return {"preset": name if isinstance(name, str) and name in PRESETS else _DEFAULT_PRESET, **own}
 
 
 def _init_language_pair(init_from: str, tc: TrainConfig, preset_name: str,
@@ -786,7 +803,9 @@ class Run:
         set_rng_state(st["rng"][self.d.rank])
 
     def save(self, best: bool = False) -> Path:
-        """step_<N>/ with the trainer state at (epoch, pos), best/ too if `best`; prunes old ones."""
+        """step_<N>/ with the trainer state at (epoch, pos), best/ too if `best` (first: the step's
+        trainer state records the new best BLEU, so a kill between the two must leave best/ written,
+        not a resume that never writes it); prunes old ones."""
         d, tc = self.d, self.tc
         rngs = [rng_state()]
         if d.world > 1:
@@ -800,9 +819,9 @@ class Run:
                      "precision": self.trainer.precision}
             config = {"model": self.model.cfg.to_dict(), "train": tc.to_dict(), "preset": self.preset,
                       "step": self.trainer.step, "epoch": self.epoch}
-            ckpt.save_checkpoint(path, self.model, self.corpus.tokenizers, config, state)
             if best:
                 ckpt.save_checkpoint(self.out / "best", self.model, self.corpus.tokenizers, config)
+            ckpt.save_checkpoint(path, self.model, self.corpus.tokenizers, config, state)
             ckpt.prune_checkpoints(self.out, tc.keep_last, upto=self.trainer.step)
         d.barrier()
         self.last_saved = path
@@ -929,13 +948,21 @@ def _take_steps(run: Run, stopper: Stopper, bar: Any, mine: Batches, feed: Prefe
                                "lr": trainer.lr(trainer.step), "tokens_per_s": round(tps, 1),
                                "elapsed_s": round(run.seconds(), 2), **skipped})
         if not math.isfinite(loss):
-            raise AiaynError(f"the loss became {loss} at step {trainer.step}; lower --lr-factor or use "
-                             "--precision fp32, and resume from an earlier checkpoint")
+            raise _diverged(run, loss)
         run.stop_reason = _stop_reason_after_step(run, stopper)
         periodic = trainer.applied and tc.save_every and trainer.step % tc.save_every == 0
         if run.pos < len(mine) and (run.stop_reason or periodic):
             # a run stopped by a limit ends with the model it translates with: score that one too
             run.save(best=run.stop_reason.startswith("reached") and _validate(run, bar, epoch_end=False))
+
+
+def _diverged(run: Run, loss: float) -> AiaynError:
+    """What to do once the loss is not finite: --resume keeps the run's own --lr-factor and precision,
+    so the way on is a new --out, from scratch or from an earlier checkpoint's weights."""
+    fp32 = "" if run.trainer.precision == "fp32" else " (or --precision fp32)"
+    return AiaynError(f"the loss became {loss} at step {run.trainer.step}; train with a lower --lr-factor{fp32} in a new "
+                      f"--out, from scratch or from an earlier checkpoint of this run with --init-from "
+                      f"{run.out / 'step_N'} (not --resume, which keeps the run's settings)")
 
 
 def _stop_reason_after_step(run: Run, stopper: Stopper) -> str:

@@ -374,6 +374,25 @@ class Trainer:
         self.skipped = int(state.get("skipped", 0))
 
 
+def check_optimizer_state(opt_state: Any, model: torch.nn.Module) -> None:
+    """Raises AiaynError (the reason) unless `opt_state` (Adam's state dict) holds moments shaped as
+    `model`'s parameters, one for one: torch loads them whatever their shapes, and the fused step
+    then runs past them (garbage weights, or a process killed)."""
+    params = list(model.parameters())
+    try:
+        ids = [i for g in opt_state["param_groups"] for i in g["params"]]
+        moments = [dict(opt_state["state"].get(i) or {}) for i in ids]
+    except (TypeError, KeyError, AttributeError, ValueError):
+        raise AiaynError("its optimizer state is not Adam's state dictionary") from None
+    if len(ids) != len(params):
+        raise AiaynError(f"its optimizer holds {len(ids)} parameters, the model {len(params)}")
+    for n, (p, state) in enumerate(zip(params, moments)):
+        for name, t in state.items():
+            if isinstance(t, Tensor) and t.dim() and t.shape != p.shape:  # `step` is a scalar
+                raise AiaynError(f"its optimizer's {name} of parameter {n} has shape {tuple(t.shape)}, "
+                                 f"the model's {tuple(p.shape)}")
+
+
 # -------------------------------------------------------------------------------------- validation
 
 
