@@ -33,6 +33,28 @@ def test_patience_without_validation_bleu_is_refused_before_anything_is_written(
     assert not out.exists() or not any(out.iterdir())
 
 
+@pytest.mark.parametrize("other", [["--data", "multi30k"], ["--data-bin", "prepared"]])
+def test_two_corpora_are_refused_before_anything_is_written(tmp_path, corpus, capsys, other):
+    """--data multi30k beside --train-src/--train-tgt trained on Multi30k (downloading it) and ignored
+    the files; --data-bin beside them ignored them too."""
+    out = tmp_path / "run"
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "1", *other)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and other[0] in err and "--train-src" in err and "give one of them" in err
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_text_files_given_as_flags_replace_the_config_files_corpus(tmp_path, corpus):
+    """`--config configs/demo.toml --train-src ... --train-tgt ...`: flags override the file's values, its
+    corpus included (it trained on Multi30k and ignored the files)."""
+    cfg = tmp_path / "recipe.toml"
+    cfg.write_text('[train]\ndata = "multi30k"\n', encoding="utf-8")
+    out = tmp_path / "run"
+    assert cli_main(tiny_args(corpus, out, "--config", str(cfg), "--max-steps", "1")) == 0
+    saved = json.loads((out / "train.json").read_text(encoding="utf-8"))["train"]
+    assert saved["data"] is None and saved["train_src"] == corpus["train_src"]
+
+
 def test_patience_is_refused_on_resume_with_valid_bleu_0(tmp_path, corpus, capsys):
     out = tmp_path / "run"
     assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--patience", "2")) == 0

@@ -191,10 +191,23 @@ def _options_given(args: argparse.Namespace) -> tuple[str | None, dict[str, Any]
     for k in _MODEL_NAMES:
         if hasattr(args, k):
             model_over[k] = getattr(args, k)
-    for k in train_names:
-        if hasattr(args, k):
-            train_over[k] = getattr(args, k)
+    flagged = {k for k in train_names if hasattr(args, k)}
+    for k in flagged:
+        train_over[k] = getattr(args, k)
+    _flagged_corpus_wins(train_over, flagged)
     return name, model_over, train_over
+
+
+CORPUS_KINDS = (("data",), ("data_bin",), ("train_src", "train_tgt", "valid_src", "valid_tgt"))  # one per run
+
+
+def _flagged_corpus_wins(train_over: dict[str, Any], flagged: set[str]) -> None:
+    """A corpus named by flags replaces the --config file's (`configs/demo.toml`'s Multi30k, say, with
+    --train-src and --train-tgt: the recipe on one's own text), as other flags replace file values."""
+    kinds = [kind for kind in CORPUS_KINDS if flagged & set(kind)]
+    if len(kinds) == 1:
+        for k in {k for kind in CORPUS_KINDS if kind is not kinds[0] for k in kind} - flagged:
+            train_over.pop(k, None)
 
 
 def build_configs(args: argparse.Namespace) -> tuple[str, dict[str, Any], TrainConfig]:
@@ -294,6 +307,15 @@ def check_patience(tc: TrainConfig) -> None:
     if not (tc.data or tc.data_bin) and tc.train_src and not tc.valid_src:
         raise AiaynError(f"--patience {tc.patience} counts epochs without a better validation BLEU, but there is no "
                          "validation set; give --valid-src and --valid-tgt or --patience 0")
+
+
+def check_corpus(tc: TrainConfig) -> None:
+    """One corpus per run: --data, --data-bin and the text files (--train-src ... --valid-tgt) each name
+    one, and given together (as flags, or in one --config file) all but one were ignored without a word."""
+    files = [f"--{k.replace('_', '-')}" for k in CORPUS_KINDS[2] if getattr(tc, k)]
+    named = [flag for flag, given in (("--data", tc.data), ("--data-bin", tc.data_bin), (" ".join(files), files)) if given]
+    if len(named) > 1:
+        raise AiaynError(f"{named[0]} and {named[1]} each name the training corpus; give one of them")
 
 
 # --------------------------------------------------- the run directory and what a run resumes from
@@ -840,6 +862,7 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
         tc = _init_language_pair(tc.init_from, tc, preset_name, given)
     if not resume:
         tc.check_cooldown()  # before anything is written
+        check_corpus(tc)
         check_patience(tc)
         preset_name, tc, init = _start(preset_name, model_over, tc, given)
     memory.cap_onednn_caches()  # before the first bf16 matmul
