@@ -357,19 +357,26 @@ def isolated(args: argparse.Namespace) -> int:
     from isolated import ISA_ENV, compare
 
     from aiayn.checkpoint import load_checkpoint
+    from aiayn.errors import AiaynError
 
     if not args.checkpoint:
         sys.exit("--isolated needs --checkpoint (a trained model: BLEU is part of the table)")
     isas = [x for x in args.isa.split(",") if x]
     if not isas or any(x not in ISA_ENV for x in isas):
         sys.exit(f"--isa: a comma-separated list of {', '.join(ISA_ENV)}")
-    ck = load_checkpoint(args.checkpoint)
+    if args.beam < 1 or args.threads < 0:  # else every worker process dies with a traceback
+        sys.exit(f"--isolated takes --beam above 0 and --threads of 0 or more, got {args.beam} and {args.threads}")
+    try:
+        ck = load_checkpoint(args.checkpoint)
+    except AiaynError as e:
+        sys.exit(f"--checkpoint: {e}")
     src_path, ref_path = multi30k_paths("test_2016_flickr", args.src, args.tgt, args.data_dir)
     lines, refs = read_lines(src_path), read_lines(ref_path)
     n = 48 if args.quick else (args.n or len(lines))
     eos = [EOS_ID] if ck.model.cfg.source_eos else []
     encoded = [(ck.tokenizers.src.encode(line) or ck.tokenizers.src.encode("."))[: ck.model.cfg.max_positions - len(eos)]
                + eos for line in lines[:n]]
+    n = len(encoded)  # --n past the end of the file: the sentences there are
     groups = batches(encoded, args.max_tokens, args.batch_size)
     print(f"checkpoint {ck.path}; {n} sentences of {src_path.name}, {len(groups)} batches; {args.threads or 1} "
           f"thread(s) per engine; {platform.processor() or platform.machine()}; rounds: {args.repeat}", flush=True)

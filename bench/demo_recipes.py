@@ -19,7 +19,10 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from aiayn.errors import AiaynError
 from aiayn.plot import read_metrics, save_figure
+
+PICTURE = Path(__file__).resolve().parents[1] / "docs" / "demo-recipes.png"  # the repo's, from any directory
 
 
 @dataclass(frozen=True)
@@ -34,10 +37,17 @@ class Candidate:
 
 def _settings(train_json: Path) -> str:
     """The knobs the candidates vary, in one short line."""
-    cfg = json.loads(train_json.read_text(encoding="utf-8"))
-    m, t = cfg["model"], cfg["train"]
-    return (f"d{m['d_model']} {m['encoder_layers']}+{m['decoder_layers']} ff{m['d_ff']} drop {m['dropout']}, "
-            f"vocab {t['vocab_size']}, {t['max_tokens']} tok, warmup {t['warmup']}, lr x{t['lr_factor']}")
+    try:
+        cfg = json.loads(train_json.read_text(encoding="utf-8"))
+        m, t = cfg["model"], cfg["train"]
+        return (f"d{m['d_model']} {m['encoder_layers']}+{m['decoder_layers']} ff{m['d_ff']} drop {m['dropout']}, "
+                f"vocab {t['vocab_size']}, {t['max_tokens']} tok, warmup {t['warmup']}, lr x{t['lr_factor']}")
+    except OSError as e:
+        raise AiaynError(f"{train_json}: cannot read it ({e.strerror or e}); pass a run directory of `aiayn train`") \
+            from None
+    except (ValueError, KeyError, TypeError) as e:  # not JSON, or not a run's settings
+        raise AiaynError(f"{train_json}: not the train.json of an `aiayn train` run ({type(e).__name__}: {e})") \
+            from None
 
 
 def read_candidate(run: Path) -> Candidate:
@@ -75,11 +85,14 @@ def figure(cands: list[Candidate], goal: float) -> Figure:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("runs", nargs="+", type=Path, help="run directories (or their copies under docs/logs)")
-    p.add_argument("-o", "--output", default="docs/demo-recipes.png", help="the picture")
+    p.add_argument("-o", "--output", default=PICTURE, help="the picture (default: docs/demo-recipes.png of this repo)")
     p.add_argument("--goal", type=float, default=30.0, help="the BLEU line drawn")
     args = p.parse_args(argv)
-    cands = [read_candidate(r) for r in args.runs]
-    print(save_figure(figure(cands, args.goal), args.output))
+    try:  # a missing or broken run file, an unwritable picture: one line naming it
+        cands = [read_candidate(r) for r in args.runs]
+        print(save_figure(figure(cands, args.goal), args.output))
+    except AiaynError as e:
+        raise SystemExit(f"demo_recipes.py: error: {e}") from None
     print("| candidate | settings | precision | steps | val BLEU at the end (minutes) | best val BLEU |")
     print("|---|---|---|---|---|---|")
     for c in cands:

@@ -55,6 +55,7 @@ from aiayn import step
 from aiayn.checkpoint import load_checkpoint, save_checkpoint
 from aiayn.config import preset
 from aiayn.data.text import multi30k_paths
+from aiayn.errors import AiaynError
 from aiayn.evaluate import corpus_scores
 from aiayn.export import export_ctranslate2, export_hf
 from aiayn.files import read_lines
@@ -65,8 +66,10 @@ from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizers
 from aiayn.translate import CT2Translator
 from decode import batches, padded  # bench/decode.py: the same batches for every engine
 from profiling import profiler, summary  # bench/profiling.py
+from train_step import positive  # bench/train_step.py: counts above 0 as argparse types
 
 A, B = 1.0, 50  # aiayn's length limit: floor(A * source length + B)
+SKIP_PARTS = ("bf16", "hf", "ct2", "int8", "python-step")
 
 
 def attention_backends(dev: torch.device) -> AbstractContextManager:
@@ -93,35 +96,64 @@ def python_step(search: Any) -> Any:
     return run
 
 
+def reference_row(name: str) -> str:
+    """The row whose translations `name`'s are counted against: a Python step row's compiled row, HF
+    with alpha 0 against aiayn with alpha 0, everything else (aiayn's alpha 0 included) aiayn fp32."""
+    if name.endswith(", Python step"):
+        return name.removesuffix(", Python step")
+    return "aiayn fp32, alpha 0" if "alpha 0" in name and not name.startswith("aiayn") else "aiayn fp32"
+
+
+def check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> set[str]:
+    """Bad values as one-line usage errors before anything is loaded or timed; the --skip parts."""
+    skip = set(filter(None, args.skip.split(",")))
+    if not skip <= set(SKIP_PARTS):  # a misspelt part would run what it meant to leave out
+        ap.error(f"--skip takes a comma-separated list of {','.join(SKIP_PARTS)}, got {args.skip!r}")
+    if args.threads < 0:
+        ap.error(f"--threads must be 0 (torch's default) or more, got {args.threads}")
+    try:
+        torch.device(args.device)
+    except RuntimeError:
+        ap.error(f"--device: cpu or cuda[:N], got {args.device!r}")
+    return skip
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return run(argv)
+    except AiaynError as e:  # a bad checkpoint or data file, named by the library: one line, no traceback
+        sys.exit(f"engines.py: error: {e}")
+
+
+def run(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", help="a trained checkpoint or run directory (default: a random-weight model)")
     ap.add_argument("--src", default="de")
     ap.add_argument("--tgt", default="en")
     ap.add_argument("--data-dir", help="data root holding multi30k/ (default $AIAYN_DATA)")
-    ap.add_argument("--n", type=int, help="first N test sentences (default: all 1000)")
+    ap.add_argument("--n", type=positive(), help="first N test sentences (default: all 1000)")
     ap.add_argument("--quick", action="store_true", help="first 48 sentences only (a smoke run)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where aiayn and HF run")
     ap.add_argument("--preset", default="small", help="model size without --checkpoint")
-    ap.add_argument("--vocab-size", type=int, default=8000, help="joint vocabulary without --checkpoint")
+    ap.add_argument("--vocab-size", type=positive(), default=8000, help="joint vocabulary without --checkpoint")
     ap.add_argument("--json", help="also write the rows here")
-    ap.add_argument("--beam", type=int, default=4)
+    ap.add_argument("--beam", type=positive(), default=4)
     ap.add_argument("--alpha", type=float, default=0.6)
-    ap.add_argument("--max-tokens", type=int, default=2048, help="source tokens per batch")
-    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--max-tokens", type=positive(), default=2048, help="source tokens per batch")
+    ap.add_argument("--batch-size", type=positive(), default=32)
     ap.add_argument("--threads", type=int, default=0, help="threads for torch and CTranslate2 (0: torch's default)")
-    ap.add_argument("--skip", default="", help="comma-separated: bf16,hf,ct2,int8,python-step")
+    ap.add_argument("--skip", default="", help=f"comma-separated: {','.join(SKIP_PARTS)}")
     ap.add_argument("--profile", metavar="FILE",
                     help="after the timings, profile aiayn's and HF's searches on the widest batch into FILE (markdown)")
     ap.add_argument("--identity", action="store_true", help="also run aiayn and HF beam search with alpha = 0")
     args = ap.parse_args(argv)
+    skip = check(ap, args)
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: no CUDA device is available")
-    skip = set(filter(None, args.skip.split(",")))
     if "bf16" not in skip and dev.type == "cpu" and not cpu_has_fast_bf16():  # bf16 runs ~100x slower there
         skip.add("bf16")
         print(f"note: {SLOW_BF16}; skipping bf16 (as --skip bf16)", file=sys.stderr)
@@ -151,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     lines, refs = read_lines(src_path), read_lines(ref_path)
     n = 48 if args.quick else (args.n or len(lines))
     lines, refs = lines[:n], refs[:n]
+    n = len(lines)  # --n past the end of the file: the sentences there are, not N (sentences/s counts them)
     eos = [EOS_ID] if model.cfg.source_eos else []  # the source as the model was trained on it
     encoded = [toks.src.encode(line)[: model.cfg.max_positions - len(eos)] + eos for line in lines]
     limits = [max(1, math.floor(len(e) * A + B)) for e in encoded]
@@ -256,8 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         outs[(name, mode)] = res
         hyps = [toks.tgt.decode(h) for h in res]
         bleu = corpus_scores(hyps, refs)["bleu"]
-        ref_key = ("aiayn fp32, alpha 0" if "alpha 0" in name else name.removesuffix(", Python step")
-                   if name.endswith(", Python step") else "aiayn fp32", mode)  # a Python step: its compiled row
+        ref_key = (reference_row(name), mode)
         same = sum(x == y for x, y in zip(res, outs[ref_key])) if ref_key in outs else n
         tok = sum(map(len, res))
         rows.append((name, mode, dt, n / dt, tok / dt, bleu, same))
@@ -274,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             vs = [f"{other} {peer[mode] / dt:.2f}x" for other, peer in peers if mode in peer]
             print(f"{name} {mode}: faster than " + ", ".join(vs) if vs else f"{name} {mode}")
     print(f"\n| system | search | seconds | sentences/s | target tokens/s | time / aiayn fp32 | BLEU | "
-          f"identical to aiayn fp32 (a Python step row: to its compiled row) |")
+          f"identical to aiayn fp32 (a Python step row: to its compiled row; HF alpha 0: to aiayn alpha 0) |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for name, mode, dt, sps, tps, bleu, same in rows:
         print(f"| {name} | {mode} | {dt:.2f} | {sps:.1f} | {tps:.0f} | {dt / base[mode]:.2f}x | {bleu:.2f} | "

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import re
 import sys
-from pathlib import Path
 
 import sacrebleu
+
+from aiayn.errors import AiaynError
+from aiayn.files import read_lines
 
 _COMPOUND = re.compile(r"(\S)-(\S)")
 
@@ -60,7 +62,11 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)
         return 2
-    hyps, refs = (Path(p).read_text(encoding="utf-8").rstrip("\n").split("\n") for p in argv)
+    try:  # an empty translation is a line too (stripping every trailing newline dropped the last ones)
+        hyps, refs = read_lines(argv[0], blank_ok=True), read_lines(argv[1])
+    except AiaynError as e:  # a missing, empty or non-UTF-8 file: one line
+        print(e, file=sys.stderr)
+        return 2
     if len(hyps) != len(refs):
         print(f"{argv[0]} has {len(hyps)} lines but {argv[1]} has {len(refs)}", file=sys.stderr)
         return 2

@@ -155,6 +155,25 @@ def old_source(work: Path) -> Path:
     return dest / "src"
 
 
+def table_row(name: str, r: dict) -> str:
+    """One measurement's row of the table; a run that failed says so (its time and memory are those of
+    the failure, not of the work)."""
+    what, pairs = name.rsplit(" ", 1)
+    if r["rc"] != 0:
+        return f"| {what} | {pairs} | failed (exit {r['rc']}; see its log in --work) | | | | |"
+    return (f"| {what} | {pairs} | {r['wall_s']} | {r.get('first_step_s', '')} "
+            f"| {r['rss_main']} / {r['rss_tree']} / {r['pss_tree']} | {r['rss_anon']} | {r['load_avg']} |")
+
+
+def check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Sizes the run can measure, as one-line usage errors: the smaller corpora are the first lines of
+    the --pairs one, so a larger size was measured on --pairs pairs and labelled with its own."""
+    if min(args.pairs, args.small, args.steps, *args.old) < 1:
+        ap.error("--pairs, --small, --old and --steps take numbers above 0")
+    if max([args.small, *args.old]) > args.pairs:
+        ap.error(f"--small and --old take at most --pairs ({args.pairs}) pairs, got {args.small} and {args.old}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", type=Path, default=Path("/work/scale"))
@@ -170,6 +189,7 @@ def main() -> int:
     ap.add_argument("--reuse", action="store_true",
                     help="keep the prepare results of an earlier run in WORK/scale.json and its prepared data")
     args = ap.parse_args()
+    check(ap, args)
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
     py = sys.executable
@@ -222,11 +242,10 @@ def main() -> int:
     print("\n| measurement | pairs | wall s | first step s | peak RSS MB: main / tree RSS / tree PSS | peak RssAnon MB "
           "| load |")
     print("|---|---|---|---|---|---|---|")
-    for name, r in results.items():
-        if "rc" in r:
-            print(f"| {name.rsplit(' ', 1)[0]} | {name.rsplit(' ', 1)[1]} | {r['wall_s']} | {r.get('first_step_s', '')} "
-                  f"| {r['rss_main']} / {r['rss_tree']} / {r['pss_tree']} | {r['rss_anon']} | {r['load_avg']} |")
-    return 0
+    runs = {name: r for name, r in results.items() if "rc" in r}
+    for name, r in runs.items():
+        print(table_row(name, r))
+    return 1 if any(r["rc"] != 0 for r in runs.values()) else 0
 
 
 if __name__ == "__main__":

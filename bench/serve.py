@@ -229,7 +229,35 @@ def memory(checkpoint: str, lines: list[str], total: int, flags: list[str]) -> d
     return rss
 
 
-def main() -> None:
+def check(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[int]:
+    """Bad counts as one-line usage errors before minutes of set-up (they failed with a traceback
+    at the first level, or at the end, losing every figure); the client levels."""
+    if not all(c.isdigit() and int(c) > 0 for c in args.clients.split(",")):
+        p.error(f"--clients takes comma-separated whole numbers above 0, got {args.clients!r}")
+    for flag in ("few", "direct", "repeat", "fair_clients"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} takes a number above 0, got {getattr(args, flag)}")
+    for flag in ("rss", "threads", "fairness"):
+        if getattr(args, flag) < 0:
+            p.error(f"--{flag} takes 0 or more, got {getattr(args, flag)}")
+    return [int(c) for c in args.clients.split(",")]
+
+
+def cli_translations(checkpoint: str, lines: list[str]) -> list[str]:
+    """`aiayn translate`'s output for `lines`: what every answer must equal. Its one-line error
+    (a path that is no checkpoint, say) ends the run as it is."""
+    with tempfile.TemporaryDirectory() as tmp:
+        plain = Path(tmp) / "src.txt"
+        plain.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p))
+        cli = subprocess.run([sys.executable, "-m", "aiayn", "translate", "--checkpoint", checkpoint,
+                              "--input", str(plain)], capture_output=True, text=True, env=env)
+    if cli.returncode != 0:
+        raise SystemExit((cli.stderr.strip().splitlines() or [f"aiayn translate failed ({cli.returncode})"])[-1])
+    return cli.stdout.splitlines()
+
+
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--src", default="de")
@@ -248,27 +276,19 @@ def main() -> None:
     p.add_argument("--fair-clients", type=int, default=4, help="clients that send the fairness row's one-line requests")
     p.add_argument("--serve-flags", default="", help="more flags for the batching server, e.g. '--max-wait-ms 20'")
     p.add_argument("--json", help="write the results here too")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    levels = check(p, args)
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by the servers and the CLI
         import torch
 
         torch.set_num_threads(args.threads)
-    levels = [int(c) for c in args.clients.split(",")]
     lines = read_lines(multi30k_paths("test_2016_flickr", args.src, args.tgt)[0])
-    if args.repeat < 1:
-        raise SystemExit("--repeat must be at least 1")
     results: dict = {"checkpoint": args.checkpoint, "serve_flags": args.serve_flags, "sentences": len(lines),
                      "cpus": os.cpu_count(), "threads": args.threads, "load_average_start": os.getloadavg()[0]}
     print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the start", flush=True)
 
-    with tempfile.TemporaryDirectory() as tmp:  # the CLI's translations: what every answer must equal
-        plain = Path(tmp) / "src.txt"
-        plain.write_text("\n".join(lines) + "\n", encoding="utf-8")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p))
-        cli = subprocess.run([sys.executable, "-m", "aiayn", "translate", "--checkpoint", args.checkpoint,
-                              "--input", str(plain)], capture_output=True, text=True, check=True, env=env)
-    reference = cli.stdout.splitlines()
+    reference = cli_translations(args.checkpoint, lines)
 
     translator = Translator.from_checkpoint(args.checkpoint)
     translator.translate(lines[:16])  # warm-up

@@ -121,3 +121,17 @@ def test_a_bad_count_is_a_one_line_usage_error(flags, capsys):
     with pytest.raises(SystemExit) as e:
         benches.load("decode.py").main(["--skip", "hf,ct2,bf16,uncached,work", *flags])
     assert e.value.code == 2 and "--repeat and --n" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--checkpoint", "{tmp}", "--threads", "-2"], "--threads of 0 or more"),  # the workers' tracebacks
+    (["--checkpoint", "{tmp}", "--beam", "0"], "--beam above 0"),  # checked before the checkpoint
+    (["--checkpoint", "{tmp}"], "--checkpoint: {tmp} holds no checkpoint"),  # AiaynError's traceback
+])
+def test_isolated_refuses_bad_values_in_one_line_before_any_worker(flags, message, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    spawned = []
+    monkeypatch.setattr("subprocess.run", lambda *a, **k: spawned.append(a))
+    with pytest.raises(SystemExit) as e:
+        _bench().main(["--isolated", "--n", "2", "--isa", "native", *(f.format(tmp=tmp_path) for f in flags)])
+    assert message.format(tmp=tmp_path) in str(e.value) and not spawned

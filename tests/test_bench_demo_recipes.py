@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+import benches
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -37,3 +41,27 @@ def test_picture_and_table(tmp_path):
     assert rows["small"] == ["d192 3+3 ff768 drop 0.1, vocab 5000, 2048 tok, warmup 300, lr x0.5", "bf16", "307",
                              "30.25 (3.00)", "31.50"]
     assert rows["wide"][1:] == ["fp32", "207", "20.00 (2.00)", "20.00"]
+
+
+def test_the_default_picture_is_the_repos_from_any_directory(tmp_path, monkeypatch, capsys):
+    bench = benches.load("demo_recipes.py")
+    run = fake_run(tmp_path / "demo-small", 192, [10.0, 31.5], "bf16")
+    saved = []
+    monkeypatch.setattr(bench, "save_figure", lambda fig, path: saved.append(Path(path)) or path)
+    monkeypatch.chdir(tmp_path)  # it wrote tmp_path/docs/demo-recipes.png, a folder of its own making
+    assert bench.main([str(run)]) == 0
+    assert saved == [ROOT / "docs" / "demo-recipes.png"] and not (tmp_path / "docs").exists()
+
+
+def test_a_run_without_its_files_is_a_one_line_error(tmp_path):
+    bench = benches.load("demo_recipes.py")
+    run = fake_run(tmp_path / "demo-small", 192, [10.0, 31.5], "bf16")
+    (run / "train.json").unlink()
+    with pytest.raises(SystemExit) as e:  # was FileNotFoundError's traceback
+        bench.main([str(run), "-o", str(tmp_path / "x.png")])
+    assert str(e.value) == f"demo_recipes.py: error: {run / 'train.json'}: cannot read it (No such file or " \
+                           "directory); pass a run directory of `aiayn train`"
+    with pytest.raises(SystemExit) as e:  # was AiaynError's traceback
+        bench.main([str(tmp_path / "nothing"), "-o", str(tmp_path / "x.png")])
+    assert str(e.value).startswith(f"demo_recipes.py: error: {tmp_path / 'nothing' / 'metrics.jsonl'}: cannot read")
+    assert not (tmp_path / "x.png").exists()

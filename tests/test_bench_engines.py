@@ -81,3 +81,53 @@ def test_the_python_step_row_turns_the_compiled_step_off_for_its_search_only(mon
     with pytest.raises(RuntimeError):
         bench.python_step(search)([1])
     assert seen == [False, False] and bench.step.COMPILED_STEPS is True
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--n", "0"], "--n: expected a number above 0"),  # ran all 1000 sentences
+    (["--n", "-5"], "--n: expected a number above 0"),  # ran 995, or a negative count of them
+    (["--beam", "0"], "--beam: expected a number above 0"),  # a traceback after the greedy timings
+    (["--batch-size", "0"], "--batch-size: expected a number above 0"),
+    (["--threads", "-1"], "--threads must be 0"),  # torch's traceback
+    (["--skip", "hf,ct"], "--skip takes a comma-separated list of bf16,hf,ct2,int8,python-step"),  # ran ct2
+    (["--device", "gpu"], "--device: cpu or cuda[:N], got 'gpu'"),
+])
+def test_bad_arguments_are_one_line_errors_before_any_work(args, message, capsys, monkeypatch):
+    bench = _bench(monkeypatch)
+    monkeypatch.setattr(bench, "multi30k_paths", lambda *a: pytest.fail("started the run"))
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--preset", "tiny", "--vocab-size", "1000", *args])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_path_that_is_no_checkpoint_is_a_one_line_error(monkeypatch, tmp_path):
+    bench = _bench(monkeypatch)
+    with pytest.raises(SystemExit) as e:  # was AiaynError's traceback
+        bench.main(["--checkpoint", str(tmp_path), "--n", "2"])
+    assert str(e.value).startswith("engines.py: error: ") and "holds no checkpoint" in str(e.value)
+
+
+def test_aiayns_alpha_0_row_is_counted_against_aiayn_fp32_not_itself(monkeypatch):
+    bench = _bench(monkeypatch)  # it printed n/n, identical to itself, under "identical to aiayn fp32"
+    assert bench.reference_row("aiayn fp32, alpha 0") == "aiayn fp32"
+    assert bench.reference_row("HF generate, alpha 0") == "aiayn fp32, alpha 0"
+    assert bench.reference_row("aiayn bf16, Python step") == "aiayn bf16"
+    assert bench.reference_row("HF generate (5.0)") == "aiayn fp32"
+
+
+def test_n_past_the_end_of_the_test_set_counts_the_sentences_there_are(capsys, monkeypatch):
+    bench = _bench(monkeypatch)
+    real = bench.read_lines
+    monkeypatch.setattr(bench, "read_lines", lambda path: real(path)[:3])  # a test set of 3 sentences
+    threads = torch.get_num_threads()
+    try:
+        assert bench.main(["--n", "30", "--preset", "tiny", "--vocab-size", "1000", "--skip", "hf,ct2,bf16,python-step",
+                           "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "3 sentences of test_2016_flickr.de" in out  # it said 30, and sentences/s counted 30 of them
+    m = re.search(r"^\| aiayn fp32 \| greedy \| ([\d.]+) \| ([\d.]+) \| .* \| (\d+)/(\d+) \|$", out, re.M)
+    assert m and m.group(3, 4) == ("3", "3")
+    seconds, per_s = float(m.group(1)), float(m.group(2))  # as printed: 2 and 1 decimals
+    assert 3 / (seconds + 0.005) - 0.05 <= per_s <= 3 / max(seconds - 0.005, 1e-9) + 0.05
