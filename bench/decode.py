@@ -57,9 +57,13 @@ from aiayn.export import to_marian  # the weight mapping of `aiayn export --to h
 from aiayn.files import read_lines
 from aiayn.kernels import SLOW_BF16, cpu_has_fast_bf16
 from aiayn.model import Transformer
-from aiayn.search import beam_search, greedy_search
+from aiayn.search import DEFAULT_STOP_RULE, beam_search, greedy_search
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizers
 from aiayn.translate import Settings, length_batches, map_batches, worker_count
+
+# HF's beam search stops as aiayn's does by default ("best": searching on while a live hypothesis could
+# still win, transformers' early_stopping=False), as `aiayn export --to hf` sets it
+HF_EARLY_STOPPING = DEFAULT_STOP_RULE == "first"
 
 
 def build(args):
@@ -255,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         def hf_gen(beam, m):
             def go(s):
                 limit = int((s.ne(PAD_ID).sum(1).max().item()) * a + b) + 1  # the longest sentence's limit + EOS
-                extra = dict(length_penalty=args.alpha, early_stopping=True) if beam > 1 else {}
+                extra = dict(length_penalty=args.alpha, early_stopping=HF_EARLY_STOPPING) if beam > 1 else {}
                 with torch.no_grad():
                     out = m.generate(input_ids=s, attention_mask=s.ne(PAD_ID), num_beams=beam, do_sample=False,
                                       max_new_tokens=limit, bad_words_ids=[[PAD_ID], [BOS_ID]],

@@ -64,7 +64,7 @@ from aiayn.model import Transformer
 from aiayn.search import beam_search, greedy_search
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizers
 from aiayn.translate import CT2Translator
-from decode import batches, padded  # bench/decode.py: the same batches for every engine
+from decode import HF_EARLY_STOPPING, batches, padded  # bench/decode.py: the same batches for every engine
 from profiling import profiler, summary  # bench/profiling.py
 from train_step import positive  # bench/train_step.py: counts above 0 as argparse types
 
@@ -230,7 +230,7 @@ def run(argv: list[str] | None = None) -> int:
                 s = padded(encoded, idx).to(dev)
                 with torch.no_grad(), attention_backends(dev):
                     out = m.generate(input_ids=s, attention_mask=s.ne(PAD_ID), num_beams=beam, do_sample=False,
-                                     length_penalty=a, early_stopping=True,
+                                     length_penalty=a, early_stopping=HF_EARLY_STOPPING,
                                      max_new_tokens=max(limits[i] for i in idx) + 1)
                 return [hf_strip(r)[: limits[i]] for i, r in zip(idx, out.tolist())]
             return go

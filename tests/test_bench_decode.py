@@ -135,3 +135,18 @@ def test_isolated_refuses_bad_values_in_one_line_before_any_worker(flags, messag
     with pytest.raises(SystemExit) as e:
         _bench().main(["--isolated", "--n", "2", "--isa", "native", *(f.format(tmp=tmp_path) for f in flags)])
     assert message.format(tmp=tmp_path) in str(e.value) and not spawned
+
+
+@needs_data
+def test_hf_beam_search_stops_as_aiayns_default_rule(monkeypatch):
+    """As bench/engines.py's (tests/test_bench_engines.py): HF's beam search was given early_stopping=True."""
+    transformers = pytest.importorskip("transformers")
+    from aiayn.search import DEFAULT_STOP_RULE
+
+    seen = []
+    real = transformers.MarianMTModel.generate
+    monkeypatch.setattr(transformers.MarianMTModel, "generate",
+                        lambda self, *a, **kw: seen.append(kw.get("early_stopping")) or real(self, *a, **kw))
+    assert _bench().main(["--preset", "tiny", "--vocab-size", "1000", "--n", "3", "--skip", "ct2,bf16,uncached,work",
+                          "--threads", "1"]) == 0
+    assert (DEFAULT_STOP_RULE == "first") in seen and True not in seen

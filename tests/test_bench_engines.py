@@ -131,3 +131,19 @@ def test_n_past_the_end_of_the_test_set_counts_the_sentences_there_are(capsys, m
     assert m and m.group(3, 4) == ("3", "3")
     seconds, per_s = float(m.group(1)), float(m.group(2))  # as printed: 2 and 1 decimals
     assert 3 / (seconds + 0.005) - 0.05 <= per_s <= 3 / max(seconds - 0.005, 1e-9) + 0.05
+
+
+def test_hf_beam_search_stops_as_aiayns_default_rule(monkeypatch):
+    """HF's beam search in the benches follows aiayn's default stopping rule ("best": transformers'
+    early_stopping=False, as the HF export sets it); it was given True, a search that stops sooner."""
+    transformers = pytest.importorskip("transformers")
+    from aiayn.search import DEFAULT_STOP_RULE
+
+    seen = []
+    real = transformers.MarianMTModel.generate
+    monkeypatch.setattr(transformers.MarianMTModel, "generate",
+                        lambda self, *a, **kw: seen.append(kw.get("early_stopping")) or real(self, *a, **kw))
+    bench = _bench(monkeypatch)
+    assert bench.main(["--n", "4", "--preset", "tiny", "--vocab-size", "1000", "--skip", "ct2,bf16,python-step,int8",
+                       "--threads", "1"]) == 0
+    assert (DEFAULT_STOP_RULE == "first") in seen and True not in seen  # (greedy: None)
