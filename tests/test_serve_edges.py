@@ -141,34 +141,49 @@ def _metric(base: str, name: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def test_refusals_the_http_protocol_makes_itself_are_counted(de_en):
+def test_refusals_the_http_protocol_makes_itself_are_counted(de_en, caplog):
     """Past --max-connections uvicorn answered 503 before the app ran, and a late request head got
     its 408 from the protocol: neither reached the middleware that counts requests, so /metrics
     showed no client turned away. Now both are in aiayn_requests_total (and h11's 400 for a head
     that is not HTTP), and every connection closed
-    on --head-timeout in aiayn_timeout_closes_total by reason; the 503 is JSON naming the flag."""
+    on --head-timeout in aiayn_timeout_closes_total by reason; the 503 is JSON naming the flag (and
+    saying what it counts: 3 connections open is --max-connections 3 reached, not more than 3). A body
+    h11 cannot read after the app's answer gets no 400 (none can follow the answer): none is counted,
+    and the connection is closed without uvicorn's traceback in the log."""
     limits = Limits(max_wait_ms=5, max_connections=3, head_timeout_s=0.5)
     with _served_as_cli(create_app(de_en, limits, ("de", "en")), limits) as (base, port):
         warming = _metric(base, 'aiayn_requests_total{path="/health",status="503"}')  # the app's, while warming up
-        held = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+        held = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]  # with the request's: 3
         try:
             time.sleep(0.1)
             r = httpx.get(f"{base}/health")
         finally:
             for sock in held:
                 sock.close()
-        assert r.status_code == 503 and "--max-connections 3" in r.json()["error"] and r.headers["retry-after"] == "1"
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"] == ("--max-connections 3 reached (open connections, this one among them, or requests "
+                                     "in flight); retry shortly")  # not "more than 3": 3 were open
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:  # a head begun, never ended
             sock.sendall(b"POST /translate HTTP/1.1\r\nHost: t\r\n")
             assert sock.recv(65536).startswith(b"HTTP/1.1 408 ")
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:  # not HTTP: h11's 400
             sock.sendall(b"HELLO\r\n\r\n")
             assert sock.recv(65536).startswith(b"HTTP/1.1 400 ")
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:  # a bad body after the answer:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n")
+            reply = b""
+            while not reply.endswith(b'{"status":"ok"}'):
+                reply += sock.recv(65536)
+            assert reply.startswith(b"HTTP/1.1 200 ")
+            sock.sendall(b"zz\r\n")  # h11 fails on it, and no 400 can follow the 200: none is sent, none counted
+            with contextlib.suppress(ConnectionError):
+                assert sock.recv(65536) == b""
         time.sleep(0.7)  # the held connections, closed on the deadline too (idle) if not gone already
         assert _metric(base, 'aiayn_requests_total{path="/health",status="503"}') == warming + 1
         assert _metric(base, 'aiayn_requests_total{path="/translate",status="408"}') == 1
         assert _metric(base, 'aiayn_requests_total{path="other",status="400"}') == 1
         assert _metric(base, 'aiayn_timeout_closes_total{reason="head"}') == 1
+    assert not [r for r in caplog.records if r.exc_info or "Fatal error" in r.getMessage()]
 
 
 def test_a_large_answer_is_encoded_without_holding_the_event_loop(de_en):
@@ -211,3 +226,24 @@ def test_a_large_answer_is_encoded_without_holding_the_event_loop(de_en):
                               "hypotheses": [hypothesis] * 4}] * 40, "beam": 4, "alpha": 0.6}
     assert r.content == json.dumps(want, ensure_ascii=False, separators=(",", ":")).encode()
     assert max(gaps) < 0.25, f"the event loop was held {max(gaps):.3f} s"
+
+
+def test_an_answer_is_encoded_in_pieces_whatever_its_first_line_and_its_keys():
+    """`encode._size` judged a list of lines by its first: a short first line (a heading, say) before
+    long ones made the whole answer one piece, encoded in one call with the event loop held; and an
+    object split in pieces wrote its keys as values (1, not "1"), unlike `JSONResponse`."""
+    import json
+
+    from starlette.responses import JSONResponse
+
+    from aiayn.serve import encode
+
+    row = [0.123456789] * 48
+    long = {"source_tokens": ["▁a"] * 48, "hypotheses": [{"text": "ein", "attention": [[row] * 48] * 3}] * 4}
+    short = {"source_tokens": ["▁a"], "hypotheses": [{"text": "ein", "attention": [[[0.5]]] * 3}]}
+    body = {"translations": [short] + [long] * 10, "beam": 4, "alpha": 0.6}
+    pieces = list(encode._pieces(body))
+    assert b"".join(pieces) == json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    assert max(map(len, pieces)) < 100_000, f"a piece of {max(map(len, pieces))} bytes"
+    keyed = {1: row * 30, None: "ü", True: [row] * 30, 2.5: {}, "k": []}
+    assert asyncio.run(encode.json_response(keyed)).body == JSONResponse(keyed).body

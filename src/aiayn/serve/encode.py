@@ -42,7 +42,7 @@ def _pieces(value: Any) -> Iterator[bytes]:
     elif isinstance(value, dict):
         sep = b"{"
         for k, v in value.items():
-            yield sep + _dumps(k) + b":"
+            yield sep + _dumps({k: 0})[1:-2]  # the key as json.dumps writes it (1 -> "1"), and its colon
             yield from _pieces(v)
             sep = b","
         yield b"}"
@@ -60,12 +60,19 @@ def _pieces(value: Any) -> Iterator[bytes]:
         yield b"]"
 
 
-def _size(value: Any) -> int:
-    """About how many numbers, or runs of 16 characters, `value` holds (a list's judged by its first element)."""
-    if isinstance(value, dict):
-        return sum(_size(v) for v in value.values())
-    if isinstance(value, list):
-        return len(value) * _size(value[0]) if value else 1
+def _size(value: Any, cap: int = PIECE) -> int:
+    """About how many numbers, or runs of 16 characters, `value` holds, counted until past `cap` (a list
+    of numbers or strings judged by its first element; a list of lists or objects element by element:
+    a short first line says nothing of the next)."""
+    if isinstance(value, list) and value and not isinstance(value[0], (dict, list)):
+        return len(value) * _size(value[0])
+    if isinstance(value, (dict, list)) and value:
+        n = 0
+        for v in value.values() if isinstance(value, dict) else value:
+            n += _size(v, cap - n)
+            if n > cap:
+                break
+        return n
     return 1 + len(value) // 16 if isinstance(value, str) else 1
 
 

@@ -80,8 +80,9 @@ class HeadTimedH11(H11Protocol):
         if limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit):
             self.logger.warning("Exceeded concurrency limit.")
             self.counts.answered(self.scope["path"], 503)
-            return JSONResponse({"error": f"more than --max-connections {limit} connections and requests at "
-                                          "once; retry shortly"}, 503, {"Retry-After": "1", "Connection": "close"})
+            return JSONResponse({"error": f"--max-connections {limit} reached (open connections, this one among "
+                                          "them, or requests in flight); retry shortly"},
+                                503, {"Retry-After": "1", "Connection": "close"})
         return self._app
 
     @app.setter
@@ -89,8 +90,14 @@ class HeadTimedH11(H11Protocol):
         self._app = app
 
     def send_400_response(self, msg: str) -> None:
-        self.counts.answered("", 400)  # a head h11 cannot read: no path to name
+        """h11's 400 for what it cannot read, counted; where an answer has begun already (a bad body
+        after it), none can follow: the connection is closed (uvicorn's own call raised there, and
+        logged a traceback)."""
+        if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):  # an answer begun or sent
+            self.transport.close()
+            return
         super().send_400_response(msg)
+        self.counts.answered("", 400)  # no path to name: a head h11 cannot read, or a body after it
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(cast(asyncio.Transport, transport))  # a stream transport: uvicorn's own type

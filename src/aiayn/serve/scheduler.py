@@ -67,7 +67,7 @@ class Limits:
     max_work: int = 2_000_000  # work one request may ask for, in token slots (`aiayn.serve.batch.price`)
     max_share: float = 0.1  # of a batch's source tokens, the most one request takes while others wait
     max_client_lines: int = 2048  # lines one client (API key, else IP) may have in the server at once
-    max_connections: int = 512  # open connections and requests in flight (more: 503, by uvicorn)
+    max_connections: int = 512  # open connections and requests in flight (more: 503, by `aiayn.serve.protocol`)
     head_timeout_s: float = 10.0  # time to send a request line and headers (more: 408, connection closed)
     body_timeout_s: float = 30.0  # time to send a request body (more: 408)
     shutdown_timeout_s: int = 30  # on SIGTERM, how long requests in flight may finish
