@@ -2,6 +2,10 @@
 cannot honour, --split-sentences on blank lines, and a new --output file after a failed start. Each
 test failed before its fix."""
 
+import io
+import subprocess
+import sys
+
 import pytest
 
 from aiayn.cli import main
@@ -117,3 +121,66 @@ def test_discard_removes_only_the_new_file_it_made(tmp_path):
     new.write_text("someone else's\n")  # another file there now: not ours to remove
     f.discard()
     assert new.read_text() == "someone else's\n"
+
+
+class _RawStdout(io.RawIOBase):
+    """sys.stdout.buffer under `python -u` or PYTHONUNBUFFERED=1: a raw stream, whose write takes part of
+    the bytes when a signal comes mid-write (to a pipe) and says so only in the count it returns."""
+
+    def __init__(self):
+        self.data = bytearray()
+
+    def writable(self):
+        return True
+
+    def write(self, b):
+        self.data += bytes(b[:7])
+        return min(7, len(b))
+
+
+def test_a_raw_standard_output_gets_every_line(ckpt, src, monkeypatch, capsys):
+    """Only the first 7 bytes of each chunk reached standard output (a SIGTERM with the reader behind cut
+    13107 of 20000 lines, mid-line), and the message said every line was written."""
+    raw = _RawStdout()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw))
+    flags = ["translate", "--checkpoint", str(ckpt), "--input", str(src), "--max-len-a", "0", "--max-len-b", "4"]
+    assert main(flags) == 0
+    monkeypatch.undo()
+    assert main(flags) == 0
+    assert bytes(raw.data).decode("utf-8") == capsys.readouterr().out
+    assert raw.data.count(b"\n") == 3
+
+
+@pytest.mark.parametrize("flags", [["--max-tokens", str(2 ** 31)], ["--max-tokens", str(10 ** 20)]])
+def test_ctranslate2_takes_a_huge_max_tokens(export, src, tmp_path, flags, capsys):
+    """The torch engine takes any --max-tokens; CTranslate2 reserves room for that many sentences
+    before it batches (std::bad_alloc from 2**31, a TypeError past 2**64, 3x slower at 10**9)."""
+    out = tmp_path / "out.txt"
+    assert _ct2(export, src, out, *flags) == 0
+    assert out.read_text(encoding="utf-8").count("\n") == 3
+    assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("beam", [10 ** 4, 10 ** 20])
+def test_ctranslate2_refuses_a_beam_wider_than_the_vocabulary(export, src, tmp_path, beam, capsys):
+    """As the torch engine does; CTranslate2 searched minutes before failing to allocate (10**6) or
+    raised a TypeError (10**20), tracebacks both (10**4: past the tiny model's vocabulary)."""
+    out = tmp_path / "out.txt"
+    assert _ct2(export, src, out, "--beam", str(beam)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--beam {beam} is larger than the target vocabulary" in err, err
+
+
+@pytest.mark.parametrize("stdin", [False, True])
+def test_standard_output_appended_to_the_input_is_refused(ckpt, tmp_path, stdin):
+    """`aiayn translate --input FILE >> FILE` (or `< FILE >> FILE`) read its own translations back and
+    translated them forever, the file growing until the disk was full (cat refuses it too)."""
+    src = tmp_path / "in.txt"
+    src.write_text("ein Mann\n" * 3, encoding="utf-8")
+    argv = [sys.executable, "-m", "aiayn", "translate", "--checkpoint", str(ckpt), "--chunk-lines", "1",
+            "--max-len-a", "0", "--max-len-b", "2", *([] if stdin else ["--input", str(src)])]
+    with open(src, "rb") as i, open(src, "ab") as o:
+        r = subprocess.run(argv, stdin=i if stdin else subprocess.DEVNULL, stdout=o, stderr=subprocess.PIPE,
+                           timeout=120)
+    assert r.returncode == 2 and b"standard output is the input file" in r.stderr, r.stderr
+    assert src.read_text(encoding="utf-8") == "ein Mann\n" * 3

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import errno
 import json
 import math
 import os
@@ -432,6 +433,8 @@ class CT2Translator(BaseTranslator):
 
         An empty source gives `nbest` times ([], 0.0). Greedy scores are nan (as in aiayn).
         """
+        if beam > len(self._tgt_index):  # (as the torch engine says it; CTranslate2 would try to allocate it)
+            raise AiaynError(f"--beam {beam} is larger than the target vocabulary ({len(self._tgt_index)} tokens)")
         out: list[list[tuple[list[int], float]]] = [[([], 0.0)] * int(nbest) for _ in src_ids]
         todo = [i for i, s in enumerate(src_ids) if len(s)]
         if not todo:
@@ -443,7 +446,8 @@ class CT2Translator(BaseTranslator):
             beam_size=int(beam), num_hypotheses=int(nbest), length_penalty=float(alpha) if beam > 1 else 0.0,
             max_decoding_length=max(limits), min_decoding_length=min(int(min_len), max(limits)), max_input_length=0,
             suppress_sequences=[[PIECES[PAD_ID]], [PIECES[BOS_ID]]], return_scores=beam > 1,
-            max_batch_size=int(max_tokens), batch_type="tokens",
+            # no more than all of them: CTranslate2 reserves room for max_batch_size sentences
+            max_batch_size=min(int(max_tokens), sum(len(src_ids[i]) for i in todo)), batch_type="tokens",
         )
         for i, limit, r in zip(todo, limits, results):
             scores = r.scores if beam > 1 else [float("nan")] * len(r.hypotheses)
@@ -738,15 +742,17 @@ def _open_input(name: str) -> tuple[BinaryIO, bool]:
 
 
 def _check_output(name: str, src: BinaryIO) -> None:
-    """Before the model loads: standard output must be open, and --output must not be the input
-    (opening it for writing would empty the file before a line of it is read)."""
-    if name == "-":
-        if sys.stdout is None:
-            raise AiaynError("standard output is closed; give --output FILE")
-        return
-    with contextlib.suppress(OSError, ValueError):
-        have, want = os.fstat(src.fileno()), os.stat(name)
+    """Before the model loads: standard output must be open, and the output must not be the input
+    (opening --output for writing would empty the file before a line of it is read; standard output
+    appended to it, `>> FILE`, would have its own translations read back and translated forever)."""
+    if name == "-" and sys.stdout is None:
+        raise AiaynError("standard output is closed; give --output FILE")
+    with contextlib.suppress(OSError, ValueError):  # (a captured standard output has no file number)
+        have = os.fstat(src.fileno())
+        want = os.fstat(sys.stdout.fileno()) if name == "-" else os.stat(name)
         if stat.S_ISREG(want.st_mode) and (have.st_dev, have.st_ino) == (want.st_dev, want.st_ino):
+            if name == "-":
+                raise AiaynError("standard output is the input file; write the translations to another file")
             raise AiaynError(f"{name}: is also the input; write the translations to another file (--output)")
 
 
@@ -772,6 +778,18 @@ def _kept(f: ReplacingFile | None, done: int) -> str:
         return ""
     kept = f.keep()
     return "" if kept == f.path else f" to {kept} ({f.path} is as it was)"
+
+
+def _write_all(out: IO[bytes], data: bytes) -> None:
+    """`out.write(data)`, all of it: standard output under `python -u` or PYTHONUNBUFFERED=1 is a raw
+    stream, whose write takes only part of the bytes when a signal comes mid-write (to a pipe) and
+    says so only in the count it returns."""
+    view = memoryview(data)
+    while view:
+        n = out.write(view)
+        if n is None:  # a full non-blocking stream, refused as a buffered one refuses it
+            raise BlockingIOError(errno.EAGAIN, os.strerror(errno.EAGAIN))
+        view = view[n:]
 
 
 def _format(i: int, nb: list[tuple[str, float]], nbest: int) -> bytes:
@@ -875,7 +893,7 @@ def _run(args: argparse.Namespace) -> int:
                 text = b"".join(_format(done + k, nb, s.nbest) for k, nb in enumerate(results))
             with _stops_deferred():  # a chunk is written and counted whole, so the Ctrl-C message is exact
                 try:
-                    out.write(text)
+                    _write_all(out, text)
                     out.flush()
                 except BrokenPipeError:
                     raise
