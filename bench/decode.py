@@ -53,17 +53,13 @@ import torch
 
 from aiayn.config import preset
 from aiayn.data.text import multi30k_paths
-from aiayn.export import to_marian  # the weight mapping of `aiayn export --to hf`
+from aiayn.export import HF_EARLY_STOPPING, to_marian  # `aiayn export --to hf`: its stop rule, weight mapping
 from aiayn.files import read_lines
 from aiayn.kernels import SLOW_BF16, cpu_has_fast_bf16
 from aiayn.model import Transformer
-from aiayn.search import DEFAULT_STOP_RULE, beam_search, greedy_search
+from aiayn.search import beam_search, greedy_search
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizers
 from aiayn.translate import Settings, length_batches, map_batches, worker_count
-
-# HF's beam search stops as aiayn's does by default ("best": searching on while a live hypothesis could
-# still win, transformers' early_stopping=False), as `aiayn export --to hf` sets it
-HF_EARLY_STOPPING = DEFAULT_STOP_RULE == "first"
 
 
 def build(args):

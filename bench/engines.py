@@ -57,14 +57,14 @@ from aiayn.config import preset
 from aiayn.data.text import multi30k_paths
 from aiayn.errors import AiaynError
 from aiayn.evaluate import corpus_scores
-from aiayn.export import export_ctranslate2, export_hf
+from aiayn.export import HF_EARLY_STOPPING, export_ctranslate2, export_hf
 from aiayn.files import read_lines
 from aiayn.kernels import GPU_ATTENTION_BACKENDS, SLOW_BF16, cpu_has_fast_bf16
 from aiayn.model import Transformer
 from aiayn.search import beam_search, greedy_search
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizers
 from aiayn.translate import CT2Translator
-from decode import HF_EARLY_STOPPING, batches, padded  # bench/decode.py: the same batches for every engine
+from decode import batches, padded  # bench/decode.py: the same batches for every engine
 from profiling import profiler, summary  # bench/profiling.py
 from train_step import positive  # bench/train_step.py: counts above 0 as argparse types
 

@@ -186,6 +186,11 @@ def to_marian(model: Transformer, tokenizers: TokenizerPair | None = None) -> An
     return hf
 
 
+# transformers' early_stopping for aiayn's default stopping rule ("best", searching on while a live
+# hypothesis could still win, is its False): the export's generation config, and the benches' HF peer
+HF_EARLY_STOPPING = DEFAULT_STOP_RULE == "first"
+
+
 def generation_config(model: Transformer) -> Any:
     """Defaults for `generate`: aiayn's beam 4, PAD/BOS never generated, starts from BOS.
 
@@ -202,7 +207,7 @@ def generation_config(model: Transformer) -> Any:
         suppress_tokens=[PAD_ID, BOS_ID],
         num_beams=4,
         length_penalty=0.6,
-        early_stopping=DEFAULT_STOP_RULE == "first",
+        early_stopping=HF_EARLY_STOPPING,
         max_length=min(model.cfg.max_positions, 256),
     )
 
