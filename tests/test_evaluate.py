@@ -283,3 +283,18 @@ def test_save_hyps_over_a_file_shared_through_a_group_keeps_its_group(ckpt, tmp_
                      "--save-hyps", str(target)]) == 0
     st = os.stat(target)
     assert target.read_text() != "old\n" and (st.st_gid, st.st_mode & 0o7777) == (others[0], 0o640)
+
+
+def test_an_empty_file_name_is_refused_naming_its_flag(ckpt, tmp_path, capsys):
+    """`--save-hyps "$OUT"` with OUT unset: the translations went unsaved, exit 0, without a word; an
+    empty --hyp-file/--src-file/--checkpoint read as a missing flag, an empty --ref-file as the folder "."."""
+    s, r = write(tmp_path / "s.txt", ["ein Mann"]), write(tmp_path / "r.txt", ["a man"])
+    for argv, flag in ((["--checkpoint", str(ckpt), "--src-file", s, "--ref-file", r, *FAST, "--save-hyps", ""],
+                        "--save-hyps"),
+                       (["--hyp-file", "", "--ref-file", r], "--hyp-file"),
+                       (["--hyp-file", r, "--ref-file", r, ""], "--ref-file"),
+                       (["--checkpoint", str(ckpt), "--src-file", "", "--ref-file", r], "--src-file"),
+                       (["--checkpoint", "", "--src-file", s, "--ref-file", r], "--checkpoint")):
+        assert cli.main(["evaluate", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{flag} '': an empty name" in err, err

@@ -242,3 +242,15 @@ def test_decode_drops_every_special_id_as_transformers_does(tok: Tokenizer) -> N
     """<unk> in a translation is dropped, not spelled " ⁇ " (transformers' skip_special_tokens)."""
     ids = tok.encode("Two dogs")
     assert tok.decode([BOS_ID, ids[0], UNK_ID, *ids[1:], EOS_ID, PAD_ID]) == tok.decode(ids) == "Two dogs"
+
+
+def test_a_lone_surrogate_is_a_one_line_error(tok: Tokenizer) -> None:
+    """Bytes that are not UTF-8 on a command line reach Python as lone surrogates
+    (`plot attention --src $'\\xff'`); SentencePiece's TypeError was a traceback."""
+    with pytest.raises(AiaynError, match=r"character 5 is a lone surrogate \(U\+DCFF.*give UTF-8 text") as e:
+        tok.encode_batch(["Zwei Hunde", "Ein \udcff Hund"])
+    assert "\n" not in str(e.value)
+    with pytest.raises(AiaynError, match="lone surrogate"):
+        tok.encode("\ud800")
+    assert tok.decode(tok.encode("Zwei Hunde")) == "Zwei Hunde"  # the usual path is unchanged
+

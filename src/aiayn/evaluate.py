@@ -85,8 +85,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
+def _check_names(args: argparse.Namespace) -> None:
+    """An empty file name (`--save-hyps "$OUT"` with OUT unset) is an error naming its flag: it was
+    taken for a flag not given (the translations went unsaved without a word) or for the folder "."."""
+    names = [("--checkpoint", args.checkpoint), ("--src-file", args.src_file), ("--hyp-file", args.hyp_file),
+             ("--save-hyps", args.save_hyps), *(("--ref-file", r) for r in args.ref_file or [])]
+    for flag, name in names:
+        if name == "":
+            raise AiaynError(f"{flag} '': an empty name (an unset shell variable?); give a "
+                             f"{'directory' if flag == '--checkpoint' else 'file'} name")
+
+
 def _inputs(args: argparse.Namespace) -> tuple[str, str, list[str]]:
     """(mode, source path, reference paths); one-line errors for incomplete flag sets."""
+    _check_names(args)
     if args.hyp_file:
         if args.checkpoint or args.src_file or args.data:
             raise AiaynError("--hyp-file scores existing translations: drop --checkpoint, --src-file and --data")

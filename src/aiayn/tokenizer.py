@@ -17,8 +17,9 @@ Choices, and what they guarantee:
   repeated U+0020 spaces and without U+2581 ("▁", SentencePiece's own space marker).
 - `hard_vocab_limit=False`: `vocab_size` is an upper bound; a small corpus gets a smaller
   vocabulary instead of an error (read the actual size from `Tokenizer.vocab_size`).
-- One training thread: the thread count is stored in the model file, so a fixed count makes the
-  model bytes (and `sha256()`) identical on every machine for the same data and settings.
+- A fixed count of training threads (`SPM_THREADS`, 16, not the machine's cores): BPE's merges and
+  the model file depend on the count, so a fixed one makes the model bytes (and `sha256()`)
+  identical on every machine for the same data and settings.
 """
 
 from __future__ import annotations
@@ -152,7 +153,11 @@ class Tokenizer:
 
     def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
         parts = [self.language_code(t) for t in texts]  # (code, rest)
-        ids = self._sp.encode([rest for _, rest in parts], out_type=int)
+        try:
+            ids = self._sp.encode([rest for _, rest in parts], out_type=int)
+        except TypeError:  # SentencePiece's "List elements must be str or bytes", for a lone surrogate too
+            _check_encodable([rest for _, rest in parts])
+            raise
         return [([self.language_codes.get(code, UNK_ID)] if code else []) + self._looked_up(rest, list(row))
                 for (code, rest), row in zip(parts, ids, strict=True)]
 
@@ -317,6 +322,19 @@ def build_tokenizers(
     except OSError:
         pass  # a read-only cache only costs retraining next time
     return pair
+
+
+def _check_encodable(texts: Iterable[str]) -> None:
+    """A one-line error for the first text that UTF-8 cannot hold: a lone surrogate, which is how
+    Python reads bytes that are not UTF-8 on a command line (`plot attention --src $'\\xff'`)."""
+    for text in texts:
+        if not isinstance(text, str):
+            return  # a caller's bug: SentencePiece's TypeError stands
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise AiaynError(f"{text[:60]!r}: character {e.start + 1} is a lone surrogate (U+{ord(text[e.start]):04X}: "
+                             "bytes that are not UTF-8?); give UTF-8 text") from None
 
 
 def _short(e: BaseException) -> str:
