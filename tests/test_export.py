@@ -224,6 +224,26 @@ def test_hf_tokenizer_with_separate_vocabularies(tmp_path, monkeypatch):
     assert tok.decode(ids + [EOS_ID], skip_special_tokens=True) == "der hund spielt"
 
 
+def test_hf_tokenizer_truncates_to_the_models_positions(tmp_path, monkeypatch):
+    """Marian's table of positions does not grow: the exported tokenizer's model_max_length was 1024
+    whatever the model's max_positions, so `truncation=True` let a long source through and
+    `generate` failed with an IndexError (an imported OPUS-MT model had 512, its tokenizer too)."""
+    transformers = pytest.importorskip("transformers")
+    from aiayn.export import export_hf
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tok = Tokenizer.train([f"{w} {v}" for w in lexicon.SRC for v in lexicon.TGT], 300)
+    model = Transformer(preset("tiny", src_vocab_size=tok.vocab_size, tgt_vocab_size=tok.vocab_size, max_positions=48))
+    save_checkpoint(tmp_path / "ckpt", model, TokenizerPair(tok, tok, joint=True), {"train": {}, "step": 1})
+    export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    hf_tok = transformers.MarianTokenizer.from_pretrained(tmp_path / "hf")
+    hf = transformers.MarianMTModel.from_pretrained(tmp_path / "hf").eval()
+    enc = hf_tok([" ".join(lexicon.SRC * 4)], truncation=True, return_tensors="pt")
+    assert enc["input_ids"].shape == (1, 48)
+    with torch.no_grad():
+        hf.generate(**enc, num_beams=1, max_length=8)
+
+
 # -------------------------------------------------------------------------------- CTranslate2
 
 
@@ -477,6 +497,26 @@ def test_export_never_replaces_the_checkpoint_or_a_folder_that_is_not_an_export(
     os.umask(umask)
     assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask  # not mkdtemp's private 0700
     assert all(stat.S_IMODE(f.stat().st_mode) == 0o666 & ~umask for f in out.iterdir())
+
+
+def test_a_symlink_out_is_refused_before_the_export_is_written(tmp_path, capsys, monkeypatch):
+    """OUT as a symbolic link (to an earlier export) was refused only after the whole export was
+    written, saying it had become one "since the export started"; now before the model loads."""
+    import aiayn.checkpoint
+
+    tok = Tokenizer.train([f"{w} {v}" for w in lexicon.SRC for v in lexicon.TGT], 300)
+    model = Transformer(preset("tiny", src_vocab_size=tok.vocab_size, tgt_vocab_size=tok.vocab_size))
+    save_checkpoint(tmp_path / "ckpt", model, TokenizerPair(tok, tok, joint=True), {"train": {}, "step": 1})
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    monkeypatch.setattr(aiayn.checkpoint, "load_checkpoint", lambda *a, **k: pytest.fail("the model was loaded"))
+    for out in ("link", "dangling"):
+        for target in ("hf", "ctranslate2"):
+            assert main(["export", "--checkpoint", str(tmp_path / "ckpt"), "--to", target, str(tmp_path / out)]) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and "symbolic link" in err, err
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "dangling").is_symlink()
 
 
 def test_export_never_deletes_a_tmp_old_folder_it_did_not_write(trained, tmp_path, capsys):

@@ -301,6 +301,21 @@ def test_reimport_never_deletes_what_it_did_not_write(tmp_path, capsys):
     assert main(argv) == 0  # nothing but its own files again: replaced
 
 
+def test_reimport_never_replaces_an_average_of_imports(tmp_path, capsys):
+    """`aiayn average` of imported checkpoints copies their imported_from: the average holds only
+    the files an import writes, and an import to it replaced the user's averaged model."""
+    a = tmp_path / "a"
+    assert main(["import", "--from", "marian", str(mm.FIXTURE), "--out", str(a)]) == 0
+    shutil.copytree(a, tmp_path / "b")
+    avg = tmp_path / "avg"
+    assert main(["average", "--inputs", str(a), str(tmp_path / "b"), "-o", str(avg)]) == 0
+    before = (avg / "config.json").read_text()
+    capsys.readouterr()
+    err = _one_line_error(["import", "--from", "marian", str(mm.FIXTURE), "--out", str(avg)], capsys)
+    assert "not an earlier import" in err, err
+    assert (avg / "config.json").read_text() == before
+
+
 def test_a_config_without_activation_function_is_transformers_default(tmp_path):
     """transformers' MarianConfig defaults to gelu and 1024 positions: the imported model must
     compute what it computes (it was swish and 512)."""

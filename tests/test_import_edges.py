@@ -100,3 +100,41 @@ def test_a_run_of_characters_this_sides_model_lacks_is_one_piece_as_in_marian_to
     lines = ["Der Bus 2 fährt.", "Der Bus 22 fährt.", "''Hallo'' Y2 und 2Y", "Y", "2 2 22 222"]
     ours = [[vocab[toks.src.id_to_piece(i)] for i in ids] for ids in Translator(model, toks).encode(lines)]
     assert ours == tok(lines)["input_ids"]
+
+
+def test_the_hf_export_of_an_imported_model_generates_as_the_original_at_max_length(tmp_path):
+    """OPUS-MT configs force EOS at max_length (forced_eos_token_id); the export dropped it, so the
+    export's generate kept one more token of every sentence cut there, and beam search ranked the cut
+    hypotheses differently. transformers' texts must be the original's, greedy and beam."""
+    from transformers import MarianMTModel, MarianTokenizer
+
+    from aiayn.export import export_hf
+    from aiayn.importer import import_marian
+
+    lines = _sentences()
+    export_hf(import_marian(mm.FIXTURE, tmp_path / "imported", warn=pytest.fail), tmp_path / "hf")
+
+    def generate(d: Path, beams: int) -> list[str]:
+        hf, tok = MarianMTModel.from_pretrained(str(d)).eval(), MarianTokenizer.from_pretrained(str(d))
+        with torch.no_grad():
+            out = hf.generate(**tok(lines, return_tensors="pt", padding=True), do_sample=False, num_beams=beams,
+                              length_penalty=1.0, early_stopping=False, max_length=8)
+        return tok.batch_decode(out, skip_special_tokens=True)
+
+    for beams in (1, 4):
+        assert generate(tmp_path / "hf", beams) == generate(mm.FIXTURE, beams), beams
+
+
+@pytest.mark.parametrize("file", ["source.spm", "target.spm"])
+def test_an_empty_sentencepiece_model_is_refused_in_one_line(tmp_path, capsys, file):
+    """An empty source.spm (a failed download) parses as a model without pieces: the import
+    succeeded and every sentence became one <unk> ("Children are are are ...")."""
+    from aiayn.cli import main
+
+    d = tmp_path / "bad"
+    shutil.copytree(mm.FIXTURE, d)
+    (d / file).write_bytes(b"")
+    assert main(["import", "--from", "marian", str(d), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and file in err and "no pieces" in err, err
+    assert not (tmp_path / "out").exists()

@@ -88,7 +88,7 @@ def marian_config(model: Transformer) -> Any:
         eos_token_id=EOS_ID,
         bos_token_id=BOS_ID,
         decoder_start_token_id=BOS_ID,
-        forced_eos_token_id=None,
+        forced_eos_token_id=EOS_ID,  # EOS at max_length: as OPUS-MT models, and aiayn's beam at its limit
     )
 
 
@@ -192,7 +192,8 @@ HF_EARLY_STOPPING = DEFAULT_STOP_RULE == "first"
 
 
 def generation_config(model: Transformer) -> Any:
-    """Defaults for `generate`: aiayn's beam 4, PAD/BOS never generated, starts from BOS.
+    """Defaults for `generate`: aiayn's beam 4, PAD/BOS never generated, starts from BOS, EOS forced at
+    `max_length` (as aiayn's beam search forces it at its limit, and every OPUS-MT model's config does).
 
     `length_penalty` in transformers divides by len**alpha, not aiayn's ((5 + len) / 6)**alpha; 0.6 is
     kept as the nearest setting; `early_stopping` follows aiayn's default stopping rule (`--stop-rule
@@ -205,6 +206,7 @@ def generation_config(model: Transformer) -> Any:
         eos_token_id=EOS_ID,
         pad_token_id=PAD_ID,
         suppress_tokens=[PAD_ID, BOS_ID],
+        forced_eos_token_id=EOS_ID,  # as config.json's; generate reads it here
         num_beams=4,
         length_penalty=0.6,
         early_stopping=HF_EARLY_STOPPING,
@@ -212,10 +214,12 @@ def generation_config(model: Transformer) -> Any:
     )
 
 
-def save_hf_tokenizer(tokenizers: TokenizerPair, out: Path, langs: tuple[str | None, str | None] = (None, None)) -> None:
+def save_hf_tokenizer(tokenizers: TokenizerPair, out: Path, langs: tuple[str | None, str | None] = (None, None),
+                      max_positions: int = 1024) -> None:
     """source.spm, target.spm, vocab.json (and target_vocab.json when the vocabularies are separate)
     and the tokenizer config (with the language pair `langs` if known), so that MarianTokenizer /
-    AutoTokenizer load them offline."""
+    AutoTokenizer load them offline. `truncation=True` cuts a source to `max_positions` tokens, the
+    model's table of positions: Marian's does not grow, and a longer source is an IndexError there."""
     transformers = require("transformers")
     with tempfile.TemporaryDirectory() as tmp:
         t = Path(tmp)
@@ -231,7 +235,7 @@ def save_hf_tokenizer(tokenizers: TokenizerPair, out: Path, langs: tuple[str | N
         tok = transformers.MarianTokenizer(
             source_spm=str(t / "source.spm"), target_spm=str(t / "target.spm"), vocab=str(t / "vocab.json"),
             unk_token=PIECES[UNK_ID], eos_token=PIECES[EOS_ID], pad_token=PIECES[PAD_ID], bos_token=PIECES[BOS_ID],
-            model_max_length=1024, source_lang=langs[0], target_lang=langs[1], **kwargs,
+            model_max_length=max_positions, source_lang=langs[0], target_lang=langs[1], **kwargs,
         )
         tok.save_pretrained(str(out))
 
@@ -249,7 +253,7 @@ def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
     try:
         hf.save_pretrained(str(tmp), safe_serialization=True)
         train = ck.config.get("train") or {}
-        save_hf_tokenizer(ck.tokenizers, tmp, (train.get("src"), train.get("tgt")))
+        save_hf_tokenizer(ck.tokenizers, tmp, (train.get("src"), train.get("tgt")), ck.model.cfg.max_positions)
         info = {"format": "hf", "aiayn_checkpoint": str(ck.path), "model": ck.model.cfg.to_dict(),
                 "tokenizer": ck.tokenizers.describe()}
         _write_marker(tmp, info)
@@ -423,6 +427,8 @@ def check_out(out: str | Path, source: str | Path | None = None) -> Path:
             there = Path(os.path.abspath(inside))
             if out == there or out in there.parents:
                 raise AiaynError(f"OUT {out} is (or holds) {what}; choose a new OUT")
+    if out.is_symlink():  # refused by `_replace_dir` too, but only after the whole export was written
+        raise AiaynError(f"OUT {out} is a symbolic link; name the folder it points to, or choose a new OUT")
     if out.exists():
         if not out.is_dir():
             raise AiaynError(f"output {out} exists and is not a directory; choose another OUT")

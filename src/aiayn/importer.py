@@ -51,6 +51,7 @@ from aiayn.tokenizer import (BOS_ID, EOS_ID, JOINT_FILE, PAD_ID, PIECES, SRC_FIL
 ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "swish": "swish", "silu": "swish"}  # Marian's name -> ours
 DEFAULT_ACTIVATION = "gelu"  # transformers' MarianConfig default, used when config.json names none
 IMPORT_FILES = frozenset({CONFIG, WEIGHTS, JOINT_FILE, SRC_FILE, TGT_FILE})  # all an import writes
+IMPORT_CONFIG = frozenset({"train", "step", "imported_from", "model", "tokenizer", "versions"})  # its config's keys
 # Marian-family config fields that change the architecture in ways aiayn's model does not have
 _UNSUPPORTED = {"normalize_before": True, "normalize_embedding": True, "add_final_layer_norm": True,
                 "static_position_embeddings": False, "add_bias_logits": True}
@@ -280,6 +281,8 @@ def rewrite_spm(model: bytes, side: Side, file: str) -> tuple[bytes, int]:
                 own[name] = (score, kind)
     except (ValueError, IndexError, UnicodeDecodeError, struct.error):
         raise AiaynError(f"{file}: not a SentencePiece model") from None
+    if not own:  # an empty file parses as a message without fields: every sentence would be one <unk>
+        raise AiaynError(f"{file}: not a SentencePiece model (it holds no pieces); fetch the file again")
     marian = {i: p for p, i in side.pieces.items()}
     reserved = set(PIECES.values())
     pieces = []
@@ -527,8 +530,9 @@ def _check_out(out: Path, source: Path | None) -> None:
     if out.exists() and not out.is_dir():
         raise AiaynError(f"--out {out} is a file; choose a new directory")
     if out.is_dir() and any(out.iterdir()):
-        try:
-            earlier = "imported_from" in json.loads((out / CONFIG).read_text(encoding="utf-8"))
+        try:  # `aiayn average` of imports copies imported_from (and adds averaged_from): not an import's
+            cfg = json.loads((out / CONFIG).read_text(encoding="utf-8"))
+            earlier = isinstance(cfg, dict) and "imported_from" in cfg and set(cfg) <= IMPORT_CONFIG
         except (OSError, ValueError, TypeError):
             earlier = False
         if not earlier:
