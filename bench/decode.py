@@ -61,6 +61,8 @@ from aiayn.search import beam_search, greedy_search
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizers
 from aiayn.translate import Settings, length_batches, map_batches, worker_count
 
+SKIPPABLE = frozenset({"hf", "uncached", "bf16", "ct2", "work"})  # the parts --skip names
+
 
 def build(args):
     if args.checkpoint:
@@ -200,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     skip = set(filter(None, args.skip.split(",")))
+    if unknown := sorted(skip - SKIPPABLE):
+        ap.error(f"--skip {','.join(unknown)}: not a part; give any of {','.join(sorted(SKIPPABLE))}")
     if "bf16" not in skip and not cpu_has_fast_bf16():  # bf16 runs ~100x slower than fp32 there
         skip.add("bf16")
         print(f"note: {SLOW_BF16}; skipping bf16 (as --skip bf16)", file=sys.stderr)

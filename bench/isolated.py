@@ -37,7 +37,7 @@ ENGINES = ("aiayn fp32", "aiayn int8", "ct2 fp32", "ct2 int8")
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident memory (MB): VmHWM, its own address space's high-water mark.
+    """This process's peak resident memory (MiB): VmHWM, its own address space's high-water mark.
     Not `ru_maxrss`: on Linux that keeps the peak of the image before `exec`, which for a worker
     started by this script is a copy of the parent, torch and the model included. (aiayn.memory
     imports neither torch nor anything large: the CTranslate2 worker stays free of torch.)"""
@@ -162,7 +162,7 @@ def compare(checkpoint: str, encoded: list[list[int]], groups: list[list[int]], 
                 res = run_worker({**job, "engine": engine}, isa, work)
                 results.setdefault((engine, isa), []).append(res)
                 print(f"  round {r + 1} {isa:<6} {engine:<10} " + "  ".join(
-                    f"{m} {res['modes'][m]['seconds']:6.2f} s" for m in modes) + f"  peak RSS {res['rss_mb']:.0f} MB",
+                    f"{m} {res['modes'][m]['seconds']:6.2f} s" for m in modes) + f"  peak RSS {res['rss_mb']:.0f} MiB",
                     flush=True)
     rows = []
     n = len(encoded)
@@ -178,7 +178,7 @@ def compare(checkpoint: str, encoded: list[list[int]], groups: list[list[int]], 
                          "same_as_aiayn_fp32": sum(x == y for x, y in zip(ids, fp32)),
                          "rss_mb": max(x["rss_mb"] for x in runs), "rss_import_mb": runs[0]["rss_import_mb"]})
     print(f"\n| engine | ISA | search | seconds | sentences/s | target tokens/s | BLEU | identical to aiayn fp32 | "
-          f"peak RSS (MB) | above its imports (MB) |")
+          f"peak RSS (MiB) | above its imports (MiB) |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for x in sorted(rows, key=lambda x: (isas.index(x["isa"]), modes.index(x["mode"]), ENGINES.index(x["engine"]))):
         print(f"| {x['engine']} | {x['isa']} | {x['mode']} | {x['seconds']:.2f} | {x['sent_per_s']:.1f} | "

@@ -239,7 +239,7 @@ def main() -> int:
                "--out", str(run), "--vocab-size", "8000", *train_common]
         record(f"train in-memory {n}", run_measured(cmd, old_env, work / f"train-old-{n}.log", run / "metrics.jsonl"))
 
-    print("\n| measurement | pairs | wall s | first step s | peak RSS MB: main / tree RSS / tree PSS | peak RssAnon MB "
+    print("\n| measurement | pairs | wall s | first step s | peak RSS MiB: main / tree RSS / tree PSS | peak RssAnon MiB "
           "| load |")
     print("|---|---|---|---|---|---|---|")
     runs = {name: r for name, r in results.items() if "rc" in r}

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import math
 import os
 import re
 import shlex
@@ -53,8 +54,9 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
 def percentile(xs: list[float], q: float) -> float:
+    """The nearest-rank percentile: the smallest value with at least q% of `xs` at or below it."""
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(q / 100 * len(xs)) - 1))]
+    return xs[min(len(xs) - 1, max(0, math.ceil(q / 100 * len(xs)) - 1))]
 
 
 class Server:

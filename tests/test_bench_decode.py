@@ -150,3 +150,12 @@ def test_hf_beam_search_stops_as_aiayns_default_rule(monkeypatch):
     assert _bench().main(["--preset", "tiny", "--vocab-size", "1000", "--n", "3", "--skip", "ct2,bf16,uncached,work",
                           "--threads", "1"]) == 0
     assert (DEFAULT_STOP_RULE == "first") in seen and True not in seen
+
+
+def test_an_unknown_skip_part_is_refused_before_any_work(capsys, monkeypatch):
+    """`--skip hf,ct` (a typo) was ignored: CTranslate2 ran after all."""
+    bench = _bench()
+    monkeypatch.setattr(bench, "build", lambda args: pytest.fail("started the run"))
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--skip", "hf,ct"])
+    assert e.value.code == 2 and "--skip ct: not a part; give any of bf16,ct2,hf,uncached,work" in capsys.readouterr().err

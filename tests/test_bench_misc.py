@@ -78,3 +78,13 @@ def test_scale_bench_marks_a_failed_run_in_its_table():
         "| train --data-bin | 300 | failed (exit 2; see its log in --work) | | | | |"  # was 3.1 s, first step None
     done = {k: v for k, v in failed.items() if k != "first_step_s"} | {"rc": 0}
     assert scale.table_row("prepare 300", done) == "| prepare | 300 | 3.1 |  | 200 / 200 / 150 | 140 | 1.0 |"
+
+
+def test_serve_bench_percentiles_are_nearest_rank():
+    """round() rounds halves to even: the median of 5 latencies was the 2nd smallest, not the 3rd."""
+    pytest.importorskip("httpx")
+    percentile = benches.load("serve.py").percentile
+    assert percentile([5.0, 1.0, 4.0, 2.0, 3.0], 50) == 3.0
+    assert percentile([float(i) for i in range(1, 101)], 99) == 99.0
+    assert percentile([1.0, 2.0], 1) == 1.0 and percentile([1.0, 2.0], 100) == 2.0
+
