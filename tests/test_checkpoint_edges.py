@@ -140,3 +140,33 @@ def test_encode_batch_takes_any_iterable_of_texts(tok: TokenizerPair) -> None:
     back empty the second time, and so did the whole batch."""
     lines = ["the cat sees a dog", "", "red house"]
     assert tok.src.encode_batch(iter(lines)) == tok.src.encode_batch(lines) == [tok.src.encode(t) for t in lines]
+
+
+@pytest.mark.parametrize("before", ["nothing", "this one", "an earlier step"])
+def test_a_full_disk_message_says_what_is_left(tmp_path: Path, tok: TokenizerPair, monkeypatch: pytest.MonkeyPatch,
+                                               before: str) -> None:
+    """The first checkpoint of a run, on a full disk, said "the previous checkpoint is intact" where
+    there was none (nothing to resume from: the message sent the user looking for it)."""
+    import errno
+    import os
+
+    torch.manual_seed(0)
+    v = tok.src.vocab_size
+    model = Transformer(preset("tiny", src_vocab_size=v, tgt_vocab_size=v))
+    run = tmp_path / "run"
+    if before != "nothing":
+        ckpt.save_checkpoint(run / ("step_2" if before == "this one" else "step_1"), model, tok, {"train": {}, "step": 1})
+
+    def full_disk(*a: object, **kw: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(ckpt, "save_file", full_disk)
+    with pytest.raises(AiaynError) as e:
+        ckpt.save_checkpoint(run / "step_2", model, tok, {"train": {}, "step": 2})
+    msg = str(e.value)
+    assert msg.startswith(f"could not write checkpoint {run / 'step_2'}: No space left on device; ")
+    assert msg.endswith("; free space or choose another --out")
+    if before == "nothing":
+        assert "previous checkpoint" not in msg and "there is no earlier checkpoint" in msg, msg
+    else:
+        assert "the previous checkpoint is intact" in msg, msg

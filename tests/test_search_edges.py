@@ -1,6 +1,7 @@
 """Edge cases of decoding found by adversarial testing: each test failed before its fix."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -104,3 +105,28 @@ def test_a_model_built_under_inference_mode_searches():
         built.load_state_dict(model.state_dict())
         assert built.output_weight.is_inference()
         assert (greedy_search(built, src, BOS, 3, max_len_b=4), beam_search(built, src, BOS, 3, max_len_b=4)) == want
+
+
+@pytest.mark.parametrize("b", [10 ** 30, 10 ** 400], ids=["1e30", "1e400"])
+def test_a_length_limit_past_any_int64_is_no_limit(b):
+    """`--max-len-b 1000000000000000000000000000000` (an int past 2**64) met a tensor in `_max_lengths`:
+    OverflowError: int too big to convert; past float's range `_check`'s math.isinf raised one too."""
+    from aiayn.search import beam_search, greedy_search
+
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", src_vocab_size=20, tgt_vocab_size=20, output_bias=True)).eval()
+    with torch.no_grad():
+        model.out_bias[9] = 40.0  # token 9, EOS here, wins the first step: a search that ends whatever the limit
+    src = torch.randint(4, 20, (2, 5), generator=torch.Generator().manual_seed(1))
+    want = greedy_search(model, src, BOS, 9, max_len_b=50), beam_search(model, src, BOS, 9, max_len_b=50)
+    assert (greedy_search(model, src, BOS, 9, max_len_b=b), beam_search(model, src, BOS, 9, max_len_b=b)) == want
+    assert greedy_search(model, src, BOS, 9, max_len_a=float(10 ** 300), max_len_b=b) == want[0]
+
+
+@pytest.mark.parametrize("a,b", [(math.inf, 50), (math.nan, 50), (-1.0, 50), (1.0, -1), (1.0, math.inf)])
+def test_a_length_limit_that_is_no_number_is_refused(a, b):
+    from aiayn.errors import AiaynError
+    from aiayn.search import greedy_search
+
+    with pytest.raises(AiaynError, match="maximum length a\\*len\\+b needs finite a >= 0 and b >= 0"):
+        greedy_search(tiny(), torch.tensor([[5, 6]]), BOS, 3, max_len_a=a, max_len_b=b)

@@ -221,3 +221,70 @@ def test_a_fine_tuning_runs_train_json_records_the_checkpoints_settings_and_is_a
     capsys.readouterr()
     again = ["train", "--config", str(tuned / "train.json"), "--out", str(tmp_path / "again"), "--max-steps", "1"]
     assert cli_main(again) == 0, capsys.readouterr().err
+
+
+_KILLED_WRITING_TRAIN_JSON = """
+import resource, signal, sys
+from aiayn import train as T
+from aiayn.cli import main
+
+truncate = T.TrainLog.truncate_after
+
+
+def then_cut(self, step):  # the next write past 100 bytes of any file kills the process (SIGXFSZ): train.json's
+    truncate(self, step)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+
+signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # (Python ignores it: the write would raise EFBIG instead)
+T.TrainLog.truncate_after = then_cut
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_run_killed_while_writing_train_json_can_be_resumed(tmp_path, corpus, capsys):
+    """train.json was written in place: a kill mid-write (here the file-size limit's SIGXFSZ, as a
+    full disk or a SIGKILL leaves it) left 100 bytes of it, and every --resume then refused the run
+    ("was not written by aiayn train (not readable JSON ...)"). It is written beside and renamed."""
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    args = tiny_args(corpus, out, "--max-steps", "1")
+    killed = subprocess.run([sys.executable, "-c", _KILLED_WRITING_TRAIN_JSON, *args], capture_output=True,
+                            text=True, timeout=300)
+    assert killed.returncode == -signal.SIGXFSZ, killed.stderr
+    assert not (out / "train.json").exists() or json.loads((out / "train.json").read_text(encoding="utf-8"))
+    assert cli_main([*args, "--resume"]) == 0, capsys.readouterr().err
+    assert json.loads((out / "train.json").read_text(encoding="utf-8"))["train"]["max_steps"] == 1
+    assert (out / "step_1").is_dir() and not list(out.glob(".train.json.*"))  # the torn temporary is gone
+
+
+def test_a_read_only_out_on_resume_says_what_to_do(tmp_path, corpus):
+    """`aiayn train --resume --out DIR` with DIR read-only prepared the data and loaded the checkpoint,
+    then stopped at "aiayn train: error: DIR/metrics.jsonl.tmp: Permission denied", no hint given."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "1")) == 0
+    argv = [sys.executable, "-m", "aiayn", *tiny_args(corpus, out, "--max-steps", "2", "--resume")]
+    if os.geteuid() == 0:  # root writes anywhere: take away the capabilities that let it
+        if not shutil.which("setpriv"):
+            pytest.skip("running as root without setpriv to drop CAP_DAC_OVERRIDE")
+        caps = "-dac_override,-dac_read_search,-fowner"
+        argv = ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}", *argv]
+    out.chmod(0o555)
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    finally:
+        out.chmod(0o755)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.splitlines()[-1] == (
+        f"aiayn train: error: --out {out} is not writable (Permission denied): a run writes its checkpoints "
+        f"there; make it writable (chmod u+w {out}) or copy the run to a folder you can write (cp -r {out} NEW) "
+        "and resume there with --out NEW"), r.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["best", "data", "metrics.jsonl", "step_1", "train.json"]

@@ -86,6 +86,9 @@ def write_dir_atomic(path: Path, fill, flag: str = "--out") -> None:
         raise AiaynError(f"could not write checkpoint {path}: cannot make the folder {path.parent} "
                          f"({e.strerror or e}); choose another {flag}") from None
     tmp = path.parent / f"{TMP_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}"
+    # what a failure leaves, said only where true: a run's first save has no earlier checkpoint to fall back on
+    left = ("the previous checkpoint is intact" if path.exists() or step_checkpoints(path.parent)
+            else "nothing was written (there is no earlier checkpoint)")
     try:
         tmp.mkdir()
         fill(tmp)
@@ -105,8 +108,7 @@ def write_dir_atomic(path: Path, fill, flag: str = "--out") -> None:
     except (OSError, SafetensorError, RuntimeError) as e:  # safetensors and torch.save report a full disk in their own types
         shutil.rmtree(tmp, ignore_errors=True)
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0][:200]
-        raise AiaynError(f"could not write checkpoint {path}: {why}; "
-                         f"the previous checkpoint is intact; free space or choose another {flag}") from e
+        raise AiaynError(f"could not write checkpoint {path}: {why}; {left}; free space or choose another {flag}") from e
 
 
 def save_checkpoint(path: str | Path, model: Transformer, tokenizers: Any, config: dict[str, Any],

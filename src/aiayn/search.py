@@ -122,15 +122,21 @@ def _check(beam: int, nbest: int, alpha: float, max_len_a: float, max_len_b: flo
         raise AiaynError(f"--nbest must be between 1 and the beam size {beam}, got {nbest}")
     if not 0 <= alpha <= MAX_ALPHA:  # nan fails the comparison
         raise AiaynError(f"--alpha (length penalty) must be between 0 and {MAX_ALPHA:g}, got {alpha}")
-    if not (max_len_a >= 0 and max_len_b >= 0) or math.isinf(max_len_a) or math.isinf(max_len_b):
+    # (== inf, not math.isinf: that converts, and an int past float's range raises OverflowError)
+    if not (max_len_a >= 0 and max_len_b >= 0) or math.inf in (max_len_a, max_len_b):
         raise AiaynError(f"maximum length a*len+b needs finite a >= 0 and b >= 0, got a={max_len_a}, b={max_len_b}")
     if min_len < 0:
         raise AiaynError(f"minimum length must be >= 0, got {min_len}")
 
 
+_LENGTH_CAP = 2 ** 62  # longer than any search runs; past it a limit is no limit
+
+
 def _max_lengths(src_keep: Tensor, a: float, b: float) -> Tensor:
-    """(B, S) bool -> (B,) long: floor(a * source length + b), at least 1."""
-    return (src_keep.sum(1).double() * a + b).floor().clamp(1, 2 ** 62).long()  # huge a: no overflow
+    """(B, S) bool -> (B,) long: floor(a * source length + b), at least 1. a and b are capped first:
+    a Python int past 2**64 (`--max-len-b 1e30` as digits) cannot meet a tensor (OverflowError)."""
+    a, b = min(a, _LENGTH_CAP), min(b, _LENGTH_CAP)
+    return (src_keep.sum(1).double() * a + b).floor().clamp(1, _LENGTH_CAP).long()  # huge a: no overflow
 
 
 _FORBIDDEN: dict[tuple, Tensor] = {}  # (ids, V, device) -> the ids inside the vocabulary, as a tensor

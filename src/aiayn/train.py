@@ -22,13 +22,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
 import math
 import os
 import random
+import re
 import shlex
 import signal
 import sys
+import tempfile
 import time
 import tomllib
 from dataclasses import dataclass, field
@@ -45,6 +48,7 @@ from aiayn.config import PRECISIONS, PRESETS, ConfigError, ModelConfig, TrainCon
 from aiayn.data.batching import Batches, rank_batches
 from aiayn.data.lock import STALE
 from aiayn.errors import AiaynError
+from aiayn.files import atomic_write_bytes
 from aiayn.model import Transformer
 from aiayn.trainer import (Dist, Prefetch, Trainer, check_optimizer_state, rng_state, set_rng_state, setup_distributed,
                            validate)
@@ -323,6 +327,8 @@ def check_corpus(tc: TrainConfig) -> None:
 
 # What a run leaves in --out before its first checkpoint: --resume starts such a run again.
 _EARLY_FILES = frozenset({"train.json", "metrics.jsonl", "metrics.jsonl.tmp", "tokenizer", "data"})  # data: corpus.RUN_DATA
+# `atomic_write_bytes`'s temporary for train.json (mkstemp's 8 characters), torn where a kill left it
+_TRAIN_JSON_TMP = re.compile(r"\.train\.json\.[a-z0-9_]{8}\.tmp")
 
 
 def _remove_abandoned_preparation(out: Path) -> None:
@@ -353,7 +359,7 @@ def _open_run_dir(out: Path, resume: bool, d: Dist) -> list[tuple[int, Path]]:
     if held and not resume:
         raise AiaynError(f"--out {out} is not empty (it holds {', '.join(held[:3])}{', ...' if len(held) > 3 else ''}); "
                          "use --resume to continue the run there, or choose another --out")
-    others = [n for n in held if n not in _EARLY_FILES and not ckpt.is_own_temporary(n)]
+    others = [n for n in held if n not in _EARLY_FILES and not ckpt.is_own_temporary(n) and not _TRAIN_JSON_TMP.fullmatch(n)]
     if others:
         raise AiaynError(f"--out {out} holds {', '.join(others[:3])} but no step_<N>/ checkpoint to resume from; "
                          "choose another --out")
@@ -364,9 +370,28 @@ def _open_run_dir(out: Path, resume: bool, d: Dist) -> list[tuple[int, Path]]:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise AiaynError(f"--out {out}: cannot make the run directory ({e.strerror or e}); choose another --out") from None
+        _check_writable(out, resume)
     if d.main:
         ckpt.remove_stale_temporaries(out)
+        for p in out.glob(".train.json.*.tmp"):
+            if _TRAIN_JSON_TMP.fullmatch(p.name):
+                p.unlink(missing_ok=True)
     return existing
+
+
+def _check_writable(out: Path, resume: bool) -> None:
+    """Fails now, in one line, where --out takes no new file (read-only, not the user's): the run writes
+    its metrics, train.json and checkpoints there, and a --resume found out at metrics.jsonl.tmp after
+    loading everything, with no hint. The probe has no name (O_TMPFILE) or loses it at once."""
+    try:
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        fix = (f"copy the run to a folder you can write (cp -r {out} NEW) and resume there with --out NEW" if resume
+               else "choose another --out")
+        how = f" (chmod u+w {out})" if e.errno == errno.EACCES else ""  # (not on a read-only file system)
+        raise AiaynError(f"--out {out} is not writable ({e.strerror or e}): a run writes its checkpoints there; "
+                         f"make it writable{how} or {fix}") from None
 
 
 # Fields every train.json holds ({"preset", "model", "train": TrainConfig.to_dict()}).
@@ -613,8 +638,9 @@ def _set_up(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, loade
     run.metrics.truncate_after(run.trainer.step)  # a fresh start (step 0) clears lines of a run killed before its first checkpoint
     if d.main:
         model_options = {k: v for k, v in mcfg.to_dict().items() if k not in _MODEL_FROM_DATA}  # the model it holds
-        (out / "train.json").write_text(json.dumps({"preset": preset_name, "model": model_options, "train": tc.to_dict()},
-                                                   indent=2) + "\n", encoding="utf-8")
+        # beside, then renamed: a kill mid-write left a torn train.json that every --resume refused
+        atomic_write_bytes(out / "train.json", (json.dumps({"preset": preset_name, "model": model_options,
+                                                            "train": tc.to_dict()}, indent=2) + "\n").encode("utf-8"))
     _describe(run, info)
     return run
 

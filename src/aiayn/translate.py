@@ -89,7 +89,7 @@ class Settings:
             raise AiaynError(f"--max-tokens must be positive, got {self.max_tokens}")
         if self.batch_size < 1:
             raise AiaynError(f"--batch-size must be positive, got {self.batch_size}")
-        if not (self.max_len_a >= 0 and self.max_len_b >= 0) or math.isinf(self.max_len_a):
+        if not (self.max_len_a >= 0 and self.max_len_b >= 0) or math.inf in (self.max_len_a, self.max_len_b):
             raise AiaynError(f"--max-len-a and --max-len-b must be finite numbers >= 0, got {self.max_len_a} and "
                              f"{self.max_len_b}")
         if self.min_len < 0:
@@ -440,7 +440,9 @@ class CT2Translator(BaseTranslator):
         if not todo:
             return out
         # (the product can overflow to inf: the table of positions is the limit then)
-        limits = [max(1, math.floor(min(len(src_ids[i]) * max_len_a + max_len_b, self.max_positions))) for i in todo]
+        # (and b past float's range, an int of 400 digits, cannot meet a float: capped first)
+        b = min(max_len_b, self.max_positions)
+        limits = [max(1, math.floor(min(len(src_ids[i]) * max_len_a + b, self.max_positions))) for i in todo]
         results = self.engine.translate_batch(
             [[self._src_vocab[t] for t in src_ids[i]] for i in todo],
             beam_size=int(beam), num_hypotheses=int(nbest), length_penalty=float(alpha) if beam > 1 else 0.0,
@@ -476,7 +478,8 @@ class LineChunks:
 
     def __init__(self, stream: BinaryIO, name: str, max_lines: int = 500) -> None:
         self.fd, self.name, self.max_lines = stream.fileno(), name, max_lines
-        self.buf = b""
+        self.buf = bytearray()  # grown in place: bytes += copied the whole of a long line at every read
+        self.newlines = 0  # b"\n" in buf, counted as bytes arrive: a rescan per read was quadratic in a line
         self.eof = False
         self.line_no = 0  # lines handed out so far
 
@@ -492,8 +495,25 @@ class LineChunks:
         data = os.read(self.fd, 1 << 16)
         if data:
             self.buf += data
+            self.newlines += data.count(b"\n")
         else:
             self.eof = True
+
+    def _take(self) -> list[bytearray]:
+        """Up to `max_lines` lines off the front of the buffer (at the end, the last one without its
+        newline). Each search starts where the last line ended and the rest is not copied (a bytearray
+        drops its front in place): --chunk-lines 1 on a read of thousands of short lines is linear too."""
+        lines: list[bytearray] = []
+        pos = 0
+        while len(lines) < self.max_lines and (end := self.buf.find(b"\n", pos)) >= 0:
+            lines.append(self.buf[pos:end])
+            pos = end + 1
+        del self.buf[:pos]
+        self.newlines -= len(lines)
+        if self.eof and self.buf and len(lines) < self.max_lines:
+            lines.append(self.buf)  # the last line, without a newline
+            self.buf = bytearray()
+        return lines
 
     def _decode(self, raw: bytes, line_no: int) -> str:
         if line_no == 1 and raw.startswith(b"\xef\xbb\xbf"):
@@ -508,20 +528,11 @@ class LineChunks:
 
     def __iter__(self) -> Iterator[list[str]]:
         while True:
-            while b"\n" not in self.buf and not self.eof:
+            while not self.newlines and not self.eof:
                 self._fill(block=True)
-            while self.buf.count(b"\n") < self.max_lines and not self.eof and self._ready():
+            while self.newlines < self.max_lines and not self.eof and self._ready():
                 self._fill(block=False)  # take what is already there, without waiting for more
-            parts = self.buf.split(b"\n")
-            if self.eof:
-                complete, self.buf = parts, b""
-                if complete and complete[-1] == b"":
-                    complete.pop()  # the newline that ends the last line
-            else:
-                complete, self.buf = parts[:-1], parts[-1]
-            if len(complete) > self.max_lines:
-                self.buf = b"\n".join(complete[self.max_lines:] + [self.buf])
-                complete = complete[: self.max_lines]
+            complete = self._take()
             if complete:
                 first = self.line_no + 1
                 self.line_no += len(complete)
