@@ -402,6 +402,9 @@ def create_app(models: Any, limits: Limits, languages: tuple[str, str] | None = 
     return app
 
 
+DEEP_JSON = "body: JSON nested too deeply for the parser; send the texts as a list of strings"
+
+
 def _handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
@@ -413,6 +416,8 @@ def _handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+        if isinstance(e.__cause__, RecursionError):  # FastAPI's "error parsing the body", from json.loads
+            return _error(400, DEEP_JSON, field="body")
         return _error(e.status_code, str(e.detail), e.headers)
 
     @app.exception_handler(Exception)
