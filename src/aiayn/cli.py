@@ -32,6 +32,17 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's help ends with its default, except a default of None or "": such an option is
+    decided at run time (its help says how) or off, and "(default: None)" after "(default: the
+    checkpoint's source language)" contradicted it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default == "":
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="aiayn",
@@ -41,7 +52,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(
-            name, help=help_text, description=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+            name, help=help_text, description=help_text, formatter_class=HelpFormatter
         )
         if name == command:  # only the chosen subcommand's module is imported
             importlib.import_module(module).add_arguments(p)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, TypeVar
@@ -37,7 +38,17 @@ def _from_dict(cls: type[T], data: dict[str, Any]) -> T:
 ACTIVATIONS = ("relu", "gelu", "swish")  # of the feed-forward network; swish is SiLU
 MAX_POSITIONS_LIMIT = 100_000  # a sinusoid table of max_positions x d_model floats is built up front
 
+MAX_LAYERS = 1_000  # per stack; each layer is built up front, one by one (~6 ms each even on the meta device)
+
 _KINDS = {bool: "true or false", int: "a whole number", float: "a finite number", str: "a string"}
+
+
+def _finite(v: int | float) -> bool:
+    """Whether `v` is a finite float; an int past float's range (a config file's 400 digits) is not."""
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 def _type_errors(obj: Any) -> Iterator[tuple[str, str]]:
@@ -56,13 +67,22 @@ def _type_errors(obj: Any) -> Iterator[tuple[str, str]]:
         elif kind is int:
             ok = isinstance(v, int) and not isinstance(v, bool)
         elif kind is float:
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and _finite(v)
         elif kind is str:
             ok = isinstance(v, str)
         else:
             continue
         if not ok:
             yield name, _KINDS[kind]
+
+
+def _past_64_bits(obj: Any) -> Iterator[str]:
+    """Int fields that no 64-bit number holds: checked after each field's own bounds, for those with
+    none (a config file's 400 digits for --max-steps overflowed tqdm's float arithmetic)."""
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if isinstance(v, int) and not -(2**63) <= v < 2**64:
+            yield f.name
 
 
 @dataclass(frozen=True)
@@ -111,7 +131,8 @@ class ModelConfig:
              f"max_positions must be at most {MAX_POSITIONS_LIMIT:,} (the table grows by itself for longer "
              f"inputs), got {self.max_positions}")
         for name in ("encoder_layers", "decoder_layers"):
-            need(int(getattr(self, name)) >= 1, f"{name} must be at least 1, got {getattr(self, name)}")
+            need(1 <= getattr(self, name) <= MAX_LAYERS,
+                 f"{name} must be between 1 and {MAX_LAYERS:,}, got {getattr(self, name)}")
         need(self.d_model % self.n_heads == 0, f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
         need(self.d_model % 2 == 0, f"d_model must be even for the sinusoidal encoding, got {self.d_model}")
         for name in ("dropout", "attention_dropout", "activation_dropout"):
@@ -123,6 +144,8 @@ class ModelConfig:
             "share_embeddings needs a joint vocabulary (src_vocab_size == tgt_vocab_size)",
         )
         need(0 <= self.pad_id < min(self.src_vocab_size, self.tgt_vocab_size), f"pad_id {self.pad_id} outside vocabulary")
+        for name in _past_64_bits(self):
+            need(False, f"{name} must be a whole number that fits in 64 bits, got {getattr(self, name)}")
 
     @property
     def d_head(self) -> int:
@@ -172,6 +195,10 @@ def learning_rate(step: int, d_model: int, warmup: int, factor: float = 1.0, coo
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # training: autocast dtypes (`TrainConfig.precision`)
 INFERENCE_PRECISIONS = ("fp32", "bf16", "int8")  # search: the weights' dtype (`Translator`, `CT2Translator`)
+
+
+# TrainConfig's file and directory names
+PATH_FIELDS = ("data_dir", "train_src", "train_tgt", "valid_src", "valid_tgt", "data_bin", "init_from", "out")
 
 
 @dataclass(frozen=True)
@@ -238,6 +265,10 @@ class TrainConfig:
 
         for name, kind in _type_errors(self):
             need(False, name, f"must be {kind}")
+        # "" was taken for a flag not given (or for "."): `--init-from "$BASE"` with BASE unset trained
+        # from scratch, an empty --valid-src without validation
+        for name in PATH_FIELDS:
+            need(getattr(self, name) != "", name, "is an empty name (an unset shell variable?); give a path or leave it out")
         need(16 <= self.vocab_size <= 1_000_000, "vocab_size", "must be between 16 and 1,000,000")
         need(self.spm_model_type in ("bpe", "unigram"), "spm_model_type", "must be 'bpe' or 'unigram'")
         need(self.max_tokens >= 2, "max_tokens", "must be at least 2 (tokens per batch, padding counted)")
@@ -256,8 +287,8 @@ class TrainConfig:
         need(self.precision != "int8", "precision", "int8 is for decoding only (translate, evaluate, serve); train "
              f"in one of {', '.join(PRECISIONS)}")
         need(self.precision in PRECISIONS, "precision", f"must be one of {', '.join(PRECISIONS)}")
-        need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device",
-             "must be auto, cpu or cuda[:N]")
+        need(self.device in ("auto", "cpu") or re.fullmatch(r"cuda(:(0|[1-9][0-9]*))?", self.device) is not None,
+             "device", "must be auto, cpu or cuda[:N]")  # torch.device("cuda:x") is a RuntimeError traceback
         for name in ("max_epochs", "max_steps", "patience", "save_every", "valid_bleu", "log_every", "threads"):
             need(getattr(self, name) >= 0, name, "must be 0 (off) or positive")
         need(self.max_minutes >= 0, "max_minutes", "must be 0 (off) or positive")
@@ -265,6 +296,8 @@ class TrainConfig:
         need(self.keep_last >= 1, "keep_last", "must be at least 1")
         need(-(2**63) <= self.seed < 2**64, "seed", "must fit in 64 bits")
         need(self.threads <= 4096, "threads", "must be at most 4096")
+        for name in _past_64_bits(self):
+            need(False, name, "must be a whole number that fits in 64 bits")
 
     def check_cooldown(self) -> None:
         """The ramp needs a step budget to end at; checked on the final settings (a resumed run
