@@ -298,3 +298,23 @@ def test_an_empty_file_name_is_refused_naming_its_flag(ckpt, tmp_path, capsys):
         assert cli.main(["evaluate", *argv]) == 2, argv
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and f"{flag} '': an empty name" in err, err
+
+
+def test_tokenized_hypotheses_are_warned_about_once_in_aiayns_words(tmp_path, capsys, caplog):
+    """100 hypotheses ending in " ." made sacreBLEU warn twice (once per BLEU) that the data looked
+    tokenized, advising a `force` parameter that `aiayn evaluate` has no flag for. One warning now says
+    what it means: a final " ." costs nothing (13a splits it off anyway), other tokenization does."""
+    refs = [f"A dog runs to tree {i}." for i in range(120)]
+    h, r = write(tmp_path / "h.txt", [x[:-1] + " ." for x in refs]), write(tmp_path / "r.txt", refs)
+    assert cli.main(["evaluate", "--hyp-file", h, "--ref-file", r]) == 0
+    out, err = capsys.readouterr()
+    assert "BLEU = 100.00" in out  # the final " ." costs nothing
+    assert len(err.strip().splitlines()) == 1 and "warning: 120 of the 120 hypotheses" in err, err
+    assert "detokenize" in err and "force" not in err
+    assert not [rec for rec in caplog.records if rec.name.startswith("sacrebleu")]
+    assert cli.main(["evaluate", "--hyp-file", h, "--ref-file", h, "--json"]) == 0  # references tokenized too
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "120 hypotheses and 120 references" in err, err
+    short = write(tmp_path / "s.txt", [x[:-1] + " ." for x in refs[:99]] + refs[99:])  # sacreBLEU's 100
+    assert cli.main(["evaluate", "--hyp-file", short, "--ref-file", r]) == 0
+    assert capsys.readouterr().err == ""

@@ -7,6 +7,7 @@ transformers' own classes; the reference is always what transformers itself comp
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -138,3 +139,91 @@ def test_an_empty_sentencepiece_model_is_refused_in_one_line(tmp_path, capsys, f
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and file in err and "no pieces" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def _import(argv: list[str], capsys) -> tuple[int, str]:
+    from aiayn.cli import main
+
+    rc = main(["import", "--from", "marian", *argv])
+    return rc, capsys.readouterr().err.strip()
+
+
+def test_a_path_that_names_no_directory_is_refused_at_once_and_a_hub_name_goes_to_the_hub(tmp_path, capsys,
+                                                                                           monkeypatch):
+    """A mistyped local path (`./not/a/dir`) was sent to the hub, which answered after ~12 s with
+    "Repo id must be in the form ...". A value that can only be a path is refused before any hub
+    call; NAME and OWNER/NAME still go to the hub (here a stand-in: no network in tests)."""
+    import aiayn.importer as importer
+
+    asked = []
+
+    def hub(name: str, tmp: Path) -> Path:
+        asked.append(name)
+        raise AiaynError(f"{name}: the hub (stand-in)")
+
+    monkeypatch.setattr(importer, "_hub", hub)
+    (tmp_path / "file").write_text("x")
+    out = str(tmp_path / "out")
+    for source, words in (("./not/a/dir", "no such directory"), (str(tmp_path / "missing"), "no such directory"),
+                          ("models/opus/de-en", "no such directory"), ("~/opus-mt-de-en", "no such directory"),
+                          (str(tmp_path / "file"), "is a file")):
+        rc, err = _import([source, "--out", out], capsys)
+        assert rc == 2 and words in err and source in err and "\n" not in err, (source, err)
+    assert asked == []
+    for name in ("Helsinki-NLP/opus-mt-de-en", "opus-mt-de-en"):
+        assert importer.local_source(name) is None
+        rc, err = _import([name, "--out", out], capsys)
+        assert rc == 2 and "stand-in" in err, err
+    assert asked == ["Helsinki-NLP/opus-mt-de-en", "opus-mt-de-en"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_out_that_is_or_holds_the_current_directory_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    """`aiayn import --out .` inside an earlier import's folder failed after the whole conversion with
+    "Device or resource busy ...; free space or choose another --out": no space was missing."""
+    rc, _ = _import([str(mm.FIXTURE), "--out", str(tmp_path / "imp")], capsys)
+    assert rc == 0
+    before = {p.name: p.read_bytes() for p in (tmp_path / "imp").iterdir()}
+    monkeypatch.chdir(tmp_path / "imp")
+    for out in (".", "../imp", ".."):
+        rc, err = _import([str(mm.FIXTURE), "--out", out], capsys)
+        assert rc == 2 and "current directory" in err and "free space" not in err and "\n" not in err, (out, err)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "imp").iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["imp"]
+
+
+def test_a_symlinked_out_is_refused_and_left_as_it_was(tmp_path, capsys):
+    """`--out LINK` (a link to a folder) replaced the link with a new folder and left the link behind
+    as `.tmp-old-LINK-...` (rmtree refuses a link, quietly); the folder it pointed to stayed empty."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to("real")
+    (tmp_path / "dangling").symlink_to("nowhere")
+    for out in ("link", "dangling"):
+        rc, err = _import([str(mm.FIXTURE), "--out", str(tmp_path / out)], capsys)
+        assert rc == 2 and "symbolic link" in err and "\n" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "link", "real"]
+    assert (tmp_path / "link").is_symlink() and os.readlink(tmp_path / "link") == "real"
+    assert not any((tmp_path / "real").iterdir())
+
+
+def test_special_token_names_of_an_older_directory_are_read_from_special_tokens_map(tmp_path):
+    """Older Marian directories name their special tokens in special_tokens_map.json only (their
+    tokenizer_config.json has just the languages), and transformers reads that file: a pad token
+    named there ("<blank>") was looked up as "<pad>", and the import refused a model that transformers
+    loads ("vocab.json gives '<pad>' the id None")."""
+    import json
+
+    from transformers import MarianTokenizer
+
+    d = tmp_path / "old"
+    shutil.copytree(mm.FIXTURE, d)
+    vocab = json.loads((d / "vocab.json").read_text(encoding="utf-8"))
+    vocab["<blank>"] = vocab.pop("<pad>")
+    (d / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    (d / "tokenizer_config.json").write_text(json.dumps({"source_lang": "de", "target_lang": "en"}))
+    (d / "special_tokens_map.json").write_text(json.dumps({"eos_token": "</s>", "unk_token": "<unk>",
+                                                           "pad_token": "<blank>"}))
+    tok = MarianTokenizer.from_pretrained(str(d))
+    assert (tok.pad_token, tok.pad_token_id) == ("<blank>", vocab["<blank>"])  # what transformers reads
+    lines = ["Ein Mann fährt Fahrrad.", "Zwei Hunde spielen im Schnee.", "Eine Frau liest ein Buch."]
+    assert _aiayn_greedy(d, lines) == _hf_greedy(d, lines)

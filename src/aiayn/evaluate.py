@@ -38,8 +38,10 @@ def corpus_scores(hyps: Sequence[str], refs: Sequence[str], *more: Sequence[str]
             raise ScoreError(f"{len(hyps)} hypotheses but {len(r)} references; they must be line-aligned")
     if not hyps:
         raise ScoreError("nothing to score: no hypotheses and no references")
-    bleu = sacrebleu.metrics.BLEU()
-    bleu_lc = sacrebleu.metrics.BLEU(lowercase=True)
+    # force: sacreBLEU's own check for tokenized output would warn once per BLEU, advising a `force`
+    # parameter aiayn has no flag for; `aiayn evaluate` says it once (`tokenized_note`)
+    bleu = sacrebleu.metrics.BLEU(force=True)
+    bleu_lc = sacrebleu.metrics.BLEU(lowercase=True, force=True)
     chrf = sacrebleu.metrics.CHRF()
     b, lc, c = (m.corpus_score(list(hyps), streams) for m in (bleu, bleu_lc, chrf))
     return {
@@ -51,6 +53,24 @@ def corpus_scores(hyps: Sequence[str], refs: Sequence[str], *more: Sequence[str]
         "chrf_signature": str(chrf.get_signature()),
         "n": len(hyps),
     }
+
+
+def tokenized_note(hyps: Sequence[str], *refs: Sequence[str]) -> str | None:
+    """sacreBLEU's check for tokenized output (100 lines or more end in " ."), in aiayn's words. It
+    scores detokenized text, tokenizing it itself (13a): a final " ." costs nothing, but the rest of a
+    tokenizer's changes ("don 't", "&quot;") are not undone, so the score is lower than it should
+    be, or (references tokenized too) not comparable with published ones."""
+    n = sum(h.endswith(" .") for h in hyps)
+    if n < 100:
+        return None
+    m = max(sum(r.endswith(" .") for r in stream) for stream in refs)
+    if m >= 100:
+        return (f'{n} hypotheses and {m} references end in " ." as tokenized text does: these scores are of '
+                "tokenized text, not comparable with published sacreBLEU scores; detokenize both (e.g. with "
+                "sacremoses) to compare")
+    return (f'{n} of the {len(hyps)} hypotheses end in " ." as tokenized text does, the references do not: a final '
+            '" ." costs nothing, but other tokenization ("don \'t", "&quot;") lowers BLEU; if the hypotheses are '
+            "tokenized, detokenize them (e.g. with sacremoses) and score them again")
 
 
 def format_scores(s: dict[str, Any]) -> str:
@@ -210,6 +230,9 @@ def run(args: argparse.Namespace) -> int:
             except OSError as e:
                 raise AiaynError(f"{args.save_hyps}: cannot write ({e.strerror or e}) (--save-hyps)") from None
     scores = corpus_scores(hyps, *refs)
+    note = tokenized_note(hyps, *refs)
+    if note:
+        print(f"aiayn evaluate: warning: {note}", file=sys.stderr)
     if args.json:
         print(json.dumps({**scores, **info}, sort_keys=True))
     else:

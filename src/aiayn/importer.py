@@ -179,6 +179,17 @@ def _special_name(value: Any, default: str) -> str:
     return value if isinstance(value, str) else default
 
 
+def _special_names(d: Path, tk: dict[str, Any]) -> dict[str, str]:
+    """The pad, unk and eos names as MarianTokenizer reads them: tokenizer_config.json's, where an
+    older directory's special_tokens_map.json overrides them (transformers reads that file when the
+    config has no added_tokens_decoder); MarianTokenizer's default names are ours."""
+    given = dict(tk)
+    if "added_tokens_decoder" not in tk and (d / "special_tokens_map.json").is_file():
+        given.update(_read_object(d / "special_tokens_map.json"))
+    return {role: _special_name(given.get(f"{role}_token"), PIECES[i]) for role, i in
+            (("pad", PAD_ID), ("unk", UNK_ID), ("eos", EOS_ID))}
+
+
 def _side(pieces: dict[str, int], file: str, names: dict[str, str], start: int | None, size: int) -> Side:
     """Our id order over a Marian vocabulary: pad, unk, bos (`start`, or pad's row again), eos, then
     the rest in Marian's order."""
@@ -189,7 +200,7 @@ def _side(pieces: dict[str, int], file: str, names: dict[str, str], start: int |
     ids = {}
     for role in ("pad", "unk", "eos"):
         if names[role] not in pieces:
-            raise AiaynError(f"{file} has no {names[role]!r}, the {role} token of tokenizer_config.json")
+            raise AiaynError(f"{file} has no {names[role]!r}, the {role} token the tokenizer's config names")
         ids[role] = pieces[names[role]]
     bos = ids["pad"] if start is None else start
     head = [ids["pad"], ids["unk"], bos, ids["eos"]]
@@ -441,12 +452,27 @@ def _hub(name: str, tmp: Path) -> Path:
     return tmp
 
 
+def local_source(source: str | Path) -> Path | None:
+    """The directory `source` names, or None for a hub name (NAME or OWNER/NAME). A value that can only
+    be a path (it starts with '.', '/' or '~', has two '/' or more, or is a file) is refused at once:
+    the hub would answer it after many seconds with "Repo id must be in the form ..."."""
+    path, name = Path(source), str(source)
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise AiaynError(f"{name} is a file; name the Marian model's directory (the folder holding config.json)")
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise AiaynError(f"{name}: no such directory; name a Marian model's directory, or a hub name such as "
+                         "Helsinki-NLP/opus-mt-de-en")
+    return None
+
+
 def import_marian(source: str | Path, out: str | Path, warn: Any = print, src: str | None = None,
                   tgt: str | None = None) -> Path:
     """Writes the aiayn checkpoint of a Marian directory (or hub name) to `out`; returns `out`.
     The language pair (for `aiayn serve`) is `src`/`tgt`, else tokenizer_config.json's, else the
     name's (opus-mt-SRC-TGT)."""
-    out, local = Path(out), Path(source) if Path(source).is_dir() else None
+    out, local = Path(out), local_source(source)
     _check_out(out, local)
     with tempfile.TemporaryDirectory() as tmp:
         d = local or _hub(str(source), Path(tmp))
@@ -469,9 +495,7 @@ def convert(d: Path, warn: Any = print) -> tuple[Transformer, TokenizerPair]:
     """The model (eval mode) and tokenizers of a Marian directory."""
     hf = _read_object(d / "config.json")
     tk = _read_object(d / "tokenizer_config.json") if (d / "tokenizer_config.json").is_file() else {}
-    # MarianTokenizer's default names are ours
-    names = {role: _special_name(tk.get(f"{role}_token"), PIECES[i]) for role, i in
-             (("pad", PAD_ID), ("unk", UNK_ID), ("eos", EOS_ID))}
+    names = _special_names(d, tk)
     share = bool(hf.get("share_encoder_decoder_embeddings", True))
     separate = bool(tk.get("separate_vocabs", False)) or (d / "target_vocab.json").is_file() and not share
     V = _whole("vocab_size", _field(hf, "vocab_size"))
@@ -524,9 +548,18 @@ def _source_eos(d: Path) -> bool:
 
 def _check_out(out: Path, source: Path | None) -> None:
     """--out may be new, empty, or an earlier import holding nothing but what an import writes: it is
-    replaced whole, so anything else there (a user's file, a folder, the input) would be lost."""
-    if source is not None and (out.resolve() == source.resolve() or out.resolve() in source.resolve().parents):
+    replaced whole, so anything else there (a user's file, a folder, the input) would be lost. Refused
+    too: the current directory (the swap fails on ".": "Device or resource busy") and a symbolic link
+    (it would become a folder, the link left behind under a `.tmp-old-` name)."""
+    real = out.resolve()
+    if source is not None and (real == source.resolve() or real in source.resolve().parents):
         raise AiaynError(f"--out {out} is (or holds) the input {source}; choose a new directory")
+    here = Path.cwd().resolve()
+    if real == here or real in here.parents:
+        raise AiaynError(f"--out {out} is (or holds) the current directory; run the import from another "
+                         "directory, or choose a new --out")
+    if out.is_symlink():
+        raise AiaynError(f"--out {out} is a symbolic link; name the folder it points to, or choose a new --out")
     if out.exists() and not out.is_dir():
         raise AiaynError(f"--out {out} is a file; choose a new directory")
     if out.is_dir() and any(out.iterdir()):
