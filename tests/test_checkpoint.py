@@ -364,6 +364,21 @@ def test_average_never_replaces_what_is_not_an_earlier_average(tmp_path, tok, ca
     assert (avg / "config.json").is_file()
 
 
+def test_average_refuses_a_symlinked_output_and_leaves_it_as_it_was(tmp_path, tok, capsys):
+    """-o LINK to an empty folder succeeded, leaving the link renamed .tmp-old-LINK-* and the folder empty."""
+    run = tmp_path / "run"
+    _save(run / "step_1", _model(tok), tok, step=1, state={"step": 1})
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    assert cli_main(["average", "--checkpoint", str(run), "-n", "1", "-o", str(link)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is a symbolic link; name the folder it points to" in err
+    assert link.is_symlink() and link.resolve() == real.resolve() and not any(real.iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real", "run"]
+
+
 def test_average_refuses_checkpoints_with_different_tokenizers(tmp_path, tok):
     other = Tokenizer.train(_lines(200, 1) + ["quick brown fox jumps over lazy"] * 20, tok.src.vocab_size)
     pair = TokenizerPair(other, other, joint=True)

@@ -446,6 +446,8 @@ def _check_average_output(out: Path, inputs: list[Path]) -> None:
             raise AiaynError(f"-o {out} is (or holds) {p}, one of the checkpoints being averaged; choose a new path")
         if p.resolve() in real.parents:  # a checkpoint's folder is replaced whole when saved again, or pruned
             raise AiaynError(f"-o {out} is inside {p}, one of the checkpoints being averaged; choose a path outside it")
+    if out.is_symlink():  # replacing it would leave the link renamed .tmp-old-* and the folder it names untouched
+        raise AiaynError(f"-o {out} is a symbolic link; name the folder it points to, or choose a new path")
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return
     try:
