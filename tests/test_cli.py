@@ -37,11 +37,11 @@ def test_python_dash_m_runs_the_entry_point():
     assert done.returncode == 0 and done.stdout.startswith("aiayn ")
 
 
-def _help(command: str, capsys) -> str:
+def _help(command: str, capsys, *more: str) -> str:
     from aiayn.cli import main
 
     try:
-        main([command, "--help"])
+        main([command, *more, "--help"])
     except SystemExit as e:
         assert e.code == 0
     return " ".join(capsys.readouterr().out.split())
@@ -58,6 +58,9 @@ def test_help_gives_no_default_of_none_after_the_one_it_states(capsys):
     serve = _help("serve", capsys)
     assert "no key asked --" in serve and "(CORS off) " in serve and "(default: )" not in serve
     assert "(default: 127.0.0.1)" in serve and "(default: 4)" in serve
+    for picture in ("lr-schedule", "attention", "positional-encoding", "curves"):  # plot's own subcommands
+        assert "(default: None)" not in _help("plot", capsys, picture), picture
+    assert "(default: 4000)" in _help("plot", capsys, "lr-schedule")
 
 
 BIG = 10**400  # a config file's 400 digits: TOML and JSON read them as an int

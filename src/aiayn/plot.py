@@ -564,7 +564,7 @@ def _config_value(cfg: dict[str, Any], section: str, key: str, path: str, defaul
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="picture", metavar="PICTURE", required=True)
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = parser.formatter_class  # `aiayn`'s: the defaults shown, none where it is None (the help says it)
 
     def common(p: argparse.ArgumentParser, default_name: str) -> None:
         p.add_argument("-o", "--output", default=default_name, help="image file: .png, .svg or .pdf")
