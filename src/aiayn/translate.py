@@ -515,7 +515,7 @@ class LineChunks:
             self.buf = bytearray()
         return lines
 
-    def _decode(self, raw: bytes, line_no: int) -> str:
+    def _decode(self, raw: bytes | bytearray, line_no: int) -> str:
         if line_no == 1 and raw.startswith(b"\xef\xbb\xbf"):
             raw = raw[3:]  # a byte-order mark is not text
         if raw.endswith(b"\r"):
