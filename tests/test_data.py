@@ -164,3 +164,23 @@ def test_collate_pads_to_the_batch_only() -> None:
     assert torch.equal(moved.tgt_out, b.tgt_out) and moved.n_tgt_tokens == 6
     with pytest.raises(AiaynError, match="empty batch"):
         collate(examples, [])
+
+
+def test_file_sha256_of_a_folder_or_an_unreadable_file_is_one_line(tmp_path, monkeypatch) -> None:
+    """Only a missing file was an AiaynError: a folder's path raised a bare IsADirectoryError to every
+    caller (`build_tokenizers` on a folder given as a corpus file: a traceback from a library call)."""
+    from aiayn.files import file_sha256
+    from aiayn.tokenizer import build_tokenizers
+
+    with pytest.raises(AiaynError, match=rf"^{tmp_path}: is a directory, expected a file$"):
+        file_sha256(tmp_path)
+    (tmp_path / "a.txt").write_text("a b\n", encoding="utf-8")
+    with pytest.raises(AiaynError, match="is a directory"):
+        build_tokenizers(tmp_path, tmp_path / "a.txt", vocab_size=50, cache_dir=tmp_path / "cache")
+
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(args[0]))
+
+    monkeypatch.setattr("aiayn.files.open", denied, raising=False)  # (root reads any file: no chmod)
+    with pytest.raises(AiaynError, match=r"a\.txt: cannot read \(Permission denied\)$"):
+        file_sha256(tmp_path / "a.txt")

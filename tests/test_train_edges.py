@@ -288,3 +288,130 @@ def test_a_read_only_out_on_resume_says_what_to_do(tmp_path, corpus):
         f"there; make it writable (chmod u+w {out}) or copy the run to a folder you can write (cp -r {out} NEW) "
         "and resume there with --out NEW"), r.stderr
     assert sorted(p.name for p in out.iterdir()) == ["best", "data", "metrics.jsonl", "step_1", "train.json"]
+
+
+@pytest.mark.parametrize("flag", ["--train-src", "--train-tgt", "--valid-src", "--valid-tgt"])
+def test_a_folder_given_as_a_corpus_file_is_named_as_one(tmp_path, corpus, capsys, flag):
+    """`--train-src SOMEDIR` said "--train-src SOMEDIR: no such file", which sent the user looking
+    for a missing file."""
+    out, folder = tmp_path / "run", tmp_path / "texts"
+    folder.mkdir()
+    args = tiny_args(corpus, out, "--max-steps", "1")
+    args[args.index(flag) + 1] = str(folder)
+    assert cli_main(args) == 2
+    assert capsys.readouterr().err == (f"aiayn train: error: {flag} {folder}: is a directory, expected a text file "
+                                       "(one sentence a line); give the file's path\n")
+    assert not list(out.glob("step_*"))
+
+
+def test_an_unreadable_corpus_file_names_its_flag(tmp_path, corpus):
+    """An unreadable --train-tgt ended in "FILE: Permission denied" (an OSError from hashing it),
+    naming neither the flag nor that it is an input."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    Path(corpus["train_tgt"]).chmod(0)
+    argv = [sys.executable, "-m", "aiayn", *tiny_args(corpus, tmp_path / "run", "--max-steps", "1")]
+    if os.geteuid() == 0:  # root reads anything: take away the capabilities that let it
+        if not shutil.which("setpriv"):
+            pytest.skip("running as root without setpriv to drop CAP_DAC_OVERRIDE")
+        caps = "-dac_override,-dac_read_search,-fowner"
+        argv = ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}", *argv]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert r.returncode == 2 and r.stderr == (f"aiayn train: error: --train-tgt {corpus['train_tgt']}: cannot read "
+                                              "(Permission denied)\n"), r.stderr
+
+
+def test_an_empty_config_name_is_refused(tmp_path, corpus, capsys):
+    """`--config "$RECIPE"` with RECIPE unset trained on the defaults, the recipe ignored without a word
+    ("" was taken for no --config)."""
+    out = tmp_path / "run"
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "1", "--config", "")) == 2
+    assert capsys.readouterr().err == ("aiayn train: error: --config is an empty name (an unset shell variable?); "
+                                       "give a file or leave it out\n")
+    assert not out.exists()
+
+
+def test_a_metrics_file_that_cannot_be_read_on_resume_is_one_line_before_loading(tmp_path, corpus, capsys):
+    """--resume reads metrics.jsonl (dropping lines past the checkpoint): one it could not read stopped
+    the run after the checkpoint and the data were loaded, with "RUN/metrics.jsonl: Is a directory"
+    (or "Permission denied") and no hint. (A read-only one is fine: it is replaced, as train.json is.)"""
+    out = tmp_path / "run"
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "1")) == 0
+    (out / "train.json").chmod(0o444)
+    (out / "metrics.jsonl").chmod(0o444)
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--resume")) == 0
+    assert (out / "step_2").is_dir() and '"step": 2' in (out / "metrics.jsonl").read_text(encoding="utf-8")
+    (out / "metrics.jsonl").unlink()
+    (out / "metrics.jsonl").mkdir()
+    capsys.readouterr()
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "3", "--resume")) == 2
+    said = capsys.readouterr()
+    assert said.err == (f"aiayn train: error: {out / 'metrics.jsonl'}: cannot read it (Is a directory); --resume keeps "
+                        "the run's metrics there: make it a readable file, or move it away to start the metrics "
+                        "afresh\n")
+    assert "resuming from" not in said.out and not (out / "step_3").exists()
+
+
+def test_the_run_says_when_it_keeps_no_best_checkpoint(tmp_path, corpus, capsys):
+    """The docs and --help said a run keeps best/; best/ is the best validation BLEU's, so a run that
+    scores none (--valid-bleu 0, as configs/multi30k-gpu.toml) writes none: now said in the log, --help
+    and docs/training.md."""
+    import argparse
+
+    from aiayn.train import add_arguments
+
+    out = tmp_path / "run"
+    assert cli_main(tiny_args(corpus, out, "--max-epochs", "1", "--valid-bleu", "0")) == 0
+    said = capsys.readouterr().out
+    assert ("no best/ checkpoint: it is kept by validation BLEU, and none is scored (--valid-bleu 0); the run keeps "
+            "its last 5 step_<N>/") in said
+    assert not (out / "best").exists() and list(out.glob("step_*"))
+    scored = tmp_path / "scored"
+    assert cli_main(tiny_args(corpus, scored, "--max-epochs", "1")) == 0
+    assert "no best/" not in capsys.readouterr().out and (scored / "best").is_dir()
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    helps = " ".join(parser.format_help().split())
+    assert "step checkpoints kept (plus best/, where validation BLEU is scored)" in helps
+    assert "(0: loss only, and no best/)" in helps
+
+
+def test_seeds_that_differ_only_above_bit_32_draw_other_weights(tmp_path, corpus, monkeypatch):
+    """torch's CPU generator keeps the low 32 bits of its seed: --seed 1 and --seed 4294967297 drew the
+    same initial weights and dropout masks. A seed below 2^32 draws what it drew before, and a resumed
+    run of a large seed still ends with the weights of an uninterrupted one."""
+    import torch
+    from safetensors.torch import load_file
+
+    from aiayn import train as T
+
+    built, real = [], T.Transformer
+
+    def keep(cfg):  # the weights each run starts from
+        model = real(cfg)
+        built.append({k: v.clone() for k, v in model.state_dict().items()})
+        return model
+
+    monkeypatch.setattr(T, "Transformer", keep)
+    for seed in ("1", str(2**32 + 1)):
+        assert cli_main(tiny_args(corpus, tmp_path / seed, "--max-steps", "2", "--seed", seed)) == 0
+    assert any(not built[0][k].equal(built[1][k]) for k in built[0])
+    from aiayn.trainer import torch_seed
+
+    assert [torch_seed(s) for s in (0, 1, 2**32 - 1)] == [0, 1, 2**32 - 1]
+    assert torch_seed(-1) == torch_seed(2**64 - 1)  # (torch's own wrap of a negative seed)
+    torch.manual_seed(1)
+    first = torch.rand(3)
+    torch.manual_seed(torch_seed(2**32 + 1))
+    assert not torch.rand(3).equal(first)
+    big = str(2**32 + 1)
+    resumed = tmp_path / "resumed"
+    assert cli_main(tiny_args(corpus, resumed, "--max-steps", "1", "--seed", big)) == 0
+    assert cli_main(tiny_args(corpus, resumed, "--max-steps", "2", "--seed", big, "--resume")) == 0
+    a = load_file(str(tmp_path / big / "step_2" / "model.safetensors"))
+    b = load_file(str(resumed / "step_2" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)

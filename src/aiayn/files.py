@@ -23,16 +23,28 @@ from typing import BinaryIO, Iterator
 from aiayn.errors import AiaynError
 
 
-def _open_text_file(path: Path) -> io.BufferedReader:
+def _open_file(path: Path, name: str, expected: str) -> io.BufferedReader:
     """`path` opened for reading bytes; the one-line errors of a missing, unreadable or folder path."""
     try:
         return open(path, "rb")
     except FileNotFoundError:
-        raise AiaynError(f"{path}: no such file") from None
+        raise AiaynError(f"{name}: no such file") from None
     except IsADirectoryError:
-        raise AiaynError(f"{path}: is a directory, expected a text file") from None
+        raise AiaynError(f"{name}: is a directory, expected {expected}") from None
     except OSError as e:
-        raise AiaynError(f"{path}: cannot read ({e.strerror or e})") from None
+        raise AiaynError(f"{name}: cannot read ({e.strerror or e})") from None
+
+
+def _open_text_file(path: Path, flag: str = "") -> io.BufferedReader:
+    """`_open_file` for a text file (named with the `flag` that gave it, if any)."""
+    return _open_file(path, f"{flag} {path}" if flag else str(path),
+                      "a text file (one sentence a line); give the file's path")
+
+
+def check_input_file(path: str | os.PathLike[str], flag: str) -> None:
+    """A text file named by `flag` opens, else one line naming the flag says why (missing, a
+    folder, no permission): before any work, where a folder read as "no such file"."""
+    _open_text_file(Path(path), flag).close()
 
 
 def read_lines(path: str | os.PathLike[str], blank_ok: bool = False) -> list[str]:
@@ -110,14 +122,12 @@ def fsync_path(path: Path) -> None:
 
 
 def file_sha256(path: str | os.PathLike[str]) -> str:
-    """The sha256 of a file's bytes, read in chunks; AiaynError if it is missing."""
+    """The sha256 of a file's bytes, read in chunks; AiaynError if it is missing, a folder or
+    unreadable (a tokenizer built from a folder's path got a bare IsADirectoryError)."""
     h = hashlib.sha256()
-    try:
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-    except FileNotFoundError:
-        raise AiaynError(f"{path}: no such file") from None
+    with _open_file(Path(path), str(path), "a file") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
     return h.hexdigest()
 
 

@@ -51,7 +51,7 @@ from aiayn.errors import AiaynError
 from aiayn.files import atomic_write_bytes
 from aiayn.model import Transformer
 from aiayn.trainer import (Dist, Prefetch, Trainer, check_optimizer_state, rng_state, set_rng_state, setup_distributed,
-                           validate)
+                           torch_seed, validate)
 
 if TYPE_CHECKING:  # for the checker only: train imports the rest of the data path where it uses it
     from aiayn.data.corpus import Corpus
@@ -105,12 +105,13 @@ _HELP = {
     "max_steps": "stop after this many optimizer steps (0: no limit)",
     "max_minutes": "stop after this many minutes of training (0: no limit)",
     "patience": "stop after this many epochs without a better validation BLEU (0: off)",
-    "keep_last": "step checkpoints kept (plus best/)",
+    "keep_last": "step checkpoints kept (plus best/, where validation BLEU is scored)",
     "save_every": "write a checkpoint every N steps (0: only at epoch ends)",
-    "valid_bleu": "validation sentences translated greedily for BLEU each epoch and at a mid-epoch stop (0: loss only)",
+    "valid_bleu": "validation sentences translated greedily for BLEU each epoch and at a mid-epoch stop (0: loss only, "
+                  "and no best/)",
     "log_every": "append a train line to metrics.jsonl every N steps",
     "seed": "random seed (weights, dropout, batch order)",
-    "out": "run directory: step_<N>/ and best/ checkpoints and metrics.jsonl",
+    "out": "run directory: step_<N>/ checkpoints, best/ (the best validation BLEU's) and metrics.jsonl",
     "threads": "CPU threads for torch (0: torch's default)",
 }
 
@@ -189,6 +190,8 @@ def _file_options(path: str) -> tuple[Any, dict[str, Any], dict[str, Any]]:
 def _options_given(args: argparse.Namespace) -> tuple[str | None, dict[str, Any], dict[str, Any]]:
     """(preset, model options, train options) set by the --config file or flags, flags winning."""
     train_names = {f.name for f in dataclasses.fields(TrainConfig)}
+    if args.config == "":  # `--config "$RECIPE"` with RECIPE unset trained on the defaults without a word
+        raise AiaynError("--config is an empty name (an unset shell variable?); give a file or leave it out")
     name, model_over, train_over = _file_options(args.config) if args.config else (None, {}, {})
     if args.preset is not None:  # an explicit flag beats the file
         name = args.preset
@@ -371,6 +374,8 @@ def _open_run_dir(out: Path, resume: bool, d: Dist) -> list[tuple[int, Path]]:
         except OSError as e:
             raise AiaynError(f"--out {out}: cannot make the run directory ({e.strerror or e}); choose another --out") from None
         _check_writable(out, resume)
+    if d.main and existing:
+        _check_metrics_readable(out / "metrics.jsonl")
     if d.main:
         ckpt.remove_stale_temporaries(out)
         for p in out.glob(".train.json.*.tmp"):
@@ -392,6 +397,20 @@ def _check_writable(out: Path, resume: bool) -> None:
         how = f" (chmod u+w {out})" if e.errno == errno.EACCES else ""  # (not on a read-only file system)
         raise AiaynError(f"--out {out} is not writable ({e.strerror or e}): a run writes its checkpoints there; "
                          f"make it writable{how} or {fix}") from None
+
+
+def _check_metrics_readable(path: Path) -> None:
+    """--resume reads the run's metrics.jsonl (dropping lines past the checkpoint) and rewrites it: one
+    it cannot read stopped the run after the checkpoint and data were loaded, with no hint. A read-only
+    one is fine (it is replaced, as train.json is)."""
+    try:
+        path.open("rb").close()
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        how = f" (chmod u+r {path})" if e.errno == errno.EACCES else ""
+        raise AiaynError(f"{path}: cannot read it ({e.strerror or e}); --resume keeps the run's metrics there: make "
+                         f"it a readable file{how}, or move it away to start the metrics afresh") from None
 
 
 # Fields every train.json holds ({"preset", "model", "train": TrainConfig.to_dict()}).
@@ -614,7 +633,7 @@ def _set_up(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, loade
     else:
         mcfg = _new_model_config(preset_name, model_over, tc, (corpus.tokenizers.src.vocab_size,
                                                                corpus.tokenizers.tgt.vocab_size))
-    torch.manual_seed(tc.seed)
+    torch.manual_seed(torch_seed(tc.seed))
     random.seed(tc.seed)
     model = Transformer(mcfg)
     if start:
@@ -622,7 +641,7 @@ def _set_up(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, loade
     if init:
         info(f"fine-tuning from {init.path}")
     if d.rank:  # other ranks draw their own dropout masks
-        torch.manual_seed((tc.seed + 1000 * d.rank) % 2**64)  # torch's seeds are 64-bit: wrap, as it does -1
+        torch.manual_seed(torch_seed(tc.seed + 1000 * d.rank))
         random.seed(tc.seed + 1000 * d.rank)
     run = Run(tc, preset_name, d, out, corpus, model, Trainer(model, tc, d, _precision(tc, loaded, d)),
               TrainLog(out / "metrics.jsonl", d.main), last_saved=loaded.path if loaded else None)
@@ -744,6 +763,10 @@ def _describe(run: Run, info: Log) -> None:
          f"{run.model.num_parameters():,} parameters; vocabulary {tok.src.vocab_size}"
          f"{'' if tok.joint else '/' + str(tok.tgt.vocab_size)} ({'joint' if tok.joint else 'separate'})")
     info(f"data: {corpus.describe(tc)}; ~{run.steps_per_epoch} steps/epoch")
+    if not (tc.valid_bleu and corpus.valid_src):  # (the docs promised best/ without saying when)
+        why = "--valid-bleu 0" if corpus.valid_src else "no validation set"
+        info(f"no best/ checkpoint: it is kept by validation BLEU, and none is scored ({why}); the run keeps "
+             f"its last {tc.keep_last} step_<N>/")
     info(f"device {run.d.device} x{run.d.world}, precision {run.trainer.precision}, max {tc.max_tokens} tokens x "
          f"{tc.update_freq} batches x {run.d.world} ranks per step; output {run.out}")
     if run.trainer.precision == "bf16" and aiayn.kernels.slow_bf16_on(run.d.device):

@@ -205,6 +205,17 @@ def precision_context(precision: str, device: torch.device) -> tuple[Autocast, b
 # --------------------------------------------------------------------------------------- RNG state
 
 
+def torch_seed(seed: int) -> int:
+    """What torch.manual_seed gets for a 64-bit --seed (negative ones wrap, as torch wraps -1).
+    Torch's CPU generator (mt19937) keeps only the low 32 bits of its seed, so --seed 1 and
+    --seed 4294967297 drew the same weights and dropout masks. The high half is folded into the low
+    one, times an odd constant (one-to-one), so seeds that differ only above bit 32 differ there too;
+    a seed below 2**32 is its own (such runs are as before), and CUDA's generator gets all 64 bits."""
+    s = seed % 2**64
+    high = s >> 32
+    return s ^ (high * 0x9E3779B1) % 2**32
+
+
 def rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():

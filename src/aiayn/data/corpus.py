@@ -22,6 +22,7 @@ from aiayn.data.batching import BatchPlan, Batches
 from aiayn.data.bindata import Prepared, Split, open_prepared
 from aiayn.config import TrainConfig
 from aiayn.errors import AiaynError
+from aiayn.files import check_input_file
 from aiayn.tokenizer import TokenizerPair
 
 RUN_DATA = "data"  # the prepared raw text, inside the run directory
@@ -105,6 +106,9 @@ def _raw_inputs(tc: TrainConfig) -> prepare.Inputs:
     if not tc.train_src or not tc.train_tgt:
         raise AiaynError("no training data: pass --data multi30k --src de --tgt en, --train-src and --train-tgt, "
                          "or --data-bin DIR")
+    for name in ("train_src", "train_tgt", "valid_src", "valid_tgt"):  # a folder said "no such file"
+        if getattr(tc, name):
+            check_input_file(getattr(tc, name), "--" + name.replace("_", "-"))
     opt = lambda v: Path(v) if v else None  # noqa: E731
     return prepare.Inputs(Path(tc.train_src), Path(tc.train_tgt), opt(tc.valid_src), opt(tc.valid_tgt))
 
