@@ -137,6 +137,8 @@ def test_bad_input_is_one_line_naming_file_and_line(tmp_path, corpus, capsys):
     base = ["--out", out, "--vocab-size", "300", "--workers", "1"]
     rc, err = _cli(capsys, "--train-src", str(tmp_path / "nope"), "--train-tgt", corpus["train_tgt"], *base)
     assert rc == 2 and err == f"aiayn prepare: error: --train-src {tmp_path / 'nope'}: no such file\n"
+    rc, err = _cli(capsys, "--train-src", str(tmp_path), "--train-tgt", corpus["train_tgt"], *base)  # was "no such file"
+    assert rc == 2 and err.startswith(f"aiayn prepare: error: --train-src {tmp_path}: is a directory, expected a text file")
     short = tmp_path / "short.tgt"
     short.write_text("eins\nzwei\n")
     rc, err = _cli(capsys, "--train-src", corpus["train_src"], "--train-tgt", str(short), *base)

@@ -415,3 +415,23 @@ def test_seeds_that_differ_only_above_bit_32_draw_other_weights(tmp_path, corpus
     a = load_file(str(tmp_path / big / "step_2" / "model.safetensors"))
     b = load_file(str(resumed / "step_2" / "model.safetensors"))
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
+@pytest.mark.parametrize("suffix, text", [(".toml", "[train]\nmax_steps = " + "9" * 5000 + "\n"),
+                                          (".json", '{"max_steps": ' + "9" * 5000 + "}")])
+def test_a_config_number_past_pythons_digit_limit_is_one_line(tmp_path: Path, capsys, suffix: str, text: str) -> None:
+    """Over 4,300 digits Python will not read an int: a ValueError traceback (not a decode error)."""
+    cfg = tmp_path / f"c{suffix}"
+    cfg.write_text(text)
+    assert cli_main(["train", "--config", str(cfg), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "a number of more than 4,300 digits; give one that fits its option" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_help_gives_no_default_of_none(capsys) -> None:
+    """Options not given by default (--train-src, --valid-src, ...) said "(default: None)"."""
+    with pytest.raises(SystemExit):
+        cli_main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert "(default: None)" not in out and "(default: 256 for small; see --preset)" in out

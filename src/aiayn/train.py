@@ -131,7 +131,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         _add_field(g, f.name, f.default, f"(default: {default} for small; see --preset)")
     g = p.add_argument_group("training")
     for f in dataclasses.fields(TrainConfig):
-        _add_field(g, f.name, f.default, f"{_HELP.get(f.name, f.name)} (default: {f.default})")
+        shown = "" if f.default is None else f" (default: {f.default})"  # None: not given; the help says what then
+        _add_field(g, f.name, f.default, f"{_HELP.get(f.name, f.name)}{shown}")
 
 
 def _add_field(g: Any, name: str, default: Any, help_text: str) -> None:
@@ -159,7 +160,10 @@ def _read_config_file(path: str) -> dict[str, Any]:
                          "save it as UTF-8") from e
     try:
         data = json.loads(text) if file.suffix == ".json" else tomllib.loads(text)
-    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
+    except ValueError as e:  # JSONDecodeError, TOMLDecodeError, and an int of over 4,300 digits (Python's limit)
+        if "digits" in str(e) and not isinstance(e, (json.JSONDecodeError, tomllib.TOMLDecodeError)):
+            raise AiaynError(f"--config {file}: a number of more than {sys.get_int_max_str_digits():,} digits; "
+                             "give one that fits its option") from None
         raise AiaynError(f"--config {file}: not valid {'JSON' if file.suffix == '.json' else 'TOML'} ({e})") from e
     if not isinstance(data, dict):
         raise AiaynError(f"--config {file}: expected a table of options")

@@ -37,9 +37,8 @@ import numpy as np
 from aiayn.data import bindata
 from aiayn.data.lock import OWNER, FolderLock, parse_work_name, stale, work_name
 from aiayn.data.text import blank_line_error, line_count_error, read_parallel
-from aiayn.files import iter_lines
 from aiayn.errors import AiaynError
-from aiayn.files import atomic_write_bytes, file_sha256, fsync_path
+from aiayn.files import atomic_write_bytes, check_input_file, file_sha256, fsync_path, iter_lines
 from aiayn.tokenizer import MODEL_TYPES, Tokenizer, TokenizerPair
 
 CHUNK_PAIRS = 20_000  # pairs per worker task: large enough to amortise pickling, small in memory
@@ -83,8 +82,8 @@ class Inputs:
         if (self.valid_src is None) != (self.valid_tgt is None):
             raise AiaynError("pass both --valid-src and --valid-tgt, or neither")
         for name, p in asdict(self).items():
-            if p is not None and not Path(p).is_file():
-                raise AiaynError(f"--{name.replace('_', '-')} {p}: no such file")
+            if p is not None:  # missing, a folder, unreadable: each said as such, naming the flag
+                check_input_file(p, f"--{name.replace('_', '-')}")
 
     def digests(self) -> dict[str, dict[str, str]]:
         """File name and sha256 of each input (names, not paths: the output must not depend on where)."""
