@@ -39,3 +39,11 @@ def test_bad_demo_flags_are_one_line_errors(argv, words, capsys):
     assert main(["demo", *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and words in err
+
+
+def test_seeds_that_differ_only_above_bit_32_train_other_models():
+    """torch's CPU generators keep the low 32 bits of a seed: --seed 1 and 2^32 + 1 trained one model."""
+    a, b, c = (train_copy(steps=1, seed=s, d_model=16, layers=1)[0] for s in (1, 2**32 + 1, 1))
+    w = "encoder.layers.0.ff.w1.weight"
+    assert not torch.equal(a.state_dict()[w], b.state_dict()[w])
+    assert torch.equal(a.state_dict()[w], c.state_dict()[w])
