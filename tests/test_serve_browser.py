@@ -232,3 +232,118 @@ def test_page_shows_the_servers_words_for_a_429_and_a_plain_text_503(tmp_path_fa
             "Promise.resolve(new Response('Exceeded concurrency limit.', {status: 503})) : real(u, o);")
         driver.find_element(By.ID, "go").click()
         assert _error_shown(driver, wait, "503") == "503: Exceeded concurrency limit."
+
+
+def test_page_shows_no_pair_selector_or_key_field_a_server_does_not_need(tmp_path_factory, tmp_path, one_thread):
+    """One pair, no --api-keys: the pair selector and the key field ("this server asks for one") stay
+    hidden (the stylesheet's `label { display: inline-block }` once beat the `hidden` attribute)."""
+    ckpt = tiny_checkpoint(tmp_path_factory.getbasetemp())
+    app = create_app(Translator.from_checkpoint(ckpt), Limits(), ("de", "en"))
+    with opened(app, tmp_path / "profile") as (url, driver, wait):
+        wait.until(lambda d: d.find_element(By.ID, "pair").text == "de → en")
+        assert not driver.find_element(By.ID, "pair-choice").is_displayed()
+        assert not driver.find_element(By.ID, "key-choice").is_displayed()
+        assert not driver.find_element(By.ID, "error").is_displayed()
+        assert driver.find_element(By.ID, "error").get_attribute("role") == "alert"  # a refusal is read out
+
+
+def test_page_shows_the_newest_translation_not_a_late_answer_to_an_older_request(tmp_path_factory, tmp_path,
+                                                                                 one_thread):
+    """Ctrl+Enter while a translation is in flight: the newer text's translation stays, whatever
+    answer arrives last (the older one, delayed here, used to overwrite it), and its n-best are
+    asked within --max-nbest (the page asked for 4 on any server: a 422 with --max-nbest 2)."""
+    ckpt = tiny_checkpoint(tmp_path_factory.getbasetemp())
+    translator = Translator.from_checkpoint(ckpt)
+    app = create_app(translator, Limits(max_nbest=2), ("de", "en"))
+    with opened(app, tmp_path / "profile") as (url, driver, wait):
+        wait.until(lambda d: d.find_element(By.ID, "pair").text == "de → en")
+        driver.execute_script(  # the first answer arrives 2 s late; the page's abort is not honoured
+            "window.sent = 0; const real = window.fetch;"
+            "window.fetch = async (u, o) => { if (u !== '/v1/translate') return real(u, o);"
+            "  const first = window.sent++ === 0; const r = await real(u, {...o, signal: undefined});"
+            "  if (first) await new Promise((done) => setTimeout(done, 2000)); return r; };")
+        box = driver.find_element(By.ID, "source")
+        box.send_keys("Hund und Kind spielt im Park mit Ball")
+        box.send_keys(Keys.CONTROL, Keys.ENTER)
+        wait.until(lambda d: d.execute_script("return window.sent") == 1)
+        box.clear()
+        box.send_keys("rot blau")
+        box.send_keys(Keys.CONTROL, Keys.ENTER)
+        wait.until(lambda d: d.execute_script("return window.sent") == 2)
+        want = translator.translate(["rot blau"], beam=4)[0]
+        wait.until(lambda d: d.find_element(By.ID, "translation").text == want)
+        time.sleep(3)  # the first answer has come by now
+        assert driver.find_element(By.ID, "translation").text == want
+        assert [o.text for o in Select(driver.find_element(By.ID, "line")).options] == ["1: rot blau"]
+        assert len(driver.find_elements(By.CSS_SELECTOR, "#nbest li")) == 2
+        assert driver.find_element(By.ID, "error").text == "" and driver.find_element(By.ID, "go").is_enabled()
+
+
+def test_page_line_labels_never_cut_an_emoji_in_half(tmp_path_factory, tmp_path, one_thread):
+    """The line selector shows a line's first 40 characters: code points, not UTF-16 units (a label
+    ending in half a surrogate pair showed a replacement box, and webdriver could not even read it)."""
+    ckpt = tiny_checkpoint(tmp_path_factory.getbasetemp())
+    app = create_app(Translator.from_checkpoint(ckpt), Limits(), ("de", "en"))
+    with opened(app, tmp_path / "profile") as (url, driver, wait):
+        wait.until(lambda d: d.find_element(By.ID, "pair").text == "de → en")
+        line = "Hund" + " x" * 17 + " \U0001F600\U0001F600"  # the first emoji spans UTF-16 units 39 and 40
+        driver.execute_script("document.getElementById('source').value = arguments[0]", line)
+        driver.find_element(By.ID, "go").click()
+        wait.until(lambda d: d.find_element(By.ID, "translation").text.strip() != "")
+        label = driver.execute_script("return document.querySelector('#line option').text")
+        assert label == "1: " + line[:40]
+
+
+def test_page_attention_of_a_target_token_by_keyboard(tmp_path_factory, tmp_path, one_thread):
+    """Tab from the layer selector reaches the target tokens: a focused token highlights the source
+    token it attends to most, as hovering it does (the tokens took no focus: mouse only)."""
+    ckpt = tiny_checkpoint(tmp_path_factory.getbasetemp())
+    app = create_app(Translator.from_checkpoint(ckpt), Limits(), ("de", "en"))
+    with opened(app, tmp_path / "profile") as (url, driver, wait):
+        wait.until(lambda d: d.find_element(By.ID, "pair").text == "de → en")
+        driver.find_element(By.ID, "source").send_keys("Hund und Kind spielt im Park")
+        driver.find_element(By.ID, "go").click()
+        wait.until(lambda d: d.find_element(By.ID, "translation").text.strip() != "")
+        driver.find_element(By.ID, "layer").send_keys(Keys.TAB)
+        focused = driver.switch_to.active_element
+        assert "tgt-token" in focused.get_attribute("class") and focused.get_attribute("data-index") == "0"
+        assert "active" in focused.get_attribute("class")
+        assert driver.find_element(By.ID, "src-tokens").get_attribute("data-focus") != "-1"
+        focused.send_keys(Keys.TAB)
+        assert driver.switch_to.active_element.get_attribute("data-index") == "1"
+
+
+def test_page_heatmap_of_a_long_line_keeps_its_shape_on_a_narrow_window(tmp_path_factory, tmp_path, one_thread):
+    """A heatmap wider than the page scrolls sideways instead of being squeezed to the page's width
+    with its height kept (cells and labels drawn narrower than they are tall)."""
+    ckpt = tiny_checkpoint(tmp_path_factory.getbasetemp())
+    app = create_app(Translator.from_checkpoint(ckpt), Limits(), ("de", "en"))
+    with opened(app, tmp_path / "profile") as (url, driver, wait):
+        driver.set_window_size(600, 900)
+        wait.until(lambda d: d.find_element(By.ID, "pair").text == "de → en")
+        driver.find_element(By.ID, "source").send_keys(" ".join(["Hund und Kind spielt im Park mit Ball"] * 3))
+        driver.find_element(By.ID, "go").click()
+        wait.until(lambda d: d.find_element(By.ID, "translation").text.strip() != "")
+        canvas = driver.find_element(By.ID, "heatmap")
+        drawn, shown = driver.execute_script(
+            "const c = arguments[0]; return [parseFloat(c.style.width), c.getBoundingClientRect().width];", canvas)
+        assert drawn > 600 and abs(shown - drawn) < 1
+
+
+def test_page_empty_beam_and_alpha_fields_ask_for_the_servers_defaults(tmp_path_factory, tmp_path, one_thread):
+    """A cleared beam or alpha field means the server's default (beam 3 here, alpha 0.6), not a
+    greedy search with no length penalty (Number("") read as 0)."""
+    ckpt = tiny_checkpoint(tmp_path_factory.getbasetemp())
+    app = create_app(Translator.from_checkpoint(ckpt), Limits(beam=3), ("de", "en"))
+    with opened(app, tmp_path / "profile") as (url, driver, wait):
+        wait.until(lambda d: d.find_element(By.ID, "beam").get_attribute("value") == "3")
+        driver.execute_script("window.sent = []; const real = window.fetch; window.fetch = (u, o) => "
+                              "{ if (u === '/v1/translate') sent.push(JSON.parse(o.body)); return real(u, o); };")
+        driver.find_element(By.ID, "beam").clear()
+        driver.find_element(By.ID, "alpha").clear()
+        driver.find_element(By.ID, "source").send_keys("Hund und Kind spielt im Park")
+        driver.find_element(By.ID, "go").click()
+        wait.until(lambda d: d.find_element(By.ID, "translation").text.strip() != "")
+        sent = driver.execute_script("return window.sent")[0]
+        assert sent.get("beam", 3) == 3 and sent.get("alpha", 0.6) == 0.6 and sent["nbest"] == 3
+        assert len(driver.find_elements(By.CSS_SELECTOR, "#nbest li")) == 3

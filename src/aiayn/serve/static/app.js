@@ -6,7 +6,8 @@
 const $ = (id) => document.getElementById(id);
 const HOT = "214, 56, 36";  // the heatmap's colour (rgb), its alpha is the attention weight
 const KEY_STORE = "aiayn.apiKey";
-const state = { result: null, units: [], matrix: [], focus: -1, models: [], keyRequired: false };
+const state = { result: null, units: [], matrix: [], focus: -1, models: [], keyRequired: false, beam: 4, maxNbest: 4,
+                pending: null };  // pending: the AbortController of the request in flight
 
 // The server's answer: its JSON, or {error: its text} when it is not JSON (uvicorn's own 503 is plain text).
 async function readBody(r) {
@@ -32,8 +33,9 @@ async function loadInfo() {
   info.models.forEach((m, i) => pairs.add(new Option(`${m.languages.source} → ${m.languages.target}`, String(i))));
   $("pair-choice").hidden = info.models.length < 2;
   $("pair").hidden = info.models.length > 1;
-  $("beam").value = info.limits.beam;
+  $("beam").value = state.beam = info.limits.beam;
   $("beam").max = info.limits.max_beam;
+  state.maxNbest = info.limits.max_nbest;  // more n-best than --max-nbest: a 422 for every request
   state.keyRequired = Boolean(settings.keyRequired);
   $("key-choice").hidden = !state.keyRequired;
   $("api-key").value = localStorage.getItem(KEY_STORE) || "";
@@ -61,32 +63,42 @@ function showError(message) {
 async function translate() {
   const lines = $("source").value.split("\n");
   if (!lines.some((l) => l.trim())) return;
-  const beam = Number($("beam").value) || 1;
+  const beam = Number($("beam").value) || state.beam;  // a cleared field: the server's defaults, not 0
+  const alpha = $("alpha").value === "" ? undefined : Number($("alpha").value);  // (undefined: not sent)
   const { source, target } = model().languages;
-  const body = { text: lines, beam, alpha: Number($("alpha").value), nbest: Math.min(4, beam), attention: true,
-                 source, target };
+  const body = { text: lines, beam, alpha, nbest: Math.min(4, beam, state.maxNbest), attention: true, source, target };
   const key = $("api-key").value.trim();
   if (state.keyRequired && key) body.api_key = key;  // LibreTranslate's field, in the body: never in a URL
+  drop();
+  const asked = state.pending = new AbortController();
   $("go").disabled = true;
   $("status").textContent = "translating…";
   showError("");
   try {
     const r = await fetch("/v1/translate", { method: "POST", headers: { "Content-Type": "application/json" },
-                                            body: JSON.stringify(body) });
+                                            body: JSON.stringify(body), signal: asked.signal });
     const data = await readBody(r);
+    if (asked !== state.pending) return;  // a newer request (or pair) replaced this one: its answer is stale
     if (!r.ok) throw new Error(`${r.status}: ${data.error || r.statusText}`);
     state.result = data;
     $("translation").textContent = data.translations.map((t) => t.hypotheses[0].text).join("\n");
     fillUnits(lines);
     $("inside").hidden = false;
     show();
-    $("status").textContent = "";
   } catch (e) {
-    showError(String(e.message || e));
-    $("status").textContent = "";
+    if (asked === state.pending) showError(String(e.message || e));
   } finally {
-    $("go").disabled = false;
+    if (asked === state.pending) drop();
   }
+}
+
+// Forgets the request in flight (the server drops its lines once the connection closes): Ctrl+Enter
+// or a pair chosen while one is in flight must not see the older answer, if late, overwrite the newer.
+function drop() {
+  if (state.pending) state.pending.abort();
+  state.pending = null;
+  $("go").disabled = false;
+  $("status").textContent = "";
 }
 
 // What the line selector offers: each line, or each sentence of a line the server cut into several.
@@ -94,10 +106,15 @@ function fillUnits(lines) {
   state.units = [];
   state.result.translations.forEach((t, i) => {
     if (!lines[i].trim()) return;
-    if (!t.sentences) state.units.push({ label: `${i + 1}: ${lines[i].slice(0, 40)}`, result: t });
-    else t.sentences.forEach((s, j) => state.units.push({ label: `${i + 1}.${j + 1}: ${s.source.slice(0, 40)}`, result: s }));
+    if (!t.sentences) state.units.push({ label: `${i + 1}: ${clip(lines[i])}`, result: t });
+    else t.sentences.forEach((s, j) => state.units.push({ label: `${i + 1}.${j + 1}: ${clip(s.source)}`, result: s }));
   });
   $("line").replaceChildren(...state.units.map((u, k) => new Option(u.label, String(k))));
+}
+
+// The first 40 characters of a text: code points, not UTF-16 units (never half of an emoji).
+function clip(text) {
+  return Array.from(text).slice(0, 40).join("");
 }
 
 function fillHyps(hyps) {
@@ -137,8 +154,11 @@ function show() {
   $("src-tokens").replaceChildren(...line.source_tokens.map((p, i) => chip(p, i, "src-token")));
   $("tgt-tokens").replaceChildren(...hyp.tokens.map((p, i) => {
     const c = chip(p, i, "tgt-token");
-    c.addEventListener("mouseenter", () => focus(i));
-    c.addEventListener("mouseleave", () => focus(-1));
+    c.tabIndex = 0;  // Tab reaches each target token: focused, it shows its attention as hovered
+    for (const [on, off] of [["mouseenter", "mouseleave"], ["focus", "blur"]]) {
+      c.addEventListener(on, () => focus(i));
+      c.addEventListener(off, () => focus(-1));
+    }
     return c;
   }));
   focus(-1);
@@ -228,6 +248,11 @@ $("go").addEventListener("click", translate);
 $("line").addEventListener("change", () => { $("hyp").value = "0"; show(); });
 $("hyp").addEventListener("change", show);
 $("layer").addEventListener("change", show);
-$("pairs").addEventListener("change", () => { choosePair(); $("inside").hidden = true; $("translation").textContent = ""; });
+$("pairs").addEventListener("change", () => {
+  drop();
+  choosePair();
+  $("inside").hidden = true;
+  $("translation").textContent = "";
+});
 $("api-key").addEventListener("input", () => localStorage.setItem(KEY_STORE, $("api-key").value.trim()));
 loadInfo().catch((e) => showError(`cannot reach the server: ${e.message || e}`));
