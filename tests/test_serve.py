@@ -522,8 +522,12 @@ def test_docs_and_page(client):
     assert {"/translate", "/v1/translate", "/languages", "/health", "/v1/info", "/metrics"} <= set(paths)
     page = client.get("/")
     assert page.status_code == 200 and "<textarea" in page.text
+    assert page.headers["cache-control"] == "no-cache"  # asked again after an upgrade, not guessed fresh
     for asset in ("/static/app.js", "/static/style.css"):
-        assert client.get(asset).status_code == 200, asset
+        r = client.get(asset)
+        assert r.status_code == 200 and r.headers["cache-control"] == "no-cache", asset
+        again = client.get(asset, headers={"if-none-match": r.headers["etag"]})
+        assert again.status_code == 304 and again.headers["cache-control"] == "no-cache", asset
 
 
 # ------------------------------------------------------------------------------ disconnects

@@ -465,6 +465,18 @@ def _info_routes(app: FastAPI, srv: Server) -> None:
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def index() -> HTMLResponse:
-        return HTMLResponse((page / "index.html").read_text(encoding="utf-8"))
+        return HTMLResponse((page / "index.html").read_text(encoding="utf-8"), headers=REVALIDATE)
 
-    app.mount("/static", StaticFiles(packages=[("aiayn.serve", "static")]), name="static")
+    app.mount("/static", _PageFiles(packages=[("aiayn.serve", "static")]), name="static")
+
+
+# The page's files are asked again (a 304 where unchanged) rather than cached by a browser's own
+# guess: after an upgrade, a kept app.js ran against the new index.html.
+REVALIDATE = {"Cache-Control": "no-cache"}
+
+
+class _PageFiles(StaticFiles):
+    def file_response(self, *args: Any, **kwargs: Any) -> Response:
+        response = super().file_response(*args, **kwargs)
+        response.headers.update(REVALIDATE)
+        return response
