@@ -15,7 +15,9 @@ SCRIPT = ROOT / "bench" / "gpu.sh"
 CUDA_TESTS = ROOT / "tests" / "test_cuda.py"
 
 
-def gpu_sh(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+def gpu_sh(*args: str, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
+    """bench/gpu.sh with `args`; `timeout` only guards against a hang (its steps have their own limits, of
+    300 s: a busy 2-core machine took longer than 300 s for the whole of part 1)."""
     environment = {**os.environ, "PYTHON": sys.executable, **(env or {})}
     environment.pop("GPU_SH_DRY", None)
     return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=environment,
