@@ -83,7 +83,7 @@ def test_part_2_trains_averages_and_scores_a_tiny_multi30k(tmp_path):
     out = tmp_path / "out"
     recipe = ROOT / "configs" / "multi30k-gpu.toml"  # helper gpu's recipe; the CPU one stands in until merged
     env = {"GPU_SH_DRY": "1"} if recipe.exists() else {"GPU_SH_MULTI30K_CONFIG": "configs/multi30k.toml"}
-    r = gpu_sh(str(out), "2", "--cpu-smoke", env=env, timeout=600)
+    r = gpu_sh(str(out), "2", "--cpu-smoke", env=env)
     s = steps(out)
     assert list(s) == ["multi30k", "decode"]
     assert s["multi30k"][0] == "ok", (out / "gpu.log").read_text()[-3000:]
