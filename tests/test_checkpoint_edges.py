@@ -78,6 +78,14 @@ def test_config_json_nested_too_deep_is_corrupt(good: Path) -> None:
         ckpt.load_checkpoint(good)
 
 
+def test_config_json_with_a_number_past_pythons_digit_limit_is_corrupt(good: Path) -> None:
+    """Over 4,300 digits json.loads raises a plain ValueError (not a decode error): a traceback."""
+    text = (good / ckpt.CONFIG).read_text()
+    (good / ckpt.CONFIG).write_text(text.replace('"max_positions": ', '"max_positions": ' + "9" * 5000 + ", \"x\": ", 1))
+    with pytest.raises(AiaynError, match=r"config\.json is corrupt \(Exceeds the limit"):
+        ckpt.load_checkpoint(good)
+
+
 def test_export_record_nested_too_deep_is_a_value_error(tmp_path: Path) -> None:
     (tmp_path / ckpt.EXPORT_MARKER).write_text("{\"a\": " * 100_000 + "1" + "}" * 100_000)
     with pytest.raises(ValueError, match="aiayn.json"):

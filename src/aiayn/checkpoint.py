@@ -165,7 +165,8 @@ def read_config(path: Path) -> dict[str, Any]:
         raise AiaynError(f"{file} is missing; {path} is not a complete checkpoint directory")
     try:
         cfg = json.loads(file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deep
+    # ValueError: JSONDecodeError, and an int past Python's 4,300 digits; RecursionError: nested too deep
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise AiaynError(f"{file} is corrupt ({e}); use another checkpoint") from e
     except OSError as e:
         raise AiaynError(f"{file}: cannot read ({e.strerror or e})") from e

@@ -43,8 +43,15 @@ def _open_text_file(path: Path, flag: str = "") -> io.BufferedReader:
 
 def check_input_file(path: str | os.PathLike[str], flag: str) -> None:
     """A text file named by `flag` opens, else one line naming the flag says why (missing, a
-    folder, no permission): before any work, where a folder read as "no such file"."""
-    _open_text_file(Path(path), flag).close()
+    folder, no permission, a pipe): before any work, where a folder read as "no such file". A corpus
+    is read more than once (its sha256, then its lines), which a pipe cannot give; and opening a
+    named pipe no one writes to waits for ever."""
+    p = Path(path)
+    with contextlib.suppress(OSError):  # (a missing or unreadable path: said below, as it opens)
+        if not (stat.S_ISREG(mode := p.stat().st_mode) or stat.S_ISDIR(mode)):
+            raise AiaynError(f"{flag} {p}: not a regular file (a pipe or a device?); give a file's path: "
+                             "a corpus is read more than once")
+    _open_text_file(p, flag).close()
 
 
 def read_lines(path: str | os.PathLike[str], blank_ok: bool = False) -> list[str]:

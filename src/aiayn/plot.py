@@ -219,7 +219,11 @@ def greedy_ids(model: Transformer, src: torch.Tensor, max_len_a: float = 1.0,
     Also whether it ended by itself (EOS chosen) rather than at the length limit."""
     from aiayn.search import greedy_search
 
-    max_len_b = min(max_len_b, 2 ** 62)  # no limit either way; an int past float's range cannot be added below
+    # past 2**62 no limit either way: an int past float's range cannot be added below, a huge a makes
+    # an infinite limit that would skip the cap (an infinite a itself the search refuses)
+    max_len_b = min(max_len_b, 2 ** 62)
+    if math.isfinite(max_len_a):
+        max_len_a = min(max_len_a, 2.0 ** 62)
     limit = max_len_a * src.size(1) + max_len_b
     if max_len_a >= 0 and max_len_b >= 0 and MAX_ATTENTION_TOKENS < limit < math.inf:  # else the search refuses them
         max_len_a, max_len_b = 0.0, MAX_ATTENTION_TOKENS

@@ -206,14 +206,16 @@ def precision_context(precision: str, device: torch.device) -> tuple[Autocast, b
 
 
 def torch_seed(seed: int) -> int:
-    """What torch.manual_seed gets for a 64-bit --seed (negative ones wrap, as torch wraps -1).
-    Torch's CPU generator (mt19937) keeps only the low 32 bits of its seed, so --seed 1 and
-    --seed 4294967297 drew the same weights and dropout masks. The high half is folded into the low
-    one, times an odd constant (one-to-one), so seeds that differ only above bit 32 differ there too;
-    a seed below 2**32 is its own (such runs are as before), and CUDA's generator gets all 64 bits."""
+    """What torch.manual_seed gets for a 64-bit --seed. Torch's CPU generator (mt19937) keeps only
+    the low 32 bits of its seed, so --seed 1 and --seed 4294967297 drew the same weights and dropout
+    masks. From 2**32 up, the high half is folded into the low one, times an odd constant, so seeds
+    that differ only above bit 32 differ there too (and CUDA's generator still gets all 64 bits).
+    Below 2**32, negative seeds included (torch wraps them), the seed is passed as it is: such runs
+    draw what they drew before."""
+    if seed < 2**32:
+        return seed
     s = seed % 2**64
-    high = s >> 32
-    return s ^ (high * 0x9E3779B1) % 2**32
+    return s ^ ((s >> 32) * 0x9E3779B1) % 2**32
 
 
 def rng_state() -> dict[str, Any]:
