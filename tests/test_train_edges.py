@@ -448,3 +448,11 @@ def test_train_help_gives_no_default_of_none(capsys) -> None:
         cli_main(["train", "--help"])
     out = capsys.readouterr().out
     assert "(default: None)" not in out and "(default: 256 for small; see --preset)" in out
+
+
+def test_own_files_without_a_language_pair_are_warned_of_the_default_one(tmp_path, corpus, capsys):
+    """An own corpus trained without --src/--tgt recorded de -> en without a word: serve announced it."""
+    assert cli_main(tiny_args(corpus, tmp_path / "a", "--max-steps", "1")) == 0
+    assert "warning: the run records its language pair as de -> en (the defaults)" in capsys.readouterr().out
+    assert cli_main(tiny_args(corpus, tmp_path / "b", "--max-steps", "1", "--src", "en", "--tgt", "fr")) == 0
+    assert "language pair" not in capsys.readouterr().out

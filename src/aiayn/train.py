@@ -761,6 +761,15 @@ def _init_language_pair(init_from: str, tc: TrainConfig, preset_name: str,
     return tc if pair is None else tc.replace(src=pair[0], tgt=pair[1])
 
 
+def _warn_default_pair(tc: TrainConfig, preset_name: str, given: Collection[str] | None, info: Log) -> None:
+    """Text files of one's own without --src/--tgt: the run records TrainConfig's de-en as its pair,
+    which `serve` announces and --split-sentences splits by, whatever the files hold."""
+    if tc.train_src and not tc.init_from and not {"src", "tgt"} & _options_set(tc, preset_name, given):
+        info(f"warning: the run records its language pair as {tc.src} -> {tc.tgt} (the defaults); if the files "
+             "hold another, start again with --src and --tgt (any codes): serve announces the pair and "
+             "--split-sentences splits by it")
+
+
 def _describe(run: Run, info: Log) -> None:
     tc, mcfg, corpus, tok = run.tc, run.model.cfg, run.corpus, run.corpus.tokenizers
     info(f"model: {mcfg.encoder_layers}+{mcfg.decoder_layers} layers, d_model {mcfg.d_model}, "
@@ -943,6 +952,8 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
     if tc.threads:
         torch.set_num_threads(tc.threads)
     run = _set_up(preset_name, model_over, tc, loaded, init, d, info)
+    if not loaded:
+        _warn_default_pair(tc, preset_name, given, info)
     with Stopper() as stopper:
         bar = _progress(_total_steps(run), run.trainer.step, d.main)
         run.t0 = time.time()
