@@ -61,7 +61,16 @@ from aiayn.search import beam_search, greedy_search
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizers
 from aiayn.translate import Settings, length_batches, map_batches, worker_count
 
-SKIPPABLE = frozenset({"hf", "uncached", "bf16", "ct2", "work"})  # the parts --skip names
+SKIPPABLE = ("bf16", "ct2", "hf", "uncached", "work")  # the parts --skip names
+
+
+def skip_parts(ap: argparse.ArgumentParser, text: str, parts: tuple[str, ...]) -> set[str]:
+    """--skip's comma-separated parts, each one of `parts`: a misspelt part would run what it was
+    meant to leave out, so it is a usage error before anything is loaded or timed."""
+    skip = set(filter(None, text.split(",")))
+    if unknown := sorted(skip - set(parts)):
+        ap.error(f"--skip {','.join(unknown)}: not a part; give any of {','.join(parts)}")
+    return skip
 
 
 def build(args):
@@ -201,9 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         return isolated(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    skip = set(filter(None, args.skip.split(",")))
-    if unknown := sorted(skip - SKIPPABLE):
-        ap.error(f"--skip {','.join(unknown)}: not a part; give any of {','.join(sorted(SKIPPABLE))}")
+    skip = skip_parts(ap, args.skip, SKIPPABLE)
     if "bf16" not in skip and not cpu_has_fast_bf16():  # bf16 runs ~100x slower than fp32 there
         skip.add("bf16")
         print(f"note: {SLOW_BF16}; skipping bf16 (as --skip bf16)", file=sys.stderr)

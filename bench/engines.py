@@ -64,7 +64,7 @@ from aiayn.model import Transformer
 from aiayn.search import beam_search, greedy_search
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizers
 from aiayn.translate import CT2Translator
-from decode import batches, padded  # bench/decode.py: the same batches for every engine
+from decode import batches, padded, skip_parts  # bench/decode.py: the same batches for every engine, --skip
 from profiling import profiler, summary  # bench/profiling.py
 from train_step import positive  # bench/train_step.py: counts above 0 as argparse types
 
@@ -106,9 +106,7 @@ def reference_row(name: str) -> str:
 
 def check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> set[str]:
     """Bad values as one-line usage errors before anything is loaded or timed; the --skip parts."""
-    skip = set(filter(None, args.skip.split(",")))
-    if not skip <= set(SKIP_PARTS):  # a misspelt part would run what it meant to leave out
-        ap.error(f"--skip takes a comma-separated list of {','.join(SKIP_PARTS)}, got {args.skip!r}")
+    skip = skip_parts(ap, args.skip, SKIP_PARTS)
     if args.threads < 0:
         ap.error(f"--threads must be 0 (torch's default) or more, got {args.threads}")
     try:

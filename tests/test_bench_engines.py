@@ -89,7 +89,7 @@ def test_the_python_step_row_turns_the_compiled_step_off_for_its_search_only(mon
     (["--beam", "0"], "--beam: expected a number above 0"),  # a traceback after the greedy timings
     (["--batch-size", "0"], "--batch-size: expected a number above 0"),
     (["--threads", "-1"], "--threads must be 0"),  # torch's traceback
-    (["--skip", "hf,ct"], "--skip takes a comma-separated list of bf16,hf,ct2,int8,python-step"),  # ran ct2
+    (["--skip", "hf,ct"], "--skip ct: not a part; give any of bf16,hf,ct2,int8,python-step"),  # ran ct2
     (["--device", "gpu"], "--device: cpu or cuda[:N], got 'gpu'"),
 ])
 def test_bad_arguments_are_one_line_errors_before_any_work(args, message, capsys, monkeypatch):

@@ -217,13 +217,13 @@ def greedy_ids(model: Transformer, src: torch.Tensor, max_len_a: float = 1.0,
     at most MAX_ATTENTION_TOKENS long: a longer one cannot be drawn, and a model that never ends a
     sentence would decode to any --max-len-b (minutes, and gigabytes of attention) only to be refused.
     Also whether it ended by itself (EOS chosen) rather than at the length limit."""
-    from aiayn.search import greedy_search
+    from aiayn.search import LENGTH_CAP, greedy_search
 
-    # past 2**62 no limit either way: an int past float's range cannot be added below, a huge a makes
-    # an infinite limit that would skip the cap (an infinite a itself the search refuses)
-    max_len_b = min(max_len_b, 2 ** 62)
+    # past LENGTH_CAP no limit either way: an int past float's range cannot be added below, a huge a
+    # makes an infinite limit that would skip the cap (an infinite a itself the search refuses)
+    max_len_b = min(max_len_b, LENGTH_CAP)
     if math.isfinite(max_len_a):
-        max_len_a = min(max_len_a, 2.0 ** 62)
+        max_len_a = min(max_len_a, float(LENGTH_CAP))
     limit = max_len_a * src.size(1) + max_len_b
     if max_len_a >= 0 and max_len_b >= 0 and MAX_ATTENTION_TOKENS < limit < math.inf:  # else the search refuses them
         max_len_a, max_len_b = 0.0, MAX_ATTENTION_TOKENS

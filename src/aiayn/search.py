@@ -129,14 +129,14 @@ def _check(beam: int, nbest: int, alpha: float, max_len_a: float, max_len_b: flo
         raise AiaynError(f"minimum length must be >= 0, got {min_len}")
 
 
-_LENGTH_CAP = 2 ** 62  # longer than any search runs; past it a limit is no limit
+LENGTH_CAP = 2 ** 62  # longer than any search runs; past it a limit is no limit
 
 
 def _max_lengths(src_keep: Tensor, a: float, b: float) -> Tensor:
     """(B, S) bool -> (B,) long: floor(a * source length + b), at least 1. a and b are capped first:
     a Python int past 2**64 (`--max-len-b 1e30` as digits) cannot meet a tensor (OverflowError)."""
-    a, b = min(a, _LENGTH_CAP), min(b, _LENGTH_CAP)
-    return (src_keep.sum(1).double() * a + b).floor().clamp(1, _LENGTH_CAP).long()  # huge a: no overflow
+    a, b = min(a, LENGTH_CAP), min(b, LENGTH_CAP)
+    return (src_keep.sum(1).double() * a + b).floor().clamp(1, LENGTH_CAP).long()  # huge a: no overflow
 
 
 _FORBIDDEN: dict[tuple, Tensor] = {}  # (ids, V, device) -> the ids inside the vocabulary, as a tensor
