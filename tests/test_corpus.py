@@ -151,7 +151,7 @@ def test_the_log_counts_pairs_truncated_at_train_time_and_skipped_when_prepared(
         TrainConfig(max_len=10))
 
 
-@pytest.mark.parametrize("damage", ["no files", "bad dtype", "offsets", "lengths"])
+@pytest.mark.parametrize("damage", ["no files", "bad dtype", "offsets", "lengths", "no settings", "no splits"])
 def test_a_damaged_prepared_directory_is_one_line_at_open(tmp_path, corpus, damage):
     """A manifest edited by hand, or index arrays of the right size but wrong content, gave a KeyError,
     TypeError or an IndexError hours into training; now one line when the directory is opened."""
@@ -163,6 +163,8 @@ def test_a_damaged_prepared_directory_is_one_line_at_open(tmp_path, corpus, dama
         del manifest["files"]
     if damage == "bad dtype":
         manifest["files"]["train.src.tokens"]["dtype"] = "zz"
+    if damage in ("no settings", "no splits"):  # (were a KeyError traceback)
+        del manifest[damage.split()[1]]
     (data / "manifest.json").write_text(json.dumps(manifest))
     if damage in ("offsets", "lengths"):
         f = data / f"train.tgt.{damage}"
@@ -172,3 +174,35 @@ def test_a_damaged_prepared_directory_is_one_line_at_open(tmp_path, corpus, dama
     with pytest.raises(AiaynError, match="prepare the data again") as e:
         open_corpus(data, TrainConfig(max_tokens=160))
     assert "\n" not in str(e.value)
+
+
+def test_a_validation_text_changed_since_prepare_is_one_line_at_open(tmp_path, corpus):
+    """valid.tgt.txt edited in a prepared directory (a line dropped) no longer matches the validation
+    arrays: it opened, and the first validation, hours in, scored misaligned lines or failed; now one
+    line when the directory is opened, from its sha256 in the manifest."""
+    data = _prepare(corpus, tmp_path / "bin")
+    f = data / "valid.tgt.txt"
+    f.write_text("".join(f.read_text().splitlines(keepends=True)[1:]))
+    with pytest.raises(AiaynError, match="valid.tgt.txt is not the validation text .* prepare the data again") as e:
+        open_corpus(data, TrainConfig(max_tokens=160))
+    assert "\n" not in str(e.value)
+
+
+def test_validation_pairs_wider_than_max_tokens_are_scored_in_batches_of_their_own(tmp_path):
+    """Validation pairs longer than any training pair and wider than --max-tokens were left out of the
+    validation loss without a word; where all were, train logged 'valid loss 0.000, valid nll 0.000'.
+    Now each is a batch of one (no gradients are kept), and every pair is scored."""
+    d = tmp_path / "data"
+    d.mkdir()
+    words = "ein mann hund frau kind spielt auf dem im schnee".split()
+    for name, n, k in (("tr", 200, 3), ("va", 10, 30)):
+        for lang, shift in (("de", 0), ("en", 1)):
+            (d / f"{name}.{lang}").write_text("".join(" ".join(words[(i + j + shift) % 10] for j in range(k)) + "\n"
+                                                      for i in range(n)))
+    inputs = P.Inputs(d / "tr.de", d / "tr.en", d / "va.de", d / "va.en")
+    data = P.prepare(inputs, tmp_path / "bin", P.Settings(vocab_size=300), workers=1, log=lambda m: None)
+    c = open_corpus(data, TrainConfig(max_tokens=40))
+    assert c.valid is not None and c.valid_plan is not None
+    assert sorted(c.valid_plan.order.tolist()) == list(range(len(c.valid)))  # every validation pair, once
+    costs = np.maximum(c.valid.src.lengths, c.valid.tgt.lengths.astype(np.int64) + 1)
+    assert costs.min() > 40 and len(c.valid_plan) == len(c.valid)  # each wider than 40: one a batch

@@ -427,3 +427,14 @@ def test_a_killed_prepare_of_an_out_named_with_brackets_is_cleaned_up(tmp_path, 
     assert P.leftovers(out) == {left.name: True}
     _prep(corpus, out)
     assert not left.exists() and (out / "manifest.json").is_file()
+
+
+def test_data_and_text_files_together_are_refused(tmp_path, corpus, capsys):
+    """`--data multi30k --train-src mine.de ...` prepared Multi30k and ignored the files without a word
+    (train refuses the same flags together)."""
+    out = tmp_path / "bin"
+    rc, err = _cli(capsys, "--data", "multi30k", "--data-dir", str(tmp_path / "nowhere"), "--train-src",
+                   corpus["train_src"], "--train-tgt", corpus["train_tgt"], "--out", str(out))
+    assert rc == 2 and err == ("aiayn prepare: error: --data multi30k and --train-src --train-tgt each name the "
+                               "training corpus; give one of them\n")
+    assert not out.exists()

@@ -53,9 +53,11 @@ class BatchPlan:
         return len(self.tokens)
 
 
-def plan_batches(src_len: np.ndarray, tgt_len: np.ndarray, max_tokens: int, keep: np.ndarray | None = None) -> BatchPlan:
+def plan_batches(src_len: np.ndarray, tgt_len: np.ndarray, max_tokens: int, keep: np.ndarray | None = None,
+                 alone: bool = False) -> BatchPlan:
     """Sort the pairs whose `keep` is True (all by default) and cut them into batches of at most
-    `max_tokens` padded tokens. `src_len`, `tgt_len` may be memory maps; they are read in chunks."""
+    `max_tokens` padded tokens. A pair wider than that is an error, or with `alone` (validation, no
+    gradients kept) a batch of its own. `src_len`, `tgt_len` may be memory maps; read in chunks."""
     if int(max_tokens) < 1:
         raise AiaynError(f"--max-tokens must be positive, got {max_tokens}")
     n = len(src_len)
@@ -77,7 +79,7 @@ def plan_batches(src_len: np.ndarray, tgt_len: np.ndarray, max_tokens: int, keep
         return ids, cost * width + np.asarray(s, np.int64)
 
     order, counts = _counting_sort(keys, n)
-    if longest > max_tokens:
+    if longest > max_tokens and not alone:
         raise AiaynError(
             f"--max-tokens {max_tokens} is smaller than the longest training pair ({longest} tokens with BOS/EOS); "
             f"raise --max-tokens to at least {longest} or lower --max-len"
@@ -122,15 +124,16 @@ def _cut(cost: np.ndarray, size: np.ndarray, max_tokens: int) -> tuple[np.ndarra
     """Greedy cut of sorted pairs given as runs of equal cost (`cost` ascending, `size` pairs each).
 
     A batch starting at position s grows while rows * (cost of its last pair) <= max_tokens; since
-    costs only grow, it is enough to walk the runs, never the pairs.
+    costs only grow, it is enough to walk the runs, never the pairs. A pair wider than max_tokens
+    (`plan_batches`'s `alone`) is a batch of one.
     """
     ends = np.cumsum(size)
     bounds, tokens = [0], []
     s, r = 0, 0
     while r < len(size):
         end, width = s, 0
-        while r < len(size) and s + max_tokens // int(cost[r]) > ends[r] - size[r]:
-            end, width = min(int(ends[r]), s + max_tokens // int(cost[r])), int(cost[r])
+        while r < len(size) and s + (rows := max(1, max_tokens // int(cost[r]))) > ends[r] - size[r]:
+            end, width = min(int(ends[r]), s + rows), int(cost[r])
             if end < ends[r]:
                 break
             r += 1

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from aiayn.data.text import Batch
-from aiayn.files import read_lines
+from aiayn.files import file_sha256, read_lines
 from aiayn.errors import AiaynError
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, TokenizerPair
 
@@ -174,7 +174,19 @@ class Prepared:
         """The validation sentences as text (for BLEU); empty lists when there is no validation set."""
         if self.valid is None:
             return [], []
-        return read_lines(self.path / VALID_TEXT["src"]), read_lines(self.path / VALID_TEXT["tgt"])
+        return self._valid_lines("src"), self._valid_lines("tgt")
+
+    def _valid_lines(self, side: str) -> list[str]:
+        """One side's validation text, checked against the manifest's sha256: a file edited or replaced
+        since `prepare` no longer matches the arrays, and scoring BLEU on it failed (or misaligned
+        sentences) at the first validation, hours in, instead of now."""
+        name = VALID_TEXT[side]
+        path = self.path / name
+        entry = self.manifest["files"].get(name)
+        if isinstance(entry, dict) and file_sha256(path) != entry.get("sha256"):
+            raise AiaynError(f"{path} is not the validation text {self.path} was prepared with (changed since?); "
+                             "prepare the data again")
+        return read_lines(path)
 
 
 def open_prepared(path: str | os.PathLike[str], flag: str = "--data-bin") -> Prepared:
@@ -199,9 +211,20 @@ def open_prepared(path: str | os.PathLike[str], flag: str = "--data-bin") -> Pre
     files = manifest.get("files")
     if not isinstance(files, dict) or "train.src.tokens" not in files:
         raise AiaynError(f"{flag} {path}: {MANIFEST} lists no training arrays (damaged?); prepare the data again")
+    if not (_is_int(manifest, "settings", "max_len") and _is_int(manifest, "splits", "train", "lines")):
+        raise AiaynError(f"{flag} {path}: {MANIFEST} lacks its settings or training counts (damaged?); "  # a KeyError
+                         "prepare the data again")
     splits = {name: _open_split(path, name, files, flag) for name in ("train", "valid") if f"{name}.src.tokens" in files}
     return Prepared(path, manifest, hashlib.sha256(raw).hexdigest(), TokenizerPair.load(path), splits["train"],
                     splits.get("valid"))
+
+
+def _is_int(manifest: dict[str, Any], *keys: str) -> bool:
+    """Whether manifest[keys[0]][keys[1]]... is an int (what `corpus` reads from it without a check)."""
+    value: Any = manifest
+    for k in keys:
+        value = value.get(k) if isinstance(value, dict) else None
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _open_split(folder: Path, split: str, files: dict[str, Any], flag: str) -> Split:

@@ -141,8 +141,9 @@ def open_corpus(path: Path, tc: TrainConfig, source_eos: bool = False) -> Corpus
     if data.valid is not None:
         vsrc, vtgt = data.valid.lengths(tc.max_len)
         vsrc = _with_eos(vsrc, source_eos)
-        fits = batching.pair_costs(vsrc, vtgt) <= tc.max_tokens  # validation pairs too wide are left out
-        valid_plan = batching.plan_batches(vsrc, vtgt, tc.max_tokens, fits)
+        # a pair wider than --max-tokens gets a batch of its own: left out, it was missing from the
+        # loss (and where all were, the validation loss was 0)
+        valid_plan = batching.plan_batches(vsrc, vtgt, tc.max_tokens, alone=True)
         vs, vt = data.valid_text()
     return Corpus(data, plan, valid_plan, vs, vt, truncated)
 

@@ -479,6 +479,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def inputs_from_args(args: argparse.Namespace) -> Inputs:
     from aiayn.data import text as data
 
+    files = [f"--{k.replace('_', '-')}" for k in ("train_src", "train_tgt", "valid_src", "valid_tgt") if getattr(args, k)]
+    if args.data and files:  # as train refuses them: the files were ignored without a word
+        raise AiaynError(f"--data {args.data} and {' '.join(files)} each name the training corpus; give one of them")
     if args.data == "multi30k":
         tr = data.multi30k_paths("train", args.src, args.tgt, args.data_dir)
         va = data.multi30k_paths("val", args.src, args.tgt, args.data_dir)
