@@ -468,3 +468,60 @@ def test_a_bad_number_in_a_checkpoint_config_is_a_one_line_error(tmp_path, model
         assert main(["plot", picture, "--checkpoint", str(tmp_path), "-o", str(tmp_path / "x.png")]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and f"{section}.{key}" in err, err
+
+
+@pytest.mark.parametrize("line, words", [
+    ('{"kind": "train", "step": 100000000000000000000000, "loss": 4.0}', ":2: expected an object"),  # OverflowError
+    ('{"kind": "train", "step": true, "loss": 4.0}', ":2: expected an object"),  # drawn at step 1
+    ('{"kind": "train", "step": 2, "loss": ' + "1" * 5000 + "}", ":2: not a JSON object (a number of more than"),
+    ("[" * 100000 + "]" * 100000, ":2: not a JSON object (nested too deeply)"),  # RecursionError
+])
+def test_a_hand_edited_metrics_line_is_a_one_line_error(tmp_path, capsys, line, words):
+    """A metrics.jsonl line no run writes is named by file and line: these were tracebacks (or, a
+    boolean step, drawn as step 1), where the trainer's own reader refuses them."""
+    f = tmp_path / "metrics.jsonl"
+    f.write_text('{"kind": "train", "step": 1, "loss": 5.0}\n' + line + "\n")
+    assert main(["plot", "curves", "--checkpoint", str(f), "-o", str(tmp_path / "c.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"metrics.jsonl{words}" in err, err
+    assert not (tmp_path / "c.png").exists()
+
+
+def test_values_that_are_not_finite_numbers_are_left_out_of_the_curves(tmp_path):
+    """A loss past float's range as an integer was an OverflowError traceback; true is no number."""
+    f = tmp_path / "metrics.jsonl"
+    f.write_text('{"kind": "train", "step": 1, "loss": 5.0}\n{"kind": "train", "step": 2, "loss": 1' + "0" * 400
+                 + '}\n{"kind": "train", "step": 3, "loss": true}\n{"kind": "train", "step": 4, "loss": null}\n'
+                 '{"kind": "train", "step": 5, "loss": 3}\n')
+    _, drawn = plot.curves_figure(plot.read_metrics(f))
+    np.testing.assert_array_equal(drawn["train_loss"], [[1, 5], [5.0, 3.0]])
+
+
+@pytest.mark.parametrize("picture", ["positional-encoding", "lr-schedule", "curves", "attention"])
+def test_an_empty_checkpoint_name_is_refused(tmp_path, capsys, monkeypatch, picture):
+    """`--checkpoint "$RUN"` with RUN unset: lr-schedule and positional-encoding drew the defaults
+    (d_model 512, warmup 4000) without a word, curves read the current folder's metrics."""
+    monkeypatch.chdir(tmp_path)
+    extra = ["--src", SRC] if picture == "attention" else []
+    assert main(["plot", picture, "--checkpoint", "", *extra, "-o", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--checkpoint '': an empty name" in err, err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_an_svg_with_control_characters_in_its_text_is_well_formed_xml(tmp_path, model, tokenizers):
+    """A terminal's colour code pasted into --src (or a run folder's name) went raw into the SVG's
+    comments, which XML cannot hold: no viewer opened the file. It is shown as an escape."""
+    import xml.dom.minidom
+
+    text = "Ein \x1b[31mMann\x1b[0m f\x01hrt."
+    maps = plot.attention_maps(model, tokenizers, text, TGT)
+    fig, _ = plot.attention_figure(maps, ("cross",), None, f"\u201c{text}\u201d")
+    plot.save_figure(fig, tmp_path / "a.svg")
+    xml.dom.minidom.parse(str(tmp_path / "a.svg"))
+    assert "\\x1b[31mMann" in fig.get_suptitle()
+    run = tmp_path / "run \x1b[1m"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 5.0}\n')
+    assert main(["plot", "curves", "--checkpoint", str(run), "-o", str(tmp_path / "c.svg")]) == 0
+    xml.dom.minidom.parse(str(tmp_path / "c.svg"))

@@ -18,6 +18,8 @@ import io
 import json
 import math
 import os
+import re
+import sys
 import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -60,6 +62,16 @@ MAX_ATTENTION_TOKENS = 200  # a side of an attention map; longer ones are unread
 def check_dpi(dpi: int) -> None:
     if not 1 <= dpi <= MAX_DPI:
         raise AiaynError(f"--dpi must be between 1 and {MAX_DPI}, got {dpi}")
+
+
+_NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")  # characters XML 1.0 cannot hold
+
+
+def printable(text: str) -> str:
+    """`text` with the control characters XML cannot hold written as escapes ("\\x1b"): an SVG keeps
+    each text of the picture in a comment, and one such character (a terminal's colour code pasted
+    into --src) made the file unreadable to every viewer."""
+    return _NOT_XML.sub(lambda m: ascii(m[0])[1:-1], text)
 
 
 def save_figure(fig: Figure, path: str | os.PathLike, dpi: int = DEFAULT_DPI) -> Path:
@@ -176,7 +188,7 @@ class AttentionMaps:
 
 def _labels(ids: list[int], tokenizer: Any) -> list[str]:
     """Axis labels: the subword piece of each id ("▁" marks a word start), special tokens by name."""
-    return [SPECIAL_LABELS.get(i) or tokenizer.id_to_piece(i) for i in ids]
+    return [SPECIAL_LABELS.get(i) or printable(tokenizer.id_to_piece(i)) for i in ids]
 
 
 def attention_inputs(tokenizers: Any, src_ids: list[int], tgt_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[str], list[str], list[str]]:
@@ -335,7 +347,7 @@ def attention_figure(maps: AttentionMaps, kinds: Sequence[str] = ATTENTION_KINDS
     width = math.ceil(4 * max(7.0, max(w for w, _ in sizes))) / 4
     sizes = [(w, math.ceil(4 * h) / 4) for w, h in sizes]
     if title:  # wrapped to the figure's width (about 10 characters of 12-point text per inch)
-        title = "\n".join(textwrap.fill(part, width=max(40, int(width * 10))) for part in title.split("\n"))
+        title = "\n".join(textwrap.fill(part, width=max(40, int(width * 10))) for part in printable(title).split("\n"))
     title_h = 0.25 * (title.count("\n") + 1) if title else 0.0  # quarter inches keep the size exact
     fig = Figure(figsize=(width, sum(h for _, h in sizes) + 0.25 + title_h), layout="constrained")
     subfigs = fig.subfigures(len(kinds), 1, height_ratios=[h for _, h in sizes], squeeze=False)[:, 0]
@@ -400,14 +412,32 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
             continue
         try:
             rec = json.loads(line)
-        except json.JSONDecodeError as e:
+        # ValueError: JSONDecodeError, and an int past Python's 4,300 digits; RecursionError: nested too deep
+        except (ValueError, RecursionError) as e:
             if n == len(text.splitlines()) and not text.endswith("\n"):
                 continue  # a last line cut short by a run still writing it
-            raise AiaynError(f"{path}:{n}: not a JSON object ({e.msg})") from None
-        if not isinstance(rec, dict) or rec.get("kind") not in ("train", "valid") or not isinstance(rec.get("step"), int):
+            why = e.msg if isinstance(e, json.JSONDecodeError) else "nested too deeply" if isinstance(
+                e, RecursionError) else f"a number of more than {sys.get_int_max_str_digits()} digits"
+            raise AiaynError(f"{path}:{n}: not a JSON object ({why})") from None
+        step = rec.get("step") if isinstance(rec, dict) else None
+        # the trainer's own test (`train._foreign_metrics_line`), and a step the int64 axis can hold
+        if not isinstance(rec, dict) or rec.get("kind") not in ("train", "valid") or type(step) is not int \
+                or not -2**63 <= step < 2**63:
             raise AiaynError(f'{path}:{n}: expected an object with "kind": "train" or "valid" and an integer "step"')
         records.append(rec)
     return records
+
+
+def _number(value: Any) -> float | None:
+    """A record's value as a finite float, else None (null for a diverged step, true/false, an
+    integer past float's range: math.isfinite raised OverflowError on one)."""
+    if type(value) not in (int, float):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:
+        return None
+    return value if math.isfinite(value) else None
 
 
 def _series(records: list[dict[str, Any]], kind: str, key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -415,8 +445,9 @@ def _series(records: list[dict[str, Any]], kind: str, key: str) -> tuple[np.ndar
     once (a run resumed from an earlier checkpoint logs it again) the later record wins."""
     by_step: dict[int, float] = {}
     for rec in records:
-        if rec["kind"] == kind and isinstance(rec.get(key), (int, float)) and math.isfinite(rec[key]):
-            by_step[rec["step"]] = float(rec[key])
+        value = _number(rec.get(key)) if rec["kind"] == kind else None
+        if value is not None:
+            by_step[rec["step"]] = value
     steps = sorted(by_step)
     return np.array(steps, dtype=np.int64), np.array([by_step[s] for s in steps], dtype=np.float64)
 
@@ -478,7 +509,7 @@ def curves_figure(records: list[dict[str, Any]], title: str | None = None) -> tu
         else:
             ax.text(0.5, 0.5, "no records", transform=ax.transAxes, ha="center", va="center", color="gray")
     if title:  # a "$" of a run's name is a dollar sign, not TeX
-        fig.suptitle(title, fontsize=12, parse_math=False)
+        fig.suptitle(printable(title), fontsize=12, parse_math=False)
     return fig, {k: np.stack([s.astype(np.float64), v]) for k, (s, v) in series.items()}
 
 
@@ -625,6 +656,9 @@ def _schedule_flags(args: argparse.Namespace) -> tuple[list[int], list[int], flo
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.checkpoint == "":  # (lr-schedule and positional-encoding drew the defaults without a word)
+        raise AiaynError("--checkpoint '': an empty name (an unset shell variable?); give a run directory or a "
+                         "checkpoint in it")
     image_format(args.output)  # fail on a bad name or --dpi before any work
     check_dpi(args.dpi)
     if args.picture == "positional-encoding":
