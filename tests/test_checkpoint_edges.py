@@ -178,3 +178,37 @@ def test_a_full_disk_message_says_what_is_left(tmp_path: Path, tok: TokenizerPai
         assert "previous checkpoint" not in msg and "there is no earlier checkpoint" in msg, msg
     else:
         assert "the previous checkpoint is intact" in msg, msg
+
+
+@pytest.mark.parametrize("where", ["beside step checkpoints", "a new path", "an empty folder", "an earlier average"])
+def test_a_full_disk_while_averaging_says_what_is_left(tmp_path: Path, tok: TokenizerPair,
+                                                       monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                                                       where: str) -> None:
+    """`aiayn average -o run/avg` on a full disk said "the previous checkpoint is intact" because step
+    checkpoints sat beside -o: there was no previous average, and nothing was written."""
+    import errno
+    import os
+
+    torch.manual_seed(0)
+    v = tok.src.vocab_size
+    model = Transformer(preset("tiny", src_vocab_size=v, tgt_vocab_size=v))
+    run = tmp_path / "run"
+    ckpt.save_checkpoint(run / "step_1", model, tok, {"train": {}, "step": 1})
+    out = run / "avg" if where == "beside step checkpoints" else tmp_path / "avg"
+    if where == "an empty folder":
+        out.mkdir()
+    if where == "an earlier average":
+        assert cli_main(["average", "--checkpoint", str(run), "-n", "1", "-o", str(out)]) == 0
+    capsys.readouterr()
+
+    def full_disk(*a: object, **kw: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(ckpt, "save_file", full_disk)
+    assert cli_main(["average", "--checkpoint", str(run), "-n", "1", "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "No space left on device" in err and err.rstrip().endswith("choose another -o"), err
+    if where == "an earlier average":
+        assert "the previous checkpoint is intact" in err and (out / ckpt.CONFIG).is_file(), err
+    else:
+        assert "nothing was written" in err and "previous checkpoint" not in err and "no earlier" not in err, err

@@ -200,7 +200,8 @@ def test_a_symlinked_out_is_refused_and_left_as_it_was(tmp_path, capsys):
     (tmp_path / "dangling").symlink_to("nowhere")
     for out in ("link", "dangling"):
         rc, err = _import([str(mm.FIXTURE), "--out", str(tmp_path / out)], capsys)
-        assert rc == 2 and "symbolic link" in err and "\n" not in err, err
+        assert rc == 2 and err == (f"aiayn import: error: --out {tmp_path / out} is a symbolic link; name the folder "
+                                   "it points to, or choose a new --out"), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "link", "real"]
     assert (tmp_path / "link").is_symlink() and os.readlink(tmp_path / "link") == "real"
     assert not any((tmp_path / "real").iterdir())
@@ -227,3 +228,23 @@ def test_special_token_names_of_an_older_directory_are_read_from_special_tokens_
     assert (tok.pad_token, tok.pad_token_id) == ("<blank>", vocab["<blank>"])  # what transformers reads
     lines = ["Ein Mann fährt Fahrrad.", "Zwei Hunde spielen im Schnee.", "Eine Frau liest ein Buch."]
     assert _aiayn_greedy(d, lines) == _hf_greedy(d, lines)
+
+
+def test_a_full_disk_while_importing_beside_step_checkpoints_says_nothing_was_written(tmp_path, capsys, monkeypatch):
+    """`aiayn import --out run/imported` on a full disk said "the previous checkpoint is intact"
+    because step checkpoints sat beside --out: there was no earlier import there."""
+    import errno
+
+    import aiayn.checkpoint as ckpt
+
+    (tmp_path / "run" / "step_1").mkdir(parents=True)
+    (tmp_path / "run" / "step_1" / ckpt.CONFIG).write_text("{}")  # a step checkpoint, as far as a save looks
+
+    def full_disk(*a, **kw):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(ckpt, "save_file", full_disk)
+    rc, err = _import([str(mm.FIXTURE), "--out", str(tmp_path / "run" / "imported")], capsys)
+    assert rc == 2 and "No space left on device" in err and "nothing was written" in err, err
+    assert "previous checkpoint" not in err and "\n" not in err, err
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["step_1"]

@@ -456,3 +456,90 @@ def test_own_files_without_a_language_pair_are_warned_of_the_default_one(tmp_pat
     assert "warning: the run records its language pair as de -> en (the defaults)" in capsys.readouterr().out
     assert cli_main(tiny_args(corpus, tmp_path / "b", "--max-steps", "1", "--src", "en", "--tgt", "fr")) == 0
     assert "language pair" not in capsys.readouterr().out
+
+
+def test_a_run_that_recorded_empty_paths_resumes(tmp_path, corpus, capsys):
+    """A run written before "" was refused recorded "" for the paths not given (--init-from "$BASE"
+    with BASE unset): every checkpoint then failed to resume ("invalid train config ...; resume from
+    another checkpoint", which no other could help). "" meant "not given" to the code that wrote it."""
+    out = tmp_path / "run"
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--save-every", "1")) == 0
+    for f in [*out.glob("*/config.json"), out / "train.json"]:
+        cfg = json.loads(f.read_text())
+        cfg["train"].update(init_from="", data_bin="", out="")
+        f.write_text(json.dumps(cfg))
+    capsys.readouterr()
+    assert cli_main(["train", "--out", str(out), "--resume", "--max-steps", "3"]) == 0, capsys.readouterr().err
+    assert (out / "step_3").is_dir() and f"resuming from {out / 'step_2'}" in capsys.readouterr().out
+    saved = json.loads((out / "step_3" / "config.json").read_text())["train"]
+    assert (saved["init_from"], saved["data_bin"], saved["out"]) == (None, None, str(out))
+
+
+def test_a_bad_train_option_in_a_config_file_names_the_file(tmp_path, corpus, capsys):
+    """`max_steps = -1` in a --config file (or a run's own train.json holding "" for a path) was
+    reported as a flag the command did not hold: '--max-steps must be ...', no file named."""
+    out, recipe = tmp_path / "run", tmp_path / "recipe.toml"
+    recipe.write_text("[train]\nmax_steps = -1\n")
+    assert cli_main(tiny_args(corpus, out, "--config", str(recipe))) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"aiayn train: error: --config {recipe}: --max-steps must be 0 (off) or positive")
+    assert err.count("\n") == 1 and not out.exists()
+    # a flag over the file's value is the flag's to answer for
+    assert cli_main(tiny_args(corpus, out, "--config", str(recipe), "--max-steps", "-2")) == 2
+    assert capsys.readouterr().err.startswith("aiayn train: error: --max-steps must be 0 (off) or positive, got -2")
+
+
+@pytest.mark.parametrize("line", [b"[1]\n", b'{"kind": "train", "step": "3"}\n', b"\xff\n", b"a note of mine\n"])
+def test_a_metrics_line_that_is_no_record_is_one_line_before_loading(tmp_path, corpus, capsys, line):
+    """--resume rewrites metrics.jsonl, dropping lines past the checkpoint: a line that is JSON but no
+    object (or a step that is no number) was an AttributeError (TypeError) traceback after the data was
+    loaded, invalid UTF-8 a UnicodeDecodeError, and a line that is not JSON was deleted without a word."""
+    out = tmp_path / "run"
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "1")) == 0
+    with open(out / "metrics.jsonl", "ab") as f:
+        f.write(line)
+    before = (out / "metrics.jsonl").read_bytes()
+    capsys.readouterr()
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--resume")) == 2
+    said = capsys.readouterr()
+    assert said.err.startswith(f"aiayn train: error: {out / 'metrics.jsonl'}: ") and said.err.count("\n") == 1, said.err
+    assert "move the file away to start the metrics afresh" in said.err or "move it away" in said.err
+    assert "resuming from" not in said.out and not (out / "step_2").exists()
+    assert (out / "metrics.jsonl").read_bytes() == before
+
+
+def test_a_run_started_with_relative_paths_resumes_from_another_folder(tmp_path, corpus, capsys, monkeypatch):
+    """The data paths were recorded as typed: a run started in one folder with `--train-src data/train.src`
+    and resumed from another (`aiayn train --out DIR --resume`, which the docs say is enough) stopped at
+    "--train-src data/train.src: no such file", a flag it was not given."""
+    monkeypatch.chdir(tmp_path)
+    relative = {k: str(Path(v).relative_to(tmp_path)) for k, v in corpus.items()}
+    out = tmp_path / "run"
+    assert cli_main(tiny_args(relative, out, "--max-steps", "1")) == 0
+    saved = json.loads((out / "step_1" / "config.json").read_text())["train"]
+    assert saved["train_src"] == corpus["train_src"] == str(tmp_path / relative["train_src"])
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+    assert cli_main(["train", "--out", str(out), "--resume", "--max-steps", "2"]) == 0, capsys.readouterr().err
+    assert (out / "step_2").is_dir()
+
+
+def test_another_kind_of_corpus_on_resume_is_refused(tmp_path, corpus, capsys):
+    """The data paths may be given anew on --resume (files moved), but a --data-bin run given
+    --train-src/--train-tgt trained on its --data-bin without a word, and recorded both corpora in its
+    checkpoints; the same for a text-files run given --data-bin."""
+    out = tmp_path / "run"
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "1")) == 0
+    capsys.readouterr()
+    assert cli_main(["train", "--out", str(out), "--resume", "--max-steps", "2", "--data-bin", str(tmp_path / "bin")]) == 2
+    said = capsys.readouterr()
+    assert said.err == (f"aiayn train: error: --data-bin {tmp_path / 'bin'}: the run trains on its --train-src "
+                        f"{corpus['train_src']}; --resume continues on the run's own corpus (a moved file may be given "
+                        "anew, not another corpus): drop --data-bin, or start a new run with another --out\n")
+    assert not (out / "step_2").exists()
+    # the run's own kind of corpus, moved, is taken
+    moved = {k: str(Path(v).rename(tmp_path / f"moved-{Path(v).name}")) for k, v in corpus.items()}
+    assert cli_main(tiny_args(moved, out, "--max-steps", "2", "--resume")) == 0
+    assert (out / "step_2").is_dir()

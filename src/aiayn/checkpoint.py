@@ -36,7 +36,7 @@ from safetensors.torch import load_file, save_file
 
 from aiayn.config import ConfigError, ModelConfig
 from aiayn.errors import AiaynError
-from aiayn.files import fsync_path, umask
+from aiayn.files import fsync_path, refuse_symlink_output, umask
 from aiayn.model import Transformer
 
 CONFIG, WEIGHTS, TRAINER_STATE = "config.json", "model.safetensors", "trainer_state.pt"
@@ -71,11 +71,12 @@ def _unique_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {g[0]: sd[g[0]].detach().cpu().contiguous() for g in _tied_groups(model)}
 
 
-def write_dir_atomic(path: Path, fill, flag: str = "--out") -> None:
+def write_dir_atomic(path: Path, fill, flag: str = "--out", in_run: bool = True) -> None:
     """Calls `fill(tmp_dir)` to write the files, then moves the finished directory to `path`.
 
     An existing `path` is replaced only after the new directory is complete. Any OSError (a full
-    disk) removes the temporary directory and leaves what was at `path` untouched.
+    disk) removes the temporary directory and leaves what was at `path` untouched. `in_run`: `path`
+    is a training run's checkpoint, whose run's step checkpoints remain to resume from.
     """
     path = Path(path)
     if path.exists() and not path.is_dir():
@@ -86,9 +87,7 @@ def write_dir_atomic(path: Path, fill, flag: str = "--out") -> None:
         raise AiaynError(f"could not write checkpoint {path}: cannot make the folder {path.parent} "
                          f"({e.strerror or e}); choose another {flag}") from None
     tmp = path.parent / f"{TMP_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}"
-    # what a failure leaves, said only where true: a run's first save has no earlier checkpoint to fall back on
-    left = ("the previous checkpoint is intact" if path.exists() or step_checkpoints(path.parent)
-            else "nothing was written (there is no earlier checkpoint)")
+    left = _left_after_failure(path, in_run)
     try:
         tmp.mkdir()
         fill(tmp)
@@ -111,8 +110,16 @@ def write_dir_atomic(path: Path, fill, flag: str = "--out") -> None:
         raise AiaynError(f"could not write checkpoint {path}: {why}; {left}; free space or choose another {flag}") from e
 
 
+def _left_after_failure(path: Path, in_run: bool) -> str:
+    """What a failed save leaves, said only where true: a run's first save has no earlier checkpoint
+    to fall back on, and an average's step checkpoints beside -o are not an earlier average."""
+    if (path / CONFIG).is_file() or (in_run and step_checkpoints(path.parent)):
+        return "the previous checkpoint is intact"
+    return "nothing was written (there is no earlier checkpoint)" if in_run else "nothing was written"
+
+
 def save_checkpoint(path: str | Path, model: Transformer, tokenizers: Any, config: dict[str, Any],
-                    trainer_state: dict[str, Any] | None = None, flag: str = "--out") -> None:
+                    trainer_state: dict[str, Any] | None = None, flag: str = "--out", in_run: bool = True) -> None:
     """Writes a complete checkpoint directory atomically (see the module docstring).
 
     `config` holds at least "train" (a TrainConfig dict) and "step"; "model", "tokenizer" and
@@ -133,7 +140,7 @@ def save_checkpoint(path: str | Path, model: Transformer, tokenizers: Any, confi
             torch.save(trainer_state, tmp / TRAINER_STATE)
         (tmp / CONFIG).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
-    write_dir_atomic(Path(path), fill, flag)  # `flag` names the option in messages
+    write_dir_atomic(Path(path), fill, flag, in_run)  # `flag` names the option in messages
 
 
 def tokenizer_info(tokenizers: Any) -> dict[str, Any]:
@@ -431,7 +438,7 @@ def average_checkpoints(paths: list[Path], out: str | Path) -> Path:
     model.load_state_dict({k: (v / len(paths)).float() for k, v in sums.items()})
     cfg = {k: v for k, v in last_config.items() if k not in ("versions",)}
     cfg["averaged_from"] = sources
-    save_checkpoint(out, model, last_tokenizers, cfg, flag="-o")
+    save_checkpoint(out, model, last_tokenizers, cfg, flag="-o", in_run=False)
     return Path(out)
 
 
@@ -447,8 +454,7 @@ def _check_average_output(out: Path, inputs: list[Path]) -> None:
             raise AiaynError(f"-o {out} is (or holds) {p}, one of the checkpoints being averaged; choose a new path")
         if p.resolve() in real.parents:  # a checkpoint's folder is replaced whole when saved again, or pruned
             raise AiaynError(f"-o {out} is inside {p}, one of the checkpoints being averaged; choose a path outside it")
-    if out.is_symlink():  # replacing it would leave the link renamed .tmp-old-* and the folder it names untouched
-        raise AiaynError(f"-o {out} is a symbolic link; name the folder it points to, or choose a new path")
+    refuse_symlink_output(out, "-o")
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return
     try:

@@ -41,7 +41,7 @@ from torch import Tensor
 
 from aiayn.checkpoint import EXPORT_MARKER
 from aiayn.errors import AiaynError, require
-from aiayn.files import umask
+from aiayn.files import refuse_symlink_output, umask
 from aiayn.model import Transformer, sinusoidal_table
 from aiayn.search import DEFAULT_STOP_RULE
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, PIECES, UNK_ID, TokenizerPair, vocabulary
@@ -427,8 +427,7 @@ def check_out(out: str | Path, source: str | Path | None = None) -> Path:
             there = Path(os.path.abspath(inside))
             if out == there or out in there.parents:
                 raise AiaynError(f"OUT {out} is (or holds) {what}; choose a new OUT")
-    if out.is_symlink():  # refused by `_replace_dir` too, but only after the whole export was written
-        raise AiaynError(f"OUT {out} is a symbolic link; name the folder it points to, or choose a new OUT")
+    refuse_symlink_output(out, "OUT")  # (refused by `_replace_dir` too, but only after the whole export was written)
     if out.exists():
         if not out.is_dir():
             raise AiaynError(f"output {out} exists and is not a directory; choose another OUT")

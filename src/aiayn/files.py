@@ -119,6 +119,14 @@ def iter_lines(path: str | os.PathLike[str]) -> Iterator[str]:
             raise AiaynError(f"{path}: corrupt or truncated gzip file ({e}); download or copy it again") from None
 
 
+def refuse_symlink_output(out: Path, flag: str) -> None:
+    """An output folder named by `flag` that is a symbolic link is refused: replacing it whole (the
+    new folder swapped in, the old one moved aside) would leave the link renamed `.tmp-old-*` and the
+    folder it points to untouched."""
+    if out.is_symlink():
+        raise AiaynError(f"{flag} {out} is a symbolic link; name the folder it points to, or choose a new {flag}")
+
+
 def fsync_path(path: Path) -> None:
     """Flush a file or a folder (its entries) to disk: what an atomic rename needs to survive a crash."""
     fd = os.open(path, os.O_RDONLY)

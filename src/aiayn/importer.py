@@ -44,6 +44,7 @@ from aiayn.checkpoint import CONFIG, WEIGHTS, save_checkpoint
 from aiayn.config import ConfigError, ModelConfig
 from aiayn.errors import AiaynError, require
 from aiayn.export import MARKER, feature_permutation, map_marian_layers
+from aiayn.files import refuse_symlink_output
 from aiayn.model import Transformer, sinusoidal_table
 from aiayn.tokenizer import (BOS_ID, EOS_ID, JOINT_FILE, PAD_ID, PIECES, SRC_FILE, TGT_FILE, UNK_ID, Tokenizer,
                              TokenizerPair, read_varint)
@@ -487,7 +488,7 @@ def import_marian(source: str | Path, out: str | Path, warn: Any = print, src: s
                  "for `aiayn serve`")
         info = {"from": "marian", "source": str(source)}
         _check_out(out, local)  # again: files may have appeared there while the model was read
-        save_checkpoint(out, model, tokenizers, {"train": langs, "step": 0, "imported_from": info})
+        save_checkpoint(out, model, tokenizers, {"train": langs, "step": 0, "imported_from": info}, in_run=False)
     return out
 
 
@@ -558,8 +559,7 @@ def _check_out(out: Path, source: Path | None) -> None:
     if real == here or real in here.parents:
         raise AiaynError(f"--out {out} is (or holds) the current directory; run the import from another "
                          "directory, or choose a new --out")
-    if out.is_symlink():
-        raise AiaynError(f"--out {out} is a symbolic link; name the folder it points to, or choose a new --out")
+    refuse_symlink_output(out, "--out")
     if out.exists() and not out.is_dir():
         raise AiaynError(f"--out {out} is a file; choose a new directory")
     if out.is_dir() and any(out.iterdir()):

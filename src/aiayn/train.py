@@ -44,7 +44,7 @@ import torch.distributed as dist
 import aiayn.kernels
 from aiayn import checkpoint as ckpt
 from aiayn import memory
-from aiayn.config import PRECISIONS, PRESETS, ConfigError, ModelConfig, TrainConfig, preset
+from aiayn.config import PATH_FIELDS, PRECISIONS, PRESETS, ConfigError, ModelConfig, TrainConfig, preset
 from aiayn.data.batching import Batches, rank_batches
 from aiayn.data.lock import STALE
 from aiayn.errors import AiaynError
@@ -231,10 +231,24 @@ def build_configs(args: argparse.Namespace) -> tuple[str, dict[str, Any], TrainC
         tc = TrainConfig(**train_over)
     except TypeError as e:
         raise AiaynError(f"bad option type: {e}") from e
+    except ConfigError:
+        _blame_config_file(args, train_over)
+        raise
     if not (args.resume or tc.init_from):  # `train` checks again; here an error can name the --config file
         unflagged = {k: v for k, v in model_over.items() if not hasattr(args, k)}  # the file's, no flag over them
         _check_model_options(name, model_over, tc, (args.config, unflagged) if args.config else None)
     return name, model_over, tc
+
+
+def _blame_config_file(args: argparse.Namespace, train_over: dict[str, Any]) -> None:
+    """A bad train option that the --config file sets (no flag over it) is named with the file: the
+    message named a flag the command did not hold (a run's own train.json with "" for a path, say)."""
+    unflagged = {k: v for k, v in train_over.items() if not hasattr(args, k)}
+    if args.config and unflagged:
+        try:
+            TrainConfig(**unflagged)
+        except ConfigError as e:
+            raise AiaynError(f"--config {args.config}: {e}; fix it there") from None
 
 
 def _check_model_options(name: str, model_over: dict[str, Any], tc: TrainConfig,
@@ -405,16 +419,36 @@ def _check_writable(out: Path, resume: bool) -> None:
 
 def _check_metrics_readable(path: Path) -> None:
     """--resume reads the run's metrics.jsonl (dropping lines past the checkpoint) and rewrites it: one
-    it cannot read stopped the run after the checkpoint and data were loaded, with no hint. A read-only
-    one is fine (it is replaced, as train.json is)."""
+    it cannot read, or a line that is not a run's record (a list, invalid UTF-8: a traceback), stopped
+    the run after the checkpoint and data were loaded, and a line that was not JSON was dropped
+    without a word. A read-only one is fine (it is replaced, as train.json is)."""
     try:
-        path.open("rb").close()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         return
-    except OSError as e:
-        how = f" (chmod u+r {path})" if e.errno == errno.EACCES else ""
-        raise AiaynError(f"{path}: cannot read it ({e.strerror or e}); --resume keeps the run's metrics there: make "
+    except (OSError, ValueError) as e:
+        how = f" (chmod u+r {path})" if isinstance(e, OSError) and e.errno == errno.EACCES else ""
+        why = (e.strerror or e) if isinstance(e, OSError) else f"not UTF-8 text: {e}"
+        raise AiaynError(f"{path}: cannot read it ({why}); --resume keeps the run's metrics there: make "
                          f"it a readable file{how}, or move it away to start the metrics afresh") from None
+    bad = _foreign_metrics_line(text)
+    if bad:
+        raise AiaynError(f"{path}: line {bad} is not a train or valid record of aiayn train; --resume rewrites the "
+                         "file: remove that line, or move the file away to start the metrics afresh")
+
+
+def _foreign_metrics_line(text: str) -> int | None:
+    """The number of the first line of a metrics.jsonl's `text` that is not a run's record (an object
+    of kind train or valid with an integer step); the text after the last newline may be a line
+    torn by a kill."""
+    for n, line in enumerate(text.split("\n")[:-1], 1):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            rec = None
+        if not (isinstance(rec, dict) and rec.get("kind") in ("train", "valid") and type(rec.get("step")) is int):
+            return n
+    return None
 
 
 # Fields every train.json holds ({"preset", "model", "train": TrainConfig.to_dict()}).
@@ -448,14 +482,9 @@ def _check_early_files(out: Path, held: list[str]) -> None:
             text = (out / name).read_text(encoding="utf-8")
         except (OSError, ValueError) as e:
             raise foreign(out / name, f"unreadable: {e}") from None
-        lines = text.split("\n")
-        for n, line in enumerate(lines[:-1], 1):  # the text after the last newline may be a torn line
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                rec = None
-            if not (isinstance(rec, dict) and rec.get("kind") in ("train", "valid") and type(rec.get("step")) is int):
-                raise foreign(out / name, f"line {n} is not a train or valid record")
+        bad = _foreign_metrics_line(text)
+        if bad:
+            raise foreign(out / name, f"line {bad} is not a train or valid record")
 
 
 def _saved_device(out: Path) -> str | None:
@@ -515,7 +544,7 @@ def resumed_settings(loaded: ckpt.Checkpoint, preset_name: str, model_over: dict
         saved = {}
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     try:
-        base = TrainConfig.from_dict({k: v for k, v in saved.items() if k in names})
+        base = TrainConfig.from_dict(_empty_paths_as_read({k: v for k, v in saved.items() if k in names}))
     except (ConfigError, TypeError) as e:
         raise AiaynError(f"{loaded.path / ckpt.CONFIG}: invalid train config ({e}); resume from another checkpoint") from e
     typed = names | {"preset"} if given is None else set(given)
@@ -529,8 +558,33 @@ def resumed_settings(loaded: ckpt.Checkpoint, preset_name: str, model_over: dict
         flag = "--" + name.replace("_", "-")
         raise AiaynError(f"{flag} {value} differs from the run's {was}: --resume continues the run with its own "
                          f"settings; drop {flag}, or start a new run with another --out")
+    _check_same_corpus(base, tc, typed)
     keep = (typed & FREE_ON_RESUME) | {"out", "device"}
     return before["preset"], base.replace(**{k: getattr(tc, k) for k in keep})
+
+
+def _check_same_corpus(base: TrainConfig, tc: TrainConfig, typed: Collection[str]) -> None:
+    """The data paths a resumed run may take anew (files moved) must name its own kind of corpus: text
+    files given to a --data-bin run were ignored without a word, yet recorded beside it, so that the
+    run's settings named two corpora."""
+    kinds = ((CORPUS_KINDS[0], "--data"), (CORPUS_KINDS[1], "--data-bin"), (CORPUS_KINDS[2], "--train-src"))
+    own = next(((fields, flag) for fields, flag in kinds if getattr(base, fields[0])), None)
+    for fields, _ in kinds:
+        given = [k for k in fields if k in typed and getattr(tc, k) and k in FREE_ON_RESUME]
+        if own and given and fields is not own[0]:
+            flag = "--" + given[0].replace("_", "-")
+            raise AiaynError(f"{flag} {getattr(tc, given[0])}: the run trains on its {own[1]} "
+                             f"{getattr(base, own[0][0])}; --resume continues on the run's own corpus (a moved "
+                             f"file may be given anew, not another corpus): drop {flag}, or start a new run with "
+                             "another --out")
+
+
+def _empty_paths_as_read(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved train config's "" paths as the code that wrote them read them: a run from before ""
+    was refused recorded them, and every one of its checkpoints then failed to resume. "" was a path
+    not given (the default), but for data_dir the current directory (as Path("") is)."""
+    empty = {k for k in PATH_FIELDS if saved.get(k) == ""}
+    return {k: v for k, v in saved.items() if k not in empty} | ({"data_dir": "."} if "data_dir" in empty else {})
 
 
 def _precision(tc: TrainConfig, loaded: ckpt.Checkpoint | None, d: Dist) -> str:
@@ -948,7 +1002,7 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
     if resume:
         tc.check_cooldown()  # on the settings the run continues with (a fresh run was checked above)
         check_patience(tc)
-    tc = with_update_freq(tc, d.world, given is not None and "update_freq" in given)
+    tc = with_update_freq(_absolute_data_paths(tc), d.world, given is not None and "update_freq" in given)
     if tc.threads:
         torch.set_num_threads(tc.threads)
     run = _set_up(preset_name, model_over, tc, loaded, init, d, info)
@@ -975,6 +1029,21 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
     if d.world > 1:
         dist.destroy_process_group()
     return summary
+
+
+# the data paths a run records, which it reads again on --resume (the text is checked against its prepared copy)
+_DATA_PATHS = ("data_dir", "train_src", "train_tgt", "valid_src", "valid_tgt", "data_bin")
+
+
+def _absolute_data_paths(tc: TrainConfig) -> TrainConfig:
+    """The data paths made absolute before the run records them: recorded as typed, relative to the
+    folder the run started in, `aiayn train --out DIR --resume` from any other failed on a
+    "--train-src ...: no such file" it was not given. A --data-dir's "~" is expanded first, as its
+    reader expands it."""
+    def absolute(k: str, v: str) -> str:
+        return os.path.abspath(os.path.expanduser(v) if k == "data_dir" else v)
+
+    return tc.replace(**{k: absolute(k, getattr(tc, k)) for k in _DATA_PATHS if getattr(tc, k)})
 
 
 def _stop_if_done(run: Run) -> None:
