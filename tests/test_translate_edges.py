@@ -241,3 +241,46 @@ def test_line_chunks_read_long_lines_and_many_short_ones(tmp_path, max_lines):
         chunks = list(LineChunks(f, "in.txt", max_lines))
     assert [line for chunk in chunks for line in chunk] == lines
     assert all(0 < len(c) <= max_lines for c in chunks)
+
+
+@pytest.mark.parametrize("engine", ["torch", "ctranslate2"])
+def test_a_translator_refuses_one_string_and_reads_lines_given_as_a_generator(ckpt, request, engine):
+    """One string was translated character by character (a list of one translation per letter), and
+    lines from a generator gave the torch engine an IndexError (it reads them twice) while the
+    ctranslate2 engine, of the same interface, translated them."""
+    from aiayn.translate import CT2Translator, Translator
+
+    if engine == "torch":
+        t = Translator.from_checkpoint(ckpt)
+    else:
+        t = CT2Translator(request.getfixturevalue("export"))
+    lines = ["ein Mann läuft.", "", "Hund"]
+    want = t.translate(lines, beam=2, max_len_a=0, max_len_b=4)
+    assert t.translate((line for line in lines), beam=2, max_len_a=0, max_len_b=4) == want
+    with pytest.raises(TypeError, match=r"pass \[text\]"):
+        t.translate("ein Mann läuft.", beam=2)
+
+
+def test_line_chunks_wait_on_a_non_blocking_input(tmp_path):
+    """A standard input left non-blocking (O_NONBLOCK on a pipe or terminal shared with another
+    program) failed at once with 'aiayn translate: error: Resource temporarily unavailable'."""
+    import fcntl
+    import os
+    import threading
+    import time
+
+    from aiayn.translate import LineChunks
+
+    r, w = os.pipe()
+    fcntl.fcntl(r, fcntl.F_SETFL, fcntl.fcntl(r, fcntl.F_GETFL) | os.O_NONBLOCK)
+
+    def write() -> None:
+        time.sleep(0.3)
+        os.write(w, b"a\nb")
+        time.sleep(0.3)
+        os.write(w, b"\nc\n")
+        os.close(w)
+
+    threading.Thread(target=write, daemon=True).start()
+    with os.fdopen(r, "rb") as f:
+        assert [line for chunk in LineChunks(f, "<stdin>", 500) for line in chunk] == ["a", "b", "c"]

@@ -109,6 +109,14 @@ def has_text(line: str) -> bool:
     return any(unicodedata.category(c) not in _INVISIBLE for c in line)
 
 
+def source_lines(lines: Sequence[str]) -> list[str]:
+    """The lines a translator's `search` was given, as a list: a generator is read once (search goes
+    over the lines twice), and one string is refused rather than translated character by character."""
+    if isinstance(lines, (str, bytes)):
+        raise TypeError(f"lines must be a list of sentences, got one {type(lines).__name__}; pass [text]")
+    return list(lines)
+
+
 def encode_sources(tokenizers: TokenizerPair, lines: Sequence[str], max_src_tokens: int,
                    note: Callable[[str], None], first_line: int = 1, eos: bool = False) -> list[list[int]]:
     """Source ids per line ([] for a blank line), ending with EOS if `eos` (a model trained so:
@@ -351,6 +359,7 @@ class Translator(BaseTranslator):
         is done, before the rest of its batch; never for a blank line."""
         s = Settings(**settings)
         s.check()
+        lines = source_lines(lines)
         encoded = self.encode(lines, first_line)
         results: list[list[tuple[list[int], float]]] = [[([], 0.0)] * s.nbest for _ in lines]
         model = inference_view(self.model, self.device)
@@ -460,6 +469,7 @@ class CT2Translator(BaseTranslator):
         """Per input line, up to `nbest` (translation, score) pairs, as `Translator.search`."""
         s = Settings(**settings)
         s.check()
+        lines = source_lines(lines)
         ids = encode_sources(self.tokenizers, lines, self.max_src_tokens, self.note, first_line, self.source_eos)
         hyps = self.translate_ids(ids, s.beam, s.alpha, s.nbest, s.max_len_a, s.max_len_b, s.min_len, s.max_tokens)
         return [[(one_line(self.tokenizers.tgt.decode(h)), sc) for h, sc in nb] for nb in hyps]
@@ -492,7 +502,12 @@ class LineChunks:
     def _fill(self, block: bool) -> None:
         if self.eof or (not block and not self._ready()):
             return
-        data = os.read(self.fd, 1 << 16)
+        try:
+            data = os.read(self.fd, 1 << 16)
+        except BlockingIOError:  # a non-blocking input (O_NONBLOCK left on a shared pipe or terminal) with nothing yet
+            if block:
+                select.select([self.fd], [], [])  # wait for it, as a blocking read would
+            return
         if data:
             self.buf += data
             self.newlines += data.count(b"\n")
