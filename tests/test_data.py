@@ -37,6 +37,34 @@ def _write(path: Path, text: str | bytes) -> Path:
 # read_lines / read_parallel
 
 
+@pytest.mark.parametrize("kind, packed, command", [
+    ("xz", "lzma", "xz -d"), ("bzip2", "bz2", "bunzip2"), ("zip", "zip", "unzip")])
+def test_a_file_compressed_other_than_with_gzip_says_to_unpack_it(tmp_path: Path, kind: str, packed: str,
+                                                                   command: str) -> None:
+    """An .xz corpus was "invalid UTF-8 (byte 0xfd at column 1); convert the file to UTF-8", which
+    sent the user looking for an encoding problem."""
+    import bz2
+    import io
+    import lzma
+    import zipfile
+
+    from aiayn.files import iter_lines
+
+    text = b"Ein Hund.\n" * 50
+    if packed == "zip":
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w") as z:
+            z.writestr("train.de", text)
+        data = buf.getvalue()
+    else:
+        data = {"lzma": lzma, "bz2": bz2}[packed].compress(text)
+    path = _write(tmp_path / "train.de", data)
+    for read in (read_lines, lambda p: list(iter_lines(p))):
+        with pytest.raises(AiaynError) as e:
+            read(path)
+        assert str(e.value) == f"{path}: a {kind} file; aiayn reads plain or gzip text: unpack it first ({command})"
+
+
 def test_plain_and_gzip_read_the_same(tmp_path: Path) -> None:
     text = "Ein Hund.\r\nZwei\u2028Katzen\x1c.\n\ufeffdrei\n"
     plain = _write(tmp_path / "a.txt", "\ufeff" + text)  # a BOM at the start is dropped

@@ -54,6 +54,19 @@ def check_input_file(path: str | os.PathLike[str], flag: str) -> None:
     _open_text_file(p, flag).close()
 
 
+# Other compressions' magic numbers -> (name, the command that unpacks them): read as text they were
+# "invalid UTF-8 ... convert the file to UTF-8", advice that does not help
+_NOT_GZIP = ((b"\xfd7zXZ\x00", "xz", "xz -d"), (b"BZh", "bzip2", "bunzip2"), (b"\x28\xb5\x2f\xfd", "zstd", "zstd -d"),
+             (b"PK\x03\x04", "zip", "unzip"), (b"7z\xbc\xaf\x27\x1c", "7z", "7z x"))
+
+
+def _refuse_other_compression(path: Path, head: bytes) -> None:
+    """A file compressed other than with gzip is one line saying how to unpack it (`head`: its first bytes)."""
+    for magic, name, command in _NOT_GZIP:
+        if head.startswith(magic):
+            raise AiaynError(f"{path}: a {name} file; aiayn reads plain or gzip text: unpack it first ({command})")
+
+
 def read_lines(path: str | os.PathLike[str], blank_ok: bool = False) -> list[str]:
     """The lines of a plain or gzip UTF-8 text file, without line endings ("\\n" or "\\r\\n").
 
@@ -71,6 +84,7 @@ def read_lines(path: str | os.PathLike[str], blank_ok: bool = False) -> list[str
             raw = gzip.decompress(raw)
         except (OSError, EOFError, zlib.error) as e:
             raise AiaynError(f"{path}: corrupt or truncated gzip file ({e}); download or copy it again") from None
+    _refuse_other_compression(path, raw[:8])
     if raw.startswith(b"\xef\xbb\xbf"):
         raw = raw[3:]  # a UTF-8 byte-order mark is not part of the first sentence
     if not (raw if blank_ok else raw.strip()):
@@ -99,6 +113,7 @@ def iter_lines(path: str | os.PathLike[str]) -> Iterator[str]:
     path = Path(path)
     with _open_text_file(path) as raw_file:
         is_gzip = raw_file.peek(2)[:2] == b"\x1f\x8b"  # gzip magic, whatever the file is called
+        _refuse_other_compression(path, raw_file.peek(8)[:8])
         f = io.BufferedReader(gzip.GzipFile(fileobj=raw_file), 1 << 20) if is_gzip else raw_file
         number = 0
         try:
