@@ -277,12 +277,39 @@ def test_libre_wrong_pair_is_400_naming_the_served_pair(client):
     ("/v1/translate", {"text": ["a"], "beam": 2, "nbest": 3}, "nbest"),
     ("/v1/translate", {"text": ["a"], "alpha": -1}, "alpha"),
     ("/v1/translate", {"text": ["a"], "colour": "red"}, "colour"),
+    ("/v1/translate", '{"text": ["Straße"]}'.encode("latin-1"), "body"),  # not UTF-8
+    ("/v1/translate", b'{"text": ["a"], "beam": 1' + b"0" * 5000 + b"}", "body"),  # past int()'s 4300 digits
 ])
 def test_422_names_the_field(client, path, body, field):
     kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
     r = client.post(path, **kw)
     assert r.status_code == 422, r.text
     assert r.json()["error"].startswith(f"{field}:"), r.json()
+
+
+def test_a_body_json_cannot_read_says_why_not_there_was_an_error_parsing_the_body(client):
+    """Bytes that are not UTF-8 (a client that sent Latin-1) and a number too long for int() were
+    FastAPI's 400 "There was an error parsing the body": now the 422 of any malformed JSON, saying what."""
+    headers = {"content-type": "application/json; charset=latin-1"}
+    r = client.post("/v1/translate", content='{"text": ["Straße"]}'.encode("latin-1"), headers=headers)
+    assert r.json() == {"error": "body: not valid JSON (not UTF-8: byte 0xdf at byte 15); send it encoded as UTF-8",
+                        "field": "body"}
+    r = client.post("/v1/translate", content=b'{"text": ["a"], "alpha": 1' + b"0" * 5000 + b"}",
+                    headers={"content-type": "application/json"})
+    assert r.json()["error"] == "body: not valid JSON (a number of more than 4300 digits)"
+
+
+def test_a_body_within_max_lines_and_max_chars_is_not_too_large_however_it_is_encoded(ckpt):
+    """Lines of --max-chars non-ASCII characters as Python's json.dumps (and so `requests`) writes
+    them, each escaped as \\uXXXX (6 bytes, 12 for an emoji's surrogate pair), pass the body's size
+    check: they were a 413 "the body is over N bytes" (4 bytes a character assumed), though within
+    every limit. Here they get as far as the model's length."""
+    with TestClient(make_app(ckpt, max_lines=2, max_chars=20_000)) as c:
+        ready(c)
+        for line in ("ж" * 20_000, "\U0001F600" * 20_000):
+            body = json.dumps({"text": [line, line]}).encode()  # ensure_ascii
+            r = c.post("/v1/translate", content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 413 and "more source tokens than the model takes" in r.json()["error"], r.text
 
 
 def test_413_for_long_lines_and_bodies_411_without_length(client, ckpt):
@@ -295,7 +322,7 @@ def test_413_for_long_lines_and_bodies_411_without_length(client, ckpt):
     with TestClient(make_app(ckpt, max_lines=3)) as c:
         r = ready(c).post("/v1/translate", json={"text": ["a"] * 4})
         assert r.status_code == 413 and "more than --max-lines 3" in r.json()["error"]
-        r = c.post("/v1/translate", content=b"x" * 100_000, headers={"content-type": "application/json"})
+        r = c.post("/v1/translate", content=b"x" * 200_000, headers={"content-type": "application/json"})
         assert r.status_code == 413 and "bytes" in r.json()["error"]
         r = c.post("/v1/translate", content=iter([b'{"text": ["a"]}']), headers={"content-type": "application/json"})
         assert r.status_code == 411 and "Content-Length" in r.json()["error"]  # chunked: no length to check

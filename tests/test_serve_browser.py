@@ -9,6 +9,7 @@ plain-text 503 (a proxy's, say) are shown in the server's words.
 Skipped where Chromium is not installed, except under CI (CI=true), where `.ci/run` installs it."""
 
 import contextlib
+import json
 import os
 import shutil
 import socket
@@ -347,3 +348,50 @@ def test_page_empty_beam_and_alpha_fields_ask_for_the_servers_defaults(tmp_path_
         sent = driver.execute_script("return window.sent")[0]
         assert sent.get("beam", 3) == 3 and sent.get("alpha", 0.6) == 0.6 and sent["nbest"] == 3
         assert len(driver.find_elements(By.CSS_SELECTOR, "#nbest li")) == 3
+
+
+def test_page_clears_a_translation_once_a_later_request_fails(tmp_path_factory, tmp_path, one_thread):
+    """A translation, then a refused request (a 429): the old translation, n-best and map are gone,
+    not left beside the new error as if they answered the text now in the box."""
+    ckpt = tiny_checkpoint(tmp_path_factory.getbasetemp())
+    app = create_app(Translator.from_checkpoint(ckpt), Limits(max_lines=2, max_client_lines=2), ("de", "en"))
+    with opened(app, tmp_path / "profile") as (url, driver, wait):
+        wait.until(lambda d: d.find_element(By.ID, "pair").text == "de → en")
+        box = driver.find_element(By.ID, "source")
+        box.send_keys("Hund und Kind spielt im Park")
+        driver.find_element(By.ID, "go").click()
+        wait.until(lambda d: d.find_element(By.ID, "translation").text.strip() != "")
+        assert driver.find_element(By.ID, "inside").is_displayed()
+        app.state.server.clients.held["ip:127.0.0.1"] = 2  # the next request is refused with a 429
+        box.clear()
+        box.send_keys("rot blau")
+        driver.find_element(By.ID, "go").click()
+        assert _error_shown(driver, wait, "429").startswith("429: ")
+        assert driver.find_element(By.ID, "translation").text == ""
+        assert not driver.find_element(By.ID, "inside").is_displayed()
+
+
+def test_page_shows_right_to_left_text_right_to_left(tmp_path_factory, tmp_path, one_thread):
+    """Hebrew or Arabic in the box, in a translation or in the n-best list is laid out right to left
+    (dir="auto": the direction of each text's first strong character); English stays left to right."""
+    ckpt = tiny_checkpoint(tmp_path_factory.getbasetemp())
+    app = create_app(Translator.from_checkpoint(ckpt), Limits(), ("de", "en"))
+    with opened(app, tmp_path / "profile") as (url, driver, wait):
+        wait.until(lambda d: d.find_element(By.ID, "pair").text == "de → en")
+        rtl = "שלום עולם."
+        hyp = {"text": rtl, "score": -1.0, "tokens": ["▁שלום", "▁עולם", "."]}
+        answer = {"translations": [{"source_tokens": ["▁x", "</s>"], "hypotheses": [hyp]}], "beam": 4, "alpha": 0.6}
+        driver.execute_script(  # a he model's answer, as a server of one would give it
+            "const real = window.fetch; window.fetch = (u, o) => u === '/v1/translate' ? "
+            "Promise.resolve(new Response(arguments[0], {status: 200})) : real(u, o);", json.dumps(answer))
+        direction = "return getComputedStyle(arguments[0]).direction"
+        box = driver.find_element(By.ID, "source")
+        box.send_keys("مرحبا بالعالم")
+        assert driver.execute_script(direction, box) == "rtl"
+        driver.find_element(By.ID, "go").click()
+        wait.until(lambda d: d.find_element(By.ID, "translation").text == rtl)
+        assert driver.execute_script(direction, driver.find_element(By.ID, "translation")) == "rtl"
+        assert driver.execute_script(direction, driver.find_element(By.CSS_SELECTOR, "#nbest li")) == "rtl"
+        box.clear()
+        box.send_keys("ein Hund")
+        assert driver.execute_script(direction, box) == "ltr"

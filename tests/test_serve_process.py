@@ -213,6 +213,40 @@ def test_bad_flags_and_checkpoints_are_one_line_errors(ckpt, tmp_path):
 
 
 
+def test_a_host_that_is_no_address_of_this_machine_is_named_as_the_flag_to_change():
+    """A --host not on this machine: "choose another --host", not "choose another --port"."""
+    from aiayn.errors import AiaynError
+    from aiayn.serve.cli import _bind
+
+    with pytest.raises(AiaynError, match=r"cannot listen on 192\.0\.2\.1:0 \(.*\); --host 192\.0\.2\.1 is not an "
+                                         r"address of this machine: choose another --host"):
+        _bind("192.0.2.1", 0)  # TEST-NET-1: never a local address
+
+
+def test_an_ipv6_host_is_printed_as_a_url_that_works(ckpt):
+    """--host ::1: the address printed is http://[::1]:PORT/ (it was http://::1:PORT/, no URL)."""
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    proc = subprocess.Popen([sys.executable, "-m", "aiayn", "serve", "--checkpoint", str(ckpt), "--host", "::1",
+                             "--port", "0"], stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        m = re.search(r"on (http://\S+/) ", proc.stderr.readline())
+        assert m and re.fullmatch(r"http://\[::1\]:\d+/", m.group(1)), m
+        end = time.monotonic() + 120
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(m.group(1) + "health").status_code == 200:
+                    break
+            assert proc.poll() is None and time.monotonic() < end, "the server did not become ready"
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+        proc.wait(30)
+
+
 def test_the_server_searches_its_model_as_it_is_not_a_view_per_batch(ckpt):
     """A trainable model gets a fresh frozen view (and freshly packed weights) at every search; the
     server's own model is frozen once, so batches reuse the packed weights."""

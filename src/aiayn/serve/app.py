@@ -25,6 +25,7 @@ import asyncio
 import logging
 import os
 import platform
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Hashable, Mapping, MutableMapping, Sequence
 from contextlib import asynccontextmanager
@@ -387,7 +388,9 @@ def create_app(models: Any, limits: Limits, languages: tuple[str, str] | None = 
     app = FastAPI(title="aiayn", version=__version__, lifespan=lifespan,
                   description=f"Translation {pairs} with a Transformer; batches across clients.")
     app.state.server = srv
-    max_body = limits.max_lines * limits.max_chars * 4 + (1 << 16)  # UTF-8 and JSON overhead
+    # 12 bytes a character: JSON's "\uXXXX" twice for one past U+FFFF (Python's json.dumps escapes every
+    # non-ASCII one), or a form's %XX per UTF-8 byte; then the JSON's own overhead
+    max_body = limits.max_lines * limits.max_chars * 12 + (1 << 16)
     app.add_middleware(_Middleware, metrics=srv.metrics, max_body=max_body, body_timeout=limits.body_timeout_s)
     if cors_origins:  # off by default: a page of another origin may not call the API
         from starlette.middleware.cors import CORSMiddleware
@@ -418,12 +421,25 @@ def _handlers(app: FastAPI) -> None:
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:
         if isinstance(e.__cause__, RecursionError):  # FastAPI's "error parsing the body", from json.loads
             return _error(400, DEEP_JSON, field="body")
+        if isinstance(e.__cause__, ValueError) and (why := _unreadable(e.__cause__)):  # bytes, or a number
+            return _error(422, why, field="body")
         return _error(e.status_code, str(e.detail), e.headers)
 
     @app.exception_handler(Exception)
     async def failed(request: Request, e: Exception) -> JSONResponse:
         """A bug's 500 as JSON too (the traceback goes to the log, as uvicorn writes it)."""
         return _error(500, f"internal error ({type(e).__name__}); the server's log has the details")
+
+
+def _unreadable(e: ValueError) -> str:
+    """Why json.loads could not read a body that is not malformed JSON text (those are `json_invalid`):
+    bytes that are not UTF-8, or a number past int()'s limit on digits ("" for another error)."""
+    if isinstance(e, UnicodeDecodeError):
+        return (f"body: not valid JSON (not UTF-8: byte 0x{e.object[e.start]:02x} at byte {e.start}); "
+                "send it encoded as UTF-8")
+    if "integer string conversion" in str(e):
+        return f"body: not valid JSON (a number of more than {sys.get_int_max_str_digits()} digits)"
+    return ""
 
 
 def _describe(m: Model) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import signal
 import socket
 import sys
@@ -121,7 +122,9 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.bind(addr)
     except OSError as e:
         sock.close()
-        raise AiaynError(f"cannot listen on {host}:{port} ({e.strerror or e}); choose another --port") from None
+        hint = (f"--host {host} is not an address of this machine: choose another --host"
+                if e.errno == errno.EADDRNOTAVAIL else "choose another --port")
+        raise AiaynError(f"cannot listen on {host}:{port} ({e.strerror or e}); {hint}") from None
     sock.listen(2048)
     return sock
 
@@ -225,7 +228,8 @@ def run(args: argparse.Namespace) -> int:
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     pairs = ", ".join(f"{m.source}->{m.target}" for m in models)
-    print(f"aiayn serve: {pairs} on http://{host}:{port}/ (ready once /health says so); "
+    where = f"[{host}]" if ":" in host else host  # an IPv6 address, bracketed as a URL writes it
+    print(f"aiayn serve: {pairs} on http://{where}:{port}/ (ready once /health says so); "
           "Ctrl-C or SIGTERM stops after the requests in flight", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn_config(app, limits))
     with _signals_end_quietly():

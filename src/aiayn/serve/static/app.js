@@ -86,10 +86,18 @@ async function translate() {
     $("inside").hidden = false;
     show();
   } catch (e) {
-    if (asked === state.pending) showError(String(e.message || e));
+    if (asked !== state.pending) return;
+    clearResult();  // the last translation answered another text: never left beside this error
+    showError(String(e.message || e));
   } finally {
     if (asked === state.pending) drop();
   }
+}
+
+function clearResult() {
+  state.result = null;
+  $("inside").hidden = true;
+  $("translation").textContent = "";
 }
 
 // Forgets the request in flight (the server drops its lines once the connection closes): Ctrl+Enter
@@ -144,6 +152,7 @@ function show() {
   $("nbest").replaceChildren(...line.hypotheses.map((h) => {
     const li = document.createElement("li");
     li.textContent = h.text;
+    li.dir = "auto";  // a right-to-left target (Arabic, Hebrew) laid out as such, as the translation is
     const score = document.createElement("span");
     score.className = "score";
     score.textContent = h.score === null ? "greedy" : h.score.toFixed(4);
@@ -251,8 +260,7 @@ $("layer").addEventListener("change", show);
 $("pairs").addEventListener("change", () => {
   drop();
   choosePair();
-  $("inside").hidden = true;
-  $("translation").textContent = "";
+  clearResult();
 });
 $("api-key").addEventListener("input", () => localStorage.setItem(KEY_STORE, $("api-key").value.trim()));
 loadInfo().catch((e) => showError(`cannot reach the server: ${e.message || e}`));
