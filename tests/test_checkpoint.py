@@ -42,7 +42,8 @@ def _model(tok: TokenizerPair, seed: int = 0, **over) -> Transformer:  # type: i
 
 
 def _save(path: Path, model: Transformer, tok: TokenizerPair, step: int = 1, state=None) -> None:  # type: ignore[no-untyped-def]
-    ckpt.save_checkpoint(path, model, tok, {"train": {"seed": 1}, "step": step}, state)
+    """A training run's save (`in_run`: its step checkpoints are what a failed save leaves)."""
+    ckpt.save_checkpoint(path, model, tok, {"train": {"seed": 1}, "step": step}, state, in_run=True)
 
 
 def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:

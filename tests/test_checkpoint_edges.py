@@ -170,7 +170,7 @@ def test_a_full_disk_message_says_what_is_left(tmp_path: Path, tok: TokenizerPai
 
     monkeypatch.setattr(ckpt, "save_file", full_disk)
     with pytest.raises(AiaynError) as e:
-        ckpt.save_checkpoint(run / "step_2", model, tok, {"train": {}, "step": 2})
+        ckpt.save_checkpoint(run / "step_2", model, tok, {"train": {}, "step": 2}, in_run=True)  # as a run saves
     msg = str(e.value)
     assert msg.startswith(f"could not write checkpoint {run / 'step_2'}: No space left on device; ")
     assert msg.endswith("; free space or choose another --out")

@@ -62,7 +62,15 @@ def test_a_file_compressed_other_than_with_gzip_says_to_unpack_it(tmp_path: Path
     for read in (read_lines, lambda p: list(iter_lines(p))):
         with pytest.raises(AiaynError) as e:
             read(path)
-        assert str(e.value) == f"{path}: a {kind} file; aiayn reads plain or gzip text: unpack it first ({command})"
+        assert str(e.value) == f"{path}: a {kind} file; aiayn reads plain or gzip text here: unpack it first ({command})"
+
+
+def test_a_sentence_that_begins_like_a_bzip2_header_is_text(tmp_path: Path) -> None:
+    """Only bzip2's whole header counts: a corpus line "BZh is ..." was refused as a bzip2 file."""
+    from aiayn.files import iter_lines
+
+    path = _write(tmp_path / "t.en", "BZh9 is the start of this sentence.\nline two\n")
+    assert read_lines(path) == list(iter_lines(path)) == ["BZh9 is the start of this sentence.", "line two"]
 
 
 def test_plain_and_gzip_read_the_same(tmp_path: Path) -> None:

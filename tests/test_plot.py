@@ -525,3 +525,16 @@ def test_an_svg_with_control_characters_in_its_text_is_well_formed_xml(tmp_path,
     (run / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 5.0}\n')
     assert main(["plot", "curves", "--checkpoint", str(run), "-o", str(tmp_path / "c.svg")]) == 0
     xml.dom.minidom.parse(str(tmp_path / "c.svg"))
+
+
+def test_a_run_folder_named_with_invalid_utf8_is_drawn(tmp_path):
+    """A folder name with a byte that is not UTF-8 reaches Python as a lone surrogate ("\\udcff"),
+    which no font can draw: `plot curves` on it was a TypeError traceback from matplotlib."""
+    import xml.dom.minidom
+
+    run = tmp_path / os.fsdecode(b"run \xff")
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 5.0}\n')
+    for name in ("c.svg", "c.png"):
+        assert main(["plot", "curves", "--checkpoint", str(run), "-o", str(tmp_path / name)]) == 0
+    xml.dom.minidom.parse(str(tmp_path / "c.svg"))

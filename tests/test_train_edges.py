@@ -458,7 +458,8 @@ def test_own_files_without_a_language_pair_are_warned_of_the_default_one(tmp_pat
     assert "language pair" not in capsys.readouterr().out
 
 
-def test_a_run_that_recorded_empty_paths_resumes(tmp_path, corpus, capsys):
+@pytest.mark.parametrize("route", ["--out", "--config train.json"])
+def test_a_run_that_recorded_empty_paths_resumes(tmp_path, corpus, capsys, route):
     """A run written before "" was refused recorded "" for the paths not given (--init-from "$BASE"
     with BASE unset): every checkpoint then failed to resume ("invalid train config ...; resume from
     another checkpoint", which no other could help). "" meant "not given" to the code that wrote it."""
@@ -469,7 +470,8 @@ def test_a_run_that_recorded_empty_paths_resumes(tmp_path, corpus, capsys):
         cfg["train"].update(init_from="", data_bin="", out="")
         f.write_text(json.dumps(cfg))
     capsys.readouterr()
-    assert cli_main(["train", "--out", str(out), "--resume", "--max-steps", "3"]) == 0, capsys.readouterr().err
+    config = ["--config", str(out / "train.json")] if route.startswith("--config") else []  # resume_command's form
+    assert cli_main(["train", *config, "--out", str(out), "--resume", "--max-steps", "3"]) == 0, capsys.readouterr().err
     assert (out / "step_3").is_dir() and f"resuming from {out / 'step_2'}" in capsys.readouterr().out
     saved = json.loads((out / "step_3" / "config.json").read_text())["train"]
     assert (saved["init_from"], saved["data_bin"], saved["out"]) == (None, None, str(out))
@@ -506,6 +508,18 @@ def test_a_metrics_line_that_is_no_record_is_one_line_before_loading(tmp_path, c
     assert "move the file away to start the metrics afresh" in said.err or "move it away" in said.err
     assert "resuming from" not in said.out and not (out / "step_2").exists()
     assert (out / "metrics.jsonl").read_bytes() == before
+
+
+def test_a_blank_line_in_metrics_does_not_stop_a_resume(tmp_path, corpus, capsys):
+    """A blank line (a hand edit, "...}\n\n") holds no record: the check before loading refused it,
+    where the resume itself and `plot curves` pass over it."""
+    out = tmp_path / "run"
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "1")) == 0
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write("\n  \n")
+    capsys.readouterr()
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--resume")) == 0, capsys.readouterr().err
+    assert (out / "step_2").is_dir()
 
 
 def test_a_run_started_with_relative_paths_resumes_from_another_folder(tmp_path, corpus, capsys, monkeypatch):

@@ -259,6 +259,25 @@ def test_a_translator_refuses_one_string_and_reads_lines_given_as_a_generator(ck
     assert t.translate((line for line in lines), beam=2, max_len_a=0, max_len_b=4) == want
     with pytest.raises(TypeError, match=r"pass \[text\]"):
         t.translate("ein Mann läuft.", beam=2)
+    from aiayn.translate import search_paragraphs  # --split-sentences: it too went over the lines twice
+
+    want = search_paragraphs(t, lines, "de", beam=2, max_len_a=0, max_len_b=4)
+    assert search_paragraphs(t, (line for line in lines), "de", beam=2, max_len_a=0, max_len_b=4) == want
+
+
+@pytest.mark.parametrize("packed", ["gzip", "xz"])
+def test_a_compressed_input_is_one_line_saying_to_unpack_it(ckpt, tmp_path, capsys, packed):
+    """`aiayn translate --input corpus.xz` (or .gz, which translate does not unpack) said "invalid
+    UTF-8 (byte 0xfd at column 1); convert the input to UTF-8", sending the user after an encoding."""
+    import gzip
+    import lzma
+
+    path = tmp_path / f"in.{packed}"
+    path.write_bytes({"gzip": gzip, "xz": lzma}[packed].compress("ein Mann läuft.\n".encode()))
+    assert main(["translate", "--checkpoint", str(ckpt), "--input", str(path), "--beam", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"aiayn translate: error: {path}: a {packed} file; aiayn reads plain UTF-8 text here: unpack it "
+                   f"first ({'gunzip' if packed == 'gzip' else 'xz -d'})\n"), err
 
 
 def test_line_chunks_wait_on_a_non_blocking_input(tmp_path):

@@ -71,7 +71,7 @@ def _unique_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {g[0]: sd[g[0]].detach().cpu().contiguous() for g in _tied_groups(model)}
 
 
-def write_dir_atomic(path: Path, fill, flag: str = "--out", in_run: bool = True) -> None:
+def write_dir_atomic(path: Path, fill, flag: str = "--out", in_run: bool = False) -> None:
     """Calls `fill(tmp_dir)` to write the files, then moves the finished directory to `path`.
 
     An existing `path` is replaced only after the new directory is complete. Any OSError (a full
@@ -119,7 +119,7 @@ def _left_after_failure(path: Path, in_run: bool) -> str:
 
 
 def save_checkpoint(path: str | Path, model: Transformer, tokenizers: Any, config: dict[str, Any],
-                    trainer_state: dict[str, Any] | None = None, flag: str = "--out", in_run: bool = True) -> None:
+                    trainer_state: dict[str, Any] | None = None, flag: str = "--out", in_run: bool = False) -> None:
     """Writes a complete checkpoint directory atomically (see the module docstring).
 
     `config` holds at least "train" (a TrainConfig dict) and "step"; "model", "tokenizer" and
@@ -438,7 +438,7 @@ def average_checkpoints(paths: list[Path], out: str | Path) -> Path:
     model.load_state_dict({k: (v / len(paths)).float() for k, v in sums.items()})
     cfg = {k: v for k, v in last_config.items() if k not in ("versions",)}
     cfg["averaged_from"] = sources
-    save_checkpoint(out, model, last_tokenizers, cfg, flag="-o", in_run=False)
+    save_checkpoint(out, model, last_tokenizers, cfg, flag="-o")
     return Path(out)
 
 

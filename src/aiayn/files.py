@@ -13,6 +13,7 @@ import gzip
 import hashlib
 import io
 import os
+import re
 import stat
 import sys
 import tempfile
@@ -54,17 +55,22 @@ def check_input_file(path: str | os.PathLike[str], flag: str) -> None:
     _open_text_file(p, flag).close()
 
 
-# Other compressions' magic numbers -> (name, the command that unpacks them): read as text they were
-# "invalid UTF-8 ... convert the file to UTF-8", advice that does not help
-_NOT_GZIP = ((b"\xfd7zXZ\x00", "xz", "xz -d"), (b"BZh", "bzip2", "bunzip2"), (b"\x28\xb5\x2f\xfd", "zstd", "zstd -d"),
-             (b"PK\x03\x04", "zip", "unzip"), (b"7z\xbc\xaf\x27\x1c", "7z", "7z x"))
+# Compressed files' headers -> (name, the command that unpacks them): read as text they were "invalid
+# UTF-8 ... convert the file to UTF-8", advice that does not help. bzip2's is matched whole (its
+# block or end-of-stream magic after "BZh1".."BZh9"): a sentence may begin "BZh".
+_COMPRESSED = ((re.compile(rb"\x1f\x8b"), "gzip", "gunzip"), (re.compile(rb"\xfd7zXZ\x00"), "xz", "xz -d"),
+               (re.compile(rb"BZh[1-9](1AY&SY|\x17rE8P)"), "bzip2", "bunzip2"),
+               (re.compile(rb"\x28\xb5\x2f\xfd"), "zstd", "zstd -d"), (re.compile(rb"PK\x03\x04"), "zip", "unzip"),
+               (re.compile(rb"7z\xbc\xaf\x27\x1c"), "7z", "7z x"))
+COMPRESSED_HEAD = 10  # bytes `refuse_compressed` looks at
 
 
-def _refuse_other_compression(path: Path, head: bytes) -> None:
-    """A file compressed other than with gzip is one line saying how to unpack it (`head`: its first bytes)."""
-    for magic, name, command in _NOT_GZIP:
-        if head.startswith(magic):
-            raise AiaynError(f"{path}: a {name} file; aiayn reads plain or gzip text: unpack it first ({command})")
+def refuse_compressed(name: str | os.PathLike[str], head: bytes, reads: str = "plain or gzip text") -> None:
+    """A compressed file that the reader cannot read (`reads`: what it can; gzip where it says so) is
+    one line saying how to unpack it. `head`: the file's first COMPRESSED_HEAD bytes."""
+    for magic, kind, command in _COMPRESSED:
+        if magic.match(head) and not (kind == "gzip" and "gzip" in reads):
+            raise AiaynError(f"{name}: a {kind} file; aiayn reads {reads} here: unpack it first ({command})")
 
 
 def read_lines(path: str | os.PathLike[str], blank_ok: bool = False) -> list[str]:
@@ -84,7 +90,7 @@ def read_lines(path: str | os.PathLike[str], blank_ok: bool = False) -> list[str
             raw = gzip.decompress(raw)
         except (OSError, EOFError, zlib.error) as e:
             raise AiaynError(f"{path}: corrupt or truncated gzip file ({e}); download or copy it again") from None
-    _refuse_other_compression(path, raw[:8])
+    refuse_compressed(path, raw[:COMPRESSED_HEAD])
     if raw.startswith(b"\xef\xbb\xbf"):
         raw = raw[3:]  # a UTF-8 byte-order mark is not part of the first sentence
     if not (raw if blank_ok else raw.strip()):
@@ -113,7 +119,7 @@ def iter_lines(path: str | os.PathLike[str]) -> Iterator[str]:
     path = Path(path)
     with _open_text_file(path) as raw_file:
         is_gzip = raw_file.peek(2)[:2] == b"\x1f\x8b"  # gzip magic, whatever the file is called
-        _refuse_other_compression(path, raw_file.peek(8)[:8])
+        refuse_compressed(path, raw_file.peek(COMPRESSED_HEAD)[:COMPRESSED_HEAD])
         f = io.BufferedReader(gzip.GzipFile(fileobj=raw_file), 1 << 20) if is_gzip else raw_file
         number = 0
         try:

@@ -488,7 +488,7 @@ def import_marian(source: str | Path, out: str | Path, warn: Any = print, src: s
                  "for `aiayn serve`")
         info = {"from": "marian", "source": str(source)}
         _check_out(out, local)  # again: files may have appeared there while the model was read
-        save_checkpoint(out, model, tokenizers, {"train": langs, "step": 0, "imported_from": info}, in_run=False)
+        save_checkpoint(out, model, tokenizers, {"train": langs, "step": 0, "imported_from": info})
     return out
 
 

@@ -64,13 +64,15 @@ def check_dpi(dpi: int) -> None:
         raise AiaynError(f"--dpi must be between 1 and {MAX_DPI}, got {dpi}")
 
 
-_NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")  # characters XML 1.0 cannot hold
+# characters XML 1.0 cannot hold, and lone surrogates (a name's invalid UTF-8, as os.fsdecode keeps it),
+# which no font can draw (a TypeError from matplotlib)
+_NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
 
 
 def printable(text: str) -> str:
     """`text` with the control characters XML cannot hold written as escapes ("\\x1b"): an SVG keeps
     each text of the picture in a comment, and one such character (a terminal's colour code pasted
-    into --src) made the file unreadable to every viewer."""
+    into --src) made the file unreadable to every viewer. Lone surrogates too ("\\udcff")."""
     return _NOT_XML.sub(lambda m: ascii(m[0])[1:-1], text)
 
 

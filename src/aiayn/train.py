@@ -197,6 +197,8 @@ def _options_given(args: argparse.Namespace) -> tuple[str | None, dict[str, Any]
     if args.config == "":  # `--config "$RECIPE"` with RECIPE unset trained on the defaults without a word
         raise AiaynError("--config is an empty name (an unset shell variable?); give a file or leave it out")
     name, model_over, train_over = _file_options(args.config) if args.config else (None, {}, {})
+    if getattr(args, "resume", False):  # a run's own train.json, from before "" was refused
+        train_over = _empty_paths_as_read(train_over)
     if args.preset is not None:  # an explicit flag beats the file
         name = args.preset
     for k in _MODEL_NAMES:
@@ -439,9 +441,11 @@ def _check_metrics_readable(path: Path) -> None:
 
 def _foreign_metrics_line(text: str) -> int | None:
     """The number of the first line of a metrics.jsonl's `text` that is not a run's record (an object
-    of kind train or valid with an integer step); the text after the last newline may be a line
-    torn by a kill."""
+    of kind train or valid with an integer step) nor blank; the text after the last newline may be a
+    line torn by a kill."""
     for n, line in enumerate(text.split("\n")[:-1], 1):
+        if not line.strip():  # a blank line (a hand edit) holds no record and is dropped on resume, as plot skips it
+            continue
         try:
             rec = json.loads(line)
         except ValueError:
@@ -958,8 +962,8 @@ class Run:
             config = {"model": self.model.cfg.to_dict(), "train": tc.to_dict(), "preset": self.preset,
                       "step": self.trainer.step, "epoch": self.epoch}
             if best:
-                ckpt.save_checkpoint(self.out / "best", self.model, self.corpus.tokenizers, config)
-            ckpt.save_checkpoint(path, self.model, self.corpus.tokenizers, config, state)
+                ckpt.save_checkpoint(self.out / "best", self.model, self.corpus.tokenizers, config, in_run=True)
+            ckpt.save_checkpoint(path, self.model, self.corpus.tokenizers, config, state, in_run=True)
             ckpt.prune_checkpoints(self.out, tc.keep_last, upto=self.trainer.step)
         d.barrier()
         self.last_saved = path

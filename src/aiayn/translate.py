@@ -47,7 +47,7 @@ from aiayn.config import INFERENCE_PRECISIONS
 from aiayn.kernels import ModuleT
 from aiayn.errors import AiaynError, require
 from aiayn import memory
-from aiayn.files import ReplacingFile, silence_stdout
+from aiayn.files import COMPRESSED_HEAD, ReplacingFile, refuse_compressed, silence_stdout
 from aiayn.search import DEFAULT_STOP_RULE, MAX_ALPHA, STOP_RULES, ScoredIds, beam_search, greedy_search
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, PIECES, Tokenizer, TokenizerPair, vocabulary
 
@@ -509,6 +509,8 @@ class LineChunks:
                 select.select([self.fd], [], [])  # wait for it, as a blocking read would
             return
         if data:
+            if self.line_no == 0 and len(self.buf) < COMPRESSED_HEAD:  # the input's first bytes: not an archive
+                refuse_compressed(self.name, bytes(self.buf + data[:COMPRESSED_HEAD]), "plain UTF-8 text")
             self.buf += data
             self.newlines += data.count(b"\n")
         else:
@@ -719,6 +721,7 @@ def search_paragraphs(translator: BaseTranslator, lines: Sequence[str], language
     """One translation per line, where a line may hold a paragraph: its sentences are translated as one
     batch (so a line of 40 sentences is not cut at the model's length) and joined with the line's own
     spacing. A note about a sentence names its input line."""
+    lines = source_lines(lines)  # read twice below
     paragraphs = [split_coded(translator.tokenizers.src, line, language) for line in lines]
     owner = [first_line + k for k, p in enumerate(paragraphs) for _ in p.sentences]  # sentence -> input line
     note = translator.note
