@@ -124,7 +124,7 @@ def test_v1_translate_equals_translator(client, reference):
     assert body["translations"][1] == {"source_tokens": [], "hypotheses": [{"text": "", "score": 0.0, "tokens": []}]}
 
 
-@pytest.mark.parametrize("beam,nbest,alpha", [(1, 1, 0.6), (3, 3, 0.0), (5, 2, 1.0)])
+@pytest.mark.parametrize("beam,nbest,alpha", [(1, 1, 0.6), (3, 3, 0.0), (5, 2, 1.0), (2, 1, 1)])  # 1: as JS writes 1.0
 def test_v1_settings_equal_translator(client, reference, beam, nbest, alpha):
     r = client.post("/v1/translate", json={"text": LINES, "beam": beam, "nbest": nbest, "alpha": alpha})
     assert r.status_code == 200, r.text
@@ -279,6 +279,15 @@ def test_libre_wrong_pair_is_400_naming_the_served_pair(client):
     ("/v1/translate", {"text": ["a"], "colour": "red"}, "colour"),
     ("/v1/translate", '{"text": ["Straße"]}'.encode("latin-1"), "body"),  # not UTF-8
     ("/v1/translate", b'{"text": ["a"], "beam": 1' + b"0" * 5000 + b"}", "body"),  # past int()'s 4300 digits
+    # a wrong type is a 422, not read as pydantic's lax mode would: true as beam 1 (greedy), "no" as false
+    ("/v1/translate", {"text": ["a"], "beam": True}, "beam"),
+    ("/v1/translate", {"text": ["a"], "beam": "4"}, "beam"),
+    ("/v1/translate", {"text": ["a"], "beam": 4.0}, "beam"),
+    ("/v1/translate", {"text": ["a"], "nbest": "1"}, "nbest"),
+    ("/v1/translate", {"text": ["a"], "alpha": "0.5"}, "alpha"),
+    ("/v1/translate", {"text": ["a"], "alpha": True}, "alpha"),
+    ("/v1/translate", {"text": ["a"], "attention": 1}, "attention"),
+    ("/v1/translate", {"text": ["a"], "split_sentences": "no"}, "split_sentences"),
 ])
 def test_422_names_the_field(client, path, body, field):
     kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}

@@ -446,3 +446,38 @@ def test_one_request_over_several_pairs_is_bounded_as_a_whole():
     with pytest.raises(ApiError, match=r"4 sentences in 2 texts, more than the server may hold for one request "
                                        r"\(--max-client-lines 3\)"):
         asyncio.run(translate_pieces(srv, None, pieces[:2], 1))
+
+
+def test_a_pair_that_fails_cancels_the_other_pairs_of_its_request():
+    """`source: auto` sent a request's texts to two models; one pair's 413 answered the request while
+    the other pair's lines went on being searched, held against the client's --max-client-lines,
+    for an answer no one would read. Now they are cancelled, and gone, before the error is raised."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from aiayn.serve.errors import ApiError
+    from aiayn.serve.libre import piece, translate_pieces
+
+    searching: dict[str, str] = {}
+
+    async def translate(request, lines, key, asked):
+        if key.pair[0] == "fr":
+            await asyncio.sleep(0.01)  # the other pair's lines are in the scheduler by now
+            raise ApiError(413, "line 0: more source tokens than the model takes (64)")
+        searching["de"] = "searched"
+        try:
+            await asyncio.sleep(30)  # a long search
+        except asyncio.CancelledError:
+            searching["de"] = "cancelled"
+            raise
+        return [], [[{"text": s}] for s in lines]
+
+    srv = SimpleNamespace(limits=Limits(beam=1), translate=translate)
+    pieces = [piece("Eins.", ("de", "en"), False), piece("Un.", ("fr", "en"), False)]
+
+    async def main():
+        with pytest.raises(ApiError, match="more source tokens"):
+            await translate_pieces(srv, None, pieces, 1)
+        return dict(searching)  # as the error is answered, before anything else runs
+
+    assert asyncio.run(asyncio.wait_for(main(), 10)) == {"de": "cancelled"}

@@ -194,8 +194,22 @@ async def translate_pieces(srv: Served, request: Request, pieces: list[Piece], n
             out[i] = [pieces[i].render([nb[min(k, len(nb) - 1)]["text"] for nb in mine]) for k in range(nbest)]
 
     out: list[list[str]] = [[] for _ in pieces]
-    await asyncio.gather(*(run(pair, members) for pair, members in groups.items()))
+    await _all_or_none([run(pair, members) for pair, members in groups.items()])
     return out
+
+
+async def _all_or_none(runs: list[Any]) -> None:
+    """Runs the pairs' searches at once; once one fails, the others are cancelled (and done with)
+    before its error is raised: their lines would be searched, and held against the client's
+    --max-client-lines, for an answer no one reads (`gather` alone leaves them running)."""
+    tasks = [asyncio.ensure_future(r) for r in runs]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def _words(text: str) -> str:

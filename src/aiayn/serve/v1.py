@@ -33,7 +33,9 @@ from aiayn.serve.unicode import fields_replaced
 
 
 class TranslateRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: a wrong type is a 422, as documented; lax mode read `"beam": true` as 1 (greedy search),
+    # `"split_sentences": "no"` as false and "4" as 4 (an int still passes as a float: JSON's 1 for 1.0)
+    model_config = ConfigDict(extra="forbid", strict=True)
     text: list[str] = Field(min_length=1, description="lines to translate")
     beam: int | None = Field(None, ge=1, description="beam size (default: the server's; at most its --max-beam)")
     alpha: float = Field(DEFAULT_ALPHA, ge=0, le=MAX_ALPHA, allow_inf_nan=False, description="length penalty")
