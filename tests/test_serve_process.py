@@ -508,3 +508,20 @@ def test_an_answer_left_unread_loses_its_connection_after_head_timeout(served):
                 got += len(chunk)
         assert got < len(read.content)  # aborted, not sent whole
     assert s.proc.poll() is None
+
+
+def test_an_ipv6_address_in_use_is_named_with_brackets():
+    """"cannot listen on ::1:8000" read as one address; it is [::1]:8000, as a URL writes it."""
+    from aiayn.errors import AiaynError
+    from aiayn.serve.cli import _bind
+
+    with socket.socket(socket.AF_INET6) as held:
+        try:
+            held.bind(("::1", 0))
+        except OSError:
+            pytest.skip("no IPv6 loopback here")
+        held.listen(1)
+        port = held.getsockname()[1]
+        with pytest.raises(AiaynError) as e:
+            _bind("::1", port)
+    assert str(e.value).startswith(f"cannot listen on [::1]:{port} (") and str(e.value).endswith("choose another --port")

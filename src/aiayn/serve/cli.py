@@ -108,6 +108,11 @@ def _limits(args: argparse.Namespace) -> Limits:
                   shutdown_timeout_s=args.shutdown_timeout)
 
 
+def _bracketed(host: str) -> str:
+    """An IPv6 address in brackets, as a URL (and host:port) writes it: "::1:8000" names no port."""
+    return f"[{host}]" if ":" in host else host
+
+
 def _bind(host: str, port: int) -> socket.socket:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
@@ -124,7 +129,7 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.close()
         hint = (f"--host {host} is not an address of this machine: choose another --host"
                 if e.errno == errno.EADDRNOTAVAIL else "choose another --port")
-        raise AiaynError(f"cannot listen on {host}:{port} ({e.strerror or e}); {hint}") from None
+        raise AiaynError(f"cannot listen on {_bracketed(host)}:{port} ({e.strerror or e}); {hint}") from None
     sock.listen(2048)
     return sock
 
@@ -228,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     pairs = ", ".join(f"{m.source}->{m.target}" for m in models)
-    where = f"[{host}]" if ":" in host else host  # an IPv6 address, bracketed as a URL writes it
+    where = _bracketed(host)
     print(f"aiayn serve: {pairs} on http://{where}:{port}/ (ready once /health says so); "
           "Ctrl-C or SIGTERM stops after the requests in flight", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn_config(app, limits))
