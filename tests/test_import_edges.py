@@ -248,3 +248,23 @@ def test_a_full_disk_while_importing_beside_step_checkpoints_says_nothing_was_wr
     assert rc == 2 and "No space left on device" in err and "nothing was written" in err, err
     assert "previous checkpoint" not in err and "\n" not in err, err
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["step_1"]
+
+
+def test_a_hub_name_without_a_network_is_one_line_without_the_hubs_retry_messages(tmp_path, capsys, caplog,
+                                                                                   monkeypatch):
+    """Offline, `aiayn import --from marian Helsinki-NLP/opus-mt-de-en` printed huggingface_hub's
+    retry warnings ("Retrying in 1s [Retry 1/5]", eleven lines) before its one-line error."""
+    import logging
+
+    import transformers
+
+    def offline(name, *a, **kw):
+        logging.getLogger("huggingface_hub.utils._http").warning("Retrying in 1s [Retry 1/5].")
+        raise OSError(f"We couldn't connect to 'https://huggingface.co' to load the files of {name}.")
+
+    monkeypatch.setattr(transformers.MarianMTModel, "from_pretrained", offline)
+    level = logging.getLogger("huggingface_hub").level
+    rc, err = _import(["Helsinki-NLP/opus-mt-de-en", "--out", str(tmp_path / "out")], capsys)
+    assert rc == 2 and "\n" not in err and "couldn't connect" in err, err
+    assert not [r for r in caplog.records if r.name.startswith("huggingface_hub")]  # logged: printed to stderr
+    assert logging.getLogger("huggingface_hub").level == level

@@ -28,7 +28,9 @@ A hub name is fetched with transformers' own `from_pretrained` (needs a network 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import re
 import struct
 import sys
@@ -440,12 +442,31 @@ def load_marian_weights(model: Transformer, sd: dict[str, Tensor], src: Side, tg
 # ---------------------------------------------------------------------------------------- import
 
 
+HUB_LOGGERS = ("huggingface_hub", "transformers")  # quiet while a hub model is fetched
+
+
+@contextlib.contextmanager
+def _errors_only() -> Iterator[None]:
+    """The hub libraries' loggers at ERROR: without a network they printed a dozen lines of retries
+    ("Retrying in 1s [Retry 1/5]") before the one line that says what to do."""
+    loggers = [logging.getLogger(n) for n in HUB_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
 def _hub(name: str, tmp: Path) -> Path:
     """A hub model fetched and saved by transformers' own classes (needs a network)."""
     transformers = require("transformers")
     try:
-        transformers.MarianMTModel.from_pretrained(name).save_pretrained(str(tmp), safe_serialization=True)
-        transformers.MarianTokenizer.from_pretrained(name).save_pretrained(str(tmp))
+        with _errors_only():
+            transformers.MarianMTModel.from_pretrained(name).save_pretrained(str(tmp), safe_serialization=True)
+            transformers.MarianTokenizer.from_pretrained(name).save_pretrained(str(tmp))
     except (OSError, ValueError) as e:
         raise AiaynError(f"{name}: not a local directory, and transformers could not load it from the hub "
                          f"({str(e).strip().splitlines()[0][:200]}); fetch it where there is a network "
