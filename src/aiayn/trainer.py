@@ -21,6 +21,7 @@ import os
 import queue
 import random
 import threading
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Protocol, TypeVar, cast
 
@@ -311,8 +312,13 @@ class Trainer:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             # broadcast_buffers=False: the positional table is a buffer that grows per rank on demand.
-            self.model = DDP(self.model, broadcast_buffers=False,
-                             device_ids=[d.device.index] if d.device.type == "cuda" else None)
+            # torch 2.13 deprecates it for forward_sync_buffers=False, which still syncs buffers at
+            # init (its own warning says to keep broadcast_buffers for rank-local buffers), and
+            # printed that on every rank of every run
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "`broadcast_buffers` is deprecated", FutureWarning)
+                self.model = DDP(self.model, broadcast_buffers=False,
+                                 device_ids=[d.device.index] if d.device.type == "cuda" else None)
         # fused: one kernel updates every parameter (faster than the per-tensor loop, and still
         # elementwise, so bitwise deterministic on the CPU); available on CPU and CUDA.
         self.opt = torch.optim.Adam(self.base.parameters(), lr=0.0, betas=(tc.adam_beta1, tc.adam_beta2), eps=tc.adam_eps,
