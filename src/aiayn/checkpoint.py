@@ -44,6 +44,15 @@ TMP_PREFIX = ".tmp-"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
 
+METRIC_KINDS = ("train", "valid")  # the records of a run's metrics.jsonl
+
+
+def is_metrics_record(rec: Any) -> bool:
+    """Whether a parsed metrics.jsonl line is a run's record: an object of a `METRIC_KINDS` kind with
+    an integer step. `aiayn train --resume` (before rewriting the file) and `aiayn plot` apply it."""
+    return isinstance(rec, dict) and rec.get("kind") in METRIC_KINDS and type(rec.get("step")) is int
+
+
 def package_versions() -> dict[str, str]:
     import safetensors
     import sentencepiece

@@ -65,11 +65,12 @@ _COMPRESSED = ((re.compile(rb"\x1f\x8b"), "gzip", "gunzip"), (re.compile(rb"\xfd
 COMPRESSED_HEAD = 10  # bytes `refuse_compressed` looks at
 
 
-def refuse_compressed(name: str | os.PathLike[str], head: bytes, reads: str = "plain or gzip text") -> None:
-    """A compressed file that the reader cannot read (`reads`: what it can; gzip where it says so) is
-    one line saying how to unpack it. `head`: the file's first COMPRESSED_HEAD bytes."""
+def refuse_compressed(name: str | os.PathLike[str], head: bytes, gzip_ok: bool = True) -> None:
+    """A compressed file that the reader cannot read (gzip, where `gzip_ok`) is one line saying how
+    to unpack it. `head`: the file's first COMPRESSED_HEAD bytes."""
+    reads = "plain or gzip text" if gzip_ok else "plain UTF-8 text"
     for magic, kind, command in _COMPRESSED:
-        if magic.match(head) and not (kind == "gzip" and "gzip" in reads):
+        if magic.match(head) and not (kind == "gzip" and gzip_ok):
             raise AiaynError(f"{name}: a {kind} file; aiayn reads {reads} here: unpack it first ({command})")
 
 

@@ -32,6 +32,7 @@ import torch
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from aiayn.checkpoint import is_metrics_record
 from aiayn.config import learning_rate
 from aiayn.errors import AiaynError
 from aiayn.files import write_output_bytes
@@ -421,10 +422,8 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
             why = e.msg if isinstance(e, json.JSONDecodeError) else "nested too deeply" if isinstance(
                 e, RecursionError) else f"a number of more than {sys.get_int_max_str_digits()} digits"
             raise AiaynError(f"{path}:{n}: not a JSON object ({why})") from None
-        step = rec.get("step") if isinstance(rec, dict) else None
-        # the trainer's own test (`train._foreign_metrics_line`), and a step the int64 axis can hold
-        if not isinstance(rec, dict) or rec.get("kind") not in ("train", "valid") or type(step) is not int \
-                or not -2**63 <= step < 2**63:
+        # the trainer's own test, and a step the int64 axis can hold
+        if not is_metrics_record(rec) or not -2**63 <= rec["step"] < 2**63:
             raise AiaynError(f'{path}:{n}: expected an object with "kind": "train" or "valid" and an integer "step"')
         records.append(rec)
     return records

@@ -450,7 +450,7 @@ def _foreign_metrics_line(text: str) -> int | None:
             rec = json.loads(line)
         except ValueError:
             rec = None
-        if not (isinstance(rec, dict) and rec.get("kind") in ("train", "valid") and type(rec.get("step")) is int):
+        if not ckpt.is_metrics_record(rec):
             return n
     return None
 
@@ -1036,7 +1036,7 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
 
 
 # the data paths a run records, which it reads again on --resume (the text is checked against its prepared copy)
-_DATA_PATHS = ("data_dir", "train_src", "train_tgt", "valid_src", "valid_tgt", "data_bin")
+_DATA_PATHS = tuple(k for k in PATH_FIELDS if k not in ("init_from", "out"))
 
 
 def _absolute_data_paths(tc: TrainConfig) -> TrainConfig:

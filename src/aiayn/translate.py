@@ -510,7 +510,7 @@ class LineChunks:
             return
         if data:
             if self.line_no == 0 and len(self.buf) < COMPRESSED_HEAD:  # the input's first bytes: not an archive
-                refuse_compressed(self.name, bytes(self.buf + data[:COMPRESSED_HEAD]), "plain UTF-8 text")
+                refuse_compressed(self.name, bytes(self.buf + data[:COMPRESSED_HEAD]), gzip_ok=False)
             self.buf += data
             self.newlines += data.count(b"\n")
         else:
