@@ -214,6 +214,19 @@ def test_save_hyps_writes_through_a_link_and_into_a_fifo(ckpt, tmp_path, capsys)
     assert fifo.is_fifo() and len(got[0].splitlines()) == 2
 
 
+@pytest.mark.parametrize("flags", [["--beam", "1"], ["--precision", "int8"], ["--engine", "ctranslate2"],
+                                   ["--tgt-lang", "de", "--alpha", "1.0"]])
+def test_translation_flags_with_a_hyp_file_are_refused_not_ignored(flags, tmp_path, capsys):
+    """Nothing is translated with --hyp-file: a search or precision flag was ignored, and the score
+    read as that setting's. Flags that only say where and how fast (--device, --workers) pass."""
+    h, r = write(tmp_path / "h.txt", HYPS), write(tmp_path / "r.txt", REFS)
+    assert cli.main(["evaluate", "--hyp-file", h, "--ref-file", r, *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "drop them" in err
+    assert all(f in err for f in flags if f.startswith("--")), err
+    assert cli.main(["evaluate", "--hyp-file", h, "--ref-file", r, "--beam", "4", "--workers", "2"]) == 0
+
+
 def test_scoring_a_file_needs_no_device(tmp_path, capsys):
     """--hyp-file scores text: --device (say cuda on a machine without one) has nothing to run on."""
     h, r = write(tmp_path / "h.txt", HYPS), write(tmp_path / "r.txt", REFS)

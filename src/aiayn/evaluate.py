@@ -99,9 +99,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-hyps", help="also write the translations to this file")
     from aiayn.translate import add_engine_argument, add_search_arguments, add_target_language_argument
 
+    before = len(p._actions)
     add_search_arguments(p)
     add_target_language_argument(p)
     add_engine_argument(p)
+    # what changes the translations, so that --hyp-file (nothing translated) can refuse it rather than
+    # ignore it; where and how fast they are made (--device in a shared script, say) does not matter there
+    p.set_defaults(translation_flags={a.dest: (a.option_strings[0], a.default) for a in p._actions[before:]
+                                      if a.dest not in ("device", "workers", "batch_size", "max_tokens")})
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
@@ -116,6 +121,16 @@ def _check_names(args: argparse.Namespace) -> None:
                              f"{'directory' if flag == '--checkpoint' else 'file'} name")
 
 
+def _refuse_translation_flags(args: argparse.Namespace) -> None:
+    """With --hyp-file nothing is translated: a flag that changes translations, set away from its
+    default (--beam 1, --precision int8), was ignored without a word, and the score read as that setting's."""
+    given = [flag for dest, (flag, default) in getattr(args, "translation_flags", {}).items()
+             if getattr(args, dest, default) != default]
+    if given:
+        raise AiaynError(f"{', '.join(given)} set how a --checkpoint translates; --hyp-file scores translations "
+                         "made already: drop them")
+
+
 def _inputs(args: argparse.Namespace) -> tuple[str, str, list[str]]:
     """(mode, source path, reference paths); one-line errors for incomplete flag sets."""
     _check_names(args)
@@ -127,6 +142,7 @@ def _inputs(args: argparse.Namespace) -> tuple[str, str, list[str]]:
                              "in that file already")
         if not args.ref_file:
             raise AiaynError("--hyp-file needs --ref-file (the references, line-aligned)")
+        _refuse_translation_flags(args)
         return "hyp", args.hyp_file, args.ref_file
     if not args.checkpoint:
         raise AiaynError("give --checkpoint with --data or --src-file/--ref-file, or --hyp-file with --ref-file")
