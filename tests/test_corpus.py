@@ -206,3 +206,28 @@ def test_validation_pairs_wider_than_max_tokens_are_scored_in_batches_of_their_o
     assert sorted(c.valid_plan.order.tolist()) == list(range(len(c.valid)))  # every validation pair, once
     costs = np.maximum(c.valid.src.lengths, c.valid.tgt.lengths.astype(np.int64) + 1)
     assert costs.min() > 40 and len(c.valid_plan) == len(c.valid)  # each wider than 40: one a batch
+
+
+def test_token_ids_past_the_vocabulary_or_another_tokenizer_are_one_line_at_open(tmp_path, corpus, capsys):
+    """Token arrays damaged (ids past the vocabulary: an IndexError in the embedding at the first
+    batch that holds one, a device-side assert on CUDA), or the tokenizer replaced by another one
+    (silently other words): one line naming the file when the directory is opened."""
+    import shutil
+
+    data = _prepare(corpus, tmp_path / "bin")
+    damaged = tmp_path / "damaged"
+    shutil.copytree(data, damaged)
+    tokens = np.memmap(damaged / "valid.src.tokens", dtype="<u2", mode="r+")
+    tokens[::50] = 40000
+    tokens.flush()
+    del tokens
+    assert cli_main(_bin_args(damaged, tmp_path / "r", "--max-steps", "1")) == 2
+    err = capsys.readouterr().err
+    assert (f"--data-bin {damaged}: valid.src.tokens holds id 40000, past the 300 pieces of its tokenizer (a damaged "
+            "file, or arrays of another tokenizer); prepare the data again") in err and err.count("\n") == 1, err
+    other = _prepare(corpus, tmp_path / "other", vocab_size=290)
+    shutil.copy(other / "spm.model", data / "spm.model")
+    with pytest.raises(AiaynError, match=r"spm.model is not the tokenizer .*bin was prepared with .*prepare the data "
+                                         "again") as e:
+        open_corpus(data, TrainConfig(max_tokens=160))
+    assert "\n" not in str(e.value)

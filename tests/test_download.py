@@ -8,6 +8,7 @@ import time
 import gzip
 import hashlib
 import http.server
+import re
 import threading
 from pathlib import Path
 from typing import Iterator
@@ -25,13 +26,17 @@ LINES = {"de": ["Ein Hund läuft.", "Zwei Katzen schlafen."], "en": ["A dog runs
 class _Server:
     def __init__(self, root: Path) -> None:
         self.requests: list[str] = []
+        self.ranges: list[str | None] = []  # the Range header of each request
         self.cut_short = False
         self.garbled_length = False
+        self.serve_ranges = False  # answer Range requests (http.server ignores them, as some servers do)
+        self.hang_up_after: int | None = None  # bytes of the file sent before the connection drops
         server = self
 
         class Handler(http.server.SimpleHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's naming
                 server.requests.append(self.path)
+                server.ranges.append(self.headers.get("Range"))
                 if server.cut_short:  # promise more bytes than are sent, then hang up
                     self.send_response(200)
                     self.send_header("Content-Length", "100000")
@@ -39,7 +44,27 @@ class _Server:
                     self.wfile.write(b"\x1f\x8b" + b"x" * 1000)
                     self.close_connection = True
                     return
+                if server.serve_ranges or server.hang_up_after is not None:
+                    return self._send(Path(self.translate_path(self.path)).read_bytes())
                 super().do_GET()
+
+            def _send(self, data: bytes) -> None:
+                asked = re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range") or "") if server.serve_ranges else None
+                start = int(asked[1]) if asked else 0
+                if start and start >= len(data):
+                    self.send_response(416)
+                    self.send_header("Content-Range", f"bytes */{len(data)}")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                self.send_response(206 if asked else 200)
+                if asked:
+                    self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+                self.send_header("Content-Length", str(len(data) - start))
+                self.end_headers()
+                end = len(data) if server.hang_up_after is None else max(start, server.hang_up_after)
+                self.wfile.write(data[start:end])
+                self.close_connection = True
 
             def send_header(self, keyword: str, value: str) -> None:
                 if server.garbled_length and keyword == "Content-Length":
@@ -119,13 +144,15 @@ def test_missing_on_server_is_a_clear_error(served: _Server, tmp_path: Path) -> 
     assert list((tmp_path / "cache" / "aiayn" / "multi30k").iterdir()) == []
 
 
-def test_an_interrupted_transfer_leaves_nothing(served: _Server, tmp_path: Path) -> None:
+def test_an_interrupted_transfer_leaves_no_finished_file(served: _Server, tmp_path: Path) -> None:
+    """Only the part (kept for the next try, which goes on from it) where the transfer stopped."""
     served.cut_short = True
     with pytest.raises(AiaynError, match=r"could not download .*val\.de\.gz \(the transfer stopped 98998 bytes short\)"):
         multi30k_paths("val", "de", "en")
-    assert list((tmp_path / "cache" / "aiayn" / "multi30k").iterdir()) == []
-    served.cut_short = False
+    assert [p.name for p in (tmp_path / "cache" / "aiayn" / "multi30k").iterdir()] == [".val.de.gz.resume.part"]
+    served.cut_short = False  # (the server ignores Range: all of it again, and the garbage part is gone)
     assert read_parallel(*multi30k_paths("val", "de", "en")) == (LINES["de"], LINES["en"])
+    assert sorted(p.name for p in (tmp_path / "cache" / "aiayn" / "multi30k").iterdir()) == ["val.de.gz", "val.en.gz"]
 
 
 def test_cli_download_into_data_dir(served: _Server, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -237,3 +264,52 @@ def test_what_a_killed_download_left_is_removed_by_the_next(served: _Server, tmp
     multi30k_paths("val", "de", "en")
     left = sorted(p.name for p in folder.iterdir())
     assert left == sorted([live.name, fresh.name, "val.de.gz", "val.en.gz"]), left
+
+
+def test_an_interrupted_download_is_continued_with_a_range_request(served: _Server, tmp_path: Path) -> None:
+    """A flaky link: what came before the connection dropped is kept, and the next try asks for the
+    rest only (Range), still sha256-checked; a server that ignores Range sends it all again, and a
+    kept part that is not the file's beginning is fetched again from the start."""
+    folder = tmp_path / "dl"
+    blob = (tmp_path / "www" / "task1" / "raw" / "val.de.gz").read_bytes()
+    served.serve_ranges, served.hang_up_after = True, 20
+    with pytest.raises(AiaynError, match=rf"could not download .*val\.de\.gz \(the transfer stopped {len(blob) - 20} "
+                                         r"bytes short\); .*run it again: it goes on from the 20 bytes received") as e:
+        data.download_multi30k("val", "de", folder)
+    assert "\n" not in str(e.value)
+    (part,) = folder.glob("*.part")
+    assert part.read_bytes() == blob[:20]
+    served.hang_up_after = None
+    assert data.download_multi30k("val", "de", folder).read_bytes() == blob
+    assert served.ranges[-1] == "bytes=20-" and [p.name for p in folder.iterdir()] == ["val.de.gz"]
+
+    served.serve_ranges, served.hang_up_after = False, 20  # a server that ignores Range: all of it again
+    with pytest.raises(AiaynError, match="goes on from the 20 bytes"):
+        data.download_multi30k("val", "en", folder)
+    served.hang_up_after = None
+    en = data.download_multi30k("val", "en", folder)
+    assert served.ranges[-1] == "bytes=20-" and read_parallel(folder / "val.de.gz", en) == (LINES["de"], LINES["en"])
+
+    (folder / "val.en.gz").unlink()  # a part of another file, left by a killed process: resumed, sha256 wrong, redone
+    from aiayn.data.lock import _host
+
+    dead = folder / f".val.en.gz-{_host()}-999999999-0000abcd.part"
+    dead.write_bytes(b"\x1f\x8b" + b"?" * 18)
+    os.utime(dead, (time.time() - 120, time.time() - 120))
+    served.serve_ranges = True
+    served.ranges.clear()
+    assert read_parallel(folder / "val.de.gz", data.download_multi30k("val", "en", folder))[1] == LINES["en"]
+    assert served.ranges == ["bytes=20-", None] and sorted(p.name for p in folder.iterdir()) == ["val.de.gz",
+                                                                                                  "val.en.gz"]
+
+
+def test_a_kept_part_that_is_the_whole_file_is_not_fetched_again(served: _Server, tmp_path: Path) -> None:
+    """Killed after the last byte, before the rename: the server answers 416 to the range past its
+    end, and the part's sha256 says it is done."""
+    folder = tmp_path / "dl"
+    folder.mkdir()
+    blob = (tmp_path / "www" / "task1" / "raw" / "val.de.gz").read_bytes()
+    (folder / ".val.de.gz.resume.part").write_bytes(blob)
+    served.serve_ranges = True
+    assert data.download_multi30k("val", "de", folder).read_bytes() == blob
+    assert served.ranges == [f"bytes={len(blob)}-"] and [p.name for p in folder.iterdir()] == ["val.de.gz"]

@@ -438,3 +438,67 @@ def test_data_and_text_files_together_are_refused(tmp_path, corpus, capsys):
     assert rc == 2 and err == ("aiayn prepare: error: --data multi30k and --train-src --train-tgt each name the "
                                "training corpus; give one of them\n")
     assert not out.exists()
+
+
+_DIE_AT = {  # SIGKILL itself at a point of the run: where `prepare` has its temporaries in some state
+    "manifest": "P.fsync_path = lambda p: os.kill(os.getpid(), signal.SIGKILL)\n",  # mark gone, manifest written
+    "aside": (  # between _replace's renames: the earlier output moved aside, the new one not yet in place
+        "rename = os.rename\n"
+        "def ren(a, b):\n"
+        "    rename(a, b)\n"
+        "    if '.old-' in str(b):\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "P.os.rename = ren\n"),
+}
+
+
+def _killed(where: str, corpus: dict[str, str], out: Path, vocab: int) -> None:
+    script = ("import os, signal, sys\nfrom aiayn.data import prepare as P\n" + _DIE_AT[where]
+              + "from aiayn.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+    argv = ["prepare", "--train-src", corpus["train_src"], "--train-tgt", corpus["train_tgt"], "--valid-src",
+            corpus["valid_src"], "--valid-tgt", corpus["valid_tgt"], "--out", str(out), "--vocab-size", str(vocab),
+            "--max-len", "20", "--workers", "1"]
+    proc = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr
+
+
+def test_what_a_killed_prepare_left_is_removed_by_any_later_run(tmp_path, corpus):
+    """kill -9 at any point leaves nothing for good: a run that finds --out up to date removes the
+    killed run's lock and temporary too (it returned at once, and they stayed), and so are a finished
+    temporary whose mark was already removed and an earlier output moved aside (neither was ever
+    found). What prepare did not write stays."""
+    out = _prep(corpus, tmp_path / "bin")
+    mine = tmp_path / ".bin.prepare-notes"  # a user's folder of a name like ours, without our mark
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    _killed("manifest", corpus, out, 299)
+    assert sorted(p.name for p in tmp_path.glob(".bin.*"))[:2] == [".bin.lock", ".bin.prepare-notes"]
+    assert len(list(tmp_path.glob(".bin.prepare-*"))) == 2
+    _prep(corpus, out)  # up to date
+    assert sorted(p.name for p in tmp_path.glob(".bin*")) == [".bin.prepare-notes"]
+    _killed("aside", corpus, out, 299)
+    assert not out.exists() and len(list(tmp_path.glob(".bin.old-*"))) == 1
+    _prep(corpus, out)
+    assert sorted(p.name for p in tmp_path.glob(".bin*")) == [".bin.prepare-notes"]
+    assert _tree(out) == _tree(_prep(corpus, tmp_path / "clean"))
+    assert (mine / "notes.txt").read_text() == "keep me"
+
+
+def test_lines_ended_by_a_carriage_return_alone_are_named_as_such(tmp_path):
+    """A file with classic-Mac line ends (\\r alone) reads as one line: prepare said "s has 1 lines but t
+    has 3", or, both so, to raise --max-len or split the text into sentences. Now the file, the line and
+    the line ends; a stray \\r inside a sentence of data that prepares is still text."""
+    src, tgt = tmp_path / "s", tmp_path / "t"
+    src.write_bytes(b"ein hund\rzwei katzen\rdrei\r")
+    tgt.write_text("a dog\ntwo cats\nthree\n")
+    for scan in (lambda: P.scan_parallel(src, tgt, 10, 1), lambda: read_parallel(src, tgt)):
+        with pytest.raises(AiaynError, match=r"^\S+s:1: a carriage return \(\\r\) inside the line: the file's "
+                                             r"lines end in \\r alone .*; convert its line ends to \\n$"):
+            scan()
+    tgt.write_bytes(b"a dog\rtwo cats\rthree\r")
+    for scan in (lambda: P.scan_parallel(src, tgt, 10, 1), lambda: read_parallel(src, tgt)):
+        with pytest.raises(AiaynError, match=r"s:1: a carriage return"):
+            scan()
+    src.write_bytes(b"ein\rhund\nzwei katzen\ndrei\n")
+    tgt.write_text("a dog\ntwo cats\nthree\n")
+    assert P.scan_parallel(src, tgt, 10, 1).lines == 3 and read_parallel(src, tgt)[0][0] == "ein\rhund"

@@ -115,6 +115,11 @@ class FolderLock:
             self._thread.join()
         shutil.rmtree(self.path, ignore_errors=True)
 
+    def break_abandoned(self) -> None:
+        """Remove the lock folder if it is `abandoned`, without waiting for a live holder."""
+        if self.abandoned():
+            self._break()
+
     def abandoned(self) -> bool:
         """Whether the lock folder there is held by no live process: its owner is a dead process of
         this host, or it is untouched for `max_age` (the owner of another machine cannot be asked)."""

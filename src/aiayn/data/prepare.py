@@ -36,7 +36,7 @@ import numpy as np
 
 from aiayn.data import bindata
 from aiayn.data.lock import OWNER, FolderLock, parse_work_name, stale, work_name
-from aiayn.data.text import blank_line_error, line_count_error, read_parallel
+from aiayn.data.text import blank_line_error, cr_line_end_error, cr_line_ends, line_count_error, read_parallel
 from aiayn.errors import AiaynError
 from aiayn.files import atomic_write_bytes, check_input_file, file_sha256, fsync_path, iter_lines
 from aiayn.tokenizer import MODEL_TYPES, Tokenizer, TokenizerPair
@@ -110,11 +110,14 @@ def scan_parallel(src_path: Path, tgt_path: Path, sample_size: int, seed: int) -
     rng = random.Random(f"spm-sample:{seed}")  # a str seed hashes the same in every process
     count = {src_path: 0, tgt_path: 0}
     blank: dict[Path, list[int]] = {src_path: [0, 0], tgt_path: [0, 0]}  # first blank line (1-based), how many
+    cr = {src_path: 0, tgt_path: 0}  # first line holding a carriage return (`cr_line_ends`)
     sample: list[tuple[str, str]] = []
     for i, (s, t) in enumerate(itertools.zip_longest(iter_lines(src_path), iter_lines(tgt_path))):
         for path, line in ((src_path, s), (tgt_path, t)):
             if line is not None:
                 count[path] += 1
+                if not cr[path] and "\r" in line:
+                    cr[path] = count[path]
                 if not line.strip():
                     blank[path][0] = blank[path][0] or count[path]
                     blank[path][1] += 1
@@ -126,9 +129,11 @@ def scan_parallel(src_path: Path, tgt_path: Path, sample_size: int, seed: int) -
             j = rng.randrange(i + 1)
             if j < sample_size:
                 sample[j] = (s, t)
-    for path in (src_path, tgt_path):
+    for path, other in ((src_path, tgt_path), (tgt_path, src_path)):
         if count[path] == blank[path][1]:
             raise AiaynError(f"{path}: file is empty")
+        if cr_line_ends(count[path], cr[path], count[other]):
+            raise cr_line_end_error(path, cr[path])
     if count[src_path] != count[tgt_path]:
         raise line_count_error(src_path, count[src_path], tgt_path, count[tgt_path])
     for path in (src_path, tgt_path):
@@ -257,6 +262,7 @@ def prepare(inputs: Inputs, out: str | os.PathLike[str], settings: Settings = Se
     _check_out(out, ours_at_all=True)  # before hashing the inputs (gigabytes for WMT14)
     digests = inputs.digests()
     if _up_to_date(out, digests, settings, tokenizers, replace):
+        remove_abandoned(out)  # a killed later run's, which would otherwise stay as long as `out` is current
         log(f"{out}: already prepared from these files and settings")
         return out
     _check_out(out)  # only a folder prepare would replace must hold nothing else
@@ -276,8 +282,8 @@ def prepare(inputs: Inputs, out: str | os.PathLike[str], settings: Settings = Se
         lock.marks.append(tmp / TMP_MARK)  # the heartbeat shows the other machines it is alive
         try:
             manifest = _write(inputs, tmp, settings, digests, workers, log, tokenizers)
-            (tmp / TMP_MARK).unlink()
             atomic_write_bytes(tmp / bindata.MANIFEST, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
+            (tmp / TMP_MARK).unlink()  # after the manifest: `leftovers` knows it by one or the other
             fsync_path(tmp)
             _replace(tmp, out, digests, settings, tokenizers)
         finally:
@@ -393,8 +399,9 @@ def _replace(tmp: Path, out: Path, digests: dict[str, Any], settings: Settings,
         return
     old = out.parent / work_name(f".{out.name}.old")
     os.rename(out, old)
+    os.utime(old)  # its age says it is in use (`leftovers`: a rename leaves a folder's time as it was)
     os.rename(tmp, out)
-    shutil.rmtree(old)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _remove_stale_temporaries(out: Path, left: dict[str, bool] | None = None) -> None:
@@ -409,9 +416,11 @@ def _remove_stale_temporaries(out: Path, left: dict[str, bool] | None = None) ->
 
 def leftovers(out: str | os.PathLike[str]) -> dict[str, bool]:
     """What interrupted runs of `prepare` for `out` left beside it, by name: the lock (a directory
-    holding at most its `owner` file) and the marked temporaries, each True if abandoned (a dead
-    process of this host, or untouched for `lock.STALE` seconds), False if a live process, maybe on
-    another machine, may still use it. `train` tells them from a user's files in its run directory."""
+    holding at most its `owner` file), the marked temporaries, a finished one (its mark already
+    removed, its manifest written) and an earlier output moved aside by `_replace`, each True if
+    abandoned (a dead process of this host, or untouched for `lock.STALE` seconds), False if a live
+    process, maybe on another machine, may still use it. `train` tells them from a user's files in
+    its run directory."""
     out = _named(out)
     found = {}
     lock = _lock_path(out)
@@ -421,10 +430,22 @@ def leftovers(out: str | os.PathLike[str]) -> dict[str, bool]:
         is_lock = False
     if is_lock:
         found[lock.name] = FolderLock(lock).abandoned()
-    for p in out.parent.glob(f".{glob.escape(out.name)}.prepare-*"):  # "data[v2]" is a name, not a pattern
+    name = glob.escape(out.name)  # "data[v2]" is a name, not a pattern
+    for p in out.parent.glob(f".{name}.prepare-*"):
         if (p / TMP_MARK).is_file():
             found[p.name] = stale(p / TMP_MARK, *parse_work_name(p.name))
+        elif _ours(p):  # finished: its manifest written, then its mark removed
+            found[p.name] = stale(p / bindata.MANIFEST, *parse_work_name(p.name))
+    for p in out.parent.glob(f".{name}.old-*"):
+        if _ours(p):  # touched when moved aside
+            found[p.name] = stale(p, *parse_work_name(p.name))
     return found
+
+
+def _ours(p: Path) -> bool:
+    """Whether `p` is a folder `prepare` wrote under a `work_name` of its own (a user's copy of a
+    prepared folder under a name of its own is not)."""
+    return parse_work_name(p.name)[0] is not None and bool(_written(p))
 
 
 def _lock_path(out: Path) -> Path:
@@ -441,14 +462,14 @@ def _named(out: str | os.PathLike[str]) -> Path:
 
 
 def remove_abandoned(out: str | os.PathLike[str]) -> None:
-    """Removes the abandoned `leftovers` of `out`: the temporaries, and the lock by taking it as a
-    waiter does (moved aside first: of two processes taking it over, one succeeds)."""
+    """Removes the abandoned `leftovers` of `out`: the temporaries, and the lock as a waiter takes it
+    over (moved aside first: of two processes taking it over, one succeeds), without waiting for a
+    live process that took it meanwhile."""
     out = _named(out)
     left = leftovers(out)
     _remove_stale_temporaries(out, left)
     if left.get(_lock_path(out).name):
-        with FolderLock(_lock_path(out)):
-            pass
+        FolderLock(_lock_path(out)).break_abandoned()
 
 
 # ------------------------------------------------------------------------------------------- CLI

@@ -70,6 +70,10 @@ Example = tuple[list[int], list[int]]  # (source ids, EOS-ended if the model say
 def read_parallel(src_path: str | os.PathLike[str], tgt_path: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
     """Aligned source and target lines; AiaynError on different line counts or a blank line."""
     src, tgt = read_lines(src_path), read_lines(tgt_path)
+    for path, lines, other in ((src_path, src, tgt), (tgt_path, tgt, src)):
+        cr = next((i for i, s in enumerate(lines, 1) if "\r" in s), 0)
+        if cr_line_ends(len(lines), cr, len(other)):
+            raise cr_line_end_error(path, cr)
     if len(src) != len(tgt):
         raise line_count_error(src_path, len(src), tgt_path, len(tgt))
     for path, lines in ((src_path, src), (tgt_path, tgt)):
@@ -85,6 +89,18 @@ def line_count_error(src_path: object, n_src: int, tgt_path: object, n_tgt: int)
         f"{src_path} has {n_src} lines but {tgt_path} has {n_tgt}; "
         "a parallel corpus needs line i of one file to translate line i of the other"
     )
+
+
+def cr_line_ends(lines: int, first_cr: int, other_lines: int) -> bool:
+    """Whether a file of `lines` lines, the first holding a carriage return at line `first_cr` (1-based,
+    0: none), ends its lines in \\r alone (classic Mac): it reads as fewer lines than its
+    translation, or as one. Only then: a stray \\r inside a sentence is text."""
+    return bool(first_cr) and (lines == 1 or lines < other_lines)
+
+
+def cr_line_end_error(path: object, line: int) -> AiaynError:
+    return AiaynError(f"{path}:{line}: a carriage return (\\r) inside the line: the file's lines end in \\r alone "
+                      "(classic Mac), which reads as one line; convert its line ends to \\n")
 
 
 def blank_line_error(path: object, first_line: int, count: int) -> AiaynError:
@@ -178,10 +194,12 @@ def download_multi30k(split: str, lang: str, folder: str | Path, timeout: float 
 def download_file(url: str, target: Path, want: str, mirror_env: str, timeout: float = 60.0) -> Path:
     """`target`, downloaded from `url` unless already there with sha256 `want`.
 
-    The file is written to a temporary name, checked, and only then renamed into place, so an
-    interrupted or corrupt download never looks like a finished one; what a killed download left
-    (WMT14's archives are ~1.7 GB) is removed by the next. `mirror_env` is the variable that points
-    the download elsewhere (named in the messages).
+    The file is written to a partial name, checked, and only then renamed into place, so an
+    interrupted or corrupt download never looks like a finished one. What an interrupted one
+    received is kept (WMT14's archives are ~1.7 GB, over links that drop): the next try goes on from
+    it with an HTTP Range request, or starts over where the server ignores Range or the file's
+    sha256 then fails. `mirror_env` is the variable that points the download elsewhere (named in
+    the messages).
     """
     folder, name = target.parent, target.name
     if target.is_file() and file_sha256(target) == want:
@@ -191,54 +209,122 @@ def download_file(url: str, target: Path, want: str, mirror_env: str, timeout: f
     except OSError as e:
         raise AiaynError(f"cannot create {folder} ({e.strerror or e}); choose a writable folder (--data-dir, or "
                          f"${DATA_ENV} for Multi30k)") from None
-    _remove_abandoned_parts(folder, name)
-    tmp = folder / f"{work_name(f'.{name}')}.part"  # host and pid in the name: `_remove_abandoned_parts`
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    h = hashlib.sha256()
+    part = _claim_part(folder, name)
     try:
-        with os.fdopen(fd, "wb") as out:
-            try:
-                with urllib.request.urlopen(url, timeout=timeout) as resp:
-                    length = (resp.headers.get("Content-Length") or "").strip()
-                    expected = int(length) if length.isdigit() else -1  # a garbled header: the sha256 decides
-                    size = 0
-                    for chunk in iter(lambda: resp.read(1 << 16), b""):
-                        out.write(chunk)
-                        h.update(chunk)
-                        size += len(chunk)
-                if 0 <= expected != size:  # a dropped connection can end the stream early without an error
-                    raise http.client.IncompleteRead(b"", expected - size)
-            except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as e:  # ValueError: a bad URL
-                reason = getattr(e, "reason", None) or getattr(e, "strerror", None) or str(e) or type(e).__name__
-                if isinstance(e, http.client.IncompleteRead):
-                    reason = f"the transfer stopped {e.expected} bytes short"
-                raise AiaynError(
-                    f"could not download {url} ({reason}); check the connection, or get the files "
-                    f"another way and pass --data-dir or set ${DATA_ENV}"
-                ) from None
-            out.flush()
-            os.fsync(out.fileno())
-        got = h.hexdigest()
-        if got != want:
-            raise AiaynError(
-                f"{url}: sha256 {got[:16]}... does not match the expected {want[:16]}...; "
-                f"the download was removed, try again later or set ${mirror_env} to another mirror"
-            )
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
+        got, kept = _fetch(url, part, timeout)
+        if got != want and kept:  # a part of another version of the file, or damaged: once more from the start
+            os.truncate(part, 0)
+            got, _ = _fetch(url, part, timeout)
+    except BaseException as e:  # a dropped link, a timeout, Ctrl-C: keep what came for the next try
+        received = _release(part, name)
+        if isinstance(e, (urllib.error.URLError, OSError, http.client.HTTPException, ValueError)):  # ValueError: bad URL
+            raise _download_error(url, e, received) from None
+        raise
+    if got != want:
+        part.unlink(missing_ok=True)
+        raise AiaynError(
+            f"{url}: sha256 {got[:16]}... does not match the expected {want[:16]}...; "
+            f"the download was removed, try again later or set ${mirror_env} to another mirror"
+        )
+    os.replace(part, target)
     return target
 
 
-def _remove_abandoned_parts(folder: Path, name: str) -> None:
-    """Partial downloads of `name` left by a killed process (kill -9, SIGTERM): `lock.stale` ones (a
-    dead process of this host, or untouched for `lock.STALE` seconds) that are also untouched for two
-    beats. A live download writes all the time, so its part is never that old, even where another
-    container shares this host's name but not its pids."""
+def _fetch(url: str, part: Path, timeout: float) -> tuple[str, int]:
+    """Append the rest of `url` to `part`, asking for the bytes past its end (Range); a server that
+    ignores Range sends the whole file, which replaces the part. Returns (sha256 of the part, bytes
+    kept from before)."""
+    offset = part.stat().st_size
+    request = urllib.request.Request(url, headers={"Range": f"bytes={offset}-"} if offset else {})
+    try:
+        resp = urllib.request.urlopen(request, timeout=timeout)
+    except urllib.error.HTTPError as e:
+        if e.code != 416 or not offset:
+            raise
+        e.close()  # nothing past the part's end: it may be the whole file (killed before its rename)
+        with open(part, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest(), offset
+    with resp:
+        kept = offset if resp.status == 206 else 0
+        if kept and not (resp.headers.get("Content-Range") or "").startswith(f"bytes {offset}-"):
+            resp.close()  # another range than the one asked for: the whole file instead
+            os.truncate(part, 0)
+            return _fetch(url, part, timeout)
+        length = (resp.headers.get("Content-Length") or "").strip()
+        expected = int(length) if length.isdigit() else -1  # a garbled header: the sha256 decides
+        with open(part, "r+b") as out:
+            h = hashlib.file_digest(out, "sha256") if kept else hashlib.sha256()  # reads the kept bytes
+            out.seek(kept)
+            out.truncate()
+            size = 0
+            try:
+                for chunk in iter(lambda: resp.read(1 << 16), b""):
+                    out.write(chunk)
+                    h.update(chunk)
+                    size += len(chunk)
+            finally:
+                out.flush()
+                os.fsync(out.fileno())
+    if 0 <= expected != size:  # a dropped connection can end the stream early without an error
+        raise http.client.IncompleteRead(b"", expected - size)
+    return h.hexdigest(), kept
+
+
+def _download_error(url: str, e: BaseException, received: int) -> AiaynError:
+    reason = getattr(e, "reason", None) or getattr(e, "strerror", None) or str(e) or type(e).__name__
+    if isinstance(e, http.client.IncompleteRead):
+        reason = f"the transfer stopped {e.expected} bytes short"
+    again = f"check the connection and run it again: it goes on from the {received:,} bytes received; or " if received \
+        else "check the connection, or "
+    return AiaynError(f"could not download {url} ({reason}); {again}get the files another way and pass --data-dir "
+                      f"or set ${DATA_ENV}")
+
+
+def _resume_name(folder: Path, name: str) -> Path:
+    """Where a try that ended leaves its part for the next: no process writes it."""
+    return folder / f".{name}.resume.part"
+
+
+def _release(part: Path, name: str) -> int:
+    """Leave `part` for the next try (its size), or remove it if empty."""
+    with contextlib.suppress(OSError):
+        size = part.stat().st_size
+        if size:
+            os.replace(part, _resume_name(part.parent, name))
+            return size
+    part.unlink(missing_ok=True)
+    return 0
+
+
+def _claim_part(folder: Path, name: str) -> Path:
+    """A partial download of `name` of this process's own: the part an earlier try left, else the
+    largest abandoned one (`_abandoned_parts`; the others removed), else a new empty one. Renamed
+    to a name of our own first: of several processes claiming one part, one gets it."""
+    mine = folder / f"{work_name(f'.{name}')}.part"  # host and pid in the name: `_abandoned_parts`
+    for old in [_resume_name(folder, name), *_abandoned_parts(folder, name)]:
+        with contextlib.suppress(OSError):  # (gone meanwhile: another process claimed or removed it)
+            if mine.exists():
+                old.unlink()
+            else:
+                os.rename(old, mine)
+    if not mine.exists():
+        os.close(os.open(mine, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    return mine
+
+
+def _abandoned_parts(folder: Path, name: str) -> list[Path]:
+    """Partial downloads of `name` left by a killed process (kill -9, SIGTERM), largest first:
+    `lock.stale` ones (a dead process of this host, or untouched for `lock.STALE` seconds) that are
+    also untouched for two beats. A live download writes all the time, so its part is never that
+    old, even where another container shares this host's name but not its pids."""
+    found = []
     for part in folder.glob(f".{glob.escape(name)}[.-]*.part"):
         with contextlib.suppress(OSError):  # (gone meanwhile: another process removed or finished it)
-            if time.time() - part.stat().st_mtime > 2 * BEAT and stale(part, *parse_work_name(part.name[:-5])):
-                part.unlink()
+            st = part.stat()
+            if part != _resume_name(folder, name) and time.time() - st.st_mtime > 2 * BEAT and \
+                    stale(part, *parse_work_name(part.name[:-5])):
+                found.append((st.st_size, part))
+    return [p for _, p in sorted(found, reverse=True)]
 
 
 # ---------------------------------------------------------------------------------------------
