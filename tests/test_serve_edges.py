@@ -263,3 +263,66 @@ def test_the_texts_of_a_large_body_are_checked_for_lone_surrogates_in_one_pass(m
     monkeypatch.setattr(unicode, "replaced", lambda t: alone.append(t) or mend(t))
     assert fields_replaced(fields) == fields and alone == []
     assert fields_replaced({"text": ["a", "b\ud800", 5], "q": "\udfff"}) == {"text": ["a", "b\ufffd", 5], "q": "\ufffd"}
+
+
+def test_before_the_warm_up_texts_are_neither_split_nor_detected_and_both_paths_answer_503(de_en, monkeypatch):
+    """/v1 cut its lines into sentences (and LibreTranslate's /translate detected a language with
+    source auto, parsed and split its texts) before it asked whether the model was warm: work thrown
+    away, and errors unlike those of the same request without split_sentences (a 413 for --max-lines,
+    where that one is a 503). Now every translation is a 503 before any of it."""
+    from aiayn.serve import v1
+
+    done = []
+    for module, name in ((v1, "split"), (libre, "split"), (libre, "detect_texts")):
+        monkeypatch.setattr(module, name, lambda *a, f=getattr(module, name), n=name: done.append(n) or f(*a))
+    c = TestClient(create_app(de_en, Limits(max_lines=2), ("de", "en")))  # no lifespan: never warmed up
+    for body in ({"text": ["Ein Mann läuft. Eine Frau sitzt."]}, {"text": ["ein Mann"] * 3},
+                 {"text": ["ein Mann"] * 3, "split_sentences": False}):
+        r = c.post("/v1/translate", json=body)
+        assert (r.status_code, r.json()["error"]) == (503, "the model is warming up; retry shortly"), body
+    for source in ("de", "auto"):
+        r = c.post("/translate", json={"q": "Ein Mann läuft. Eine Frau sitzt.", "source": source, "target": "en"})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+    assert done == []
+
+
+def test_a_chunked_body_with_a_content_length_is_refused_unread_not_read_past_the_body_limit(de_en):
+    """With both Transfer-Encoding: chunked and a Content-Length, h11 reads the body chunked (RFC 9112,
+    6.3) while the size check trusted the Content-Length: `Content-Length: 5` let a body of any size
+    through, read whole into memory (200 MB took the server's peak memory from 0.57 to 0.84 GB).
+    Now any chunked body is a 411, unread, its connection closed."""
+    app = create_app(de_en, Limits(max_wait_ms=5, max_lines=1, max_chars=10), ("de", "en"))  # body: 65,656 bytes
+    body = b'{"text": ["ein Mann"]' + b" " * 200_000 + b"}"
+    with served(app) as (_, port), socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n")
+        with contextlib.suppress(ConnectionError):  # the server may close before the body is all sent
+            sock.sendall(b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+        reply = b""
+        with contextlib.suppress(ConnectionError):
+            while chunk := sock.recv(65536):
+                reply += chunk
+    assert reply.startswith(b"HTTP/1.1 411 ") and b"connection: close" in reply.lower(), reply[:300]
+    assert reply.endswith(b'{"error":"send the body with a Content-Length header, not chunked"}'), reply[-300:]
+
+
+def test_a_request_head_h11_cannot_read_is_answered_in_json_and_a_long_one_is_a_431(de_en):
+    """uvicorn answered what h11 cannot read with a plain-text 400 `Invalid HTTP request received.`
+    (the one error of the server not in JSON), a head over h11's 16 KiB limit too. Now a JSON 400
+    saying what was wrong, and a 431 naming the limit for a head too long (as h11 hints); both counted.
+    (h11 bounds a head still coming: one that arrives whole in one read may be longer.)"""
+    limits = Limits(max_wait_ms=5)
+    with _served_as_cli(create_app(de_en, limits, ("de", "en")), limits) as (base, port):
+        for head, status, words in [(b"HELLO\r\n\r\n", 400, "not valid HTTP/1.1"),
+                                    (b"GET /health HTTP/1.1\r\nHost: t\r\nX-Big: " + b"a" * 20_000, 431,  # and more
+                                     "the request line and headers are over 16384 bytes")]:
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                sock.sendall(head)
+                reply = b""
+                with contextlib.suppress(ConnectionError):
+                    while chunk := sock.recv(65536):
+                        reply += chunk
+            top, _, body = reply.partition(b"\r\n\r\n")
+            assert top.startswith(b"HTTP/1.1 %d " % status) and b"content-type: application/json" in top.lower(), reply
+            assert words in httpx.Response(status, content=body).json()["error"], reply
+        assert _metric(base, 'aiayn_requests_total{path="other",status="431"}') == 1

@@ -191,6 +191,8 @@ def test_bad_flags_and_checkpoints_are_one_line_errors(ckpt, tmp_path):
                         (["--checkpoint", str(ckpt), "--max-client-lines", "100", "--max-lines", "200"],
                          "--max-client-lines (100) must be at least --max-lines (200)"),
                         (["--checkpoint", str(ckpt), "--body-timeout", "nan"], "--body-timeout must be between"),
+                        (["--checkpoint", str(ckpt), "--max-chars", "30000"],
+                         "--max-body-memory (256 MiB) must hold the largest body"),
                         (["--checkpoint", str(ckpt), "--head-timeout", "0"], "--head-timeout must be between"),
                         (["--checkpoint", str(ckpt), "--port", "70000"], "--port must be between"),
                         (["--checkpoint", str(tmp_path / "none")], "does not exist")]:
@@ -526,3 +528,52 @@ def test_an_ipv6_address_in_use_is_named_with_brackets():
         with pytest.raises(AiaynError) as e:
             _bind("::1", port)
     assert str(e.value).startswith(f"cannot listen on [::1]:{port} (") and str(e.value).endswith("choose another --port")
+
+
+def _upload_begun(port, length):
+    """A POST that promises `length` bytes of body and sends 10 (a slow upload, or a stalled one)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(b"POST /v1/translate HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n{\"text\": [" % length)
+    return sock
+
+
+def test_large_bodies_past_max_body_memory_are_refused_unread_and_small_ones_still_pass(served):
+    """Every POST body was read whole, each up to --max-lines x --max-chars x 12 + 64 KiB (24.6 MB
+    by default), and --max-connections (512) uploads at once could hold ~12 GB. Now the bodies over
+    64 KiB hold their Content-Length against --max-body-memory from before they are read until
+    answered: past it a 503 JSON with Retry-After, the body unread, the connection closed; the
+    page's small bodies still pass, and a large one does again once the held bodies are gone."""
+    s = served("--max-lines", "10", "--max-chars", "1000", "--max-body-memory", "1", "--body-timeout", "60",
+               "--max-connections", "64").wait_ready()  # one body: at most 185,536 bytes; 1 MiB holds 6 of 150,000
+    uploads = []
+    for _ in range(12):  # one after the other: each is held (or refused) before the next begins
+        uploads.append(_upload_begun(s.port, 150_000))
+        time.sleep(0.05)
+    refused, stalled = [], []
+    for sock in uploads:
+        sock.settimeout(1.0)
+        try:
+            refused.append((sock, _until_closed(sock)))
+        except socket.timeout:
+            stalled.append(sock)
+    try:
+        assert (len(refused), len(stalled)) == (6, 6), [r for _, r in refused]
+        for _, reply in refused:
+            head, _, body = reply.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 503 ") and b"retry-after: 1" in head.lower(), reply
+            assert b"connection: close" in head.lower(), reply
+            assert b"--max-body-memory 1 MiB; retry shortly" in body, reply
+        assert _post(s.url, ["ein Mann"]).status_code == 200  # a small body: never refused for it
+    finally:
+        for sock in uploads:
+            sock.close()
+    large = b'{"text": ["ein Mann"]' + b" " * 150_000 + b"}"
+    end = time.monotonic() + 20
+    while (r := httpx.post(f"{s.url}/v1/translate", content=large, headers={"Content-Type": "application/json"},
+                           timeout=60)).status_code == 503:  # until the closed uploads are given back
+        assert time.monotonic() < end, r.text
+        time.sleep(0.1)
+    assert r.status_code == 200 and r.json()["translations"][0]["hypotheses"][0]["text"]
+    assert 'aiayn_requests_total{path="/v1/translate",status="503"} 6.0' in httpx.get(f"{s.url}/metrics").text
+    assert s.proc.poll() is None

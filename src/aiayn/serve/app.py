@@ -11,11 +11,11 @@ same settings, whatever shares its batch. One server may hold several models, on
 (`Model`); a request goes to the model of its pair (the first is the default of /v1). Errors are JSON
 bodies `{"error": message}` (LibreTranslate's endpoints use its codes, `aiayn.serve.libre`): 400 a
 language pair not served or JSON nested too deeply, 403 a bad API key (with --api-keys), 408 a body
-not sent within --body-timeout, 411/413 a body without length or too large, 413 a line over
+not sent within --body-timeout, 411/413 a body without length (or chunked) or too large, 413 a line over
 --max-chars or the model's length, more lines than --max-lines or more work than --max-work, 422 a
 malformed body (naming the field) or a beam / n-best over --max-beam / --max-nbest, 429 a client
-with --max-client-lines lines in the server (`aiayn.serve.clients`), 503 a full queue or a model
-still warming up (all three with Retry-After). Lines are tokenized in a worker thread,
+with --max-client-lines lines in the server (`aiayn.serve.clients`), 503 a full queue, a model
+still warming up or a large body past --max-body-memory (all with Retry-After). Lines are tokenized in a worker thread,
 not on the event loop: /health answers while a long request is read or tokenized.
 """
 
@@ -47,7 +47,7 @@ from aiayn.serve.clients import ClientLines
 from aiayn.serve.detect import Detector
 from aiayn.serve.errors import ApiError, Busy
 from aiayn.serve.libre import LANGUAGE_NAMES
-from aiayn.serve.scheduler import Limits, QueueFull, Scheduler
+from aiayn.serve.scheduler import SMALL_BODY, Limits, QueueFull, Scheduler
 from aiayn.serve.unicode import replaced
 from aiayn.translate import with_target_token
 
@@ -115,10 +115,18 @@ def _label(path: str) -> str:
 class _Middleware:
     """Counts every request (status, latency), answers HEAD as GET, refuses bodies over the size limit
     and reads a POST body whole within `body_timeout` seconds (ASGI): a client that stalls mid-body
-    gets a 408 and its connection closed, instead of holding a handler (and a graceful shutdown) for ever."""
+    gets a 408 and its connection closed, instead of holding a handler (and a graceful shutdown) for ever.
 
-    def __init__(self, app: Any, metrics: Metrics, max_body: int, body_timeout: float) -> None:
+    The bodies held at once are bounded too: a body over `SMALL_BODY` bytes holds its Content-Length
+    against `body_memory` from before it is read until its request is answered, and past that it is
+    refused unread (503, Retry-After, connection closed); else --max-connections uploads of the
+    largest body each could hold gigabytes. Small bodies (the page's, a LibreTranslate client's) are
+    never refused for it: large uploads cannot lock them out, and --max-connections bounds them."""
+
+    def __init__(self, app: Any, metrics: Metrics, max_body: int, body_timeout: float, body_memory: int) -> None:
         self.app, self.metrics, self.max_body, self.body_timeout = app, metrics, max_body, body_timeout
+        self.body_memory = body_memory
+        self.held = 0  # bytes of the large bodies admitted and not yet answered (on the event loop only)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -134,8 +142,11 @@ class _Middleware:
             await send(message)
 
         start = time.perf_counter()
+        held = 0
         try:
-            refused = self._too_large(scope)
+            refused, length = self._too_large(scope)
+            if refused is None and length > SMALL_BODY:
+                refused, held = self._hold(length)
             if refused is None and scope["method"] == "POST":
                 refused, receive = await self._read_body(receive)
             await (refused or self.app)(scope, receive, counted)
@@ -147,21 +158,34 @@ class _Middleware:
                 await _error(503, "the server stopped before this request was done (--shutdown-timeout)",
                              {"Connection": "close"})(scope, receive, counted)
         finally:
+            self.held -= held
             self.metrics.requests.labels(path, str(status[0] or 500)).inc()
             self.metrics.latency.labels(path).observe(time.perf_counter() - start)
 
-    def _too_large(self, scope: dict) -> Response | None:
+    def _too_large(self, scope: dict) -> tuple[Response | None, int]:
+        """A refusal for a POST body without a length or over the limit, else None; and the body's length."""
         if scope["method"] != "POST":
-            return None
+            return None, 0
         headers = dict(scope["headers"])
         length = headers.get(b"content-length")
-        if length is None:
-            if b"transfer-encoding" not in headers:  # no body at all (RFC 9112, 6.3): fields in the query string
-                return None
-            return _error(411, "send the body with a Content-Length header", {"Connection": "close"})
+        if b"transfer-encoding" in headers:  # chunked: h11 reads it whatever Content-Length says, so no size is known
+            return _error(411, "send the body with a Content-Length header, not chunked", {"Connection": "close"}), 0
+        if length is None:  # no body at all (RFC 9112, 6.3): fields in the query string
+            return None, 0
         if not length.isdigit() or int(length) > self.max_body:  # answered unread: the connection cannot go on
-            return _error(413, f"the body is over {self.max_body} bytes", {"Connection": "close"})
-        return None
+            return _error(413, f"the body is over {self.max_body} bytes", {"Connection": "close"}), 0
+        return None, int(length)
+
+    def _hold(self, length: int) -> tuple[Response | None, int]:
+        """Holds `length` bytes of --max-body-memory for a body about to be read (the bytes held, to
+        give back once answered); past it a 503, the body unread."""
+        if self.held + length > self.body_memory:
+            mib = self.body_memory / 2**20
+            return _error(503, f"the server holds {self.held} bytes of request bodies and this one's {length} would "
+                               f"pass --max-body-memory {mib:g} MiB; retry shortly",
+                          {"Retry-After": "1", "Connection": "close"}), 0
+        self.held += length
+        return None, length
 
     async def _read_body(self, receive: Any) -> tuple[Response | None, Any]:
         """The whole body within `body_timeout` seconds, and a `receive` that gives it to the app
@@ -292,6 +316,12 @@ class Server:
             log.exception("warm-up failed")
             self.failure = f"warm-up failed: {type(e).__name__}: {e}"
 
+    def check_ready(self) -> None:
+        """503 until the warm-up is done (the handlers ask before they cut texts into sentences or
+        detect their language: work that would be thrown away)."""
+        if not self.ready:
+            raise ApiError(503, self.failure or "the model is warming up; retry shortly", self.retry_after())
+
     def retry_after(self) -> dict[str, str]:
         """A 503's Retry-After while warming up; none once warm-up failed (a retry would not help)."""
         return {} if self.failure else {"Retry-After": "1"}
@@ -324,8 +354,7 @@ class Server:
                         asked: int | None = None) -> tuple[list[list[int]], list[Any]]:
         """Source ids and results per line, once the scheduler has them (or the client has gone);
         `asked`: the client's lines, when `lines` are their sentences (what --max-lines counts)."""
-        if not self.ready:
-            raise ApiError(503, self.failure or "the model is warming up; retry shortly", self.retry_after())
+        self.check_ready()
         asked = len(lines) if asked is None else asked
         if asked > self.limits.max_lines:
             raise ApiError(413, f"{asked} lines in one request, more than --max-lines {self.limits.max_lines}")
@@ -388,10 +417,8 @@ def create_app(models: Any, limits: Limits, languages: tuple[str, str] | None = 
     app = FastAPI(title="aiayn", version=__version__, lifespan=lifespan,
                   description=f"Translation {pairs} with a Transformer; batches across clients.")
     app.state.server = srv
-    # 12 bytes a character: JSON's "\uXXXX" twice for one past U+FFFF (Python's json.dumps escapes every
-    # non-ASCII one), or a form's %XX per UTF-8 byte; then the JSON's own overhead
-    max_body = limits.max_lines * limits.max_chars * 12 + (1 << 16)
-    app.add_middleware(_Middleware, metrics=srv.metrics, max_body=max_body, body_timeout=limits.body_timeout_s)
+    app.add_middleware(_Middleware, metrics=srv.metrics, max_body=limits.max_body, body_timeout=limits.body_timeout_s,
+                       body_memory=limits.max_body_memory_mib << 20)
     if cors_origins:  # off by default: a page of another origin may not call the API
         from starlette.middleware.cors import CORSMiddleware
 

@@ -61,6 +61,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "tokenized, queued or searched; at least --max-lines (more: 429 with Retry-After)")
     g.add_argument("--max-connections", type=int, default=d.max_connections,
                    help="open connections and requests in flight (more: 503)")
+    g.add_argument("--max-body-memory", type=int, default=d.max_body_memory_mib, metavar="MIB",
+                   help="MiB of request bodies over 64 KiB held at once, from before each is read until it is answered "
+                        "(more: 503 with Retry-After, the body unread); at least one body of --max-lines x "
+                        "--max-chars x 12 + 64 KiB")
     g.add_argument("--head-timeout", type=float, default=d.head_timeout_s,
                    help="seconds a client has to send a request's line and headers, from the connection's start or "
                         "the first byte of its next request (more: 408, the connection is closed); also the longest "
@@ -81,7 +85,7 @@ def _limits(args: argparse.Namespace) -> Limits:
     if not 0 <= args.port <= 65535:
         raise AiaynError(f"--port must be between 0 and 65535, got {args.port}")
     for flag in ("max_batch_tokens", "max_queue", "max_lines", "max_chars", "max_beam", "max_nbest", "max_work",
-                 "max_connections"):
+                 "max_connections", "max_body_memory"):
         if getattr(args, flag) < 1:
             raise AiaynError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     if not 1 <= args.beam <= args.max_beam:
@@ -92,6 +96,10 @@ def _limits(args: argparse.Namespace) -> Limits:
     if args.max_client_lines < args.max_lines:
         raise AiaynError(f"--max-client-lines ({args.max_client_lines}) must be at least --max-lines "
                          f"({args.max_lines}): a client's request must fit")
+    body = Limits(max_lines=args.max_lines, max_chars=args.max_chars).max_body
+    if args.max_body_memory << 20 < body:
+        raise AiaynError(f"--max-body-memory ({args.max_body_memory} MiB) must hold the largest body, --max-lines x "
+                         f"--max-chars x 12 + 64 KiB ({body / 2**20:.1f} MiB): raise it, or lower those")
     if not 0 <= args.max_wait_ms < 60_000:
         raise AiaynError(f"--max-wait-ms must be between 0 and 60000, got {args.max_wait_ms}")
     if not 0 < args.max_share <= 1:
@@ -103,7 +111,7 @@ def _limits(args: argparse.Namespace) -> Limits:
                   max_queue=args.max_queue, max_lines=args.max_lines, max_chars=args.max_chars,
                   max_beam=args.max_beam, max_nbest=args.max_nbest, max_work=args.max_work,
                   max_share=args.max_share, max_client_lines=args.max_client_lines,
-                  max_connections=args.max_connections,
+                  max_connections=args.max_connections, max_body_memory_mib=args.max_body_memory,
                   head_timeout_s=args.head_timeout, body_timeout_s=args.body_timeout,
                   shutdown_timeout_s=args.shutdown_timeout)
 

@@ -59,6 +59,7 @@ class Served(Protocol):
     api_keys: frozenset[str] | None
 
     def check_key(self, key: Any, request: Request) -> None: ...
+    def check_ready(self) -> None: ...
     def targets(self) -> dict[str, list[str]]: ...
     def served_pairs(self) -> str: ...
     async def translate(self, request: Request, lines: list[str], key: Key,
@@ -261,6 +262,7 @@ def routes(app: FastAPI, srv: Served) -> None:
             raise _bad("Invalid request: missing source parameter")
         if not target:
             raise _bad("Invalid request: missing target parameter")
+        srv.check_ready()  # before the texts are parsed, split or their language detected
         texts = q if isinstance(q, list) else [q]
         _within_limits(texts, srv.limits)
         # LibreTranslate's limit is 3 (its page always asks for 3), --max-nbest's over it; a beam of b has

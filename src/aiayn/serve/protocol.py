@@ -34,12 +34,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+from http import HTTPStatus
 from typing import Any, Protocol, cast
 from urllib.parse import unquote
 
 import h11
 from starlette.responses import JSONResponse
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.h11_impl import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE, H11Protocol
 
 
 class Counts(Protocol):
@@ -90,14 +91,26 @@ class HeadTimedH11(H11Protocol):
         self._app = app
 
     def send_400_response(self, msg: str) -> None:
-        """h11's 400 for what it cannot read, counted; where an answer has begun already (a bad body
-        after it), none can follow: the connection is closed (uvicorn's own call raised there, and
-        logged a traceback)."""
+        """What h11 cannot read, answered as JSON and counted (uvicorn's is a plain-text "Invalid HTTP
+        request received."): 431 for a request head over h11's limit, 400 for anything else; where an
+        answer has begun already (a bad body after it), none can follow: the connection is closed
+        (uvicorn's own call raised there, and logged a traceback)."""
         if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):  # an answer begun or sent
             self.transport.close()
             return
-        super().send_400_response(msg)
-        self.counts.answered("", 400)  # no path to name: a head h11 cannot read, or a body after it
+        limit = self.config.h11_max_incomplete_event_size or DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
+        if self.conn.their_state is h11.ERROR and len(self.conn.trailing_data[0]) > limit:  # h11's "buffer too long"
+            status, why = 431, f"the request line and headers are over {limit} bytes; send them shorter"
+        else:
+            status, why = 400, "the request is not valid HTTP/1.1 (its request line, headers or chunked body)"
+        body = json.dumps({"error": why}).encode()
+        head = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
+                (b"connection", b"close")]
+        for event in (h11.Response(status_code=status, reason=HTTPStatus(status).phrase, headers=head),
+                      h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
+        self.counts.answered("", status)  # no path to name: a head h11 cannot read, or a body after it
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(cast(asyncio.Transport, transport))  # a stream transport: uvicorn's own type

@@ -68,9 +68,21 @@ class Limits:
     max_share: float = 0.1  # of a batch's source tokens, the most one request takes while others wait
     max_client_lines: int = 2048  # lines one client (API key, else IP) may have in the server at once
     max_connections: int = 512  # open connections and requests in flight (more: 503, by `aiayn.serve.protocol`)
+    max_body_memory_mib: int = 256  # request bodies over SMALL_BODY held at once, by Content-Length (more: 503)
     head_timeout_s: float = 10.0  # time to send a request line and headers (more: 408, connection closed)
     body_timeout_s: float = 30.0  # time to send a request body (more: 408)
     shutdown_timeout_s: int = 30  # on SIGTERM, how long requests in flight may finish
+
+
+    @property
+    def max_body(self) -> int:
+        """The largest request body, in bytes: every line at its longest with each character escaped
+        as JSON or a form may write it (12 bytes: "\\uXXXX" twice past U+FFFF, a form's %XX per UTF-8
+        byte), plus the JSON's own overhead."""
+        return self.max_lines * self.max_chars * 12 + SMALL_BODY
+
+
+SMALL_BODY = 1 << 16  # a body this small is never refused for --max-body-memory (--max-connections bound them)
 
 
 class QueueFull(Exception):

@@ -88,6 +88,7 @@ class Served(Protocol):
     languages: tuple[str, str]  # the first pair: the default
 
     def check_key(self, key: Any, request: Request) -> None: ...
+    def check_ready(self) -> None: ...
     def model(self, pair: tuple[str, str] | None) -> Any: ...
     async def translate(self, request: Request, lines: list[str], key: Key,
                         asked: int | None = None) -> tuple[list[list[int]], list[Any]]: ...
@@ -103,6 +104,7 @@ def routes(app: FastAPI, srv: Served) -> None:
         beam = _beam(req, srv.limits)
         model = srv.model((req.source or srv.languages[0], req.target or srv.languages[1]))
         key = Key(beam, req.alpha, req.nbest, req.attention, model.pair)
+        srv.check_ready()  # before the lines are cut into sentences, as without split_sentences
         piece = model.translator.tokenizers.src.id_to_piece
         if req.split_sentences:
             lines = await _by_sentences(srv, request, req.text, key, model.source, piece)
