@@ -212,3 +212,41 @@ def test_a_full_disk_while_averaging_says_what_is_left(tmp_path: Path, tok: Toke
         assert "the previous checkpoint is intact" in err and (out / ckpt.CONFIG).is_file(), err
     else:
         assert "nothing was written" in err and "previous checkpoint" not in err and "no earlier" not in err, err
+
+
+def test_an_interrupted_average_leaves_no_temporaries(tmp_path: Path, tok: TokenizerPair,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while `aiayn average` wrote its output left `.tmp-avg-*` beside -o for good (only
+    an OSError removed it); a kill's leftovers (a torn write, and the earlier average moved aside
+    between the two renames) stayed too, the earlier average hidden among them. The next average to
+    that -o removes them, putting the earlier average back first; names it did not write stay."""
+    torch.manual_seed(0)
+    v = tok.src.vocab_size
+    model = Transformer(preset("tiny", src_vocab_size=v, tgt_vocab_size=v))
+    run, out = tmp_path / "run", tmp_path / "avgs" / "avg"
+    ckpt.save_checkpoint(run / "step_1", model, tok, {"train": {}, "step": 1})
+    argv = ["average", "--checkpoint", str(run), "-n", "1", "-o", str(out)]
+
+    def ctrl_c(*a: object, **kw: object) -> None:
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(ckpt, "save_file", ctrl_c)
+        assert cli_main(argv) == 130
+    assert list(out.parent.iterdir()) == []
+    assert cli_main(argv) == 0
+    earlier = out.parent / ".tmp-old-avg-0123abcd"  # what a kill between write_dir_atomic's renames leaves
+    out.rename(earlier)
+    torn = out.parent / ".tmp-avg-89abcdef"  # a kill mid-write
+    torn.mkdir()
+    (torn / ckpt.WEIGHTS).write_bytes(b"torn")
+    for name in (".tmp-notes", ".tmp-avg-notes", ".tmp-other-0123abcd"):  # not ours
+        (out.parent / name).mkdir()
+    assert ckpt.resolve_checkpoint(out.parent / ".tmp-old-avg-0123abcd")  # the earlier average is hidden there
+    restored: list[bool] = []
+    real = ckpt.average_checkpoints
+    monkeypatch.setattr(ckpt, "average_checkpoints", lambda p, o: restored.append(Path(o, ckpt.CONFIG).is_file())
+                        or real(p, o))
+    assert cli_main(argv) == 0
+    assert restored == [True]  # back in place before the new one replaced it
+    assert sorted(p.name for p in out.parent.iterdir()) == [".tmp-avg-notes", ".tmp-notes", ".tmp-other-0123abcd", "avg"]

@@ -226,3 +226,27 @@ def test_two_machines_that_cannot_resume_together_refuse_on_every_rank_in_one_li
         assert code != 0 and not _our_frames(printed), printed[-3000:]
         errors = [line for line in printed.splitlines() if "aiayn train: error:" in line]
         assert len(errors) == 1 and "trainer_state.pt" in errors[0], printed[-3000:]
+
+
+def test_a_signal_to_another_rank_gives_rank_0_the_hint_to_resume(tmp_path, monkeypatch, capsys):
+    """SIGTERM to rank 1 alone (a scheduler, `kill`) stops every rank at the same step, as it should,
+    but rank 0, which alone prints, gave no "to resume, run: ..." (it looked at its own signal only).
+    Simulated in one process: the ranks' agreement reports another rank's signal at step 3."""
+    from aiayn.cli import main as cli_main
+    from aiayn.trainer import Dist
+
+    corpus = make_corpus(tmp_path / "data", n_train=120)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    real, calls = Dist.any, []
+
+    def any_rank(self: Dist, *flags: bool) -> list[bool]:
+        calls.append(flags)
+        flags = (True, *flags[1:]) if len(flags) == 2 and len(calls) == 3 else flags  # (signal, out of time)
+        return real(self, *flags)
+
+    monkeypatch.setattr(Dist, "any", any_rank)
+    out = tmp_path / "run"
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "10", "--save-every", "0")) == 0  # (this rank had none)
+    text = capsys.readouterr().out
+    assert f"stopped: interrupted by a signal; step 3; last checkpoint {out / 'step_3'}" in text, text
+    assert "to resume, run: aiayn train " in text, text

@@ -557,3 +557,142 @@ def test_another_kind_of_corpus_on_resume_is_refused(tmp_path, corpus, capsys):
     moved = {k: str(Path(v).rename(tmp_path / f"moved-{Path(v).name}")) for k, v in corpus.items()}
     assert cli_main(tiny_args(moved, out, "--max-steps", "2", "--resume")) == 0
     assert (out / "step_2").is_dir()
+
+
+def test_init_from_on_resume_is_compared_as_a_folder_not_as_text(tmp_path, corpus, capsys, monkeypatch):
+    """`--init-from base/step_1` resumed with `./base/step_1/` or its absolute path was refused as
+    another run's ("--init-from ./base/step_1/ differs from the run's base/step_1"): the same folder."""
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(tiny_args(corpus, tmp_path / "base", "--max-steps", "2", "--save-every", "1")) == 0
+    tuned = tiny_args(corpus, tmp_path / "tuned", "--init-from", "base/step_1")
+    assert cli_main([*tuned, "--max-steps", "1"]) == 0
+    for n, same in enumerate(("./base/step_1/", str(tmp_path / "base" / "step_1"), "base//step_1"), 2):
+        assert cli_main([*tuned[:-1], same, "--max-steps", str(n), "--resume"]) == 0, capsys.readouterr().err
+    saved = json.loads((tmp_path / "tuned" / "train.json").read_text(encoding="utf-8"))["train"]["init_from"]
+    assert saved == str(tmp_path / "base" / "step_1")  # absolute, as the data paths: a resume from elsewhere compares it
+    capsys.readouterr()
+    assert cli_main([*tuned[:-1], "base/step_2", "--max-steps", "5", "--resume"]) == 2  # another checkpoint still is refused
+    assert "--init-from base/step_2 differs from the run's" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("when", ["the last step", "the final validation", "the last epoch's validation"])
+def test_a_signal_as_the_run_ends_gives_no_hint_to_resume(tmp_path, corpus, capsys, monkeypatch, when):
+    """Ctrl-C as a run met its limit printed "to resume, run: ..." and exited 130, though the resume
+    takes no step; at the last step of --max-steps it also skipped the final validation, so that the
+    run never kept best/ (nor a valid record) for its final model: the resume did not write it either."""
+    import os
+    import signal
+
+    from aiayn import checkpoint as ckpt
+    from aiayn import train as T
+    from aiayn import trainer as TR
+
+    def interrupt() -> None:
+        os.kill(os.getpid(), signal.SIGINT)  # the Stopper's handler takes it (in this, the main thread)
+
+    if when == "the last step":
+        step = TR.Trainer.train_step
+        monkeypatch.setattr(TR.Trainer, "train_step", lambda self, b: (step(self, b), self.step == 5 and interrupt())[0])
+    else:
+        validate = T.validate
+        monkeypatch.setattr(T, "validate", lambda *a, **kw: (validate(*a, **kw), interrupt())[0])
+    limit = ["--max-epochs", "1"] if when == "the last epoch's validation" else ["--max-steps", "5"]
+    out = tmp_path / "run"
+    assert cli_main(tiny_args(corpus, out, *limit, "--save-every", "0")) == 0
+    text = capsys.readouterr().out
+    assert "to resume" not in text and f"stopped: reached {' '.join(limit)};" in text, text
+    final = 5 if limit[0] == "--max-steps" else ckpt.step_checkpoints(out)[-1][0]
+    valid = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"valid"' in x]
+    assert [r["step"] for r in valid] == [final] and (out / "best").is_dir()
+
+
+@pytest.mark.parametrize("flag", ["--src", "--tgt"])
+@pytest.mark.parametrize("code", ["", " ", "de en", "de\n"])
+def test_an_empty_or_blank_language_code_is_refused_before_anything_is_written(tmp_path, corpus, capsys, flag, code):
+    """`--src ""` (an unset shell variable) trained a whole run, whose checkpoints `serve` then refused
+    ("config.json names no source and target language"); "de en" was recorded as a language."""
+    out = tmp_path / "run"
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "1", flag, code)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"aiayn train: error: {flag} must be a language code") and err.count("\n") == 1, err
+    assert not out.exists()
+    config = tmp_path / "recipe.toml"  # the same from a --config file, named with it
+    config.write_text(f"{flag[2:]} = {json.dumps(code)}\n", encoding="utf-8")
+    args = tiny_args(corpus, out, "--max-steps", "1")
+    assert cli_main([*args[:1], "--config", str(config), *args[1:]]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"aiayn train: error: --config {config}: {flag} must be a language code"), err
+    assert not out.exists()
+
+
+def test_a_run_that_recorded_an_empty_language_resumes(tmp_path, corpus, capsys):
+    """A run from before "" was refused may have recorded src "": it resumes, with the default pair."""
+    out = tmp_path / "run"
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "1", "--save-every", "1")) == 0
+    for f in [*out.glob("*/config.json"), out / "train.json"]:
+        cfg = json.loads(f.read_text())
+        cfg["train"].update(src="", tgt="")
+        f.write_text(json.dumps(cfg))
+    capsys.readouterr()
+    assert cli_main(["train", "--out", str(out), "--resume", "--max-steps", "2"]) == 0, capsys.readouterr().err
+    saved = json.loads((out / "step_2" / "config.json").read_text())["train"]
+    assert (saved["src"], saved["tgt"]) == ("de", "en")
+
+
+@pytest.mark.parametrize("where", ["a metrics line", "metrics.jsonl rewritten on resume", "train.json"])
+def test_a_full_disk_at_the_runs_own_files_is_one_line_naming_the_file(tmp_path, corpus, capsys, monkeypatch, where):
+    """The checkpoints' writes said what was left and what to do on a full disk, but metrics.jsonl and
+    train.json stopped the run with a bare "aiayn train: error: No space left on device" (the resume's
+    rewrite of metrics.jsonl also left its metrics.jsonl.tmp behind)."""
+    import builtins
+    import errno
+    import os
+
+    from aiayn import files
+    from aiayn import train as T
+
+    def full(*a: object, **kw: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    out = tmp_path / "run"
+    args = tiny_args(corpus, out, "--max-steps", "2", "--save-every", "1", "--log-every", "1")
+    if where != "a metrics line":
+        assert cli_main(args) == 0
+        args = [*args[:-6], "--max-steps", "3", "--resume"]
+    capsys.readouterr()
+    with monkeypatch.context() as m:
+        if where == "a metrics line":
+            m.setattr(T, "open", lambda path, *a, **kw: full() if Path(path).name == "metrics.jsonl" else builtins.open(
+                path, *a, **kw), raising=False)
+        elif where == "train.json":
+            m.setattr(T, "atomic_write_bytes", lambda path, data: full() if Path(path).name == "train.json" else
+                      files.atomic_write_bytes(path, data))
+        else:
+            real = Path.write_text
+            m.setattr(Path, "write_text", lambda self, *a, **kw: (real(self, "torn"), full()) if self.name.endswith(
+                ".tmp") else real(self, *a, **kw))
+        assert cli_main(args) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    file = out / ("train.json" if where == "train.json" else "metrics.jsonl")
+    assert err == (f"aiayn train: error: could not write {file} (No space left on device); free space, then run the "
+                   "same command with --resume (it continues from the last checkpoint)"), err
+    assert not list(out.glob("*.tmp")) and not list(out.glob(".*.tmp"))
+    assert cli_main(args if "--resume" in args else [*args, "--resume"]) == 0  # and so it does
+
+
+@pytest.mark.parametrize("text", ["max_tokens = 100\n[train]\nmax_tokens = 200\n",
+                                  "d_model = 64\n[model]\nd_model = 32\n",
+                                  "[model]\nseed = 3\n[train]\nseed = 4\n"])
+def test_an_option_set_twice_in_a_config_file_is_refused(tmp_path, corpus, capsys, text):
+    """A key at the top level and again in [train] or [model] (tables that are read as one) with
+    another value: the later one won without a word."""
+    config = tmp_path / "recipe.toml"
+    config.write_text(text, encoding="utf-8")
+    out = tmp_path / "run"
+    args = tiny_args(corpus, out, "--max-steps", "1")
+    assert cli_main([*args[:1], "--config", str(config), *args[1:]]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"aiayn train: error: --config {config}: ") and " is set twice, to " in err, err
+    assert err.count("\n") == 1 and not out.exists()
+    config.write_text("max_tokens = 160\n[train]\nmax_tokens = 160\n", encoding="utf-8")  # the same value twice: fine
+    assert cli_main([*args[:1], "--config", str(config), *args[1:]]) == 0

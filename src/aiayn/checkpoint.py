@@ -14,6 +14,11 @@ A run directory (`aiayn train --out`) holds `step_<N>/` checkpoints, `best/` and
 Saving writes every file into a hidden temporary directory next to the target, fsyncs the files
 and the directory, then renames it into place, so a checkpoint is either complete or absent:
 a run killed mid-save leaves only a `.tmp-*` directory, which is never taken as a checkpoint.
+Ctrl-C removes its own at once; after a kill, the next `train` in that run directory (or `average`
+to that -o) removes those it wrote: `.tmp-[old-|pruned-]NAME-XXXXXXXX` (8 hex digits), where NAME is
+a checkpoint's folder name. Any such folder is safe to remove by hand while no aiayn process writes
+there, except a `.tmp-old-NAME-*` whose NAME is missing: that is the previous checkpoint, which the
+next start moves back.
 `aiayn average` averages the weights of the last N checkpoints (Section 6.1 averages 5).
 """
 
@@ -97,6 +102,7 @@ def write_dir_atomic(path: Path, fill, flag: str = "--out", in_run: bool = False
                          f"({e.strerror or e}); choose another {flag}") from None
     tmp = path.parent / f"{TMP_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}"
     left = _left_after_failure(path, in_run)
+    old = None
     try:
         tmp.mkdir()
         fill(tmp)
@@ -105,7 +111,6 @@ def write_dir_atomic(path: Path, fill, flag: str = "--out", in_run: bool = False
             f.chmod(0o666 & ~mask)  # the usual mode (safetensors writes its files 0600)
             fsync_path(f)
         fsync_path(tmp)
-        old = None
         if path.exists():  # a directory cannot be os.replace'd over a non-empty one: swap in two steps
             old = path.parent / f"{TMP_PREFIX}old-{path.name}-{uuid.uuid4().hex[:8]}"
             os.rename(path, old)
@@ -114,9 +119,20 @@ def write_dir_atomic(path: Path, fill, flag: str = "--out", in_run: bool = False
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except (OSError, SafetensorError, RuntimeError) as e:  # safetensors and torch.save report a full disk in their own types
-        shutil.rmtree(tmp, ignore_errors=True)
+        _undo_write(tmp, old, path)
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0][:200]
         raise AiaynError(f"could not write checkpoint {path}: {why}; {left}; free space or choose another {flag}") from e
+    except BaseException:  # Ctrl-C (a second one in `train`): the temporaries stayed behind for good
+        _undo_write(tmp, old, path)
+        raise
+
+
+def _undo_write(tmp: Path, old: Path | None, path: Path) -> None:
+    """Removes a failed write's temporary directory and puts back the checkpoint it was replacing
+    where it had already been moved aside."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    if old is not None and old.is_dir() and not path.exists():
+        os.rename(old, path)
 
 
 def _left_after_failure(path: Path, in_run: bool) -> str:
@@ -386,9 +402,14 @@ def prune_checkpoints(run_dir: str | Path, keep_last: int, upto: int | None = No
         shutil.rmtree(gone, ignore_errors=True)
 
 
-# The temporaries `write_dir_atomic` and `prune_checkpoints` make in a run directory: the prefix,
-# what they were (old: a replaced checkpoint; pruned), the checkpoint's name and 8 hex digits.
-_OURS = re.compile(re.escape(TMP_PREFIX) + r"(old-|pruned-)?(step_\d+|best)-[0-9a-f]{8}")
+def _temporaries(names: str, kinds: str = "old-|pruned-") -> re.Pattern[str]:
+    """The names of the temporaries `write_dir_atomic` (old: a replaced checkpoint) and
+    `prune_checkpoints` (pruned) make for checkpoints named by the regex `names`: the prefix, the kind,
+    the checkpoint's name and 8 hex digits."""
+    return re.compile(re.escape(TMP_PREFIX) + f"({kinds})?({names})-[0-9a-f]{{8}}")
+
+
+_OURS = _temporaries(r"step_\d+|best")  # those of a training run's directory
 
 
 def is_own_temporary(name: str) -> bool:
@@ -396,14 +417,14 @@ def is_own_temporary(name: str) -> bool:
     return _OURS.fullmatch(name) is not None
 
 
-def remove_stale_temporaries(run_dir: str | Path) -> None:
+def remove_stale_temporaries(run_dir: str | Path, ours: re.Pattern[str] = _OURS) -> None:
     """Removes the temporary directories a killed save or prune left behind (only names that prove
-    they are ours: a user's `.tmp-notes` stays), except a replaced checkpoint whose successor never
-    arrived (killed between `write_dir_atomic`'s two renames): that one goes back."""
+    they are ours, `ours`: a user's `.tmp-notes` stays), except a replaced checkpoint whose successor
+    never arrived (killed between `write_dir_atomic`'s two renames): that one goes back."""
     run_dir = Path(run_dir)
     if run_dir.is_dir():
         for d in run_dir.iterdir():
-            m = _OURS.fullmatch(d.name)
+            m = ours.fullmatch(d.name)
             if m and d.is_dir():
                 if m.group(1) == "old-" and not (run_dir / m.group(2)).exists() and (d / CONFIG).is_file():
                     os.rename(d, run_dir / m.group(2))
@@ -475,6 +496,14 @@ def _check_average_output(out: Path, inputs: list[Path]) -> None:
         raise AiaynError(f"-o {out} exists and is not an earlier average; choose a new path (it would be replaced)")
 
 
+def _remove_average_leftovers(out: Path) -> None:
+    """The temporaries of an earlier average to `out` that was killed mid-write (the average it was
+    replacing goes back first, to be replaced again): they stayed beside -o for good. A name a
+    training run's checkpoints take is left to that run, which may be writing it now."""
+    if not _OURS.fullmatch(f"{TMP_PREFIX}{out.name}-00000000"):
+        remove_stale_temporaries(out.parent, _temporaries(re.escape(out.name), "old-"))
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", metavar="RUN_DIR", help="a run directory; its last -n step checkpoints are averaged")
@@ -501,6 +530,7 @@ def run(args: argparse.Namespace) -> int:
             raise AiaynError(f"--checkpoint {args.checkpoint} holds no step_<N>/ checkpoints")
         paths = [d for _, d in steps[-args.num:]]
     _check_average_output(Path(args.output), paths)
+    _remove_average_leftovers(Path(args.output))
     out = average_checkpoints(paths, args.output)
     print(f"averaged {len(paths)} checkpoint{'s' if len(paths) > 1 else ''} ({', '.join(p.name for p in paths)}) into {out}")
     return 0

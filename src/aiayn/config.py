@@ -269,6 +269,12 @@ class TrainConfig:
         # from scratch, an empty --valid-src without validation
         for name in PATH_FIELDS:
             need(getattr(self, name) != "", name, "is an empty name (an unset shell variable?); give a path or leave it out")
+        # a run records them as its language pair, which `serve` needs (it refused an empty one only once
+        # the run had trained) and announces, and --split-sentences splits by
+        for name in ("src", "tgt"):
+            code = getattr(self, name)
+            need(code != "" and not any(c.isspace() or not c.isprintable() for c in code), name,
+                 "must be a language code such as de or pt-BR (any code, without spaces)")
         need(16 <= self.vocab_size <= 1_000_000, "vocab_size", "must be between 16 and 1,000,000")
         need(self.spm_model_type in ("bpe", "unigram"), "spm_model_type", "must be 'bpe' or 'unigram'")
         need(self.max_tokens >= 2, "max_tokens", "must be at least 2 (tokens per batch, padding counted)")

@@ -179,10 +179,10 @@ def _file_options(path: str) -> tuple[Any, dict[str, Any], dict[str, Any]]:
     train_names = {f.name for f in dataclasses.fields(TrainConfig)}
     flat: dict[str, Any] = {}
     for k, v in _read_config_file(path).items():
-        if k in ("model", "train") and isinstance(v, dict):
-            flat.update(v)
-        else:
-            flat[k] = v
+        for name, value in (v.items() if k in ("model", "train") and isinstance(v, dict) else [(k, v)]):
+            if name in flat and flat[name] != value:  # top-level and in a table: one of them was dropped unsaid
+                raise AiaynError(f"--config {path}: {name} is set twice, to {flat[name]!r} and {value!r}; keep one")
+            flat[name] = value
     name = flat.pop("preset", None)
     unknown = [k for k in flat if k not in _MODEL_NAMES | train_names]
     if unknown:
@@ -554,7 +554,7 @@ def resumed_settings(loaded: ckpt.Checkpoint, preset_name: str, model_over: dict
     typed = names | {"preset"} if given is None else set(given)
     before = {"preset": loaded.config.get("preset", preset_name), **base.to_dict()}
     now = {"preset": preset_name, **tc.to_dict()}
-    changed = [(k, now[k], before[k]) for k in sorted(typed - FREE_ON_RESUME) if now[k] != before[k]]
+    changed = [(k, now[k], before[k]) for k in sorted(typed - FREE_ON_RESUME) if not _same_setting(k, now[k], before[k])]
     changed += [(k, v, getattr(loaded.model_config, k)) for k, v in sorted(model_over.items())
                 if v != getattr(loaded.model_config, k)]
     if changed:
@@ -565,6 +565,21 @@ def resumed_settings(loaded: ckpt.Checkpoint, preset_name: str, model_over: dict
     _check_same_corpus(base, tc, typed)
     keep = (typed & FREE_ON_RESUME) | {"out", "device"}
     return before["preset"], base.replace(**{k: getattr(tc, k) for k in keep})
+
+
+def _same_setting(name: str, now: Any, before: Any) -> bool:
+    """Whether a setting given on resume is the run's: --init-from names a folder, which `runs/x`,
+    `./runs/x/` and its absolute path all name (compared as text, each was refused as another run's)."""
+    if now == before:
+        return True
+    if name != "init_from" or not (isinstance(now, str) and isinstance(before, str)):
+        return False
+    if os.path.abspath(now) == os.path.abspath(before):
+        return True
+    try:
+        return os.path.samefile(now, before)
+    except OSError:  # one of them is gone: no longer the same folder to tell
+        return False
 
 
 def _check_same_corpus(base: TrainConfig, tc: TrainConfig, typed: Collection[str]) -> None:
@@ -584,10 +599,11 @@ def _check_same_corpus(base: TrainConfig, tc: TrainConfig, typed: Collection[str
 
 
 def _empty_paths_as_read(saved: dict[str, Any]) -> dict[str, Any]:
-    """A saved train config's "" paths as the code that wrote them read them: a run from before ""
-    was refused recorded them, and every one of its checkpoints then failed to resume. "" was a path
-    not given (the default), but for data_dir the current directory (as Path("") is)."""
-    empty = {k for k in PATH_FIELDS if saved.get(k) == ""}
+    """A saved train config's "" paths (and languages) as the code that wrote them read them: a run
+    from before "" was refused recorded them, and every one of its checkpoints then failed to resume.
+    "" was a path not given (the default), but for data_dir the current directory (as Path("") is);
+    an empty language recorded no pair, which the default (de, en) stands for, as for any run's own files."""
+    empty = {k for k in (*PATH_FIELDS, "src", "tgt") if saved.get(k) == ""}
     return {k: v for k, v in saved.items() if k not in empty} | ({"data_dir": "."} if "data_dir" in empty else {})
 
 
@@ -720,8 +736,11 @@ def _set_up(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, loade
     if d.main:
         model_options = {k: v for k, v in mcfg.to_dict().items() if k not in _MODEL_FROM_DATA}  # the model it holds
         # beside, then renamed: a kill mid-write left a torn train.json that every --resume refused
-        atomic_write_bytes(out / "train.json", (json.dumps({"preset": preset_name, "model": model_options,
-                                                            "train": tc.to_dict()}, indent=2) + "\n").encode("utf-8"))
+        try:
+            atomic_write_bytes(out / "train.json", (json.dumps({"preset": preset_name, "model": model_options,
+                                                                "train": tc.to_dict()}, indent=2) + "\n").encode("utf-8"))
+        except OSError as e:
+            raise _write_failed(out / "train.json", e) from None
     _describe(run, info)
     return run
 
@@ -792,7 +811,8 @@ def _fine_tune_start(init_from: str, preset_name: str, model_over: dict[str, Any
             raise AiaynError(f"{shown} (a flag, or the --config file's {k}) cannot be used with --init-from "
                              f"{init_from}: the model, its shape and tokenizer are the checkpoint's; drop it")
     fine_tuned_config(init, model_over)
-    return own.pop("preset"), tc.replace(**own), init
+    # recorded absolute, as the data paths are: --resume from another folder compares it with the one given there
+    return own.pop("preset"), tc.replace(init_from=os.path.abspath(init_from), **own), init
 
 
 def _init_settings(init: ckpt.Checkpoint) -> dict[str, Any]:
@@ -888,8 +908,11 @@ class TrainLog:
         as null, since NaN is not JSON and strict readers (jq, other languages) refuse the line."""
         if self.enabled:
             clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(clean, allow_nan=False) + "\n")
+            try:
+                with open(self.path, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(clean, allow_nan=False) + "\n")
+            except OSError as e:
+                raise _write_failed(self.path, e) from None
 
     def truncate_after(self, step: int) -> None:
         """On resume: drop lines logged after the checkpoint (and a torn last line)."""
@@ -904,8 +927,19 @@ class TrainLog:
             if rec.get("step", 0) <= step:
                 keep.append(line)
         tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(x + "\n" for x in keep), encoding="utf-8")
-        os.replace(tmp, self.path)
+        try:
+            tmp.write_text("".join(x + "\n" for x in keep), encoding="utf-8")
+            os.replace(tmp, self.path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise _write_failed(self.path, e) from None
+
+
+def _write_failed(path: Path, e: OSError) -> AiaynError:
+    """A run's own small file that could not be written (a full disk, a quota): it was a bare "error: No
+    space left on device", naming neither the file nor what to do."""
+    return AiaynError(f"could not write {path} ({e.strerror or e}); free space, then run the same command with "
+                      "--resume (it continues from the last checkpoint)")
 
 
 @dataclass
@@ -1023,12 +1057,13 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
                     _train_epoch(run, stopper, bar)
         finally:
             bar.close()
+    interrupted = _left_to_resume(run)
     summary = {"step": run.trainer.step, "epoch": run.epoch, "best_bleu": run.best_bleu if run.best_bleu >= 0 else None,
                "stop": run.stop_reason, "checkpoint": str(run.last_saved) if run.last_saved else None,
-               "elapsed_s": run.seconds(), "signal": stopper.signum}
+               "elapsed_s": run.seconds(), "signal": stopper.signum if interrupted else None}
     skipped = f" ({run.trainer.skipped} fp16 updates skipped for overflow)" if run.trainer.skipped else ""
     info(f"stopped: {run.stop_reason}; step {run.trainer.step}{skipped}; last checkpoint {run.last_saved}")
-    if stopper.signum is not None:
+    if interrupted:  # (on every rank: a signal to another rank stops this one too)
         info(f"to resume, run: {resume_command(run.out, d.world)}")
     if d.world > 1:
         dist.destroy_process_group()
@@ -1053,15 +1088,33 @@ def _absolute_data_paths(tc: TrainConfig) -> TrainConfig:
 def _stop_if_done(run: Run) -> None:
     """The loop checks its limits after a step; a resumed run that already met one must take none
     (else resuming a finished run trains, saves and logs one step past --max-steps)."""
+    run.stop_reason = _limit_met(run, bool(run.tc.max_minutes) and run.elapsed >= 60 * run.tc.max_minutes)
+
+
+def _limit_met(run: Run, out_of_time: bool) -> str:
+    """The limit the run has met, "" if none: a resume of it would take no step."""
     tc = run.tc
     if tc.max_steps and run.trainer.step >= tc.max_steps:
-        run.stop_reason = f"reached --max-steps {tc.max_steps}"
-    elif tc.max_minutes and run.elapsed >= 60 * tc.max_minutes:
-        run.stop_reason = f"reached --max-minutes {tc.max_minutes}"
-    elif tc.patience and run.bad_epochs >= tc.patience:
-        run.stop_reason = f"no better validation BLEU for {tc.patience} epochs (--patience)"
-    elif tc.max_epochs and run.epoch > tc.max_epochs:
-        run.stop_reason = f"reached --max-epochs {tc.max_epochs}"
+        return f"reached --max-steps {tc.max_steps}"
+    if out_of_time:
+        return f"reached --max-minutes {tc.max_minutes}"
+    if tc.patience and run.bad_epochs >= tc.patience:
+        return f"no better validation BLEU for {tc.patience} epochs (--patience)"
+    if tc.max_epochs and run.epoch > tc.max_epochs:
+        return f"reached --max-epochs {tc.max_epochs}"
+    return ""
+
+
+def _left_to_resume(run: Run) -> bool:
+    """Whether a run stopped by a signal has work left. One that came as the run ended (its last
+    epoch's last step, its final validation) stopped a finished run: its stop is the limit met, not
+    the signal, and a hint to resume would resume nothing."""
+    if not run.stop_reason.startswith("interrupted"):
+        return False
+    tc = run.tc
+    out_of_time, = run.d.any(bool(tc.max_minutes) and run.seconds() >= 60 * tc.max_minutes)  # the ranks agree
+    run.stop_reason = _limit_met(run, out_of_time) or run.stop_reason
+    return run.stop_reason.startswith("interrupted")
 
 
 def _train_epoch(run: Run, stopper: Stopper, bar: Any) -> None:
@@ -1130,10 +1183,10 @@ def _stop_reason_after_step(run: Run, stopper: Stopper) -> str:
     tc, d, signum = run.tc, run.d, stopper.signum
     out_of_time = bool(tc.max_minutes) and run.seconds() >= 60 * tc.max_minutes
     signalled, out_of_time = d.any(signum is not None, out_of_time)  # one all-reduce: a host read on a GPU
+    if tc.max_steps and run.trainer.step >= tc.max_steps:  # the last step, signal or not: it is validated (and
+        return f"reached --max-steps {tc.max_steps}"      # best/ kept) as ever, since a resume takes no step
     if signalled:
         return f"interrupted by {signal.Signals(signum).name if signum else 'a signal'}"
-    if tc.max_steps and run.trainer.step >= tc.max_steps:
-        return f"reached --max-steps {tc.max_steps}"
     if out_of_time:
         return f"reached --max-minutes {tc.max_minutes}"
     return ""
