@@ -315,6 +315,20 @@ def test_average_of_last_n_checkpoints(tmp_path, tok, capsys):
                                 + models[3].state_dict()["encoder.layers.0.ff.w1.weight"]) / 2, rtol=0, atol=1e-6)
 
 
+def test_only_a_runs_own_step_names_are_checkpoints_and_average_takes_none(tmp_path, tok, capsys):
+    """A run names its checkpoints step_<N> without leading zeros: a user's step_05 is not one (it
+    would be resumed from, and pruned), and `average -o RUN/step_N` is refused (the run would take
+    the average for a checkpoint of its own)."""
+    run = tmp_path / "run"
+    for name in ("step_5", "step_05", "step_0"):
+        _save(run / name, _model(tok), tok, step=5)
+    assert [p.name for _, p in ckpt.step_checkpoints(run)] == ["step_0", "step_5"]
+    assert cli_main(["average", "--checkpoint", str(run), "-n", "2", "-o", str(run / "step_7")]) == 2
+    err = capsys.readouterr().err
+    assert "step_<N> is how aiayn train names its checkpoints" in err and err.count("\n") == 1
+    assert not (run / "step_7").exists()
+
+
 def test_average_refuses_mixed_models_and_bad_input(tmp_path, tok, capsys):
     _save(tmp_path / "a", _model(tok), tok)
     _save(tmp_path / "b", _model(tok, d_ff=128), tok)
@@ -351,7 +365,8 @@ def test_average_never_replaces_what_is_not_an_earlier_average(tmp_path, tok, ca
     other = tmp_path / "other" / "step_9"
     _save(other, _model(tok, seed=9), tok, step=9, state={"step": 9})
     assert cli_main(["average", "--inputs", str(run / "step_1"), "-o", str(other)]) == 2
-    assert "is not an earlier average" in capsys.readouterr().err
+    assert "step_<N> is how aiayn train names its checkpoints" in capsys.readouterr().err
+    assert cli_main(["average", "--inputs", str(run / "step_1"), "-o", str(precious / "step_9_avg")]) == 0
     assert cli_main(["average", "--inputs", str(run / "step_1"), str(run / "step_1"), "-o", str(tmp_path / "a2")]) == 2
     assert f"--inputs: {run / 'step_1'} is named twice" in capsys.readouterr().err
     assert (fake / "notes.txt").read_text() == "keep"

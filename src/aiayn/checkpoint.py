@@ -46,7 +46,7 @@ from aiayn.model import Transformer
 
 CONFIG, WEIGHTS, TRAINER_STATE = "config.json", "model.safetensors", "trainer_state.pt"
 TMP_PREFIX = ".tmp-"
-_STEP_RE = re.compile(r"^step_(\d+)$")
+_STEP_RE = re.compile(r"^step_(0|[1-9]\d*)$")  # as a run names them: a user's step_05 is not one (nor pruned)
 
 
 METRIC_KINDS = ("train", "valid")  # the records of a run's metrics.jsonl
@@ -484,6 +484,8 @@ def _check_average_output(out: Path, inputs: list[Path]) -> None:
             raise AiaynError(f"-o {out} is (or holds) {p}, one of the checkpoints being averaged; choose a new path")
         if p.resolve() in real.parents:  # a checkpoint's folder is replaced whole when saved again, or pruned
             raise AiaynError(f"-o {out} is inside {p}, one of the checkpoints being averaged; choose a path outside it")
+    if _STEP_RE.match(out.name):  # a run would take the average for a checkpoint of its own, resume from it, prune it
+        raise AiaynError(f"-o {out}: step_<N> is how aiayn train names its checkpoints; choose another name")
     refuse_symlink_output(out, "-o")
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return
