@@ -225,11 +225,13 @@ def test_clip_norm_clips_the_mean_gradient_the_optimizer_steps_with():
     assert got == pytest.approx(norm, rel=1e-6) and torch.equal(loose, free)
 
 
-def test_fp16_on_a_cpu_is_refused_with_its_message(tmp_path, corpus, capsys):
+def test_fp16_on_a_cpu_is_refused_with_its_message_before_anything_is_prepared(tmp_path, corpus, capsys):
+    """Refused once the device is known, not after the data is prepared (minutes at WMT14 size)."""
     argv = tiny_args(corpus, tmp_path / "run", "--max-steps", "1", "--precision", "fp16", "--device", "cpu")
     assert cli_main(argv) == 2
     assert capsys.readouterr().err == ("aiayn train: error: --precision fp16 needs a CUDA device; "
                                        "use bf16 or fp32 on the CPU\n")
+    assert not (tmp_path / "run" / "data").exists() and not (tmp_path / "run" / "tokenizer").exists()
 
 
 def test_optimizer_and_schedule_settings():

@@ -1023,6 +1023,8 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
     if resume and given is not None and "device" not in given:  # not given anew: where the run ran
         tc = tc.replace(device=_saved_device(Path(tc.out)) or tc.device)
     d = setup_distributed(tc.device)
+    if not resume and tc.precision == "fp16" and d.device.type != "cuda":  # before the data is prepared (minutes)
+        raise AiaynError("--precision fp16 needs a CUDA device; use bf16 or fp32 on the CPU")
     info = (lambda msg: log(msg)) if d.main else (lambda msg: None)
     # An interrupted preparation's abandoned lock and temporaries go first, each machine's own, before
     # any rank looks at --out (a rank that looked meanwhile would see a lock being taken over).
