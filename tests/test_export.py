@@ -325,6 +325,9 @@ def test_evaluate_scores_a_ctranslate2_export_with_its_engine(trained, tmp_path,
                  "--input", str(tmp_path / "src.txt"), "--output", str(tmp_path / "want.txt")]) == 0
     assert (tmp_path / "hyps.txt").read_text(encoding="utf-8") == (tmp_path / "want.txt").read_text(encoding="utf-8")
     assert got["precision"] == "fp32" and "bleu" in got
+    export_ctranslate2(ckpt, tmp_path / "int8", quantization="int8")  # runs int8 by default: so it says
+    assert main(["evaluate", "--engine", "ctranslate2", "--checkpoint", str(tmp_path / "int8"), *files, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["precision"] == "int8"
     capsys.readouterr()
     assert main(["evaluate", "--checkpoint", str(tmp_path / "ct2"), *files]) == 2
     err = capsys.readouterr().err

@@ -237,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
             lines = with_target_token(lines, target_token(src_tok, lang), src_tok)
         hyps = translator.translate(lines, **vars(settings))
         info.update(source=first, checkpoint=args.checkpoint, beam=args.beam, alpha=args.alpha,
-                    precision=args.precision)
+                    precision=translator.precision)  # CTranslate2's: an int8 export's by default
         if args.save_hyps:
             from aiayn.files import write_output_bytes
 
@@ -254,6 +254,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_scores(scores))
         if mode == "translate":
-            print(f"checkpoint: {args.checkpoint}  beam: {args.beam}  alpha: {args.alpha}  precision: {args.precision}",
+            print(f"checkpoint: {args.checkpoint}  beam: {args.beam}  alpha: {args.alpha}  precision: {info['precision']}",
                   file=sys.stdout)
     return 0

@@ -388,6 +388,9 @@ class Translator(BaseTranslator):
         return results
 
 
+_CT2_PRECISION = {"float32": "fp32", "bfloat16": "bf16", "int8": "int8", "float16": "fp16", "int16": "int16"}
+
+
 class CT2Translator(BaseTranslator):
     """Translates text with a CTranslate2 export (`aiayn export --to ctranslate2`).
 
@@ -430,6 +433,8 @@ class CT2Translator(BaseTranslator):
         except (RuntimeError, ValueError) as e:
             raise AiaynError(f"{path}: CTranslate2 cannot load it with precision {precision} "
                              f"({str(e).splitlines()[0]})") from e
+        # what runs: fp32 is the export's own type ("default"), int8 for an `--quantization int8` export
+        self.precision = _CT2_PRECISION.get(self.engine.compute_type.split("_")[0], self.engine.compute_type)
 
     @classmethod
     def from_path(cls, path: str | Path, precision: str = "fp32", **kwargs: Any) -> "CT2Translator":
