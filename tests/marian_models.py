@@ -192,6 +192,34 @@ def multilingual(base: Path, d: Path, codes: list[str]) -> Path:
     return d
 
 
+def separate_shared(base: Path, d: Path) -> Path:
+    """A copy of `base` whose tokenizer has separate vocabularies (separate_vocabs: vocab.json for the
+    source, target_vocab.json for the target) that order their ids differently (the target's puts
+    <pad> first, every other id one later), while the model keeps one shared embedding matrix,
+    which each side indexes with its own ids."""
+    from transformers import MarianMTModel, MarianTokenizer
+
+    vocab = json.loads((base / "vocab.json").read_text(encoding="utf-8"))
+    V = len(vocab)
+    target = {p: (i + 1) % V for p, i in vocab.items()}  # <pad> (last) becomes 0
+    pad, eos = target["<pad>"], target["</s>"]
+    tmp = d / "tok"  # MarianTokenizer reads its files from paths; save_pretrained copies them into d
+    tmp.mkdir(parents=True)
+    for f in ("source.spm", "target.spm", "vocab.json"):
+        (tmp / f).write_bytes((base / f).read_bytes())
+    (tmp / "target_vocab.json").write_text(json.dumps(target, ensure_ascii=False), encoding="utf-8")
+    MarianTokenizer(source_spm=str(tmp / "source.spm"), target_spm=str(tmp / "target.spm"),
+                    vocab=str(tmp / "vocab.json"), target_vocab_file=str(tmp / "target_vocab.json"),
+                    separate_vocabs=True, source_lang="de", target_lang="en").save_pretrained(str(d))
+    model = MarianMTModel.from_pretrained(str(base))
+    for cfg in (model.config, model.generation_config):
+        cfg.pad_token_id = cfg.decoder_start_token_id = pad
+        cfg.eos_token_id = cfg.forced_eos_token_id = eos
+    model.generation_config.suppress_tokens = [pad]
+    model.save_pretrained(str(d))
+    return d
+
+
 FIXTURE = Path(__file__).resolve().parent / "data" / "marian-tiny"  # train_tiny's output, kept in the repository
 
 if __name__ == "__main__":  # regenerate the kept fixture (a few minutes on one core)

@@ -268,3 +268,51 @@ def test_a_hub_name_without_a_network_is_one_line_without_the_hubs_retry_message
     assert rc == 2 and "\n" not in err and "couldn't connect" in err, err
     assert not [r for r in caplog.records if r.name.startswith("huggingface_hub")]  # logged: printed to stderr
     assert logging.getLogger("huggingface_hub").level == level
+
+
+def test_a_directory_without_languages_warns_to_import_again_with_src_and_tgt(tmp_path, capsys):
+    """Without source_lang/target_lang the warning said "pass --src and --tgt for `aiayn serve`", which
+    refuses those flags ("unrecognized arguments"); and `--src de` alone was dropped under a warning
+    that no pair was found. It names the missing side and this command's flags."""
+    import json
+
+    d = tmp_path / "nolang"
+    shutil.copytree(mm.FIXTURE, d)
+    tk = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8"))
+    del tk["source_lang"], tk["target_lang"]
+    (d / "tokenizer_config.json").write_text(json.dumps(tk), encoding="utf-8")
+    for flags, missing in (([], "--src and --tgt not given"), (["--src", "de"], "--tgt not given")):
+        rc, err = _import([str(d), "--out", str(tmp_path / "out"), *flags], capsys)
+        assert rc == 0 and err.count("\n") == 0, err
+        assert missing in err and "import again with --src LANG --tgt LANG" in err, err
+        assert "pass --src and --tgt for `aiayn serve`" not in err
+    rc, err = _import([str(d), "--out", str(tmp_path / "out"), "--src", "de", "--tgt", "en"], capsys)
+    assert rc == 0 and err == "", err
+
+
+def test_separate_vocabularies_over_one_shared_matrix_each_index_it_with_their_own_ids(tmp_path):
+    """separate_vocabs with share_encoder_decoder_embeddings: Marian's one matrix is read by source
+    ids on the encoder side and target ids on the decoder side. Where the two vocabularies order
+    their ids differently, the import shared one matrix in the target's order on both sides, so the
+    encoder read the wrong rows (logits 0.1 off on a random model, other translations here). The
+    matrix becomes two, each row reordered by its side; translations equal `generate`'s."""
+    from transformers import MarianMTModel, MarianTokenizer
+
+    d = mm.separate_shared(mm.FIXTURE, tmp_path / "sep")
+    hf, tok = MarianMTModel.from_pretrained(str(d)).eval(), MarianTokenizer.from_pretrained(str(d))
+    assert tok.separate_vocabs and hf.config.share_encoder_decoder_embeddings
+    lines = _sentences()
+    with torch.no_grad():
+        out = hf.generate(**tok(lines, return_tensors="pt", padding=True), do_sample=False, num_beams=1,
+                          max_length=MAX_B + 2)
+    special = {hf.config.pad_token_id, hf.config.eos_token_id}
+    want = [[i for i in row.tolist() if i not in special] for row in out]
+    model, toks = convert(d, warn=pytest.fail)
+    enc = Translator(model, toks).encode(lines)
+    src = torch.full((len(enc), max(map(len, enc))), PAD_ID)
+    for i, ids in enumerate(enc):
+        src[i, :len(ids)] = torch.tensor(ids)
+    got = [[tok.target_encoder[toks.tgt.id_to_piece(i)] for i in ids]
+           for ids in greedy_search(model, src, BOS_ID, EOS_ID, 0.0, MAX_B)]
+    assert got == want
+    assert not model.cfg.share_embeddings and model.cfg.tie_output

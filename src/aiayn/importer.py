@@ -370,8 +370,11 @@ def read_weights(d: Path) -> dict[str, Tensor]:
 
 
 @torch.no_grad()
-def load_marian_weights(model: Transformer, sd: dict[str, Tensor], src: Side, tgt: Side, file: str) -> None:
-    """Marian's tensors into `model`, hidden features and vocabulary rows permuted to ours."""
+def load_marian_weights(model: Transformer, sd: dict[str, Tensor], src: Side, tgt: Side, file: str,
+                        shared: bool | None = None) -> None:
+    """Marian's tensors into `model`, hidden features and vocabulary rows permuted to ours. `shared`:
+    Marian's encoder and decoder read one matrix (default: as `model` does); with separate
+    vocabularies that order their ids differently, ours are two, each row reordered by its side."""
     cfg, d = model.cfg, model.cfg.d_model
     p = feature_permutation(d)
     used: set[str] = set()
@@ -409,7 +412,7 @@ def load_marian_weights(model: Transformer, sd: dict[str, Tensor], src: Side, tg
     model.tgt_embed.weight[:, p] = tgt_table[tgt.order]
     if not cfg.share_embeddings:
         model.src_embed.weight[:, p] = table(["model.encoder.embed_tokens.weight", "model.shared.weight"], V_src)[src.order]
-    else:
+    if cfg.share_embeddings if shared is None else shared:
         for name in ("model.shared.weight", "model.encoder.embed_tokens.weight"):
             if name in sd and not torch.equal(sd[name].float(), tgt_table):
                 raise AiaynError(f"{file}: {name} differs from the decoder's embeddings, but config.json's "
@@ -505,12 +508,21 @@ def import_marian(source: str | Path, out: str | Path, warn: Any = print, src: s
         tgt = tgt or tk.get("target_lang") or (m.group(2) if m else None)
         langs = {"src": src, "tgt": tgt} if isinstance(src, str) and isinstance(tgt, str) else {}
         if not langs:
-            warn("no language pair found (tokenizer_config.json's source_lang/target_lang); pass --src and --tgt "
-                 "for `aiayn serve`")
+            warn(_no_pair(src, tgt))
         info = {"from": "marian", "source": str(source)}
         _check_out(out, local)  # again: files may have appeared there while the model was read
         save_checkpoint(out, model, tokenizers, {"train": langs, "step": 0, "imported_from": info})
     return out
+
+
+def _no_pair(src: Any, tgt: Any) -> str:
+    """The warning for a checkpoint without a language pair. `aiayn serve` takes no --src/--tgt (it
+    refuses such a checkpoint), so the remedy is this command's flags, and a side that was found
+    is not called missing."""
+    missing = " and ".join(f"--{flag}" for flag, v in (("src", src), ("tgt", tgt)) if not isinstance(v, str))
+    return (f"no language pair recorded: {missing} not given and not found (tokenizer_config.json's "
+            "source_lang/target_lang); `aiayn serve` and `translate --split-sentences` need it: import again with "
+            "--src LANG --tgt LANG")
 
 
 def convert(d: Path, warn: Any = print) -> tuple[Transformer, TokenizerPair]:
@@ -542,10 +554,11 @@ def convert(d: Path, warn: Any = print) -> tuple[Transformer, TokenizerPair]:
     sd = read_weights(d)
     file = "model.safetensors" if (d / "model.safetensors").is_file() else "pytorch_model.bin"
     bias = sd.get("final_logits_bias")
-    cfg = model_config(hf, len(src.order), len(tgt.order), bias is not None and bool(bias.float().abs().sum() > 0),
-                       _source_eos(d))
+    shared = share and src.order == tgt.order  # else Marian's one matrix is indexed by two vocabularies
+    cfg = model_config({**hf, "share_encoder_decoder_embeddings": shared}, len(src.order), len(tgt.order),
+                       bias is not None and bool(bias.float().abs().sum() > 0), _source_eos(d))
     model = Transformer(cfg)
-    load_marian_weights(model, sd, src, tgt, file)
+    load_marian_weights(model, sd, src, tgt, file, share)
     for f in ("source.spm", "target.spm"):
         if not (d / f).is_file():
             raise AiaynError(f"{d / f} is missing; a Marian directory holds source.spm and target.spm")
