@@ -115,6 +115,16 @@ def test_src_file_mode_translates_then_scores(ckpt, tmp_path, capsys):
     assert got["beam"] == 2 and got["precision"] == "fp32"
 
 
+def test_notes_while_translating_name_evaluate(ckpt, tmp_path, capsys):
+    """A source line past the model's positions is cut, and said so by the command that runs: the
+    note said "aiayn translate" under evaluate."""
+    src = ["ein Mann läuft", " ".join(["Hund"] * 400)]
+    s, r = write(tmp_path / "s.txt", src), write(tmp_path / "r.txt", REFS[:2])
+    assert cli.main(["evaluate", "--checkpoint", str(ckpt), "--src-file", s, "--ref-file", r, *FAST]) == 0
+    err = capsys.readouterr().err
+    assert "aiayn evaluate: line 2:" in err and "aiayn translate" not in err, err
+
+
 @pytest.mark.skipif(not os.path.isdir(os.path.join(os.environ.get("AIAYN_DATA", ""), "multi30k")),
                     reason="needs AIAYN_DATA (the Multi30k data root)")
 def test_multi30k_mode(ckpt, capsys):

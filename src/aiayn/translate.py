@@ -688,12 +688,15 @@ def load_translator(args: argparse.Namespace, device: torch.device | None) -> An
     """The translator --checkpoint and --engine name (`Translator`, or `CT2Translator` on an export),
     at --precision on `device` (`engine_device`'s); a CTranslate2 export without --engine ctranslate2
     is a one-line error."""
+    def note(msg: str) -> None:  # in the words of the command running (evaluate's notes said "aiayn translate")
+        print(f"aiayn {getattr(args, 'command', None) or 'translate'}: {msg}", file=sys.stderr, flush=True)
+
     if device is None:
-        return CT2Translator.from_path(args.checkpoint, precision=args.precision)
+        return CT2Translator.from_path(args.checkpoint, precision=args.precision, note=note)
     if all(os.path.isfile(os.path.join(args.checkpoint, f)) for f in ("model.bin", EXPORT_MARKER)):
         raise AiaynError(f"{args.checkpoint} is a CTranslate2 export (aiayn export --to ctranslate2); "
                          "add --engine ctranslate2")
-    return Translator.from_checkpoint(args.checkpoint, precision=args.precision, device=str(device))
+    return Translator.from_checkpoint(args.checkpoint, precision=args.precision, device=str(device), note=note)
 
 
 def _settings(args: argparse.Namespace) -> Settings:
