@@ -151,6 +151,11 @@ def test_multi30k_the_wrong_way_round_is_refused(ckpt, tmp_path, capsys):
     assert cli.main(argv) == 2
     assert capsys.readouterr().err == (f"aiayn evaluate: error: {run} translates de to en (trained on Multi30k), "
                                        "not en to de; use --src de --tgt en\n")
+    cfg["train"] = {"src": "de", "tgt": "en"}  # an import's: its pair from the Marian directory
+    cfg["imported_from"] = {"kind": "marian", "source": "opus-mt-de-en"}
+    (run / "config.json").write_text(json.dumps(cfg))
+    assert cli.main(argv) == 2
+    assert "translates de to en (imported), not en to de" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not os.path.isdir(os.path.join(os.environ.get("AIAYN_DATA", ""), "multi30k")),
