@@ -118,12 +118,16 @@ def test_pre_norm_model_is_refused_for_hf_with_a_clear_error():
         to_marian(model)
 
 
-def test_hf_export_translates_like_aiayn_greedy_and_beam(trained, tmp_path, monkeypatch):
+def test_hf_export_translates_like_aiayn_greedy_and_beam(trained, tmp_path, monkeypatch, capfd):
     transformers = pytest.importorskip("transformers")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     ckpt, model, pair, lines = trained
     out = tmp_path / "hf"
     assert main(["export", "--checkpoint", str(ckpt), "--to", "hf", str(out)]) == 0
+    assert capfd.readouterr().err == ""  # no progress bar of transformers' for a save of one file
+    from transformers.utils import logging as hf_logging
+
+    assert hf_logging.is_progress_bar_enabled()  # and left as it was
     tok = transformers.AutoTokenizer.from_pretrained(out)
     assert isinstance(tok, transformers.MarianTokenizer)
     hf = transformers.AutoModelForSeq2SeqLM.from_pretrained(out).eval()

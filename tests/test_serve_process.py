@@ -212,6 +212,7 @@ def test_bad_flags_and_checkpoints_are_one_line_errors(ckpt, tmp_path):
     (no_lang / "config.json").write_text(json.dumps(cfg))
     r = serve("--checkpoint", str(no_lang))
     assert r.returncode == 2 and "names no source and target language" in r.stderr, r.stderr
+    assert '"train": {"src": "de", "tgt": "en"' in r.stderr and r.stderr.count("\n") == 1  # what to do about it
 
 
 

@@ -29,11 +29,13 @@ conventions, and how:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
@@ -240,6 +242,21 @@ def save_hf_tokenizer(tokenizers: TokenizerPair, out: Path, langs: tuple[str | N
         tok.save_pretrained(str(out))
 
 
+@contextlib.contextmanager
+def _no_progress_bar() -> Iterator[None]:
+    """transformers 5 draws a "Writing model shards" bar for a save of one small file, on stderr
+    between the command's own lines; off while saving, as it was."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
     """Writes a MarianMTModel directory (config, safetensors, generation config, tokenizer) to `out`."""
     from aiayn.checkpoint import load_checkpoint, resolve_checkpoint
@@ -251,7 +268,8 @@ def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
     out = Path(os.path.abspath(out))
     tmp = _fresh_dir(out)
     try:
-        hf.save_pretrained(str(tmp), safe_serialization=True)
+        with _no_progress_bar():
+            hf.save_pretrained(str(tmp), safe_serialization=True)
         train = ck.config.get("train") or {}
         save_hf_tokenizer(ck.tokenizers, tmp, (train.get("src"), train.get("tgt")), ck.model.cfg.max_positions)
         info = {"format": "hf", "aiayn_checkpoint": str(ck.path), "model": ck.model.cfg.to_dict(),

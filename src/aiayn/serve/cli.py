@@ -200,7 +200,10 @@ def load(checkpoint: str, precision: str, stop_rule: str | None = None,
     ckpt = load_checkpoint(resolve_checkpoint(checkpoint))
     pair = language_pair(ckpt.config)
     if pair is None:
-        raise AiaynError(f"{ckpt.path}/config.json names no source and target language (train.src, train.tgt)")
+        how = ("import it again with --src LANG --tgt LANG" if "imported_from" in ckpt.config
+               else 'set them in it, e.g. "train": {"src": "de", "tgt": "en", ...}')
+        raise AiaynError(f"{ckpt.path}/config.json names no source and target language (train.src, train.tgt), "
+                         f"which the server announces; {how}")
     rule = {"stop_rule": stop_rule} if stop_rule else {}
     translator = Translator.from_loaded(ckpt, precision=precision, device=device, note=refuse_long, **rule)
     return translator, pair, str(ckpt.path)
