@@ -250,3 +250,19 @@ def test_an_interrupted_average_leaves_no_temporaries(tmp_path: Path, tok: Token
     assert cli_main(argv) == 0
     assert restored == [True]  # back in place before the new one replaced it
     assert sorted(p.name for p in out.parent.iterdir()) == [".tmp-avg-notes", ".tmp-notes", ".tmp-other-0123abcd", "avg"]
+
+
+def test_an_average_to_old_x_leaves_the_earlier_average_to_x_moved_aside(tmp_path: Path) -> None:
+    """`.tmp-old-avg-*` is both a killed write's temporary of -o old-avg and the earlier average to
+    -o avg moved aside (a kill between `write_dir_atomic`'s renames). `average -o old-avg` removed it,
+    and with it the only copy of avg, which the next `average -o avg` would have put back."""
+    aside = tmp_path / ".tmp-old-avg-0123abcd"
+    aside.mkdir()
+    (aside / ckpt.CONFIG).write_text(json.dumps({"averaged_from": []}))
+    own_old = tmp_path / ".tmp-old-old-avg-89abcdef"  # old-avg's own earlier average, moved aside: goes back
+    own_old.mkdir()
+    (own_old / ckpt.CONFIG).write_text(json.dumps({"averaged_from": []}))
+    ckpt._remove_average_leftovers(tmp_path / "old-avg")
+    assert aside.is_dir() and (tmp_path / "old-avg" / ckpt.CONFIG).is_file() and not own_old.exists()
+    ckpt._remove_average_leftovers(tmp_path / "avg")
+    assert (tmp_path / "avg" / ckpt.CONFIG).is_file() and not aside.exists()

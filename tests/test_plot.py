@@ -110,6 +110,10 @@ def test_positional_encoding_takes_d_model_from_a_checkpoint(tmp_path, run_dir, 
     assert seen == [32]  # the tiny preset's width, read from best/config.json
     svg = out.read_text(encoding="utf-8")
     assert svg.lstrip().startswith("<?xml") and 'width="936pt"' in svg and 'height="360pt"' in svg  # 13 x 5 in
+    # a width beside the checkpoint's was ignored without a word (lr-schedule refuses the same mix)
+    assert main(["plot", "positional-encoding", "--checkpoint", str(run_dir), "--d-model", "64", "-o", str(out)]) == 2
+    assert seen == [32] and out.read_text(encoding="utf-8") == svg
+    assert main(["plot", "positional-encoding", "--max-len", "20", "-o", str(out)]) == 0 and seen == [32, 512]
 
 
 def test_positional_encoding_rejects_bad_settings():

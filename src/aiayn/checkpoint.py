@@ -502,8 +502,12 @@ def _remove_average_leftovers(out: Path) -> None:
     """The temporaries of an earlier average to `out` that was killed mid-write (the average it was
     replacing goes back first, to be replaced again): they stayed beside -o for good. A name a
     training run's checkpoints take is left to that run, which may be writing it now."""
-    if not _OURS.fullmatch(f"{TMP_PREFIX}{out.name}-00000000"):
-        remove_stale_temporaries(out.parent, _temporaries(re.escape(out.name), "old-"))
+    if _OURS.fullmatch(f"{TMP_PREFIX}{out.name}-00000000"):
+        return
+    ours = _temporaries(re.escape(out.name), "old-")
+    if out.name.startswith("old-"):  # `.tmp-old-X-*` is as well the average to X moved aside: X's, not ours to remove
+        ours = re.compile(re.escape(TMP_PREFIX) + f"(old-)({re.escape(out.name)})-[0-9a-f]{{8}}")
+    remove_stale_temporaries(out.parent, ours)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -608,7 +608,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     p = sub.add_parser("positional-encoding", formatter_class=fmt,
                        help="the sinusoidal positional encoding as a heatmap and as curves")
-    p.add_argument("--d-model", type=int, default=512, help="model width (ignored with --checkpoint)")
+    p.add_argument("--d-model", type=int, default=None, help="model width (default 512; not with --checkpoint, whose width it is)")
     p.add_argument("--max-len", type=int, default=100, help="number of positions drawn")
     p.add_argument("--dims", type=int, nargs="+", default=None,
                    help="dimensions drawn as curves (default: a sine/cosine pair near d_model/16, d_model/8, d_model/4)")
@@ -663,8 +663,10 @@ def run(args: argparse.Namespace) -> int:
     image_format(args.output)  # fail on a bad name or --dpi before any work
     check_dpi(args.dpi)
     if args.picture == "positional-encoding":
-        d_model = args.d_model
+        d_model = 512 if args.d_model is None else args.d_model
         if args.checkpoint:
+            if args.d_model is not None:  # (it was ignored without a word; lr-schedule refuses the same mix)
+                raise AiaynError("--d-model and --checkpoint: the checkpoint sets d_model; give one of the two")
             d_model = int(_config_value(_checkpoint_config(args.checkpoint), "model", "d_model", args.checkpoint))
         fig, _ = positional_encoding_figure(d_model, args.max_len, args.dims)
     elif args.picture == "attention":
