@@ -596,3 +596,23 @@ def test_missing_extra_says_what_to_install(trained, tmp_path, monkeypatch, caps
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and package in err and "pip install 'aiayn[export]'" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_ctranslate2_export_of_an_import_records_it(trained, tmp_path):
+    """An import's language pair is its Marian directory's, which evaluate's direction check trusts:
+    the export says it is one (it recorded only the pair, and the check passed it by)."""
+    pytest.importorskip("ctranslate2")
+    import json
+    import shutil
+
+    from aiayn.export import export_ctranslate2
+
+    ckpt = tmp_path / "imported"
+    shutil.copytree(trained[0], ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["imported_from"] = {"kind": "marian", "source": "opus-mt-de-en"}
+    cfg["train"] = {"src": "de", "tgt": "en"}
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    export_ctranslate2(ckpt, tmp_path / "ct2")
+    meta = json.loads((tmp_path / "ct2" / "aiayn.json").read_text())
+    assert meta["imported_from"] == cfg["imported_from"] and meta["train"] == {"src": "de", "tgt": "en"}

@@ -502,3 +502,6 @@ def test_lines_ended_by_a_carriage_return_alone_are_named_as_such(tmp_path):
     src.write_bytes(b"ein\rhund\nzwei katzen\ndrei\n")
     tgt.write_text("a dog\ntwo cats\nthree\n")
     assert P.scan_parallel(src, tgt, 10, 1).lines == 3 and read_parallel(src, tgt)[0][0] == "ein\rhund"
+    src.write_bytes(b"ein\rhund\n")  # a one-sentence pair with a stray \r is text too (review)
+    tgt.write_text("a dog\n")
+    assert P.scan_parallel(src, tgt, 10, 1).lines == 1 and read_parallel(src, tgt)[0] == ["ein\rhund"]

@@ -326,3 +326,11 @@ def test_a_request_head_h11_cannot_read_is_answered_in_json_and_a_long_one_is_a_
             assert top.startswith(b"HTTP/1.1 %d " % status) and b"content-type: application/json" in top.lower(), reply
             assert words in httpx.Response(status, content=body).json()["error"], reply
         assert _metric(base, 'aiayn_requests_total{path="other",status="431"}') == 1
+
+
+def test_an_app_whose_body_memory_cannot_hold_its_largest_body_is_refused_when_made(de_en):
+    """Built without the command line (which checks --max-body-memory), such limits answered every
+    large body with a 503 "retry shortly" for ever."""
+    with pytest.raises(ValueError, match="max_body_memory_mib"):
+        create_app(de_en, Limits(max_lines=100, max_chars=300_000, max_body_memory_mib=256), ("de", "en"))
+    create_app(de_en, Limits(max_lines=100, max_chars=200_000, max_body_memory_mib=256), ("de", "en"))

@@ -398,7 +398,10 @@ def export_ctranslate2(checkpoint: str | Path, out: str | Path, quantization: st
     train = ck.config.get("train") or {}
     # the languages (`translate --split-sentences`) and the corpus (`evaluate --data`'s direction check)
     pair = {k: train[k] for k in ("src", "tgt", "data") if isinstance(train.get(k), str)}
-    return to_ctranslate2(ck.model, ck.tokenizers, out, quantization, {"aiayn_checkpoint": str(ck.path), "train": pair})
+    meta = {"aiayn_checkpoint": str(ck.path), "train": pair}
+    if "imported_from" in ck.config:  # an import's pair is its Marian directory's: the direction check trusts it
+        meta["imported_from"] = ck.config["imported_from"]
+    return to_ctranslate2(ck.model, ck.tokenizers, out, quantization, meta)
 
 
 # ------------------------------------------------------------------------------------- helpers

@@ -132,7 +132,7 @@ def scan_parallel(src_path: Path, tgt_path: Path, sample_size: int, seed: int) -
     for path, other in ((src_path, tgt_path), (tgt_path, src_path)):
         if count[path] == blank[path][1]:
             raise AiaynError(f"{path}: file is empty")
-        if cr_line_ends(count[path], cr[path], count[other]):
+        if cr_line_ends(count[path], cr[path], count[other], cr[other]):
             raise cr_line_end_error(path, cr[path])
     if count[src_path] != count[tgt_path]:
         raise line_count_error(src_path, count[src_path], tgt_path, count[tgt_path])

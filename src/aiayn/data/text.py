@@ -70,10 +70,10 @@ Example = tuple[list[int], list[int]]  # (source ids, EOS-ended if the model say
 def read_parallel(src_path: str | os.PathLike[str], tgt_path: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
     """Aligned source and target lines; AiaynError on different line counts or a blank line."""
     src, tgt = read_lines(src_path), read_lines(tgt_path)
+    cr = {id(lines): next((i for i, s in enumerate(lines, 1) if "\r" in s), 0) for lines in (src, tgt)}
     for path, lines, other in ((src_path, src, tgt), (tgt_path, tgt, src)):
-        cr = next((i for i, s in enumerate(lines, 1) if "\r" in s), 0)
-        if cr_line_ends(len(lines), cr, len(other)):
-            raise cr_line_end_error(path, cr)
+        if cr_line_ends(len(lines), cr[id(lines)], len(other), cr[id(other)]):
+            raise cr_line_end_error(path, cr[id(lines)])
     if len(src) != len(tgt):
         raise line_count_error(src_path, len(src), tgt_path, len(tgt))
     for path, lines in ((src_path, src), (tgt_path, tgt)):
@@ -91,11 +91,12 @@ def line_count_error(src_path: object, n_src: int, tgt_path: object, n_tgt: int)
     )
 
 
-def cr_line_ends(lines: int, first_cr: int, other_lines: int) -> bool:
+def cr_line_ends(lines: int, first_cr: int, other_lines: int, other_cr: int) -> bool:
     """Whether a file of `lines` lines, the first holding a carriage return at line `first_cr` (1-based,
     0: none), ends its lines in \\r alone (classic Mac): it reads as fewer lines than its
-    translation, or as one. Only then: a stray \\r inside a sentence is text."""
-    return bool(first_cr) and (lines == 1 or lines < other_lines)
+    translation (`other_lines`, its first \\r at `other_cr`), or both read as one line holding one.
+    Only then: a stray \\r inside a sentence is text, a one-sentence pair's too."""
+    return bool(first_cr) and (lines < other_lines or lines == other_lines == 1 and bool(other_cr))
 
 
 def cr_line_end_error(path: object, line: int) -> AiaynError:
