@@ -696,3 +696,64 @@ def test_an_option_set_twice_in_a_config_file_is_refused(tmp_path, corpus, capsy
     assert err.count("\n") == 1 and not out.exists()
     config.write_text("max_tokens = 160\n[train]\nmax_tokens = 160\n", encoding="utf-8")  # the same value twice: fine
     assert cli_main([*args[:1], "--config", str(config), *args[1:]]) == 0
+
+
+@pytest.mark.parametrize("why", ["a missing data file", "a pair Multi30k lacks", "--tokens-per-update", "--data-bin"])
+def test_a_run_refused_after_making_out_leaves_no_folder_behind(tmp_path, corpus, capsys, why):
+    """Refusals found once --out was made (the data, the size of a step) left it behind, empty, with the
+    parents it made: a refused run leaves the file system as it found it (an --out already there stays)."""
+    out = tmp_path / "new" / "run"
+    tiny = ["--preset", "tiny", "--out", str(out)]
+    args = {"a missing data file": tiny_args({**corpus, "train_src": str(tmp_path / "missing.src")}, out),
+            "a pair Multi30k lacks": ["train", "--data", "multi30k", "--src", "de", "--tgt", "ja", *tiny],
+            "--tokens-per-update": tiny_args(corpus, out, "--tokens-per-update", "100"),
+            "--data-bin": ["train", "--data-bin", str(tmp_path / "none"), *tiny]}[why]
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("aiayn train: error: ") and err.count("\n") == 1, err
+    assert not (tmp_path / "new").exists()
+    out.mkdir(parents=True)  # the user's own (empty) folder
+    assert cli_main(args) == 2
+    assert out.is_dir() and not any(out.iterdir())
+
+
+def test_resume_with_only_out_starts_a_run_left_without_checkpoint_on_its_train_json(tmp_path, corpus, capsys):
+    """A run stopped before its first checkpoint (a second Ctrl-C during its final validation, a kill)
+    leaves train.json with every setting; `--out RUN --resume` said "nothing to resume ... starting a new
+    run" and failed on "no training data": the new start takes the settings recorded there."""
+    import shutil
+
+    from test_train import weights
+
+    out = tmp_path / "run"
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "1")) == 0
+    first = weights(out, 1)
+    for name in ("step_1", "best"):
+        shutil.rmtree(out / name)
+    capsys.readouterr()
+    assert cli_main(["train", "--out", str(out), "--resume"]) == 0, capsys.readouterr().err
+    again = weights(out, 1)
+    assert first.keys() == again.keys() and all(first[k].equal(again[k]) for k in first)  # every setting the same
+
+
+def test_fine_tuning_keeps_pairs_within_the_checkpoints_table_of_positions(tmp_path, corpus, capsys):
+    """A model whose table holds P positions (an imported Marian model's max_position_embeddings)
+    translates sources of P tokens with their EOS, and an export decodes at most P: fine-tuned with the
+    default --max-len 256, it trained on positions it never translates, without a word. The default is
+    capped at P - 1 with a note; a --max-len given past it is refused."""
+    base, tuned = tmp_path / "base", tmp_path / "tuned"
+    assert cli_main(tiny_args(corpus, base, "--max-steps", "1", "--max-positions", "9")) == 0
+    args = tiny_args(corpus, tuned, "--max-steps", "1", "--init-from", str(base / "step_1"))
+    for flag in ("--preset", "--vocab-size"):  # the checkpoint decides them
+        i = args.index(flag)
+        del args[i : i + 2]
+    capsys.readouterr()
+    assert cli_main([*args, "--max-len", "20"]) == 2
+    assert capsys.readouterr().err == (f"aiayn train: error: --max-len 20: --init-from {base / 'step_1'} has a table of "
+                                       "9 positions, which holds pairs of at most 8 tokens a side (the source's EOS, "
+                                       "the target's BOS); give --max-len 8 or less\n")
+    assert not tuned.exists()
+    assert cli_main(args) == 0
+    text = capsys.readouterr().out
+    assert "note: --max-len 8, not 256: " in text and "as longer than 8 tokens" in text, text
+    assert json.loads((tuned / "train.json").read_text(encoding="utf-8"))["train"]["max_len"] == 8

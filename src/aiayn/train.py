@@ -21,8 +21,10 @@ and about as many tokens (aiayn.data.batching), and only rank 0 validates and wr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import errno
+import itertools
 import json
 import math
 import os
@@ -36,7 +38,7 @@ import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Collection
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator
 
 import torch
 import torch.distributed as dist
@@ -196,7 +198,11 @@ def _options_given(args: argparse.Namespace) -> tuple[str | None, dict[str, Any]
     train_names = {f.name for f in dataclasses.fields(TrainConfig)}
     if args.config == "":  # `--config "$RECIPE"` with RECIPE unset trained on the defaults without a word
         raise AiaynError("--config is an empty name (an unset shell variable?); give a file or leave it out")
-    name, model_over, train_over = _file_options(args.config) if args.config else (None, {}, {})
+    recorded = None if args.config else _recorded_settings(args)
+    config = args.config or recorded
+    name, model_over, train_over = _file_options(config) if config else (None, {}, {})
+    if recorded:  # the folder it is in, whatever it says (a run moved)
+        train_over["out"] = str(Path(recorded).parent)
     if getattr(args, "resume", False):  # a run's own train.json, from before "" was refused
         train_over = _empty_paths_as_read(train_over)
     if args.preset is not None:  # an explicit flag beats the file
@@ -209,6 +215,23 @@ def _options_given(args: argparse.Namespace) -> tuple[str | None, dict[str, Any]
         train_over[k] = getattr(args, k)
     _flagged_corpus_wins(train_over, flagged)
     return name, model_over, train_over
+
+
+def _recorded_settings(args: argparse.Namespace) -> str | None:
+    """RUN/train.json for `--out RUN --resume` without --config where RUN holds no checkpoint but a run's
+    train.json (stopped before its first: a second Ctrl-C, a kill): the new start takes every setting recorded
+    there, as `--config RUN/train.json --resume` does (it started from the defaults: "no training data")."""
+    if not getattr(args, "resume", False):
+        return None
+    out = Path(getattr(args, "out", TrainConfig.out))
+    path = out / "train.json"
+    if ckpt.step_checkpoints(out) or not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # `_check_early_files` names it
+    return str(path) if _is_train_json(saved) else None
 
 
 CORPUS_KINDS = (("data",), ("data_bin",), ("train_src", "train_tgt", "valid_src", "valid_tgt"))  # one per run
@@ -459,6 +482,13 @@ def _foreign_metrics_line(text: str) -> int | None:
 _TRAIN_JSON_FIELDS = frozenset({"out", "seed", "max_tokens", "label_smoothing", "warmup"})
 
 
+def _is_train_json(saved: Any) -> bool:
+    """Whether `saved` (a train.json's JSON) is recognisably a run's own: a preset, a model and its settings."""
+    settings = saved.get("train") if isinstance(saved, dict) else None
+    return (isinstance(saved, dict) and isinstance(saved.get("preset"), str) and isinstance(saved.get("model"), dict)
+            and isinstance(settings, dict) and _TRAIN_JSON_FIELDS <= set(settings))
+
+
 def _check_early_files(out: Path, held: list[str]) -> None:
     """Starting again rewrites train.json and metrics.jsonl: refuse unless both are recognisably a
     run's own (train.json with its fields; metrics lines of kind train/valid with a step, the last
@@ -475,9 +505,7 @@ def _check_early_files(out: Path, held: list[str]) -> None:
             raise foreign(out / next(n for n in held if n.startswith("metrics.jsonl")), "no train.json beside it") from None
         except (OSError, ValueError) as e:
             raise foreign(train_json, f"not readable JSON: {e}") from None
-        settings = saved.get("train") if isinstance(saved, dict) else None
-        if not (isinstance(saved, dict) and isinstance(saved.get("preset"), str) and isinstance(saved.get("model"), dict)
-                and isinstance(settings, dict) and _TRAIN_JSON_FIELDS <= set(settings)):
+        if not _is_train_json(saved):
             raise foreign(train_json, "no preset, model and train settings")
     for name in ("metrics.jsonl", "metrics.jsonl.tmp"):
         if name not in held:
@@ -773,11 +801,11 @@ def _new_model_config(preset_name: str, model_over: dict[str, Any], tc: TrainCon
     return preset(preset_name, src_vocab_size=vocab[0], tgt_vocab_size=vocab[1], **over)
 
 
-def _start(preset_name: str, model_over: dict[str, Any], tc: TrainConfig,
-           given: Collection[str] | None) -> tuple[str, TrainConfig, ckpt.Checkpoint | None]:
+def _start(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, given: Collection[str] | None,
+           note: Log) -> tuple[str, TrainConfig, ckpt.Checkpoint | None]:
     """A new run's (preset, settings, --init-from checkpoint), checked before its data is prepared."""
     if tc.init_from:
-        return _fine_tune_start(tc.init_from, preset_name, model_over, tc, given)
+        return _fine_tune_start(tc.init_from, preset_name, model_over, tc, given, note)
     _check_model_options(preset_name, model_over, tc)
     return preset_name, tc, None
 
@@ -796,7 +824,7 @@ def _options_set(tc: TrainConfig, preset_name: str, given: Collection[str] | Non
 
 
 def _fine_tune_start(init_from: str, preset_name: str, model_over: dict[str, Any], tc: TrainConfig,
-                     given: Collection[str] | None) -> tuple[str, TrainConfig, ckpt.Checkpoint]:
+                     given: Collection[str] | None, note: Log = print) -> tuple[str, TrainConfig, ckpt.Checkpoint]:
     """--init-from `init_from`: the checkpoint, which decides the model and tokenizer: an option for them is
     refused (it would be ignored, yet recorded in the run's settings) unless it is the checkpoint's own
     (a run's recipe file, as `configs/multi30k.toml`, fine-tuning that run)."""
@@ -811,8 +839,27 @@ def _fine_tune_start(init_from: str, preset_name: str, model_over: dict[str, Any
             raise AiaynError(f"{shown} (a flag, or the --config file's {k}) cannot be used with --init-from "
                              f"{init_from}: the model, its shape and tokenizer are the checkpoint's; drop it")
     fine_tuned_config(init, model_over)
+    tc = _within_positions(tc, init, init_from, "max_len" in typed, note)
     # recorded absolute, as the data paths are: --resume from another folder compares it with the one given there
     return own.pop("preset"), tc.replace(init_from=os.path.abspath(init_from), **own), init
+
+
+def _within_positions(tc: TrainConfig, init: ckpt.Checkpoint, init_from: str, given: bool, note: Log) -> TrainConfig:
+    """--max-len within the table of positions --init-from's model keeps (a fine-tuned model keeps its shape): P
+    positions hold pairs of P - 1 tokens a side (the source's EOS, the target's BOS), as `translate` cuts sources
+    and an export decodes. Past it (an imported Marian model's 40, say), the run trained on positions the model
+    never translates, without a word: a --max-len given (`given`) is refused, the default one capped."""
+    positions = init.model_config.max_positions
+    fits = max(1, positions - 1)
+    if tc.max_len <= fits:
+        return tc
+    if given:
+        raise AiaynError(f"--max-len {tc.max_len}: --init-from {init_from} has a table of {positions} positions, which "
+                         f"holds pairs of at most {fits} tokens a side (the source's EOS, the target's BOS); give "
+                         f"--max-len {fits} or less")
+    note(f"note: --max-len {fits}, not {tc.max_len}: the model of --init-from {init_from} has {positions} positions; "
+         f"longer pairs are {'cut' if tc.long == 'truncate' else 'skipped'}")
+    return tc.replace(max_len=fits)
 
 
 def _init_settings(init: ckpt.Checkpoint) -> dict[str, Any]:
@@ -1012,13 +1059,14 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
     `resumed_settings`; `given` names the options set on the command line, None: all of `tc`).
     """
     init = None
+    notes: list[str] = []  # of the checks made before the processes know which one is the main one
     if tc.init_from:
         tc = _init_language_pair(tc.init_from, tc, preset_name, given)
     if not resume:
         tc.check_cooldown()  # before anything is written
         check_corpus(tc)
         check_patience(tc)
-        preset_name, tc, init = _start(preset_name, model_over, tc, given)
+        preset_name, tc, init = _start(preset_name, model_over, tc, given, notes.append)
     memory.cap_onednn_caches()  # before the first bf16 matmul
     if resume and given is not None and "device" not in given:  # not given anew: where the run ran
         tc = tc.replace(device=_saved_device(Path(tc.out)) or tc.device)
@@ -1026,26 +1074,29 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
     if not resume and tc.precision == "fp16" and d.device.type != "cuda":  # before the data is prepared (minutes)
         raise AiaynError("--precision fp16 needs a CUDA device; use bf16 or fp32 on the CPU")
     info = (lambda msg: log(msg)) if d.main else (lambda msg: None)
+    for msg in notes:
+        info(msg)
     # An interrupted preparation's abandoned lock and temporaries go first, each machine's own, before
     # any rank looks at --out (a rank that looked meanwhile would see a lock being taken over).
     d.agree(lambda: _remove_abandoned_preparation(Path(tc.out)) if d.local == 0 else None)
-    existing = d.agree(lambda: _open_run_dir(Path(tc.out), resume, d))
-    # Rank 0 decides what the run resumes from and sends it to every rank: the machines may not share
-    # --out, and only rank 0 writes checkpoints (DDP then copies rank 0's weights at start-up anyway).
-    loaded = d.from_main(lambda: _load_newest(existing, info) if resume and existing else None)
-    if loaded:
-        preset_name, tc = resumed_settings(loaded, preset_name, model_over, tc, given)
-        info(f"resuming from {loaded.path}")
-    elif resume:
-        info(f"nothing to resume in {tc.out}; starting a new run")
-        preset_name, tc, init = _start(preset_name, model_over, tc, given)
-    if resume:
-        tc.check_cooldown()  # on the settings the run continues with (a fresh run was checked above)
-        check_patience(tc)
-    tc = with_update_freq(_absolute_data_paths(tc), d.world, given is not None and "update_freq" in given)
-    if tc.threads:
-        torch.set_num_threads(tc.threads)
-    run = _set_up(preset_name, model_over, tc, loaded, init, d, info)
+    with _removed_if_left_empty(Path(tc.out), d.local == 0):  # a refusal found below leaves no empty --out
+        existing = d.agree(lambda: _open_run_dir(Path(tc.out), resume, d))
+        # Rank 0 decides what the run resumes from and sends it to every rank: the machines may not share
+        # --out, and only rank 0 writes checkpoints (DDP then copies rank 0's weights at start-up anyway).
+        loaded = d.from_main(lambda: _load_newest(existing, info) if resume and existing else None)
+        if loaded:
+            preset_name, tc = resumed_settings(loaded, preset_name, model_over, tc, given)
+            info(f"resuming from {loaded.path}")
+        elif resume:
+            info(f"nothing to resume in {tc.out}; starting a new run")
+            preset_name, tc, init = _start(preset_name, model_over, tc, given, info)
+        if resume:
+            tc.check_cooldown()  # on the settings the run continues with (a fresh run was checked above)
+            check_patience(tc)
+        tc = with_update_freq(_absolute_data_paths(tc), d.world, given is not None and "update_freq" in given)
+        if tc.threads:
+            torch.set_num_threads(tc.threads)
+        run = _set_up(preset_name, model_over, tc, loaded, init, d, info)
     if not loaded:
         _warn_default_pair(tc, preset_name, given, info)
     with Stopper() as stopper:
@@ -1074,6 +1125,24 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
 
 # the data paths a run records, which it reads again on --resume (the text is checked against its prepared copy)
 _DATA_PATHS = tuple(k for k in PATH_FIELDS if k not in ("init_from", "out"))
+
+
+@contextlib.contextmanager
+def _removed_if_left_empty(out: Path, makes: bool) -> Iterator[None]:
+    """The folders up to --out that this process will make (`makes`: each machine's first), removed
+    again, deepest first, where a run that fails before its first file leaves them empty: a missing
+    data file, a --data-bin that is none or a --tokens-per-update too small shows only once --out was
+    made, and left it behind (a folder that was there stays; one holding anything is never touched)."""
+    made = list(itertools.takewhile(lambda p: not os.path.lexists(p), (out, *out.parents))) if makes else []
+    try:
+        yield
+    except BaseException:
+        for p in made:
+            try:
+                p.rmdir()
+            except OSError:  # not empty (the data prepared for --resume), or not made after all
+                break
+        raise
 
 
 def _absolute_data_paths(tc: TrainConfig) -> TrainConfig:
