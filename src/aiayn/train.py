@@ -98,7 +98,7 @@ _HELP = {
     "adam_eps": "Adam epsilon",
     "label_smoothing": "label smoothing of the cross entropy",
     "clip_norm": "clip the gradient norm to this value (0: off)",
-    "precision": "auto (bf16 autocast on a CPU with oneDNN bf16 kernels (AVX-512, AMX), else fp32; bf16 or fp16 + "
+    "precision": "auto (bf16 autocast on a CPU with oneDNN bf16 kernels (AVX-512 or AVX2-VNNI-2), else fp32; bf16 or fp16 + "
                  "gradient scaler on CUDA), fp32, bf16, fp16",
     "device": "auto, cpu or cuda[:N]",
     "compile": "torch.compile each encoder and decoder layer: fused element-wise work, compiled once per stack "
