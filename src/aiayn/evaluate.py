@@ -162,8 +162,8 @@ def _inputs(args: argparse.Namespace) -> tuple[str, str, list[str]]:
 
 def _check_direction(args: argparse.Namespace) -> None:
     """--data multi30k --src/--tgt against the pair a Multi30k checkpoint (or its CTranslate2 export)
-    was trained on, or an import's (its languages come from the Marian directory or --src/--tgt):
-    the other way round it would be scored, near 0 BLEU, without a word. Other checkpoints are not
+    was trained on, or the reverse of an import's (its languages come from the Marian directory or
+    --src/--tgt): the other way round it would be scored, near 0 BLEU, without a word. Other checkpoints are not
     checked (a run from raw text records the defaults de/en when it was given no languages)."""
     from aiayn.checkpoint import language_pair, recorded_config
 
@@ -175,8 +175,11 @@ def _check_direction(args: argparse.Namespace) -> None:
     if not isinstance(train, dict):
         return
     pair = language_pair(cfg)
+    # an import is held to the reverse of its pair only: a multilingual model's pair names one of its
+    # targets (--tgt picks another by its >>xx<< token), or "mul" for many sources
     how = "trained on Multi30k" if train.get("data") == "multi30k" else "imported" if "imported_from" in cfg else None
-    if pair is not None and how and pair != (args.src, args.tgt):
+    wrong = pair != (args.src, args.tgt) if how == "trained on Multi30k" else pair == (args.tgt, args.src) != (args.src, args.tgt)
+    if pair is not None and how and wrong:
         raise AiaynError(f"{args.checkpoint} translates {pair[0]} to {pair[1]} ({how}), "
                          f"not {args.src} to {args.tgt}; use --src {pair[0]} --tgt {pair[1]}")
 
