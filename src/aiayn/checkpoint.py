@@ -402,11 +402,11 @@ def prune_checkpoints(run_dir: str | Path, keep_last: int, upto: int | None = No
         shutil.rmtree(gone, ignore_errors=True)
 
 
-def _temporaries(names: str, kinds: str = "old-|pruned-") -> re.Pattern[str]:
-    """The names of the temporaries `write_dir_atomic` (old: a replaced checkpoint) and
-    `prune_checkpoints` (pruned) make for checkpoints named by the regex `names`: the prefix, the kind,
-    the checkpoint's name and 8 hex digits."""
-    return re.compile(re.escape(TMP_PREFIX) + f"({kinds})?({names})-[0-9a-f]{{8}}")
+def _temporaries(names: str, kinds: str = "old-|pruned-", kind_needed: bool = False) -> re.Pattern[str]:
+    """The names of the temporaries `write_dir_atomic` (old: a replaced checkpoint; none: the one being
+    written, unless `kind_needed`) and `prune_checkpoints` (pruned) make for checkpoints named by the
+    regex `names`: the prefix, the kind, the checkpoint's name and 8 hex digits."""
+    return re.compile(re.escape(TMP_PREFIX) + f"({kinds}){'' if kind_needed else '?'}({names})-[0-9a-f]{{8}}")
 
 
 _OURS = _temporaries(r"step_\d+|best")  # those of a training run's directory
@@ -504,9 +504,8 @@ def _remove_average_leftovers(out: Path) -> None:
     training run's checkpoints take is left to that run, which may be writing it now."""
     if _OURS.fullmatch(f"{TMP_PREFIX}{out.name}-00000000"):
         return
-    ours = _temporaries(re.escape(out.name), "old-")
-    if out.name.startswith("old-"):  # `.tmp-old-X-*` is as well the average to X moved aside: X's, not ours to remove
-        ours = re.compile(re.escape(TMP_PREFIX) + f"(old-)({re.escape(out.name)})-[0-9a-f]{{8}}")
+    # `.tmp-old-X-*` is as well the average to X moved aside: X's, not ours to remove
+    ours = _temporaries(re.escape(out.name), "old-", kind_needed=out.name.startswith("old-"))
     remove_stale_temporaries(out.parent, ours)
 
 

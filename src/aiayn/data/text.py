@@ -70,10 +70,10 @@ Example = tuple[list[int], list[int]]  # (source ids, EOS-ended if the model say
 def read_parallel(src_path: str | os.PathLike[str], tgt_path: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
     """Aligned source and target lines; AiaynError on different line counts or a blank line."""
     src, tgt = read_lines(src_path), read_lines(tgt_path)
-    cr = {id(lines): next((i for i, s in enumerate(lines, 1) if "\r" in s), 0) for lines in (src, tgt)}
-    for path, lines, other in ((src_path, src, tgt), (tgt_path, tgt, src)):
-        if cr_line_ends(len(lines), cr[id(lines)], len(other), cr[id(other)]):
-            raise cr_line_end_error(path, cr[id(lines)])
+    cr = [next((i for i, s in enumerate(lines, 1) if "\r" in s), 0) for lines in (src, tgt)]  # first \r a side
+    for path, lines, other, (mine, theirs) in ((src_path, src, tgt, cr), (tgt_path, tgt, src, cr[::-1])):
+        if cr_line_ends(len(lines), mine, len(other), theirs):
+            raise cr_line_end_error(path, mine)
     if len(src) != len(tgt):
         raise line_count_error(src_path, len(src), tgt_path, len(tgt))
     for path, lines in ((src_path, src), (tgt_path, tgt)):

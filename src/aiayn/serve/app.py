@@ -404,7 +404,7 @@ def create_app(models: Any, limits: Limits, languages: tuple[str, str] | None = 
         if languages is None:
             raise ValueError("create_app(translator, ...) needs the pair it translates: languages=(source, target)")
         models = [Model(models, languages[0], languages[1], checkpoint)]
-    if limits.max_body_memory_mib << 20 < limits.max_body:  # else every large body is a 503 "retry shortly", for ever
+    if not limits.holds_largest_body():  # else every large body is a 503 "retry shortly", for ever
         raise ValueError(f"Limits.max_body_memory_mib ({limits.max_body_memory_mib}) must hold the largest body "
                          f"({limits.max_body} bytes: max_lines x max_chars x 12 + 64 KiB)")
     srv = Server(models, limits, api_keys)

@@ -96,10 +96,10 @@ def _limits(args: argparse.Namespace) -> Limits:
     if args.max_client_lines < args.max_lines:
         raise AiaynError(f"--max-client-lines ({args.max_client_lines}) must be at least --max-lines "
                          f"({args.max_lines}): a client's request must fit")
-    body = Limits(max_lines=args.max_lines, max_chars=args.max_chars).max_body
-    if args.max_body_memory << 20 < body:
+    bodies = Limits(max_lines=args.max_lines, max_chars=args.max_chars, max_body_memory_mib=args.max_body_memory)
+    if not bodies.holds_largest_body():
         raise AiaynError(f"--max-body-memory ({args.max_body_memory} MiB) must hold the largest body, --max-lines x "
-                         f"--max-chars x 12 + 64 KiB ({body / 2**20:.1f} MiB): raise it, or lower those")
+                         f"--max-chars x 12 + 64 KiB ({bodies.max_body / 2**20:.1f} MiB): raise it, or lower those")
     if not 0 <= args.max_wait_ms < 60_000:
         raise AiaynError(f"--max-wait-ms must be between 0 and 60000, got {args.max_wait_ms}")
     if not 0 < args.max_share <= 1:

@@ -73,13 +73,16 @@ class Limits:
     body_timeout_s: float = 30.0  # time to send a request body (more: 408)
     shutdown_timeout_s: int = 30  # on SIGTERM, how long requests in flight may finish
 
-
     @property
     def max_body(self) -> int:
         """The largest request body, in bytes: every line at its longest with each character escaped
         as JSON or a form may write it (12 bytes: "\\uXXXX" twice past U+FFFF, a form's %XX per UTF-8
         byte), plus the JSON's own overhead."""
         return self.max_lines * self.max_chars * 12 + SMALL_BODY
+
+    def holds_largest_body(self) -> bool:
+        """Whether max_body_memory_mib holds one body of `max_body` (else every large body is a 503)."""
+        return self.max_body_memory_mib << 20 >= self.max_body
 
 
 SMALL_BODY = 1 << 16  # a body this small is never refused for --max-body-memory (--max-connections bound them)
