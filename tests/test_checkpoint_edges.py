@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -266,3 +270,64 @@ def test_an_average_to_old_x_leaves_the_earlier_average_to_x_moved_aside(tmp_pat
     assert aside.is_dir() and (tmp_path / "old-avg" / ckpt.CONFIG).is_file() and not own_old.exists()
     ckpt._remove_average_leftovers(tmp_path / "avg")
     assert (tmp_path / "avg" / ckpt.CONFIG).is_file() and not aside.exists()
+
+
+# `aiayn average` to argv[4] of argv[3]'s newest checkpoint, held mid-write (weights written, the rest not)
+# until the file argv[2] appears; argv[1] says it got there. Bounded: it goes on by itself after 120 s.
+_HELD_AVERAGE = """
+import sys, time
+from pathlib import Path
+import aiayn.checkpoint as ckpt
+from aiayn.cli import main
+ready, go, run, out = sys.argv[1:]
+real = ckpt.save_file
+def held(*a, **kw):
+    real(*a, **kw)
+    Path(ready).touch()
+    end = time.time() + 120
+    while not Path(go).exists() and time.time() < end:
+        time.sleep(0.05)
+ckpt.save_file = held
+sys.exit(main(["average", "--checkpoint", run, "-n", "1", "-o", out]))
+"""
+
+
+def _until(done: Callable[[], bool], timeout: float = 120) -> None:
+    end = time.time() + timeout
+    while not done() and time.time() < end:
+        time.sleep(0.05)
+
+
+def test_two_averages_to_one_output_at_once_take_turns(tmp_path: Path, tok: TokenizerPair) -> None:
+    """Two `aiayn average -o X` at once: the second removed the first's temporary as a killed one's
+    leftover, and the first, writing on into a folder made anew, put a checkpoint without weights at X.
+    The second now waits for the first, then replaces its average: both succeed, and X is the second's."""
+    v = tok.src.vocab_size
+    run, out, ready, go = tmp_path / "run", tmp_path / "avgs" / "avg", tmp_path / "ready", tmp_path / "go"
+    for step in (1, 2):
+        torch.manual_seed(step)
+        model = Transformer(preset("tiny", src_vocab_size=v, tgt_vocab_size=v))
+        ckpt.save_checkpoint(run / f"step_{step}", model, tok, {"train": {}, "step": step})
+    logs = [tmp_path / "first.log", tmp_path / "second.log"]
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        with open(logs[0], "w") as log:
+            held = [sys.executable, "-c", _HELD_AVERAGE, str(ready), str(go), str(run), str(out)]
+            procs.append(subprocess.Popen(held, stdout=log, stderr=subprocess.STDOUT))
+        _until(lambda: ready.exists() or procs[0].poll() is not None)
+        assert ready.exists(), logs[0].read_text()
+        with open(logs[1], "w") as log:
+            average = [sys.executable, "-m", "aiayn", "average", "--checkpoint", str(run), "-n", "2", "-o", str(out)]
+            procs.append(subprocess.Popen(average, stdout=log, stderr=subprocess.STDOUT))
+        _until(lambda: "waiting for" in logs[1].read_text() or procs[1].poll() is not None)
+        go.touch()
+        codes = [p.wait(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    printed = "".join(log.read_text() for log in logs)
+    assert codes == [0, 0], printed
+    assert "aiayn average: waiting for " in logs[1].read_text(), printed
+    assert sorted(p.name for p in out.parent.iterdir()) == ["avg"]  # no temporary, no lock
+    assert json.loads((out / ckpt.CONFIG).read_text())["averaged_from"] == [str(run / "step_1"), str(run / "step_2")]
+    ckpt.load_checkpoint(out)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -144,16 +145,18 @@ def test_fewer_batches_than_ranks_is_a_clear_error_not_a_hang(tmp_path):
 
 
 def _two_machines(tmp_path: Path, outs: list[Path], extra: list[str], name: str,
-                  timeout: float = 300) -> list[tuple[int, str]]:
+                  timeout: float = 300, bare: bool = False) -> list[tuple[int, str]]:
     """Two torchrun agents (--nnodes 2, one process each) on 127.0.0.1, machine i writing to outs[i];
-    returns each one's exit status and what it printed. Bounded: a hang kills both and fails."""
+    returns each one's exit status and what it printed. Bounded: a hang kills both and fails. `bare`:
+    `train --out OUT` and `extra` alone, without the tiny run's flags."""
     corpus = make_corpus(tmp_path / "data", n_train=120)
     rdzv = ["--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint",
             f"127.0.0.1:{_free_port()}", "--rdzv_id", f"aiayn-{name}"]
     procs = []
     for i in range(2):
         log = open(tmp_path / f"{name}{i}.log", "w")
-        cmd = _torchrun(*rdzv) + tiny_args(corpus, outs[i], *extra)
+        args = ["train", "--out", str(outs[i]), *extra] if bare else tiny_args(corpus, outs[i], *extra)
+        cmd = _torchrun(*rdzv) + args
         procs.append((subprocess.Popen(cmd, env=_env(tmp_path), stdout=log, stderr=subprocess.STDOUT), log))
     try:
         codes = [proc.wait(timeout=timeout) for proc, _ in procs]
@@ -212,6 +215,24 @@ def test_two_machines_with_their_own_out_prepare_train_and_resume_together(tmp_p
     assert all(map(_went_well, again)), "".join(p[-3000:] for _, p in again)
     assert f"resuming from {outs[0] / f'step_{STEPS // 2}'}" in again[0][1]
     _assert_same_training(one, outs[0])
+
+
+def test_two_machines_without_a_checkpoint_start_again_together_on_rank_0s_train_json(tmp_path):
+    """`--out RUN --resume` with no checkpoint in RUN starts the run again on the settings of RUN/train.json.
+    Machines that share no --out have it on rank 0's alone: the other started from the defaults (another
+    model, no training data) and the run failed. Rank 0's settings reach every rank: the same run again."""
+    outs = [tmp_path / "machine0" / "run", tmp_path / "machine1" / "run"]
+    first = _two_machines(tmp_path, outs, ["--max-steps", "2", "--log-every", "1", "--save-every", "0"], "first")
+    assert all(map(_went_well, first)), "".join(p[-3000:] for _, p in first)
+    assert not (outs[1] / "train.json").exists()
+    before = load_file(str(outs[0] / "step_2" / "model.safetensors"))
+    for name in ("step_2", "best"):  # as if killed before its first checkpoint
+        shutil.rmtree(outs[0] / name, ignore_errors=True)
+    again = _two_machines(tmp_path, outs, ["--resume"], "again", bare=True)
+    assert all(map(_went_well, again)), "".join(p[-3000:] for _, p in again)
+    assert "nothing to resume" in again[0][1] and "stopped: reached --max-steps 2" in again[0][1], again[0][1][-3000:]
+    after = load_file(str(outs[0] / "step_2" / "model.safetensors"))
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_two_machines_that_cannot_resume_together_refuse_on_every_rank_in_one_line(tmp_path):

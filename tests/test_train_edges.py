@@ -742,7 +742,7 @@ def test_fine_tuning_keeps_pairs_within_the_checkpoints_table_of_positions(tmp_p
     default --max-len 256, it trained on positions it never translates, without a word. The default is
     capped at P - 1 with a note; a --max-len given past it is refused."""
     base, tuned = tmp_path / "base", tmp_path / "tuned"
-    assert cli_main(tiny_args(corpus, base, "--max-steps", "1", "--max-positions", "9")) == 0
+    assert cli_main(tiny_args(corpus, base, "--max-steps", "1", "--max-positions", "9", "--max-len", "8")) == 0
     args = tiny_args(corpus, tuned, "--max-steps", "1", "--init-from", str(base / "step_1"))
     for flag in ("--preset", "--vocab-size"):  # the checkpoint decides them
         i = args.index(flag)
@@ -757,3 +757,31 @@ def test_fine_tuning_keeps_pairs_within_the_checkpoints_table_of_positions(tmp_p
     text = capsys.readouterr().out
     assert "note: --max-len 8, not 256: " in text and "as longer than 8 tokens" in text, text
     assert json.loads((tuned / "train.json").read_text(encoding="utf-8"))["train"]["max_len"] == 8
+
+
+def test_a_new_run_past_its_table_of_positions_is_refused(tmp_path, corpus, capsys):
+    """--max-positions 9 with the default --max-len 256 trained on positions translate never reads (it
+    cuts a source at 9 tokens with its EOS) and an export cannot represent, without a word; a fine-tuning
+    keeps its pairs within them (above). Refused before anything is written, naming both flags."""
+    out = tmp_path / "run"
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "1", "--max-positions", "9")) == 2
+    assert capsys.readouterr().err == ("aiayn train: error: --max-len 256 is past --max-positions 9: a table of 9 "
+                                       "positions holds pairs of at most 8 tokens a side (the source's EOS, the "
+                                       "target's BOS), as translate and an export read them; give --max-len 8 or "
+                                       "less, or --max-positions 257 or more\n")
+    assert not out.exists()
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "1", "--max-positions", "9", "--max-len", "8")) == 0
+
+
+def test_a_resume_right_after_a_kill_mid_save_resumes_the_checkpoint_moved_aside(tmp_path, corpus, capsys):
+    """A kill between `write_dir_atomic`'s two renames leaves the checkpoint being replaced as
+    `.tmp-old-step_N-*` and no step_N/; --resume listed the checkpoints before putting it back, said
+    "nothing to resume" and started the run again from step 0 over it."""
+    out = tmp_path / "run"
+    assert cli_main(tiny_args(corpus, out, "--max-steps", "2", "--valid-bleu", "0")) == 0
+    (out / "step_2").rename(out / ".tmp-old-step_2-0123abcd")
+    capsys.readouterr()
+    assert cli_main(["train", "--out", str(out), "--resume", "--max-steps", "3"]) == 0
+    text = capsys.readouterr().out
+    assert f"resuming from {out / 'step_2'}" in text and "nothing to resume" not in text, text
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(("step_", ".tmp"))) == ["step_2", "step_3"]

@@ -19,12 +19,15 @@ to that -o) removes those it wrote: `.tmp-[old-|pruned-]NAME-XXXXXXXX` (8 hex di
 a checkpoint's folder name. Any such folder is safe to remove by hand while no aiayn process writes
 there, except a `.tmp-old-NAME-*` whose NAME is missing: that is the previous checkpoint, which the
 next start moves back.
-`aiayn average` averages the weights of the last N checkpoints (Section 6.1 averages 5).
+`aiayn average` averages the weights of the last N checkpoints (Section 6.1 averages 5); one average
+writes an -o at a time (a `.NAME.lock` folder beside it), so that its clean-up never takes another's
+temporaries for a killed one's.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -330,13 +333,14 @@ def load_checkpoint(path: str | Path, with_trainer_state: bool = False) -> Check
     return Checkpoint(path, model, mcfg, tokenizers, cfg, state)
 
 
-def step_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
-    """Complete `step_<N>` checkpoints of a run directory, oldest first."""
+def step_checkpoints(run_dir: str | Path, moved_aside: bool = False) -> list[tuple[int, Path]]:
+    """Complete `step_<N>` checkpoints of a run directory, oldest first; with `moved_aside`, also those a
+    kill left moved aside (`_moved_aside`), at that path: for a look before `restore_replaced` ran."""
     run_dir = Path(run_dir)
     found = []
     if run_dir.is_dir():
         for d in run_dir.iterdir():
-            m = _STEP_RE.match(d.name)
+            m = _STEP_RE.match((_moved_aside(d) if moved_aside else None) or d.name)
             if m and (d / CONFIG).is_file():
                 found.append((int(m.group(1)), d))
     return sorted(found)
@@ -417,19 +421,34 @@ def is_own_temporary(name: str) -> bool:
     return _OURS.fullmatch(name) is not None
 
 
+def _moved_aside(d: Path, ours: re.Pattern[str] = _OURS) -> str | None:
+    """The name of the checkpoint that `d` is, where `d` is a replaced one whose successor never arrived
+    (`.tmp-old-NAME-*` with no NAME: a kill between `write_dir_atomic`'s two renames); else None."""
+    m = ours.fullmatch(d.name)
+    if m and m.group(1) == "old-" and not (d.parent / m.group(2)).exists() and (d / CONFIG).is_file():
+        return m.group(2)
+    return None
+
+
+def restore_replaced(run_dir: str | Path, ours: re.Pattern[str] = _OURS) -> None:
+    """Puts back the checkpoints a kill left moved aside (`_moved_aside`). One process does it, before any
+    lists the checkpoints: a `--resume` that listed first found nothing to resume from."""
+    run_dir = Path(run_dir)
+    for d in sorted(run_dir.iterdir()) if run_dir.is_dir() else []:
+        name = _moved_aside(d, ours)  # (asked anew each time: of two for one name, the first goes back)
+        if name:
+            os.rename(d, run_dir / name)
+
+
 def remove_stale_temporaries(run_dir: str | Path, ours: re.Pattern[str] = _OURS) -> None:
     """Removes the temporary directories a killed save or prune left behind (only names that prove
-    they are ours, `ours`: a user's `.tmp-notes` stays), except a replaced checkpoint whose successor
-    never arrived (killed between `write_dir_atomic`'s two renames): that one goes back."""
+    they are ours, `ours`: a user's `.tmp-notes` stays), once a replaced checkpoint whose successor
+    never arrived went back (`restore_replaced`)."""
     run_dir = Path(run_dir)
-    if run_dir.is_dir():
-        for d in run_dir.iterdir():
-            m = ours.fullmatch(d.name)
-            if m and d.is_dir():
-                if m.group(1) == "old-" and not (run_dir / m.group(2)).exists() and (d / CONFIG).is_file():
-                    os.rename(d, run_dir / m.group(2))
-                else:
-                    shutil.rmtree(d, ignore_errors=True)
+    restore_replaced(run_dir, ours)
+    for d in run_dir.iterdir() if run_dir.is_dir() else []:
+        if ours.fullmatch(d.name) and d.is_dir():
+            shutil.rmtree(d, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------- averaging
@@ -509,6 +528,25 @@ def _remove_average_leftovers(out: Path) -> None:
     remove_stale_temporaries(out.parent, ours)
 
 
+def _write_average(paths: list[Path], out: Path) -> Path:
+    """The average of `paths` written to `out`, by one `aiayn average` to that -o at a time (a lock beside
+    it; the next waits, then replaces it): the second of two at once removed the first's temporary as a
+    killed one's leftover, and the first, writing on into a folder made anew, left -o without weights."""
+    from aiayn.data.lock import FolderLock
+
+    _check_average_output(out, paths)  # first: a refusal makes no folder (the lock's parent)
+    with contextlib.ExitStack() as held:
+        lock = FolderLock(out.parent / f".{out.name}.lock", log=lambda m: print(f"aiayn average: {m}", file=sys.stderr))
+        try:
+            held.enter_context(lock)
+        except OSError as e:
+            raise AiaynError(f"could not write checkpoint {out}: cannot make the folder {out.parent} or the lock "
+                             f"{lock.path.name} in it ({e.strerror or e}); choose another -o") from None
+        _check_average_output(out, paths)  # again: the average it waited for is at -o now
+        _remove_average_leftovers(out)
+        return average_checkpoints(paths, out)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", metavar="RUN_DIR", help="a run directory; its last -n step checkpoints are averaged")
@@ -534,8 +572,6 @@ def run(args: argparse.Namespace) -> int:
         if not steps:
             raise AiaynError(f"--checkpoint {args.checkpoint} holds no step_<N>/ checkpoints")
         paths = [d for _, d in steps[-args.num:]]
-    _check_average_output(Path(args.output), paths)
-    _remove_average_leftovers(Path(args.output))
-    out = average_checkpoints(paths, args.output)
+    out = _write_average(paths, Path(args.output))
     print(f"averaged {len(paths)} checkpoint{'s' if len(paths) > 1 else ''} ({', '.join(p.name for p in paths)}) into {out}")
     return 0

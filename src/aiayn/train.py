@@ -225,7 +225,7 @@ def _recorded_settings(args: argparse.Namespace) -> str | None:
         return None
     out = Path(getattr(args, "out", TrainConfig.out))
     path = out / "train.json"
-    if ckpt.step_checkpoints(out) or not path.is_file():
+    if ckpt.step_checkpoints(out, moved_aside=True) or not path.is_file():
         return None
     try:
         saved = json.loads(path.read_text(encoding="utf-8"))
@@ -291,7 +291,20 @@ def _check_model_options(name: str, model_over: dict[str, Any], tc: TrainConfig,
             except ConfigError:
                 raise AiaynError(f"--config {config[0]}: {why}; fix it there") from e
         raise AiaynError(f"{why} ({_model_flags(name, model_over)}); change these model options") from e
+    _check_positions(mcfg.max_positions, tc.max_len)
     _check_model_fits(mcfg, name, model_over)
+
+
+def _check_positions(positions: int, max_len: int) -> None:
+    """A new run's pairs within its model's table of positions, as `_within_positions` keeps a fine-tuning's:
+    P positions hold pairs of P - 1 tokens a side (the source's EOS, the target's BOS), as `translate` cuts
+    sources and an export decodes. Past it, the run trained on positions the model never translates."""
+    fits = positions - 1
+    if max_len > fits:
+        shorter = f"--max-len {fits} or less, or " if fits else ""
+        raise AiaynError(f"--max-len {max_len} is past --max-positions {positions}: a table of {positions} positions "
+                         f"holds pairs of at most {fits} tokens a side (the source's EOS, the target's BOS), as "
+                         f"translate and an export read them; give {shorter}--max-positions {max_len + 1} or more")
 
 
 def _model_flags(name: str, model_over: dict[str, Any]) -> str:
@@ -377,11 +390,19 @@ _EARLY_FILES = frozenset({"train.json", "metrics.jsonl", "metrics.jsonl.tmp", "t
 _TRAIN_JSON_TMP = re.compile(r"\.train\.json\.[a-z0-9_]{8}\.tmp")
 
 
-def _remove_abandoned_preparation(out: Path) -> None:
+def _tidy_out(out: Path, resume: bool, d: Dist) -> None:
+    """What a killed process left in --out is put right before any rank looks at it: an interrupted
+    preparation's abandoned lock and temporaries go, each machine's own (a rank that looked meanwhile would
+    see a lock being taken over), and on --resume rank 0 puts back a checkpoint moved aside by a kill
+    mid-save (listed first, it was not there: "nothing to resume"). An --out it cannot write is named later."""
     from aiayn.data import prepare
     from aiayn.data.corpus import RUN_DATA
 
-    prepare.remove_abandoned(out / RUN_DATA)
+    if d.local == 0:
+        prepare.remove_abandoned(out / RUN_DATA)
+    if resume and d.main:
+        with contextlib.suppress(OSError):
+            ckpt.restore_replaced(out)
 
 
 def _open_run_dir(out: Path, resume: bool, d: Dist) -> list[tuple[int, Path]]:
@@ -522,7 +543,7 @@ def _check_early_files(out: Path, held: list[str]) -> None:
 def _saved_device(out: Path) -> str | None:
     """The --device of the run in `out` (its newest step checkpoint's), None if there is none to read:
     the processes start on a device before the checkpoint is loaded."""
-    steps = ckpt.step_checkpoints(out)
+    steps = ckpt.step_checkpoints(out, moved_aside=True)
     try:
         device = json.loads((steps[-1][1] / ckpt.CONFIG).read_text(encoding="utf-8"))["train"]["device"]
     except (IndexError, OSError, ValueError, KeyError, TypeError):
@@ -1076,9 +1097,7 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
     info = (lambda msg: log(msg)) if d.main else (lambda msg: None)
     for msg in notes:
         info(msg)
-    # An interrupted preparation's abandoned lock and temporaries go first, each machine's own, before
-    # any rank looks at --out (a rank that looked meanwhile would see a lock being taken over).
-    d.agree(lambda: _remove_abandoned_preparation(Path(tc.out)) if d.local == 0 else None)
+    d.agree(lambda: _tidy_out(Path(tc.out), resume, d))
     with _removed_if_left_empty(Path(tc.out), d.local == 0):  # a refusal found below leaves no empty --out
         existing = d.agree(lambda: _open_run_dir(Path(tc.out), resume, d))
         # Rank 0 decides what the run resumes from and sends it to every rank: the machines may not share
@@ -1089,6 +1108,7 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
             info(f"resuming from {loaded.path}")
         elif resume:
             info(f"nothing to resume in {tc.out}; starting a new run")
+            preset_name, model_over, tc, given = _main_settings(d, preset_name, model_over, tc, given)
             preset_name, tc, init = _start(preset_name, model_over, tc, given, info)
         if resume:
             tc.check_cooldown()  # on the settings the run continues with (a fresh run was checked above)
@@ -1121,6 +1141,21 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
     if d.world > 1:
         dist.destroy_process_group()
     return summary
+
+
+def _main_settings(d: Dist, preset_name: str, model_over: dict[str, Any], tc: TrainConfig,
+                   given: Collection[str] | None) -> tuple[str, dict[str, Any], TrainConfig, Collection[str] | None]:
+    """Rank 0's settings on every rank, for a --resume with nothing to resume from: rank 0 took them from
+    --out's train.json (`_recorded_settings`), which machines that share no --out lack, and they began
+    from the defaults (another model, no data). Each keeps its own --out, device and options it was given."""
+    if d.world == 1:
+        return preset_name, model_over, tc, given
+    main_preset, main_model, main_tc, main_given = d.from_main(lambda: (preset_name, model_over, tc, given))
+    if given is None or main_given is None:  # a library call: every option was given
+        return preset_name, model_over, tc, given
+    own = set(given) | {"out", "device"}
+    tc = main_tc.replace(**{k: getattr(tc, k) for k in own & set(tc.to_dict())})
+    return (preset_name if "preset" in given else main_preset), {**main_model, **model_over}, tc, {*main_given, *given}
 
 
 # the data paths a run records, which it reads again on --resume (the text is checked against its prepared copy)
