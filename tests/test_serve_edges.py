@@ -328,6 +328,69 @@ def test_a_request_head_h11_cannot_read_is_answered_in_json_and_a_long_one_is_a_
         assert _metric(base, 'aiayn_requests_total{path="other",status="431"}') == 1
 
 
+def _replies(port: int, data: bytes) -> bytes:
+    """Sends `data` in one write and returns all the server sends until it closes the connection."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(data)
+        reply = b""
+        with contextlib.suppress(ConnectionError):
+            while chunk := sock.recv(65536):
+                reply += chunk
+    return reply
+
+
+def test_a_request_head_over_16_kib_is_a_431_when_it_arrives_whole_too(de_en):
+    """h11 bounds a head still arriving (its buffer past 16 KiB without an end of head), not one that
+    arrives whole: a 20 KB head in one write, or queued behind a pipelined request, was served (200),
+    its headers handed to the app. Now a 431 in JSON, counted, the connection closed; a head under
+    the limit still passes."""
+    limits = Limits(max_wait_ms=5)
+    health = b"GET /health HTTP/1.1\r\nHost: t\r\n"
+    with _served_as_cli(create_app(de_en, limits, ("de", "en")), limits) as (base, port):
+        under = _replies(port, health + b"X-Big: " + b"a" * 16_000 + b"\r\nConnection: close\r\n\r\n")
+        assert under.startswith(b"HTTP/1.1 200 "), under[:200]
+        whole = health + b"X-Big: " + b"a" * 20_000 + b"\r\n\r\n"
+        for data, answers in [(whole, 1), (health + b"\r\n" + whole, 2)]:  # alone; behind a pipelined request
+            reply = _replies(port, data)
+            assert reply.count(b"HTTP/1.1 ") == answers and (answers == 1 or reply.startswith(b"HTTP/1.1 200 ")), reply
+            top, _, body = reply[reply.rindex(b"HTTP/1.1 "):].partition(b"\r\n\r\n")
+            assert top.startswith(b"HTTP/1.1 431 ") and b"content-type: application/json" in top.lower(), reply
+            assert b"connection: close" in top.lower(), reply
+            assert httpx.Response(431, content=body).json() == {
+                "error": "the request line and headers are over 16384 bytes; send them shorter"}
+        assert _metric(base, 'aiayn_requests_total{path="other",status="431"}') == 2
+        assert httpx.get(f"{base}/health").status_code == 200
+
+
+def test_a_body_of_many_wrong_values_makes_the_errors_it_answers_not_one_per_value(de_en):
+    """pydantic makes an error of each wrong value (a number in `text`, an unknown field) and FastAPI
+    copies them all, while the answer names the first: a 2 MB list of numbers held the event loop
+    11 s and 1.2 GB, and a body of the largest size (24 MB) would have exhausted the memory. Now the
+    body is cut after its first wrong text and its first unknown field: the same answer, from the
+    errors of those alone."""
+    from fastapi.exceptions import RequestValidationError
+
+    app = create_app(de_en, Limits(max_wait_ms=5), ("de", "en"))
+    made, handler = [], app.exception_handlers[RequestValidationError]
+
+    async def counted(request, e):
+        made.append(len(e.errors()))
+        return await handler(request, e)
+
+    app.exception_handlers[RequestValidationError] = counted
+    many = ",".join(f'"x{i}": 1' for i in range(50_000))
+    cases = [('{"text": ["ein Mann", ' + "1, " * 100_000 + '"rot"]}', "text[1]: Input should be a valid string", 1),
+             ('{"text": ["ein Mann"], ' + many + "}", "x0: Extra inputs are not permitted", 1),
+             ('{"z": 0, "text": [[], {}], "beam": "4", ' + many + "}", "text[0]: Input should be a valid string", 3)]
+    with TestClient(app) as c:
+        ready(c)
+        for body, error, errors in cases:
+            r = c.post("/v1/translate", content=body, headers={"Content-Type": "application/json"})
+            assert r.status_code == 422 and r.json()["error"] == error, r.text
+            assert made.pop() == errors
+        assert c.post("/v1/translate", json={"text": ["ein Mann", "rot"]}).status_code == 200
+
+
 def test_an_app_whose_body_memory_cannot_hold_its_largest_body_is_refused_when_made(de_en):
     """Built without the command line (which checks --max-body-memory), such limits answered every
     large body with a 503 "retry shortly" for ever."""

@@ -10,8 +10,9 @@ Handlers never touch the model: lines go to `aiayn.serve.scheduler.Scheduler`, w
 same settings, whatever shares its batch. One server may hold several models, one per language pair
 (`Model`); a request goes to the model of its pair (the first is the default of /v1). Errors are JSON
 bodies `{"error": message}` (LibreTranslate's endpoints use its codes, `aiayn.serve.libre`): 400 a
-language pair not served or JSON nested too deeply, 403 a bad API key (with --api-keys), 408 a body
-not sent within --body-timeout, 411/413 a body without length (or chunked) or too large, 413 a line over
+language pair not served or JSON nested too deeply, 403 a bad API key and 401 a large body whose head names
+none where strangers' bodies never fit (with --api-keys, `aiayn.serve.clients`), 408 a body not sent within
+--body-timeout, 411/413 a body without length (or chunked) or too large, 413 a line over
 --max-chars or the model's length, more lines than --max-lines or more work than --max-work, 422 a
 malformed body (naming the field) or a beam / n-best over --max-beam / --max-nbest, 429 a client
 with --max-client-lines lines in the server (`aiayn.serve.clients`), 503 a full queue, a model
@@ -43,7 +44,7 @@ from starlette.exceptions import HTTPException
 from aiayn import __version__, memory
 from aiayn.serve import libre, v1
 from aiayn.serve.batch import Key, LineTooLong, price, refuse_long, run_batch, warm_up
-from aiayn.serve.clients import ClientLines
+from aiayn.serve.clients import BodyMemory, ClientLines, Hold, head_key
 from aiayn.serve.detect import Detector
 from aiayn.serve.errors import ApiError, Busy
 from aiayn.serve.libre import LANGUAGE_NAMES
@@ -117,16 +118,15 @@ class _Middleware:
     and reads a POST body whole within `body_timeout` seconds (ASGI): a client that stalls mid-body
     gets a 408 and its connection closed, instead of holding a handler (and a graceful shutdown) for ever.
 
-    The bodies held at once are bounded too: a body over `SMALL_BODY` bytes holds its Content-Length
-    against `body_memory` from before it is read until its request is answered, and past that it is
-    refused unread (503, Retry-After, connection closed); else --max-connections uploads of the
-    largest body each could hold gigabytes. Small bodies (the page's, a LibreTranslate client's) are
+    The bodies held at once are bounded too (`aiayn.serve.clients`): a body over `SMALL_BODY` bytes
+    holds its Content-Length from before it is read until its request is answered, and past
+    --max-body-memory (or, with --api-keys and no key in its head, past the strangers' share) it is
+    refused unread, its connection closed. Small bodies (the page's, a LibreTranslate client's) are
     never refused for it: large uploads cannot lock them out, and --max-connections bounds them."""
 
-    def __init__(self, app: Any, metrics: Metrics, max_body: int, body_timeout: float, body_memory: int) -> None:
+    def __init__(self, app: Any, metrics: Metrics, max_body: int, body_timeout: float, bodies: BodyMemory) -> None:
         self.app, self.metrics, self.max_body, self.body_timeout = app, metrics, max_body, body_timeout
-        self.body_memory = body_memory
-        self.held = 0  # bytes of the large bodies admitted and not yet answered (on the event loop only)
+        self.bodies = bodies
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -142,11 +142,11 @@ class _Middleware:
             await send(message)
 
         start = time.perf_counter()
-        held = 0
+        held = None
         try:
             refused, length = self._too_large(scope)
             if refused is None and length > SMALL_BODY:
-                refused, held = self._hold(length)
+                refused, held = self._hold(scope, length)
             if refused is None and scope["method"] == "POST":
                 refused, receive = await self._read_body(receive)
             await (refused or self.app)(scope, receive, counted)
@@ -158,7 +158,7 @@ class _Middleware:
                 await _error(503, "the server stopped before this request was done (--shutdown-timeout)",
                              {"Connection": "close"})(scope, receive, counted)
         finally:
-            self.held -= held
+            self.bodies.release(held)
             self.metrics.requests.labels(path, str(status[0] or 500)).inc()
             self.metrics.latency.labels(path).observe(time.perf_counter() - start)
 
@@ -176,16 +176,13 @@ class _Middleware:
             return _error(413, f"the body is over {self.max_body} bytes", {"Connection": "close"}), 0
         return None, int(length)
 
-    def _hold(self, length: int) -> tuple[Response | None, int]:
-        """Holds `length` bytes of --max-body-memory for a body about to be read (the bytes held, to
-        give back once answered); past it a 503, the body unread."""
-        if self.held + length > self.body_memory:
-            mib = self.body_memory / 2**20
-            return _error(503, f"the server holds {self.held} bytes of request bodies and this one's {length} would "
-                               f"pass --max-body-memory {mib:g} MiB; retry shortly",
-                          {"Retry-After": "1", "Connection": "close"}), 0
-        self.held += length
-        return None, length
+    def _hold(self, scope: dict, length: int) -> tuple[Response | None, Hold | None]:
+        """Holds `length` bytes of --max-body-memory for a body about to be read (to give back once
+        answered); else its refusal, the body unread (the connection cannot go on)."""
+        try:
+            return None, self.bodies.hold(scope, length)
+        except ApiError as e:
+            return _error(e.status, e.message, {**(e.headers or {}), "Connection": "close"}), None
 
     async def _read_body(self, receive: Any) -> tuple[Response | None, Any]:
         """The whole body within `body_timeout` seconds, and a `receive` that gives it to the app
@@ -252,6 +249,7 @@ class Server:
         first = models[0]
         self.translator, self.languages, self.checkpoint = first.translator, first.pair, first.checkpoint
         self.limits, self.api_keys = limits, api_keys
+        self.bodies = BodyMemory(limits.max_body_memory_mib << 20, limits.max_body, api_keys)
         self.detector = Detector([m.source for m in models])
         self.scheduler = Scheduler(self._work, limits.max_batch_tokens, limits.max_wait_ms / 1000, limits.max_queue,
                                    limits.max_share)
@@ -284,14 +282,17 @@ class Server:
 
     def check_key(self, key: Any, request: Request) -> None:
         """With --api-keys: 400 without a key, 403 with one not in the file (LibreTranslate's answers);
-        a good key is recorded on the request: it names the client (`aiayn.serve.clients`)."""
+        `key` is the body's; one in the request head wins (`aiayn.serve.clients.head_key`). A good key
+        is recorded on the request: it names the client, and its body is no stranger's (`BodyMemory`)."""
         if self.api_keys is None:
             return
+        key = head_key(request.scope) or key
         if not key:
             raise ApiError(400, "Please contact the server operator to get an API key")
         if not isinstance(key, str) or key not in self.api_keys:
             raise ApiError(403, "Invalid API key")
         request.state.api_key = key
+        self.bodies.vouch(request.scope)
 
     def _work(self, key: Hashable, lines: list[str], early: Callable[[int, Any], None]) -> list[list[dict[str, Any]]]:
         assert isinstance(key, Key)  # the scheduler hands back the keys the handlers submitted
@@ -421,12 +422,12 @@ def create_app(models: Any, limits: Limits, languages: tuple[str, str] | None = 
                   description=f"Translation {pairs} with a Transformer; batches across clients.")
     app.state.server = srv
     app.add_middleware(_Middleware, metrics=srv.metrics, max_body=limits.max_body, body_timeout=limits.body_timeout_s,
-                       body_memory=limits.max_body_memory_mib << 20)
+                       bodies=srv.bodies)
     if cors_origins:  # off by default: a page of another origin may not call the API
         from starlette.middleware.cors import CORSMiddleware
 
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"], max_age=600,
+                           allow_headers=["Authorization", "Content-Type", "X-API-Key"], max_age=600,
                            expose_headers=["Retry-After"])  # a page must read a 429/503's hint too
     _handlers(app)
     libre.routes(app, srv)

@@ -75,7 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="on SIGINT/SIGTERM, seconds the requests in flight have to finish before they are cancelled")
     p.add_argument("--api-keys", metavar="FILE", default=None,
                    help="a file of API keys, one a line (# comments): every translation request must name one "
-                        "(LibreTranslate's api_key field; on /v1, Authorization: Bearer KEY). Default: no key asked")
+                        "(LibreTranslate's api_key field, or in the request head: Authorization: Bearer KEY, "
+                        "X-API-Key: KEY or ?api_key=KEY, which a body over 64 KiB should use: such bodies without "
+                        "one share half of --max-body-memory). Default: no key asked")
     p.add_argument("--cors-origins", default="", metavar="ORIGINS",
                    help="comma-separated web origins (https://example.org, or *) whose pages may call the API from a "
                         "browser; default: none (CORS off)")

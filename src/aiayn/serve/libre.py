@@ -378,7 +378,8 @@ _DESCRIPTIONS = {
     "target": ("target language code", True),
     "format": ("text (the default; null or empty too) or html (text nodes translated, markup kept)", False),
     "alternatives": ("how many alternative translations to add (at most the beam size - 1)", False),
-    "api_key": ("API key, when the server has --api-keys", False),
+    "api_key": ("API key, when the server has --api-keys (or an Authorization: Bearer KEY or X-API-Key header, "
+                "which wins)", False),
 }
 
 

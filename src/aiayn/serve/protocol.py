@@ -21,6 +21,10 @@ deadline, else the connection is aborted (a slow reader that keeps reading gets 
 asks for a large answer and never reads it holds its connection, and the answer's memory, for ever
 (`close` waits to send what the transport holds), and --max-connections of them lock everyone out.
 
+A head's size is bounded too: h11 refuses a head still arriving past its 16 KiB, and `HeadLimited`
+one that arrived whole (in one read, or queued behind a pipelined request) past the same limit;
+both get a 431 in JSON, as every error of the server.
+
 The seam is the protocol class itself (`uvicorn.Config(http=...)`): only it sees bytes arrive
 before h11 has a whole request for the app, and the transport's word that its writes are paused.
 
@@ -70,6 +74,8 @@ class HeadTimedH11(H11Protocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        limit = self.config.h11_max_incomplete_event_size
+        self.conn = HeadLimited(DEFAULT_MAX_INCOMPLETE_EVENT_SIZE if limit is None else limit)
         # uvicorn's check would answer with an app of its own: `app` checks the same, and counts
         self.max_concurrency, self.limit_concurrency = self.limit_concurrency, None
 
@@ -98,9 +104,9 @@ class HeadTimedH11(H11Protocol):
         if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):  # an answer begun or sent
             self.transport.close()
             return
-        limit = self.config.h11_max_incomplete_event_size or DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
-        if self.conn.their_state is h11.ERROR and len(self.conn.trailing_data[0]) > limit:  # h11's "buffer too long"
-            status, why = 431, f"the request line and headers are over {limit} bytes; send them shorter"
+        conn = cast(HeadLimited, self.conn)
+        if conn.too_long:  # h11's "buffer too long", or ours for a whole head
+            status, why = 431, f"the request line and headers are over {conn.limit} bytes; send them shorter"
         else:
             status, why = 400, "the request is not valid HTTP/1.1 (its request line, headers or chunked body)"
         body = json.dumps({"error": why}).encode()
@@ -191,6 +197,33 @@ class HeadTimedH11(H11Protocol):
             self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
                                  b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
         self.transport.close()
+
+
+class HeadLimited(h11.Connection):
+    """h11's server connection with its limit on a request head (`limit` bytes) kept for a head that
+    came whole too: h11 checks only a head still arriving (its buffer past the limit with no end of
+    head in it), so one that arrived in one read (asyncio reads up to 256 KiB at once), or behind a
+    pipelined request, passed whatever its size, and its headers went to the app."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(h11.SERVER, limit)
+        self.limit = limit
+        self.too_long = False  # the error just raised is a head over the limit: a 431
+
+    def next_event(self) -> Any:
+        before = self._buffered() if self.their_state is h11.IDLE else 0  # (their next event: a request head)
+        try:
+            event = super().next_event()
+        except h11.RemoteProtocolError as e:
+            self.too_long = e.error_status_hint == 431
+            raise
+        if isinstance(event, h11.Request) and before - self._buffered() > self.limit:
+            self.too_long = True
+            raise h11.RemoteProtocolError("request head too long", error_status_hint=431)
+        return event
+
+    def _buffered(self) -> int:
+        return len(self._receive_buffer)  # h11's own buffer (`trailing_data` copies it, on every byte of a trickle)
 
 
 def with_head_timeout(seconds: float, counts: Counts | None = None) -> type[HeadTimedH11]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
@@ -44,15 +44,38 @@ class TranslateRequest(BaseModel):
     source: str | None = Field(None, description="source language (default: the first model's)")
     target: str | None = Field(None, description="target language (default: the first model's)")
     api_key: str | None = Field(None, description="API key, when the server has --api-keys (LibreTranslate's field; "
-                                                   "or an Authorization: Bearer KEY header)")
+                                                   "or an Authorization: Bearer KEY or X-API-Key header, which wins)")
     split_sentences: bool = Field(True, description="cut each line into sentences, translate each and join them "
                                                     "with the line's spacing (false: a line is one sentence)")
 
     @model_validator(mode="before")
     @classmethod
-    def _no_surrogates(cls, data: Any) -> Any:
-        """Lone UTF-16 surrogates read as U+FFFD (`aiayn.serve.unicode`)."""
-        return fields_replaced(data) if isinstance(data, dict) else data
+    def _screened(cls, data: Any) -> Any:
+        """Lone UTF-16 surrogates read as U+FFFD (`aiayn.serve.unicode`); a body cut after its first
+        wrong text and first unknown field (`_first_errors`)."""
+        return fields_replaced(_first_errors(data, cls.model_fields)) if isinstance(data, dict) else data
+
+
+def _first_errors(data: dict[str, Any], known: Mapping[str, Any]) -> dict[str, Any]:
+    """`data` without what would add errors after the first of their kind: the texts after the first
+    one that is no string, the unknown fields after the first. pydantic makes an error of each and
+    FastAPI copies them all, while the answer names the first (they come in this order): a 2 MB
+    list of numbers held the event loop 11 s and 1.2 GB, a body of the largest size would have
+    exhausted the memory."""
+    out: dict[str, Any] = {}
+    extra = False
+    for k, v in data.items():
+        if k not in known:
+            if extra:
+                continue
+            extra = True
+        out[k] = v
+    text = out.get("text")
+    if isinstance(text, list):
+        wrong = next((i for i, t in enumerate(text) if not isinstance(t, str)), None)
+        if wrong is not None:
+            out["text"] = text[:wrong + 1]
+    return out
 
 
 class Hypothesis(BaseModel):
@@ -100,7 +123,7 @@ def routes(app: FastAPI, srv: Served) -> None:
         """Per line: the n-best translations with scores, the subwords on both sides and, with
         `attention`, each hypothesis's cross-attention (per layer, target x source subwords); a line
         of several sentences is translated sentence by sentence (`split_sentences`)."""
-        srv.check_key(req.api_key or bearer(request), request)
+        srv.check_key(req.api_key, request)  # a key in the head wins (`aiayn.serve.clients`)
         beam = _beam(req, srv.limits)
         model = srv.model((req.source or srv.languages[0], req.target or srv.languages[1]))
         key = Key(beam, req.alpha, req.nbest, req.attention, model.pair)
@@ -187,8 +210,3 @@ def _by_line(e: ApiError, units: Sequence[list[str]]) -> ApiError:
         n -= len(u)
     return e
 
-
-def bearer(request: Request) -> str | None:
-    """The API key of an aiayn API request without one in its body: `Authorization: Bearer KEY`, else `?api_key=KEY`."""
-    scheme, _, key = request.headers.get("authorization", "").partition(" ")
-    return key.strip() if scheme.lower() == "bearer" and key.strip() else request.query_params.get("api_key")
