@@ -33,7 +33,7 @@ from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
 from aiayn.serve.scheduler import Limits  # noqa: E402
 from aiayn.serve.app import create_app  # noqa: E402
 from aiayn.translate import Translator  # noqa: E402
-from serve_model import tiny_checkpoint  # noqa: E402
+from serve_model import DE_EN, tiny_checkpoint  # noqa: E402
 
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -197,9 +197,10 @@ def test_page_picks_a_pair_and_sends_the_api_key_the_server_asks_for(tmp_path_fa
         wait.until(lambda d: d.find_element(By.ID, "translation").text.strip() != "")
         assert driver.find_element(By.ID, "error").text == ""
         want = reverse.translate([sentence], beam=4)[0]
-        # the en -> de model's words (their order is the tiny model's, which differs by CPU)
         assert driver.find_element(By.ID, "translation").text == want
-        assert sorted(want.split()) == sorted("ein Hund spielt im Park mit Ball".split())
+        # the en -> de model's German words (which and in what order is the tiny model's, and differs by
+        # CPU: on an AMD Zen 5 "mit" came out "läuft")
+        assert {"Hund", "Park", "Ball"} <= set(want.split()) <= set(DE_EN)
         assert [e.text for e in driver.find_elements(By.CSS_SELECTOR, "#src-tokens .src-token")][:2] == ["▁a", "▁dog"]
         layers = Select(driver.find_element(By.ID, "layer")).options
         assert len(layers) == 1 + reverse.model.cfg.decoder_layers

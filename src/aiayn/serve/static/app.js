@@ -67,16 +67,18 @@ async function translate() {
   const alpha = $("alpha").value === "" ? undefined : Number($("alpha").value);  // (undefined: not sent)
   const { source, target } = model().languages;
   const body = { text: lines, beam, alpha, nbest: Math.min(4, beam, state.maxNbest), attention: true, source, target };
+  const headers = { "Content-Type": "application/json" };
   const key = $("api-key").value.trim();
-  if (state.keyRequired && key) body.api_key = key;  // LibreTranslate's field, in the body: never in a URL
+  // in the head, never in a URL: a large body is then held as a known client's (aiayn.serve.clients)
+  if (state.keyRequired && key) headers["X-API-Key"] = key;
   drop();
   const asked = state.pending = new AbortController();
   $("go").disabled = true;
   $("status").textContent = "translating…";
   showError("");
   try {
-    const r = await fetch("/v1/translate", { method: "POST", headers: { "Content-Type": "application/json" },
-                                            body: JSON.stringify(body), signal: asked.signal });
+    const r = await fetch("/v1/translate", { method: "POST", headers, body: JSON.stringify(body),
+                                            signal: asked.signal });
     const data = await readBody(r);
     if (asked !== state.pending) return;  // a newer request (or pair) replaced this one: its answer is stale
     if (!r.ok) throw new Error(`${r.status}: ${data.error || r.statusText}`);
