@@ -346,3 +346,124 @@ def test_tokenized_hypotheses_are_warned_about_once_in_aiayns_words(tmp_path, ca
     short = write(tmp_path / "s.txt", [x[:-1] + " ." for x in refs[:99]] + refs[99:])  # sacreBLEU's 100
     assert cli.main(["evaluate", "--hyp-file", short, "--ref-file", r]) == 0
     assert capsys.readouterr().err == ""
+
+
+def _multi30k_run(ckpt, tmp_path):
+    """A copy of `ckpt` that says it was trained on Multi30k de->en."""
+    import shutil
+
+    run = tmp_path / "de-en"
+    shutil.copytree(ckpt, run)
+    cfg = json.loads((run / "config.json").read_text())
+    cfg["train"].update(data="multi30k", src="de", tgt="en")
+    (run / "config.json").write_text(json.dumps(cfg))
+    return run
+
+
+def test_the_wrong_direction_is_refused_before_its_files_are_looked_for(ckpt, tmp_path, capsys, monkeypatch):
+    """The direction was checked after the files: without the data at hand it downloaded the other
+    direction's files first (offline: a download error), or said they were missing, not what was wrong."""
+    import aiayn.data.text
+
+    run = _multi30k_run(ckpt, tmp_path)
+    monkeypatch.delenv("AIAYN_DATA", raising=False)
+    monkeypatch.setattr(aiayn.data.text, "download_multi30k",
+                        lambda *a, **k: pytest.fail("downloaded the files of a direction it then refused"))
+    (tmp_path / "empty" / "multi30k").mkdir(parents=True)
+    for where in ([], ["--data-dir", str(tmp_path / "empty")]):
+        argv = ["evaluate", "--checkpoint", str(run), "--data", "multi30k", "--src", "en", "--tgt", "de", *where]
+        assert cli.main(argv) == 2
+        assert capsys.readouterr().err == (f"aiayn evaluate: error: {run} translates de to en (trained on Multi30k), "
+                                           "not en to de; use --src de --tgt en\n")
+
+
+@pytest.mark.parametrize("extra,flags", [
+    (["--src", "en", "--tgt", "de"], "--src, --tgt pick"),
+    (["--split", "val"], "--split picks"),
+    (["--data-dir", "D"], "--data-dir picks"),
+])
+def test_data_flags_without_data_are_refused_not_ignored(ckpt, tmp_path, capsys, extra, flags):
+    """--src/--tgt/--split/--data-dir beside --src-file or --hyp-file did nothing, without a word: `--src en
+    --tgt de` read as a check that the checkpoint translates en to de, and was none."""
+    s, r = write(tmp_path / "s.txt", ["ein Mann"]), write(tmp_path / "r.txt", ["a man"])
+    extra = [str(tmp_path) if a == "D" else a for a in extra]
+    for argv in (["--checkpoint", str(ckpt), "--src-file", s, "--ref-file", r, *FAST], ["--hyp-file", r, "--ref-file", r]):
+        assert cli.main(["evaluate", *argv, *extra]) == 2, argv
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and flags in err and "add --data multi30k, or drop them" in err, err
+
+
+def test_a_closed_standard_output_is_refused_before_translating(ckpt, tmp_path, capsys, monkeypatch):
+    """`aiayn evaluate ... >&-` translated everything, then printed the scores nowhere and exited 0."""
+    import sys
+
+    import aiayn.translate
+
+    s, r = write(tmp_path / "s.txt", ["ein Mann"]), write(tmp_path / "r.txt", ["a man"])
+    monkeypatch.setattr(aiayn.translate, "load_translator", lambda *a: pytest.fail("translated for nobody"))
+    monkeypatch.setattr(sys, "stdout", None)
+    for argv in (["--checkpoint", str(ckpt), "--src-file", s, "--ref-file", r], ["--hyp-file", r, "--ref-file", r]):
+        assert cli.main(["evaluate", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err == "aiayn evaluate: error: standard output is closed; the scores are printed there: redirect it " \
+                      "to a file instead\n"
+
+
+def test_a_standard_output_that_cannot_take_the_scores_says_so(ckpt, tmp_path, capsys, monkeypatch):
+    """`> /dev/full` was `error: No space left on device`, naming neither standard output nor the
+    translations --save-hyps had saved."""
+    import errno
+    import sys
+
+    class Full:
+        def write(self, text):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def flush(self):
+            pass
+
+    s, r, h = write(tmp_path / "s.txt", ["ein Mann"]), write(tmp_path / "r.txt", ["a man"]), tmp_path / "h.txt"
+    monkeypatch.setattr(sys, "stdout", Full())
+    assert cli.main(["evaluate", "--hyp-file", r, "--ref-file", r]) == 2
+    assert capsys.readouterr().err == ("aiayn evaluate: error: standard output: cannot write the scores "
+                                       "(No space left on device)\n")
+    assert cli.main(["evaluate", "--checkpoint", str(ckpt), "--src-file", s, "--ref-file", r, *FAST, "--json",
+                     "--save-hyps", str(h)]) == 2
+    assert capsys.readouterr().err == ("aiayn evaluate: error: standard output: cannot write the scores "
+                                       f"(No space left on device); the translations are saved in {h}\n")
+    assert h.read_text(encoding="utf-8").count("\n") == 1
+
+
+def test_an_empty_target_language_is_refused(ckpt, tmp_path, capsys):
+    """`--tgt-lang "$LANG"` with LANG unset was taken for no --tgt-lang at all."""
+    s, r = write(tmp_path / "s.txt", ["ein Mann"]), write(tmp_path / "r.txt", ["a man"])
+    assert cli.main(["evaluate", "--checkpoint", str(ckpt), "--src-file", s, "--ref-file", r, *FAST,
+                     "--tgt-lang", ""]) == 2
+    assert "--tgt-lang '': an empty name (an unset shell variable?)" in capsys.readouterr().err
+
+
+def test_a_dash_reads_standard_input(ckpt, tmp_path):
+    """`aiayn translate ... | aiayn evaluate --hyp-file - --ref-file R` was "-: no such file"; a --save-hyps
+    that is the file standard input reads is refused as any input is, before it is written over."""
+    import subprocess
+    import sys
+
+    h, r = write(tmp_path / "h.txt", HYPS), write(tmp_path / "r.txt", REFS)
+
+    def evaluate(*argv, stdin):
+        with open(stdin, "rb") as f:
+            return subprocess.run([sys.executable, "-m", "aiayn", "evaluate", *argv], stdin=f, capture_output=True,
+                                  text=True, timeout=600)
+
+    got = evaluate("--hyp-file", "-", "--ref-file", r, "--json", stdin=h)
+    assert got.returncode == 0, got.stderr
+    assert json.loads(got.stdout)["bleu"] == corpus_scores(HYPS, REFS)["bleu"]
+    got = evaluate("--hyp-file", h, "--ref-file", "-", stdin=write(tmp_path / "r2.txt", REFS[:2]))
+    assert got.returncode == 2 and got.stderr == (f"aiayn evaluate: error: {h} has 3 hypotheses but standard input has 2 "
+                                                  "references; the files must be line-aligned\n")
+    got = evaluate("--hyp-file", "-", "--ref-file", "-", stdin=h)
+    assert got.returncode == 2 and "- (standard input) can be one of the files only" in got.stderr
+    s = write(tmp_path / "s.txt", ["ein Mann", "der Hund", "ein Kind"])
+    got = evaluate("--checkpoint", str(ckpt), "--src-file", "-", "--ref-file", r, *FAST, "--save-hyps", s, stdin=s)
+    assert got.returncode == 2 and "s.txt: is also an input file" in got.stderr
+    assert Path(s).read_text(encoding="utf-8") == "ein Mann\nder Hund\nein Kind\n"

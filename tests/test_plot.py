@@ -542,3 +542,78 @@ def test_a_run_folder_named_with_invalid_utf8_is_drawn(tmp_path):
     for name in ("c.svg", "c.png"):
         assert main(["plot", "curves", "--checkpoint", str(run), "-o", str(tmp_path / name)]) == 0
     xml.dom.minidom.parse(str(tmp_path / "c.svg"))
+
+
+def test_an_output_in_a_missing_folder_is_refused_before_any_work(tmp_path, run_dir, monkeypatch, capsys):
+    """`-o typo/att.png` made the folder typo/ (and any above it), where translate --output and
+    evaluate --save-hyps refuse a missing folder; and said so only after loading and drawing."""
+    import aiayn.checkpoint
+
+    monkeypatch.setattr(aiayn.checkpoint, "load_checkpoint", lambda *a, **k: pytest.fail("loaded for nothing"))
+    for argv in (["lr-schedule"], ["attention", "--checkpoint", str(run_dir), "--src", SRC]):
+        out = tmp_path / "typo" / "sub" / "a.png"
+        assert main(["plot", *argv, "-o", str(out)]) == 2
+        assert capsys.readouterr().err == (f"aiayn plot: error: -o {out}: no folder {out.parent}; make it first, "
+                                           "or choose another path\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("flags", [["--max-len-b", "-1"], ["--max-len-a", "nan"], ["--max-len-a", "-2"]])
+def test_attention_length_flags_are_checked_before_loading_and_named(tmp_path, run_dir, monkeypatch, capsys, flags):
+    """They were refused by the search, after loading, in words naming no flag ("maximum length a*len+b
+    needs finite a >= 0 ...")."""
+    import aiayn.checkpoint
+
+    monkeypatch.setattr(aiayn.checkpoint, "load_checkpoint", lambda *a, **k: pytest.fail("loaded for nothing"))
+    assert main(["plot", "attention", "--checkpoint", str(run_dir), "--src", SRC, *flags,
+                 "-o", str(tmp_path / "a.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--max-len-a and --max-len-b must be finite numbers >= 0" in err, err
+
+
+def test_characters_the_font_lacks_are_one_note_not_a_warning_each(tmp_path, capsys):
+    """Each character the font cannot draw (a --src in Chinese, an emoji) was a Python warning of two
+    lines naming matplotlib's source; a note line says it once, and other warnings still pass."""
+    import warnings
+
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(3, 2))
+    fig.suptitle("漢字 🙂 漢 a", parse_math=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plot.save_figure(fig, tmp_path / "a.png", dpi=20)
+        plot.save_figure(fig, tmp_path / "a.svg")
+    assert [str(w.message) for w in caught] == []
+    assert capsys.readouterr().err == "aiayn plot: note: the font has no glyph for 漢 字 🙂; drawn as boxes\n" * 2
+
+
+def test_a_curves_run_named_in_chinese_draws_with_one_note(tmp_path, run_dir):
+    """As a user runs it (Python's own warning display, not pytest's)."""
+    run = tmp_path / "实验"
+    run.mkdir()
+    (run / "metrics.jsonl").write_bytes((run_dir / "metrics.jsonl").read_bytes())
+    r = subprocess.run([sys.executable, "-m", "aiayn", "plot", "curves", "--checkpoint", str(run), "--dpi", "20",
+                        "-o", str(tmp_path / "c.png")], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stderr == "aiayn plot: note: the font has no glyph for 实 验; drawn as boxes\n", r.stderr
+
+
+def test_curves_read_metrics_from_a_pipe(tmp_path, run_dir):
+    """`--checkpoint <(ssh host cat run/metrics.jsonl)`, a named pipe: it is read once, as a file is; it
+    was "no such file or directory"."""
+    import threading
+
+    fifo = tmp_path / "metrics.fifo"
+    os.mkfifo(fifo)
+    data = (run_dir / "metrics.jsonl").read_bytes()
+
+    def feed():
+        with open(fifo, "wb") as f:
+            f.write(data)
+
+    writer = threading.Thread(target=feed, daemon=True)
+    writer.start()
+    out = tmp_path / "c.png"
+    assert main(["plot", "curves", "--checkpoint", str(fifo), "--dpi", "20", "-o", str(out)]) == 0
+    writer.join(timeout=60)
+    png_size(out)

@@ -91,8 +91,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tgt", help="target language of --data")
     p.add_argument("--split", default="test_2016_flickr", help="split of --data (train, val, test_2016_flickr)")
     p.add_argument("--data-dir", help="folder holding multi30k/ (default: $AIAYN_DATA, else the download cache)")
-    p.add_argument("--src-file", help="source sentences to translate, one a line (needs --checkpoint)")
-    p.add_argument("--hyp-file", help="translations to score, one a line (no model needed)")
+    p.add_argument("--src-file", help="source sentences to translate, one a line (needs --checkpoint); - for stdin")
+    p.add_argument("--hyp-file", help="translations to score, one a line (no model needed); - for stdin")
     p.add_argument("--ref-file", action="extend", nargs="+", metavar="FILE",
                    help="references, one a line, aligned with the source or hypotheses; several files (--ref-file A "
                         "B, or the flag again): several references per line")
@@ -119,6 +119,21 @@ def _check_names(args: argparse.Namespace) -> None:
         if name == "":
             raise AiaynError(f"{flag} '': an empty name (an unset shell variable?); give a "
                              f"{'directory' if flag == '--checkpoint' else 'file'} name")
+    if [args.src_file, args.hyp_file, *(args.ref_file or [])].count("-") > 1:
+        raise AiaynError("- (standard input) can be one of the files only; give the others by name")
+    if getattr(args, "tgt_lang", None) == "":  # (it was taken for no --tgt-lang)
+        raise AiaynError("--tgt-lang '': an empty name (an unset shell variable?); give a language code, or leave it out")
+
+
+def _refuse_data_flags(args: argparse.Namespace) -> None:
+    """--src, --tgt, --split and --data-dir choose --data's files; without --data they were ignored
+    without a word (`--src en --tgt de` beside --src-file read as a check of the direction, and was none)."""
+    given = [flag for flag, value, default in (("--src", args.src, None), ("--tgt", args.tgt, None),
+                                               ("--split", args.split, "test_2016_flickr"),
+                                               ("--data-dir", args.data_dir, None)) if value != default]
+    if given:
+        raise AiaynError(f"{', '.join(given)} {'picks' if len(given) == 1 else 'pick'} the files of --data; without "
+                         "--data nothing reads them: add --data multi30k, or drop them")
 
 
 def _refuse_translation_flags(args: argparse.Namespace) -> None:
@@ -134,6 +149,8 @@ def _refuse_translation_flags(args: argparse.Namespace) -> None:
 def _inputs(args: argparse.Namespace) -> tuple[str, str, list[str]]:
     """(mode, source path, reference paths); one-line errors for incomplete flag sets."""
     _check_names(args)
+    if not args.data:
+        _refuse_data_flags(args)
     if args.hyp_file:
         if args.checkpoint or args.src_file or args.data:
             raise AiaynError("--hyp-file scores existing translations: drop --checkpoint, --src-file and --data")
@@ -151,6 +168,7 @@ def _inputs(args: argparse.Namespace) -> tuple[str, str, list[str]]:
             raise AiaynError("--data picks the files itself: drop --src-file/--ref-file")
         if not args.src or not args.tgt:
             raise AiaynError("--data multi30k needs --src and --tgt (e.g. --src de --tgt en)")
+        _check_direction(args)  # before the files are looked for (or downloaded) for the wrong direction
         from aiayn.data.text import multi30k_paths
 
         src, ref = multi30k_paths(args.split, args.src, args.tgt, args.data_dir)
@@ -158,6 +176,22 @@ def _inputs(args: argparse.Namespace) -> tuple[str, str, list[str]]:
     if not args.src_file or not args.ref_file:
         raise AiaynError("--checkpoint needs --data multi30k, or --src-file and --ref-file")
     return "translate", args.src_file, args.ref_file
+
+
+def _read(path: str, blank_ok: bool = False) -> list[str]:
+    """`files.read_lines`, where "-" is standard input (`aiayn translate ... | aiayn evaluate --hyp-file -`;
+    it was "-: no such file")."""
+    from aiayn.files import read_lines
+
+    if path != "-":
+        return read_lines(path, blank_ok)
+    if sys.stdin is None:
+        raise AiaynError("standard input is closed; give a file name instead of -")
+    return read_lines("/dev/stdin", blank_ok)
+
+
+def _shown(path: str) -> str:
+    return "standard input" if path == "-" else path
 
 
 def _check_direction(args: argparse.Namespace) -> None:
@@ -190,8 +224,8 @@ def _check_save_path(path: str, inputs: Sequence[str]) -> None:
         raise AiaynError("--save-hyps -: the scores go to standard output; give a file name for the translations")
     target = Path(path)
     for other in inputs:
-        with contextlib.suppress(OSError):
-            if target.exists() and target.samefile(other):
+        with contextlib.suppress(OSError):  # ("-": what standard input reads, `--src-file - < s.txt`)
+            if target.exists() and target.samefile("/dev/stdin" if other == "-" else other):
                 raise AiaynError(f"{path}: is also an input file; save the translations elsewhere (--save-hyps)")
     if target.is_dir():
         raise AiaynError(f"{path}: is a directory; give a file name (--save-hyps)")
@@ -204,23 +238,22 @@ def _check_save_path(path: str, inputs: Sequence[str]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from aiayn import memory
-    from aiayn.files import read_lines
     from aiayn.translate import engine_device
 
     memory.keep_freed_memory()  # as `aiayn translate`
 
+    if sys.stdout is None:  # (the scores were printed nowhere, exit 0, after all the translating)
+        raise AiaynError("standard output is closed; the scores are printed there: redirect it to a file instead")
     mode, first, ref_paths = _inputs(args)  # flag errors first, before any file is read
     device = engine_device(args) if mode == "translate" else None  # (scoring a file needs no device)
-    if args.data:
-        _check_direction(args)
     if args.save_hyps and mode == "translate":
         _check_save_path(args.save_hyps, [first, *ref_paths])
-    refs = [read_lines(path) for path in ref_paths]
-    lines = read_lines(first, blank_ok=mode == "hyp")
+    refs = [_read(path) for path in ref_paths]
+    lines = _read(first, blank_ok=mode == "hyp")
     for path, r in zip(ref_paths, refs):
         if len(lines) != len(r):
             kind = "hypotheses" if mode == "hyp" else "source lines"
-            raise AiaynError(f"{first} has {len(lines)} {kind} but {path} has {len(r)} references; "
+            raise AiaynError(f"{_shown(first)} has {len(lines)} {kind} but {_shown(path)} has {len(r)} references; "
                              "the files must be line-aligned")
     info: dict[str, Any] = {"references": ref_paths[0], "reference_files": ref_paths}  # (the first: as before)
     if mode == "hyp":
@@ -254,10 +287,26 @@ def run(args: argparse.Namespace) -> int:
     if note:
         print(f"aiayn evaluate: warning: {note}", file=sys.stderr)
     if args.json:
-        print(json.dumps({**scores, **info}, sort_keys=True))
+        text = json.dumps({**scores, **info}, sort_keys=True)
     else:
-        print(format_scores(scores))
+        text = format_scores(scores)
         if mode == "translate":
-            print(f"checkpoint: {args.checkpoint}  beam: {args.beam}  alpha: {args.alpha}  precision: {info['precision']}",
-                  file=sys.stdout)
+            text += f"\ncheckpoint: {args.checkpoint}  beam: {args.beam}  alpha: {args.alpha}  precision: {info['precision']}"
+    _print_scores(text + "\n", args.save_hyps if mode == "translate" else None)
     return 0
+
+
+def _print_scores(text: str, saved: str | None) -> None:
+    """`text` on standard output, flushed here: a full disk was `error: No space left on device`, naming
+    neither standard output nor what did get written."""
+    from aiayn.files import silence_stdout
+
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader went away (`| head`): nothing left to say
+        raise
+    except OSError as e:
+        silence_stdout()  # (the interpreter's last flush would fail again)
+        kept = f"; the translations are saved in {saved}" if saved else ""
+        raise AiaynError(f"standard output: cannot write the scores ({e.strerror or e}){kept}") from None

@@ -21,6 +21,7 @@ import os
 import re
 import sys
 import textwrap
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,6 +78,24 @@ def printable(text: str) -> str:
     return _NOT_XML.sub(lambda m: ascii(m[0])[1:-1], text)
 
 
+_MISSING_GLYPH = re.compile(r"Glyph (\d+) .*missing from")  # matplotlib's warning, one per character and draw
+
+
+def _report(caught: list[warnings.WarningMessage]) -> None:
+    """matplotlib's warnings while drawing, passed on, except those for characters the font lacks
+    (a --src in Chinese, an emoji): two lines each, naming matplotlib's source, for what is one
+    thing to say: those characters are drawn as boxes."""
+    missing: dict[str, None] = {}
+    for w in caught:
+        if (m := _MISSING_GLYPH.match(str(w.message))) and int(m[1]) < 0x110000:
+            missing[chr(int(m[1]))] = None
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if missing:
+        chars = " ".join(printable(c) for c in missing)
+        print(f"aiayn plot: note: the font has no glyph for {chars}; drawn as boxes", file=sys.stderr, flush=True)
+
+
 def save_figure(fig: Figure, path: str | os.PathLike, dpi: int = DEFAULT_DPI) -> Path:
     """Write `fig` atomically (a temporary file renamed into place); the format follows the name.
 
@@ -91,7 +110,10 @@ def save_figure(fig: Figure, path: str | os.PathLike, dpi: int = DEFAULT_DPI) ->
         raise AiaynError(f"the picture would be {w} x {h} pixels, more than {MAX_PIXELS} a side; lower --dpi "
                          "(or draw less)")
     buf = io.BytesIO()
-    fig.savefig(buf, format=fmt, dpi=dpi, facecolor="white")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fig.savefig(buf, format=fmt, dpi=dpi, facecolor="white")
+    _report(caught)
     try:
         write_output_bytes(path, buf.getvalue())
     except OSError as e:
@@ -389,10 +411,11 @@ def attention_figure(maps: AttentionMaps, kinds: Sequence[str] = ATTENTION_KINDS
 
 
 def find_metrics(path: str | os.PathLike) -> Path:
-    """metrics.jsonl for a run: `path` itself if a file, else in `path` (a run directory), else in
+    """metrics.jsonl for a run: `path` itself if a file (or a pipe, `<(ssh host cat run/metrics.jsonl)`:
+    it is read once; it was "no such file or directory"), else in `path` (a run directory), else in
     its parent (`path` is a checkpoint inside a run directory)."""
     path = Path(path)
-    if path.is_file():
+    if path.exists() and not path.is_dir():
         return path
     if not path.is_dir():
         raise AiaynError(f"--checkpoint {path}: no such file or directory")
@@ -656,12 +679,21 @@ def _schedule_flags(args: argparse.Namespace) -> tuple[list[int], list[int], flo
     return args.d_model or [512], args.warmup or [4000], 1.0 if args.factor is None else args.factor
 
 
+def _check_folder(output: str) -> None:
+    """-o in a folder that is there, checked before any work: a mistyped folder was made, with any
+    missing folders above it (`translate --output` and `evaluate --save-hyps` refuse it)."""
+    folder = Path(output).parent
+    if not os.path.lexists(folder):  # (one that is a file: "cannot write (Not a directory)" as it is written)
+        raise AiaynError(f"-o {output}: no folder {folder}; make it first, or choose another path")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.checkpoint == "":  # (lr-schedule and positional-encoding drew the defaults without a word)
         raise AiaynError("--checkpoint '': an empty name (an unset shell variable?); give a run directory or a "
                          "checkpoint in it")
     image_format(args.output)  # fail on a bad name or --dpi before any work
     check_dpi(args.dpi)
+    _check_folder(args.output)
     if args.picture == "positional-encoding":
         d_model = 512 if args.d_model is None else args.d_model
         if args.checkpoint:
@@ -672,6 +704,9 @@ def run(args: argparse.Namespace) -> int:
     elif args.picture == "attention":
         from aiayn.checkpoint import load_checkpoint, resolve_checkpoint
 
+        if not (0 <= args.max_len_a < math.inf and args.max_len_b >= 0):  # nan fails too
+            raise AiaynError(f"--max-len-a and --max-len-b must be finite numbers >= 0, got {args.max_len_a} and "
+                             f"{args.max_len_b}")
         ckpt = load_checkpoint(resolve_checkpoint(args.checkpoint))
         kinds = ATTENTION_KINDS if args.kind == "all" else (args.kind,)
         cfg = ckpt.model.cfg

@@ -496,6 +496,7 @@ class LineChunks:
         self.buf = bytearray()  # grown in place: bytes += copied the whole of a long line at every read
         self.newlines = 0  # b"\n" in buf, counted as bytes arrive: a rescan per read was quadratic in a line
         self.eof = False
+        self.failed: AiaynError | None = None  # a read that failed: raised once the complete lines before it are out
         self.line_no = 0  # lines handed out so far
 
     def _ready(self) -> bool:
@@ -512,6 +513,11 @@ class LineChunks:
         except BlockingIOError:  # a non-blocking input (O_NONBLOCK left on a shared pipe or terminal) with nothing yet
             if block:
                 select.select([self.fd], [], [])  # wait for it, as a blocking read would
+            return
+        except OSError as e:  # (a disk or network error): the lines read so far are still translated
+            self.failed = AiaynError(f"{self.name}: cannot read ({e.strerror or e}) after line {self.line_no + self.newlines}"
+                                     " (--input)")
+            self.eof = True
             return
         if data:
             if self.line_no == 0 and len(self.buf) < COMPRESSED_HEAD:  # the input's first bytes: not an archive
@@ -532,8 +538,8 @@ class LineChunks:
             pos = end + 1
         del self.buf[:pos]
         self.newlines -= len(lines)
-        if self.eof and self.buf and len(lines) < self.max_lines:
-            lines.append(self.buf)  # the last line, without a newline
+        if self.eof and self.buf and len(lines) < self.max_lines and self.failed is None:
+            lines.append(self.buf)  # the last line, without a newline (after a failed read: a line cut short)
             self.buf = bytearray()
         return lines
 
@@ -567,7 +573,9 @@ class LineChunks:
                             yield lines
                         raise
                 yield lines
-            if self.eof and not self.buf:
+            if self.eof and (not self.buf or (self.failed is not None and not self.newlines)):
+                if self.failed is not None:
+                    raise self.failed
                 return
 
 
@@ -697,6 +705,15 @@ def load_translator(args: argparse.Namespace, device: torch.device | None) -> An
         raise AiaynError(f"{args.checkpoint} is a CTranslate2 export (aiayn export --to ctranslate2); "
                          "add --engine ctranslate2")
     return Translator.from_checkpoint(args.checkpoint, precision=args.precision, device=str(device), note=note)
+
+
+def refuse_empty_names(names: Sequence[tuple[str, str | None, str]]) -> None:
+    """(flag, value, what it names): an empty value (`--checkpoint "$RUN"` with RUN unset) is an error
+    naming its flag. An empty --checkpoint was the current folder (a run started there was used without
+    a word), an empty --tgt-lang no language at all."""
+    for flag, value, what in names:
+        if value == "":
+            raise AiaynError(f"{flag} '': an empty name (an unset shell variable?); give {what}")
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -905,6 +922,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    refuse_empty_names([("--checkpoint", args.checkpoint, "a checkpoint or run directory"),
+                        ("--input", args.input, "a file name, or - for standard input"),
+                        ("--output", args.output, "a file name, or - for standard output"),
+                        ("--tgt-lang", getattr(args, "tgt_lang", None), "a language code, or leave it out")])
     s = _settings(args)  # flags are checked before the model is loaded
     memory.keep_freed_memory()  # a job that decodes and ends: no page faults for every new activation
     device = engine_device(args)  # a flag error before any file is opened
