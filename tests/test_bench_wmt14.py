@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import sacrebleu
 
-from aiayn import train as T
+from aiayn import train_options as TO
 from aiayn.cli import build_parser
 from aiayn.config import TrainConfig, learning_rate
 from aiayn.errors import AiaynError
@@ -63,32 +63,32 @@ def test_the_papers_bleu_tokenizes_as_moses_does():
 @pytest.mark.parametrize("size, dropout, steps, keep", [("base", 0.1, 100_000, 5), ("big", 0.3, 300_000, 20)])
 def test_wmt14_configs_hold_the_papers_settings(size, dropout, steps, keep):
     args = build_parser("train").parse_args(["train", "--config", str(ROOT / "configs" / f"wmt14-en-de-{size}.toml")])
-    name, over, tc = T.build_configs(args)
+    name, over, tc = TO.build_configs(args)
     assert name == size and over["dropout"] == dropout and over["share_embeddings"]
     assert (tc.warmup, tc.max_steps, tc.label_smoothing, tc.vocab_size, tc.keep_last) == (4000, steps, 0.1, 37000, keep)
     assert (tc.adam_beta1, tc.adam_beta2, tc.adam_eps, tc.lr_factor) == (0.9, 0.98, 1e-9, 1.0)
     assert 24_000 <= tc.tokens_per_update <= 30_000  # ~25k tokens a side per step, on any number of GPUs
     for gpus, freq in ((1, 8), (2, 4), (4, 2), (8, 1)):
-        assert T.with_update_freq(tc, gpus).update_freq == freq
+        assert TO.with_update_freq(tc, gpus).update_freq == freq
 
 
 def test_update_freq_follows_the_number_of_gpus_and_the_step_never_grows_past_it():
     tc = TrainConfig(max_tokens=3500, tokens_per_update=28000)
-    assert [T.with_update_freq(tc, w).update_freq for w in (1, 2, 3, 5, 8)] == [8, 4, 3, 2, 1]
+    assert [TO.with_update_freq(tc, w).update_freq for w in (1, 2, 3, 5, 8)] == [8, 4, 3, 2, 1]
     with pytest.raises(AiaynError, match=r"^--tokens-per-update 28000: 16 processes x --max-tokens 3500 already take "
                                          r"56000 per step; use --max-tokens 1750 or less"):
-        T.with_update_freq(tc, 16)  # before: 16 GPUs x 3,500 silently made a 56,000-token step
-    assert T.with_update_freq(tc.replace(max_tokens=1750), 16).update_freq == 1
-    assert T.with_update_freq(TrainConfig(update_freq=3), 16).update_freq == 3  # off: --update-freq as given
+        TO.with_update_freq(tc, 16)  # before: 16 GPUs x 3,500 silently made a 56,000-token step
+    assert TO.with_update_freq(tc.replace(max_tokens=1750), 16).update_freq == 1
+    assert TO.with_update_freq(TrainConfig(update_freq=3), 16).update_freq == 3  # off: --update-freq as given
 
 
 def test_the_large_batch_config_holds_ott_et_al_s_step_and_rate():
     args = build_parser("train").parse_args(["train", "--config", str(ROOT / "configs" / "wmt14-en-de-big-largebatch.toml")])
-    name, over, tc = T.build_configs(args)
+    name, over, tc = TO.build_configs(args)
     assert name == "big" and tc.tokens_per_update == 8 * 16 * 3584
     peak = learning_rate(tc.warmup, 1024, tc.warmup, tc.lr_factor)
     assert peak == pytest.approx(0.001, rel=0.02)  # twice the base config's 0.0005
-    assert [T.with_update_freq(tc, w).update_freq for w in (1, 8, 128)] == [131, 16, 1]
+    assert [TO.with_update_freq(tc, w).update_freq for w in (1, 8, 128)] == [131, 16, 1]
 
 
 def test_wmt14_script_is_valid_shell():

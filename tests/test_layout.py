@@ -116,10 +116,11 @@ def test_plot_does_not_import_train_for_one_formula():
 
 def test_the_trainer_is_the_mechanism_below_the_run():
     """trainer.py (the update, precision, DDP, validation, RNG state) knows nothing of the run that
-    drives it (flags, run directory, resume policy, the loop: train.py)."""
+    drives it (the loop: train.py; flags: train_options.py; run directory, resume policy: rundir.py)."""
     graph = import_graph()
     assert "trainer" in graph["train"]
-    assert not graph["trainer"] & {"train", "checkpoint", "cli"}, graph["trainer"]
+    assert not graph["trainer"] & {"train", "train_options", "rundir", "checkpoint", "cli"}, graph["trainer"]
+    assert not graph["train_options"] & {"train", "rundir"} and "train" not in graph["rundir"]
 
 
 def test_model_py_reads_in_one_sitting():

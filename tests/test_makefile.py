@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from aiayn import train as T
+from aiayn import train_options as TO
 from aiayn.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,5 +87,5 @@ def test_make_demo_trains_with_its_own_recipe():
     recipe = MAKEFILE.read_text(encoding="utf-8").split("\ndemo:")[1].split("\n\n")[0]
     assert "--config configs/demo.toml" in recipe and "multi30k.toml" not in recipe
     args = build_parser("train").parse_args(["train", "--config", str(ROOT / "configs" / "demo.toml")])
-    _, _, tc = T.build_configs(args)
+    _, _, tc = TO.build_configs(args)
     assert tc.data == "multi30k" and tc.valid_bleu >= 1014  # scored on the whole of Multi30k val

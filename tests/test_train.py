@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from aiayn import checkpoint as ckpt
 from aiayn import train as T
+from aiayn import train_options as TO
 from aiayn import trainer as TR
 from aiayn.cli import build_parser
 from aiayn.cli import main as cli_main
@@ -75,7 +76,7 @@ def weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
 
 def train_cli(args: list[str]) -> dict:
     parsed = build_parser("train").parse_args(args)
-    name, over, tc = T.build_configs(parsed)
+    name, over, tc = TO.build_configs(parsed)
     return T.train(name, over, tc, resume=parsed.resume, log=lambda m: None)
 
 
@@ -699,12 +700,12 @@ def test_config_file_and_flag_overrides(tmp_path, suffix):
     else:
         f.write_text(json.dumps({"preset": "tiny", "model": {"d_ff": 96}, "train": {"warmup": 77, "max_tokens": 999}}))
     args = build_parser("train").parse_args(["train", "--config", str(f), "--max-tokens", "555", "--dropout", "0.2"])
-    name, over, tc = T.build_configs(args)
+    name, over, tc = TO.build_configs(args)
     assert name == "tiny" and over == {"d_ff": 96, "dropout": 0.2}
     assert tc.warmup == 77 and tc.max_tokens == 555 and tc.vocab_size == 8000
     f.write_text("[train]\nwarmpu = 3\n" if suffix == ".toml" else '{"warmpu": 3}')
     with pytest.raises(Exception, match="unknown option 'warmpu'"):
-        T.build_configs(build_parser("train").parse_args(["train", "--config", str(f)]))
+        TO.build_configs(build_parser("train").parse_args(["train", "--config", str(f)]))
 
 
 @pytest.mark.parametrize(
@@ -749,7 +750,7 @@ def test_config_file_values_of_the_wrong_type(tmp_path, corpus, capsys, text, me
 def test_a_config_file_with_a_bom_is_read_and_one_not_in_utf8_is_a_one_line_error(tmp_path, corpus, capsys):
     f = tmp_path / "c.toml"
     f.write_bytes("\ufeff[train]\nvocab_size = 100\n".encode())  # as Notepad saves it
-    assert T.build_configs(build_parser("train").parse_args(["train", "--config", str(f)]))[2].vocab_size == 100
+    assert TO.build_configs(build_parser("train").parse_args(["train", "--config", str(f)]))[2].vocab_size == 100
     f.write_bytes(b"[train]\nvocab_size = 100\n# caf\xe9\n")  # Latin-1
     assert cli_main(tiny_args(corpus, tmp_path / "r", "--config", str(f))) == 2
     err = capsys.readouterr().err
@@ -794,12 +795,12 @@ def test_an_explicit_preset_flag_beats_the_config_file_in_either_spelling(tmp_pa
     f.write_text('preset = "base"\n')
     for flag in (["--preset", "tiny"], ["--preset=tiny"]):
         argv = ["train", "--config", str(f), *flag]
-        assert T.build_configs(build_parser("train").parse_args(argv))[0] == "tiny", flag
-    assert T.build_configs(build_parser("train").parse_args(["train", "--config", str(f)]))[0] == "base"
-    assert T.build_configs(build_parser("train").parse_args(["train"]))[0] == "small"
+        assert TO.build_configs(build_parser("train").parse_args(argv))[0] == "tiny", flag
+    assert TO.build_configs(build_parser("train").parse_args(["train", "--config", str(f)]))[0] == "base"
+    assert TO.build_configs(build_parser("train").parse_args(["train"]))[0] == "small"
     f.write_text("preset = []\n")
     with pytest.raises(AiaynError, match=r"unknown preset \[\]"):
-        T.build_configs(build_parser("train").parse_args(["train", "--config", str(f)]))
+        TO.build_configs(build_parser("train").parse_args(["train", "--config", str(f)]))
 
 
 def test_an_out_that_cannot_be_a_directory_is_a_one_line_error(tmp_path, corpus, capsys):
@@ -846,7 +847,7 @@ def test_resume_continues_the_run_with_its_saved_settings(tmp_path, corpus, caps
     run = json.loads((out / "train.json").read_text())
     held = json.loads((out / "step_4" / "config.json").read_text())
     assert run["train"] == held["train"] and run["preset"] == held["preset"] == "tiny"
-    assert run["model"] == {k: v for k, v in held["model"].items() if k not in T._MODEL_FROM_DATA}
+    assert run["model"] == {k: v for k, v in held["model"].items() if k not in TO.MODEL_FROM_DATA}
     assert run["model"]["dropout"] == 0.1 and run["train"]["warmup"] == 10 and run["train"]["max_steps"] == 4
 
 

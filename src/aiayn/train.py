@@ -3,8 +3,8 @@
 Section 5.1 data and token-bucketed batches, 5.3 Adam (0.9, 0.98, 1e-9) with the warm-up schedule
 lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5), 5.4 label smoothing 0.1. The
 mechanism of a step (loss, precision, DDP, validation, RNG state) is `aiayn.trainer`; this module
-is the run around it: flags and config files, the run directory, the resume policy, the loop and
-its logs.
+is the run around it: its set-up, the loop and its logs. The flags, config files and their checks
+are `aiayn.train_options`; the run directory and the resume policy, `aiayn.rundir`.
 
 Exact resume: batches are a deterministic function of (seed, epoch), so the trainer state stores the
 epoch and the position in it together with the optimizer, the step and every RNG state; a resumed
@@ -21,24 +21,16 @@ and about as many tokens (aiayn.data.batching), and only rank 0 validates and wr
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
-import errno
-import itertools
 import json
 import math
 import os
 import random
-import re
-import shlex
 import signal
 import sys
-import tempfile
 import time
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator
+from typing import TYPE_CHECKING, Any, Collection
 
 import torch
 import torch.distributed as dist
@@ -46,638 +38,23 @@ import torch.distributed as dist
 import aiayn.kernels
 from aiayn import checkpoint as ckpt
 from aiayn import memory
-from aiayn.config import PATH_FIELDS, PRECISIONS, PRESETS, ConfigError, ModelConfig, TrainConfig, preset
+from aiayn.config import PATH_FIELDS, PRECISIONS, PRESETS, ConfigError, ModelConfig, TrainConfig
 from aiayn.data.batching import Batches, rank_batches
-from aiayn.data.lock import STALE
 from aiayn.errors import AiaynError
 from aiayn.files import atomic_write_bytes
 from aiayn.model import Transformer
-from aiayn.trainer import (Dist, Prefetch, Trainer, check_optimizer_state, rng_state, set_rng_state, setup_distributed,
-                           torch_seed, validate)
+from aiayn.rundir import (Log, load_newest, open_run_dir, removed_if_left_empty, resume_command, resumed_settings,
+                          saved_device, tidy_out)
+# add_arguments: the flags of `aiayn train`, which aiayn.cli takes from this module beside `run`
+from aiayn.train_options import (DEFAULT_PRESET, MODEL_FROM_DATA, add_arguments, build_configs, check_corpus,
+                                 check_model_options, check_patience, given_options, new_model_config,
+                                 with_update_freq)
+from aiayn.trainer import (Dist, Prefetch, Trainer, rng_state, set_rng_state, setup_distributed, torch_seed,
+                           validate)
 
 if TYPE_CHECKING:  # for the checker only: train imports the rest of the data path where it uses it
     from aiayn.data.corpus import Corpus
     from aiayn.tokenizer import TokenizerPair
-
-Log = Callable[[str], None]
-
-
-# ------------------------------------------------------------------------------- configuration/CLI
-
-
-# Model fields the tokenizer decides; they are not flags.
-_MODEL_FROM_DATA = ("src_vocab_size", "tgt_vocab_size", "pad_id")
-
-_HELP = {
-    "data": "named corpus: multi30k (with --src/--tgt); or give --train-src/--train-tgt",
-    "src": "source language of --data (en, de, fr, cs)",
-    "tgt": "target language of --data",
-    "data_dir": "folder holding multi30k/ (else $AIAYN_DATA, else the user cache)",
-    "train_src": "training source file (plain or .gz, UTF-8, one sentence a line)",
-    "train_tgt": "training target file, aligned with --train-src",
-    "valid_src": "validation source file",
-    "valid_tgt": "validation target file",
-    "data_bin": "a directory written by `aiayn prepare` (instead of the data flags above)",
-    "init_from": "fine-tune: start from this checkpoint's weights, tokenizer and model shape (an imported one too); "
-                 "only the dropout options may differ from it",
-    "vocab_size": "SentencePiece vocabulary size (an upper bound)",
-    "joint_vocab": "one vocabulary for both languages (lets all embeddings be tied)",
-    "spm_model_type": "SentencePiece model: bpe or unigram",
-    "max_tokens": "tokens per batch, padding counted",
-    "max_len": "longest pair in subword tokens per side",
-    "long": "what to do with longer pairs: skip or truncate",
-    "update_freq": "batches accumulated per optimizer step",
-    "tokens_per_update": "padded positions per optimizer step over all processes: sets --update-freq to "
-                         "N / (--max-tokens x processes), rounded: the same step on any number of GPUs (0: off)",
-    "lr_factor": "factor in lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)",
-    "warmup": "warm-up steps of the learning-rate schedule",
-    "cooldown": "the last N steps up to --max-steps ramp the learning rate linearly down (to 1/N of it on the "
-                "last step; 0: off)",
-    "adam_beta1": "Adam beta1",
-    "adam_beta2": "Adam beta2",
-    "adam_eps": "Adam epsilon",
-    "label_smoothing": "label smoothing of the cross entropy",
-    "clip_norm": "clip the gradient norm to this value (0: off)",
-    "precision": "auto (bf16 autocast on a CPU with oneDNN bf16 kernels (AVX-512 or AVX2-VNNI-2), else fp32; bf16 or fp16 + "
-                 "gradient scaler on CUDA), fp32, bf16, fp16",
-    "device": "auto, cpu or cuda[:N]",
-    "compile": "torch.compile each encoder and decoder layer: fused element-wise work, compiled once per stack "
-               "(tens of seconds at the start; docs/gpu.md)",
-    "max_epochs": "stop after this many epochs (0: no limit)",
-    "max_steps": "stop after this many optimizer steps (0: no limit)",
-    "max_minutes": "stop after this many minutes of training (0: no limit)",
-    "patience": "stop after this many epochs without a better validation BLEU (0: off)",
-    "keep_last": "step checkpoints kept (plus best/, where validation BLEU is scored)",
-    "save_every": "write a checkpoint every N steps (0: only at epoch ends)",
-    "valid_bleu": "validation sentences translated greedily for BLEU each epoch and at a mid-epoch stop (0: loss only, "
-                  "and no best/)",
-    "log_every": "append a train line to metrics.jsonl every N steps",
-    "seed": "random seed (weights, dropout, batch order)",
-    "out": "run directory: step_<N>/ checkpoints, best/ (the best validation BLEU's) and metrics.jsonl",
-    "threads": "CPU threads for torch (0: torch's default)",
-}
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default=None, choices=list(PRESETS),
-                   help="model size (default: the --config file's preset, else small)")
-    p.add_argument("--config", metavar="FILE", default=None,
-                   help="TOML or JSON file of options: top-level keys, or [model] and [train] tables; flags override it")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
-    g = p.add_argument_group("model (defaults from --preset; the vocabulary sizes come from the tokenizer)")
-    small = PRESETS["small"]
-    for f in dataclasses.fields(ModelConfig):
-        if f.name in _MODEL_FROM_DATA:
-            continue
-        default = small.get(f.name, f.default)
-        _add_field(g, f.name, f.default, f"(default: {default} for small; see --preset)")
-    g = p.add_argument_group("training")
-    for f in dataclasses.fields(TrainConfig):
-        shown = "" if f.default is None else f" (default: {f.default})"  # None: not given; the help says what then
-        _add_field(g, f.name, f.default, f"{_HELP.get(f.name, f.name)}{shown}")
-
-
-def _add_field(g: Any, name: str, default: Any, help_text: str) -> None:
-    flag = "--" + name.replace("_", "-")
-    if isinstance(default, bool):
-        g.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
-    else:
-        kind = str if default is None else type(default)
-        metavar = {int: "N", float: "X"}.get(kind, name.split("_")[-1].upper())
-        g.add_argument(flag, dest=name, type=kind, default=argparse.SUPPRESS, help=help_text, metavar=metavar)
-
-
-def _read_config_file(path: str) -> dict[str, Any]:
-    """The --config file's table; utf-8-sig since Windows editors save a BOM that TOML would reject."""
-    file = Path(path)
-    try:
-        raw = file.read_bytes()
-    except OSError as e:
-        raise AiaynError(f"--config {file}: cannot read it ({e.strerror or e})") from e
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        raise AiaynError(f"--config {file}: line {line} is not UTF-8 (byte {raw[e.start]:#04x}); "
-                         "save it as UTF-8") from e
-    try:
-        data = json.loads(text) if file.suffix == ".json" else tomllib.loads(text)
-    except ValueError as e:  # JSONDecodeError, TOMLDecodeError, and an int of over 4,300 digits (Python's limit)
-        if "digits" in str(e) and not isinstance(e, (json.JSONDecodeError, tomllib.TOMLDecodeError)):
-            raise AiaynError(f"--config {file}: a number of more than {sys.get_int_max_str_digits():,} digits; "
-                             "give one that fits its option") from None
-        raise AiaynError(f"--config {file}: not valid {'JSON' if file.suffix == '.json' else 'TOML'} ({e})") from e
-    if not isinstance(data, dict):
-        raise AiaynError(f"--config {file}: expected a table of options")
-    return data
-
-
-_MODEL_NAMES = frozenset(f.name for f in dataclasses.fields(ModelConfig)) - set(_MODEL_FROM_DATA)
-_DEFAULT_PRESET = "small"
-
-
-def _file_options(path: str) -> tuple[Any, dict[str, Any], dict[str, Any]]:
-    """(preset or None, model options, train options) of a --config file."""
-    train_names = {f.name for f in dataclasses.fields(TrainConfig)}
-    flat: dict[str, Any] = {}
-    for k, v in _read_config_file(path).items():
-        for name, value in (v.items() if k in ("model", "train") and isinstance(v, dict) else [(k, v)]):
-            if name in flat and flat[name] != value:  # top-level and in a table: one of them was dropped unsaid
-                raise AiaynError(f"--config {path}: {name} is set twice, to {flat[name]!r} and {value!r}; keep one")
-            flat[name] = value
-    name = flat.pop("preset", None)
-    unknown = [k for k in flat if k not in _MODEL_NAMES | train_names]
-    if unknown:
-        raise AiaynError(f"--config {path}: unknown option {unknown[0]!r}")
-    return (name, {k: v for k, v in flat.items() if k in _MODEL_NAMES},
-            {k: v for k, v in flat.items() if k in train_names})
-
-
-def _options_given(args: argparse.Namespace) -> tuple[str | None, dict[str, Any], dict[str, Any]]:
-    """(preset, model options, train options) set by the --config file or flags, flags winning."""
-    train_names = {f.name for f in dataclasses.fields(TrainConfig)}
-    if args.config == "":  # `--config "$RECIPE"` with RECIPE unset trained on the defaults without a word
-        raise AiaynError("--config is an empty name (an unset shell variable?); give a file or leave it out")
-    recorded = None if args.config else _recorded_settings(args)
-    config = args.config or recorded
-    name, model_over, train_over = _file_options(config) if config else (None, {}, {})
-    if recorded:  # the folder it is in, whatever it says (a run moved)
-        train_over["out"] = str(Path(recorded).parent)
-    if getattr(args, "resume", False):  # a run's own train.json, from before "" was refused
-        train_over = _empty_paths_as_read(train_over)
-    if args.preset is not None:  # an explicit flag beats the file
-        name = args.preset
-    for k in _MODEL_NAMES:
-        if hasattr(args, k):
-            model_over[k] = getattr(args, k)
-    flagged = {k for k in train_names if hasattr(args, k)}
-    for k in flagged:
-        train_over[k] = getattr(args, k)
-    _flagged_corpus_wins(train_over, flagged)
-    return name, model_over, train_over
-
-
-def _recorded_settings(args: argparse.Namespace) -> str | None:
-    """RUN/train.json for `--out RUN --resume` without --config where RUN holds no checkpoint but a run's
-    train.json (stopped before its first: a second Ctrl-C, a kill): the new start takes every setting recorded
-    there, as `--config RUN/train.json --resume` does (it started from the defaults: "no training data")."""
-    if not getattr(args, "resume", False):
-        return None
-    out = Path(getattr(args, "out", TrainConfig.out))
-    path = out / "train.json"
-    if ckpt.step_checkpoints(out, moved_aside=True) or not path.is_file():
-        return None
-    try:
-        saved = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None  # `_check_early_files` names it
-    return str(path) if _is_train_json(saved) else None
-
-
-CORPUS_KINDS = (("data",), ("data_bin",), ("train_src", "train_tgt", "valid_src", "valid_tgt"))  # one per run
-
-
-def _flagged_corpus_wins(train_over: dict[str, Any], flagged: set[str]) -> None:
-    """A corpus named by flags replaces the --config file's (`configs/demo.toml`'s Multi30k, say, with
-    --train-src and --train-tgt: the recipe on one's own text), as other flags replace file values."""
-    kinds = [kind for kind in CORPUS_KINDS if flagged & set(kind)]
-    if len(kinds) == 1:
-        for k in {k for kind in CORPUS_KINDS if kind is not kinds[0] for k in kind} - flagged:
-            train_over.pop(k, None)
-
-
-def build_configs(args: argparse.Namespace) -> tuple[str, dict[str, Any], TrainConfig]:
-    """Preset < --config file < flags. Returns (preset name, model overrides, TrainConfig)."""
-    name, model_over, train_over = _options_given(args)
-    name = _DEFAULT_PRESET if name is None else name
-    if not isinstance(name, str) or name not in PRESETS:
-        raise AiaynError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
-    try:
-        tc = TrainConfig(**train_over)
-    except TypeError as e:
-        raise AiaynError(f"bad option type: {e}") from e
-    except ConfigError:
-        _blame_config_file(args, train_over)
-        raise
-    if not (args.resume or tc.init_from):  # `train` checks again; here an error can name the --config file
-        unflagged = {k: v for k, v in model_over.items() if not hasattr(args, k)}  # the file's, no flag over them
-        _check_model_options(name, model_over, tc, (args.config, unflagged) if args.config else None)
-    return name, model_over, tc
-
-
-def _blame_config_file(args: argparse.Namespace, train_over: dict[str, Any]) -> None:
-    """A bad train option that the --config file sets (no flag over it) is named with the file: the
-    message named a flag the command did not hold (a run's own train.json with "" for a path, say)."""
-    unflagged = {k: v for k, v in train_over.items() if not hasattr(args, k)}
-    if args.config and unflagged:
-        try:
-            TrainConfig(**unflagged)
-        except ConfigError as e:
-            raise AiaynError(f"--config {args.config}: {e}; fix it there") from None
-
-
-def _check_model_options(name: str, model_over: dict[str, Any], tc: TrainConfig,
-                        config: tuple[str, dict[str, Any]] | None = None) -> None:
-    """A new run's model, built before its data is prepared (hours for a large corpus, and its data/
-    in --out would block the corrected command). The error names `config` (its path and the options
-    it sets that no flag overrides) where those options alone fail, else the model options given."""
-    try:
-        mcfg = _new_model_config(name, model_over, tc, (tc.vocab_size, tc.vocab_size))
-    except ConfigError as e:
-        why = str(e).removeprefix("ModelConfig: ")
-        if config and config[1]:
-            try:
-                _new_model_config(name, config[1], tc, (tc.vocab_size, tc.vocab_size))
-            except ConfigError:
-                raise AiaynError(f"--config {config[0]}: {why}; fix it there") from e
-        raise AiaynError(f"{why} ({_model_flags(name, model_over)}); change these model options") from e
-    _check_positions(mcfg.max_positions, tc.max_len)
-    _check_model_fits(mcfg, name, model_over)
-
-
-def _check_positions(positions: int, max_len: int) -> None:
-    """A new run's pairs within its model's table of positions, as `_within_positions` keeps a fine-tuning's:
-    P positions hold pairs of P - 1 tokens a side (the source's EOS, the target's BOS), as `translate` cuts
-    sources and an export decodes. Past it, the run trained on positions the model never translates."""
-    fits = positions - 1
-    if max_len > fits:
-        shorter = f"--max-len {fits} or less, or " if fits else ""
-        raise AiaynError(f"--max-len {max_len} is past --max-positions {positions}: a table of {positions} positions "
-                         f"holds pairs of at most {fits} tokens a side (the source's EOS, the target's BOS), as "
-                         f"translate and an export read them; give {shorter}--max-positions {max_len + 1} or more")
-
-
-def _model_flags(name: str, model_over: dict[str, Any]) -> str:
-    return f"--preset {name}" + "".join(f" --{k.replace('_', '-')} {v}" for k, v in sorted(model_over.items()))
-
-
-def _check_model_fits(mcfg: ModelConfig, name: str, model_over: dict[str, Any]) -> None:
-    """Sizes that pass the config's checks but no machine holds (a digit too many) are refused here,
-    from the model's shapes on the meta device, rather than by the allocator after the data is
-    prepared: its float32 weights alone must fit in this machine's memory."""
-    memory.cap_onednn_caches()  # before any model is built, as `train` does (this one on meta)
-    try:
-        n = ckpt.meta_model(mcfg).num_parameters()
-    except ConfigError as e:
-        raise AiaynError(f"cannot build a model of these options ({e}; {_model_flags(name, model_over)}); "
-                         "change them") from None
-    have = memory.physical_bytes()
-    if have and 4 * n > have:
-        raise AiaynError(f"the model would have {n:,} parameters, {4 * n / 2**30:,.1f} GiB of float32 weights "
-                         f"alone, more than this machine's {have / 2**30:,.1f} GiB of memory "
-                         f"({_model_flags(name, model_over)}); change these model options")
-
-
-def given_options(args: argparse.Namespace) -> set[str]:
-    """Names of the TrainConfig fields (and "preset") that the --config file or a flag set: on
-    --resume, the others take the run's saved values. A file's update_freq beside tokens_per_update
-    is not one (a run's train.json records the value derived then; `with_update_freq` derives it again)."""
-    name, _, train_over = _options_given(args)
-    given = set(train_over) | ({"preset"} if name is not None else set())
-    if train_over.get("tokens_per_update") and not hasattr(args, "update_freq"):
-        given.discard("update_freq")
-    return given
-
-
-def with_update_freq(tc: TrainConfig, world: int, given_update_freq: bool = False) -> TrainConfig:
-    """--tokens-per-update N: update_freq = N / (max_tokens x world) to the nearest whole number (at
-    least 1), so a step holds about N padded positions on any number of processes. Where one batch
-    per process already holds more than N, the step would grow with the world: refused, naming the
-    --max-tokens that fits. A --update-freq also given (`given_update_freq`) must be the derived one."""
-    if not tc.tokens_per_update:
-        return tc
-    per_round = tc.max_tokens * world
-    if per_round > tc.tokens_per_update:
-        raise AiaynError(f"--tokens-per-update {tc.tokens_per_update}: {world} processes x --max-tokens "
-                         f"{tc.max_tokens} already take {per_round} per step; use --max-tokens "
-                         f"{max(2, tc.tokens_per_update // world)} or less (or a larger --tokens-per-update)")
-    derived = max(1, math.floor(tc.tokens_per_update / per_round + 0.5))
-    if given_update_freq and tc.update_freq != derived:  # a flag or --config value that would be overridden
-        raise AiaynError(f"--update-freq {tc.update_freq} disagrees with --tokens-per-update {tc.tokens_per_update}, "
-                         f"which sets it to {derived} here ({tc.tokens_per_update} / ({world} processes x --max-tokens "
-                         f"{tc.max_tokens})); drop one of them")
-    return tc.replace(update_freq=derived)
-
-
-def check_patience(tc: TrainConfig) -> None:
-    """--patience counts epochs without a better validation BLEU: refused where no BLEU is scored (it
-    would never stop the run). A --data-bin without a validation set shows once it is opened."""
-    if not tc.patience:
-        return
-    if not tc.valid_bleu:
-        raise AiaynError(f"--patience {tc.patience} counts epochs without a better validation BLEU, but --valid-bleu "
-                         "is 0 (no BLEU is scored); give --valid-bleu N or --patience 0")
-    if not (tc.data or tc.data_bin) and tc.train_src and not tc.valid_src:
-        raise AiaynError(f"--patience {tc.patience} counts epochs without a better validation BLEU, but there is no "
-                         "validation set; give --valid-src and --valid-tgt or --patience 0")
-
-
-def check_corpus(tc: TrainConfig) -> None:
-    """One corpus per run: --data, --data-bin and the text files (--train-src ... --valid-tgt) each name
-    one, and given together (as flags, or in one --config file) all but one were ignored without a word."""
-    files = [f"--{k.replace('_', '-')}" for k in CORPUS_KINDS[2] if getattr(tc, k)]
-    named = [flag for flag, given in (("--data", tc.data), ("--data-bin", tc.data_bin), (" ".join(files), files)) if given]
-    if len(named) > 1:
-        raise AiaynError(f"{named[0]} and {named[1]} each name the training corpus; give one of them")
-
-
-# --------------------------------------------------- the run directory and what a run resumes from
-
-
-# What a run leaves in --out before its first checkpoint: --resume starts such a run again.
-_EARLY_FILES = frozenset({"train.json", "metrics.jsonl", "metrics.jsonl.tmp", "tokenizer", "data"})  # data: corpus.RUN_DATA
-# `atomic_write_bytes`'s temporary for train.json (mkstemp's 8 characters), torn where a kill left it
-_TRAIN_JSON_TMP = re.compile(r"\.train\.json\.[a-z0-9_]{8}\.tmp")
-
-
-def _tidy_out(out: Path, resume: bool, d: Dist) -> None:
-    """What a killed process left in --out is put right before any rank looks at it: an interrupted
-    preparation's abandoned lock and temporaries go, each machine's own (a rank that looked meanwhile would
-    see a lock being taken over), and on --resume rank 0 puts back a checkpoint moved aside by a kill
-    mid-save (listed first, it was not there: "nothing to resume"). An --out it cannot write is named later."""
-    from aiayn.data import prepare
-    from aiayn.data.corpus import RUN_DATA
-
-    if d.local == 0:
-        prepare.remove_abandoned(out / RUN_DATA)
-    if resume and d.main:
-        with contextlib.suppress(OSError):
-            ckpt.restore_replaced(out)
-
-
-def _open_run_dir(out: Path, resume: bool, d: Dist) -> list[tuple[int, Path]]:
-    """Makes --out and returns its step checkpoints. A new run needs an empty or new --out, and
-    --resume one with a checkpoint or only what a run leaves before its first: a run never deletes
-    or rewrites what it did not write."""
-    from aiayn.data import prepare
-    from aiayn.data.corpus import RUN_DATA
-
-    existing = ckpt.step_checkpoints(out)
-    if existing and not resume:
-        raise AiaynError(f"--out {out} already holds checkpoints (newest {existing[-1][1].name}); add --resume to "
-                         "continue that run, or choose another --out")
-    left = prepare.leftovers(out / RUN_DATA)  # an interrupted preparation's lock and temporaries
-    held = sorted(p.name for p in out.iterdir() if not left.get(p.name)) if not existing and out.is_dir() else []
-    busy = [n for n in held if n in left]
-    if busy:
-        raise AiaynError(f"--out {out} holds {busy[0]}: another aiayn process is preparing the data there; let it "
-                         f"finish (if it was killed on another machine, retry in {STALE / 60:.0f} minutes), "
-                         "or choose another --out")
-    if held and not resume:
-        raise AiaynError(f"--out {out} is not empty (it holds {', '.join(held[:3])}{', ...' if len(held) > 3 else ''}); "
-                         "use --resume to continue the run there, or choose another --out")
-    others = [n for n in held if n not in _EARLY_FILES and not ckpt.is_own_temporary(n) and not _TRAIN_JSON_TMP.fullmatch(n)]
-    if others:
-        raise AiaynError(f"--out {out} holds {', '.join(others[:3])} but no step_<N>/ checkpoint to resume from; "
-                         "choose another --out")
-    if held:
-        _check_early_files(out, held)
-    if d.local == 0:  # each machine's first process: --out may be a folder of every machine's own
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise AiaynError(f"--out {out}: cannot make the run directory ({e.strerror or e}); choose another --out") from None
-        _check_writable(out, resume)
-    if d.main and existing:
-        _check_metrics_readable(out / "metrics.jsonl")
-    if d.main:
-        ckpt.remove_stale_temporaries(out)
-        for p in out.glob(".train.json.*.tmp"):
-            if _TRAIN_JSON_TMP.fullmatch(p.name):
-                p.unlink(missing_ok=True)
-    return existing
-
-
-def _check_writable(out: Path, resume: bool) -> None:
-    """Fails now, in one line, where --out takes no new file (read-only, not the user's): the run writes
-    its metrics, train.json and checkpoints there, and a --resume found out at metrics.jsonl.tmp after
-    loading everything, with no hint. The probe has no name (O_TMPFILE) or loses it at once."""
-    try:
-        with tempfile.TemporaryFile(dir=out):
-            pass
-    except OSError as e:
-        fix = (f"copy the run to a folder you can write (cp -r {out} NEW) and resume there with --out NEW" if resume
-               else "choose another --out")
-        how = f" (chmod u+w {out})" if e.errno == errno.EACCES else ""  # (not on a read-only file system)
-        raise AiaynError(f"--out {out} is not writable ({e.strerror or e}): a run writes its checkpoints there; "
-                         f"make it writable{how} or {fix}") from None
-
-
-def _check_metrics_readable(path: Path) -> None:
-    """--resume reads the run's metrics.jsonl (dropping lines past the checkpoint) and rewrites it: one
-    it cannot read, or a line that is not a run's record (a list, invalid UTF-8: a traceback), stopped
-    the run after the checkpoint and data were loaded, and a line that was not JSON was dropped
-    without a word. A read-only one is fine (it is replaced, as train.json is)."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return
-    except (OSError, ValueError) as e:
-        how = f" (chmod u+r {path})" if isinstance(e, OSError) and e.errno == errno.EACCES else ""
-        why = (e.strerror or e) if isinstance(e, OSError) else f"not UTF-8 text: {e}"
-        raise AiaynError(f"{path}: cannot read it ({why}); --resume keeps the run's metrics there: make "
-                         f"it a readable file{how}, or move it away to start the metrics afresh") from None
-    bad = _foreign_metrics_line(text)
-    if bad:
-        raise AiaynError(f"{path}: line {bad} is not a train or valid record of aiayn train; --resume rewrites the "
-                         "file: remove that line, or move the file away to start the metrics afresh")
-
-
-def _foreign_metrics_line(text: str) -> int | None:
-    """The number of the first line of a metrics.jsonl's `text` that is not a run's record (an object
-    of kind train or valid with an integer step) nor blank; the text after the last newline may be a
-    line torn by a kill."""
-    for n, line in enumerate(text.split("\n")[:-1], 1):
-        if not line.strip():  # a blank line (a hand edit) holds no record and is dropped on resume, as plot skips it
-            continue
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            rec = None
-        if not ckpt.is_metrics_record(rec):
-            return n
-    return None
-
-
-# Fields every train.json holds ({"preset", "model", "train": TrainConfig.to_dict()}).
-_TRAIN_JSON_FIELDS = frozenset({"out", "seed", "max_tokens", "label_smoothing", "warmup"})
-
-
-def _is_train_json(saved: Any) -> bool:
-    """Whether `saved` (a train.json's JSON) is recognisably a run's own: a preset, a model and its settings."""
-    settings = saved.get("train") if isinstance(saved, dict) else None
-    return (isinstance(saved, dict) and isinstance(saved.get("preset"), str) and isinstance(saved.get("model"), dict)
-            and isinstance(settings, dict) and _TRAIN_JSON_FIELDS <= set(settings))
-
-
-def _check_early_files(out: Path, held: list[str]) -> None:
-    """Starting again rewrites train.json and metrics.jsonl: refuse unless both are recognisably a
-    run's own (train.json with its fields; metrics lines of kind train/valid with a step, the last
-    one possibly torn by a kill), so that a file aiayn did not write is never rewritten."""
-    def foreign(path: Path, why: str) -> AiaynError:
-        return AiaynError(f"{path} was not written by aiayn train ({why}); --resume would rewrite it: "
-                          "move it away or choose another --out")
-
-    train_json = out / "train.json"
-    if "train.json" in held or any(n.startswith("metrics.jsonl") for n in held):
-        try:
-            saved = json.loads(train_json.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise foreign(out / next(n for n in held if n.startswith("metrics.jsonl")), "no train.json beside it") from None
-        except (OSError, ValueError) as e:
-            raise foreign(train_json, f"not readable JSON: {e}") from None
-        if not _is_train_json(saved):
-            raise foreign(train_json, "no preset, model and train settings")
-    for name in ("metrics.jsonl", "metrics.jsonl.tmp"):
-        if name not in held:
-            continue
-        try:
-            text = (out / name).read_text(encoding="utf-8")
-        except (OSError, ValueError) as e:
-            raise foreign(out / name, f"unreadable: {e}") from None
-        bad = _foreign_metrics_line(text)
-        if bad:
-            raise foreign(out / name, f"line {bad} is not a train or valid record")
-
-
-def _saved_device(out: Path) -> str | None:
-    """The --device of the run in `out` (its newest step checkpoint's), None if there is none to read:
-    the processes start on a device before the checkpoint is loaded."""
-    steps = ckpt.step_checkpoints(out, moved_aside=True)
-    try:
-        device = json.loads((steps[-1][1] / ckpt.CONFIG).read_text(encoding="utf-8"))["train"]["device"]
-    except (IndexError, OSError, ValueError, KeyError, TypeError):
-        return None
-    return device if isinstance(device, str) else None
-
-
-def _load_newest(existing: list[tuple[int, Path]], info: Log) -> ckpt.Checkpoint:
-    """The newest readable step checkpoint with a complete trainer state that fits its model (an
-    unreadable newest one falls back to the one before); the first error if none is."""
-    first_error: AiaynError | None = None
-    for _, path in reversed(existing):
-        try:
-            loaded = ckpt.load_checkpoint(path, with_trainer_state=True)
-            state = loaded.trainer_state or {}
-            missing = sorted(RESUME_KEYS - set(state))
-            if missing:
-                raise AiaynError(f"{path / ckpt.TRAINER_STATE} lacks {', '.join(missing)}")
-            try:
-                check_optimizer_state(state["optimizer"], loaded.model)  # (a copy from another run)
-            except AiaynError as e:
-                raise AiaynError(f"{path / ckpt.TRAINER_STATE} does not fit the model ({e}); it is another run's") from None
-            return loaded
-        except AiaynError as e:
-            first_error = first_error or e
-            info(f"warning: cannot resume from {path}: {e}")
-    assert first_error is not None, "called with no checkpoints"
-    raise first_error
-
-
-# Options that cannot change what a run has computed so far: a resumed run may take new values.
-# The data files and a --data-bin directory may move (their sha256 is checked: a manifest's against
-# the checkpoint's); `out` and `device` always come from the command.
-FREE_ON_RESUME = frozenset({"max_epochs", "max_steps", "cooldown", "max_minutes", "patience", "keep_last", "save_every",
-                            "valid_bleu", "log_every", "threads", "device", "out", "compile",
-                            "data_dir", "train_src", "train_tgt", "valid_src", "valid_tgt", "data_bin"})
-
-
-# what a trainer_state.pt must hold to resume from it (`Trainer.state` and the loop's position)
-RESUME_KEYS = frozenset({"optimizer", "step", "epoch", "position", "elapsed_s", "best_bleu", "bad_epochs",
-                         "tokens_seen", "rng"})
-
-
-def resumed_settings(loaded: ckpt.Checkpoint, preset_name: str, model_over: dict[str, Any], tc: TrainConfig,
-                     given: Collection[str] | None) -> tuple[str, TrainConfig]:
-    """The run's saved settings, with the given values of FREE_ON_RESUME options; any other given
-    option (`given`: names set on the command line; None: every field of `tc`) must equal the saved
-    value, else one error names it."""
-    saved = loaded.config.get("train")
-    if not isinstance(saved, dict):
-        saved = {}
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    try:
-        base = TrainConfig.from_dict(_empty_paths_as_read({k: v for k, v in saved.items() if k in names}))
-    except (ConfigError, TypeError) as e:
-        raise AiaynError(f"{loaded.path / ckpt.CONFIG}: invalid train config ({e}); resume from another checkpoint") from e
-    typed = names | {"preset"} if given is None else set(given)
-    before = {"preset": loaded.config.get("preset", preset_name), **base.to_dict()}
-    now = {"preset": preset_name, **tc.to_dict()}
-    changed = [(k, now[k], before[k]) for k in sorted(typed - FREE_ON_RESUME) if not _same_setting(k, now[k], before[k])]
-    changed += [(k, v, getattr(loaded.model_config, k)) for k, v in sorted(model_over.items())
-                if v != getattr(loaded.model_config, k)]
-    if changed:
-        name, value, was = changed[0]
-        flag = "--" + name.replace("_", "-")
-        raise AiaynError(f"{flag} {value} differs from the run's {was}: --resume continues the run with its own "
-                         f"settings; drop {flag}, or start a new run with another --out")
-    _check_same_corpus(base, tc, typed)
-    keep = (typed & FREE_ON_RESUME) | {"out", "device"}
-    return before["preset"], base.replace(**{k: getattr(tc, k) for k in keep})
-
-
-def _same_setting(name: str, now: Any, before: Any) -> bool:
-    """Whether a setting given on resume is the run's: --init-from names a folder, which `runs/x`,
-    `./runs/x/` and its absolute path all name (compared as text, each was refused as another run's)."""
-    if now == before:
-        return True
-    if name != "init_from" or not (isinstance(now, str) and isinstance(before, str)):
-        return False
-    if os.path.abspath(now) == os.path.abspath(before):
-        return True
-    try:
-        return os.path.samefile(now, before)
-    except OSError:  # one of them is gone: no longer the same folder to tell
-        return False
-
-
-def _check_same_corpus(base: TrainConfig, tc: TrainConfig, typed: Collection[str]) -> None:
-    """The data paths a resumed run may take anew (files moved) must name its own kind of corpus: text
-    files given to a --data-bin run were ignored without a word, yet recorded beside it, so that the
-    run's settings named two corpora."""
-    kinds = ((CORPUS_KINDS[0], "--data"), (CORPUS_KINDS[1], "--data-bin"), (CORPUS_KINDS[2], "--train-src"))
-    own = next(((fields, flag) for fields, flag in kinds if getattr(base, fields[0])), None)
-    for fields, _ in kinds:
-        given = [k for k in fields if k in typed and getattr(tc, k) and k in FREE_ON_RESUME]
-        if own and given and fields is not own[0]:
-            flag = "--" + given[0].replace("_", "-")
-            raise AiaynError(f"{flag} {getattr(tc, given[0])}: the run trains on its {own[1]} "
-                             f"{getattr(base, own[0][0])}; --resume continues on the run's own corpus (a moved "
-                             f"file may be given anew, not another corpus): drop {flag}, or start a new run with "
-                             "another --out")
-
-
-def _empty_paths_as_read(saved: dict[str, Any]) -> dict[str, Any]:
-    """A saved train config's "" paths (and languages) as the code that wrote them read them: a run
-    from before "" was refused recorded them, and every one of its checkpoints then failed to resume.
-    "" was a path not given (the default), but for data_dir the current directory (as Path("") is);
-    an empty language recorded no pair, which the default (de, en) stands for, as for any run's own files."""
-    empty = {k for k in (*PATH_FIELDS, "src", "tgt") if saved.get(k) == ""}
-    return {k: v for k, v in saved.items() if k not in empty} | ({"data_dir": "."} if "data_dir" in empty else {})
-
-
-def _precision(tc: TrainConfig, loaded: ckpt.Checkpoint | None, d: Dist) -> str:
-    """--precision, with `auto` resolved as the run resolved it when it began (kept in its trainer
-    state): the machine or the version resuming it may choose otherwise. A trainer state without it
-    was trained by the `auto` of its time: with data digests (the same release), today's rule;
-    without, the rule before, bf16 autocast on every CPU."""
-    if tc.precision != "auto" or loaded is None:
-        return tc.precision
-    st = loaded.trainer_state or {}
-    if st.get("precision") in PRECISIONS and st["precision"] != "auto":
-        # a run moved from CUDA to a CPU (--device may change) cannot go on in fp16: auto decides anew
-        return st["precision"] if st["precision"] != "fp16" or d.device.type == "cuda" else "auto"
-    return "bf16" if d.device.type == "cpu" and "data_sha256" not in st else "auto"
-
-
-def resume_command(out: Path, world: int) -> str:
-    argv = sys.argv[1:]
-    if argv[:1] == ["train"]:
-        args = argv + ([] if "--resume" in argv else ["--resume"])
-    else:  # called as a library: the run directory's train.json has every option
-        args = ["train", "--config", str(out / "train.json"), "--resume"]
-    prefix = "aiayn" if world == 1 else f"torchrun --nproc_per_node {world} -m aiayn"
-    return f"{prefix} {shlex.join(args)}"
 
 
 # -------------------------------------------------------------------------------------------- data
@@ -758,7 +135,7 @@ def _set_up(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, loade
     elif init:
         mcfg = fine_tuned_config(init, model_over)
     else:
-        mcfg = _new_model_config(preset_name, model_over, tc, (corpus.tokenizers.src.vocab_size,
+        mcfg = new_model_config(preset_name, model_over, tc, (corpus.tokenizers.src.vocab_size,
                                                                corpus.tokenizers.tgt.vocab_size))
     torch.manual_seed(torch_seed(tc.seed))
     random.seed(tc.seed)
@@ -783,7 +160,7 @@ def _set_up(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, loade
     run.steps_per_epoch = max(1, math.ceil(len(mine) / tc.update_freq))
     run.metrics.truncate_after(run.trainer.step)  # a fresh start (step 0) clears lines of a run killed before its first checkpoint
     if d.main:
-        model_options = {k: v for k, v in mcfg.to_dict().items() if k not in _MODEL_FROM_DATA}  # the model it holds
+        model_options = {k: v for k, v in mcfg.to_dict().items() if k not in MODEL_FROM_DATA}  # the model it holds
         # beside, then renamed: a kill mid-write left a torn train.json that every --resume refused
         try:
             atomic_write_bytes(out / "train.json", (json.dumps({"preset": preset_name, "model": model_options,
@@ -792,6 +169,20 @@ def _set_up(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, loade
             raise _write_failed(out / "train.json", e) from None
     _describe(run, info)
     return run
+
+
+def _precision(tc: TrainConfig, loaded: ckpt.Checkpoint | None, d: Dist) -> str:
+    """--precision, with `auto` resolved as the run resolved it when it began (kept in its trainer
+    state): the machine or the version resuming it may choose otherwise. A trainer state without it
+    was trained by the `auto` of its time: with data digests (the same release), today's rule;
+    without, the rule before, bf16 autocast on every CPU."""
+    if tc.precision != "auto" or loaded is None:
+        return tc.precision
+    st = loaded.trainer_state or {}
+    if st.get("precision") in PRECISIONS and st["precision"] != "auto":
+        # a run moved from CUDA to a CPU (--device may change) cannot go on in fp16: auto decides anew
+        return st["precision"] if st["precision"] != "fp16" or d.device.type == "cuda" else "auto"
+    return "bf16" if d.device.type == "cpu" and "data_sha256" not in st else "auto"
 
 
 FINE_TUNE_FREE = ("dropout", "attention_dropout", "activation_dropout")  # what --init-from may change
@@ -810,24 +201,12 @@ def fine_tuned_config(init: ckpt.Checkpoint, model_over: dict[str, Any]) -> Mode
         raise AiaynError(str(e)) from e
 
 
-def _new_model_config(preset_name: str, model_over: dict[str, Any], tc: TrainConfig,
-                      vocab: tuple[int, int]) -> ModelConfig:
-    """The model of a new run with `vocab` (source, target) pieces; before the data is prepared,
-    --vocab-size stands in for both (the checks hold for any positive sizes)."""
-    over = dict(model_over)
-    if not tc.joint_vocab:
-        if over.get("share_embeddings"):
-            raise AiaynError("--share-embeddings needs a joint vocabulary; drop --no-joint-vocab")
-        over["share_embeddings"] = False
-    return preset(preset_name, src_vocab_size=vocab[0], tgt_vocab_size=vocab[1], **over)
-
-
 def _start(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, given: Collection[str] | None,
            note: Log) -> tuple[str, TrainConfig, ckpt.Checkpoint | None]:
     """A new run's (preset, settings, --init-from checkpoint), checked before its data is prepared."""
     if tc.init_from:
         return _fine_tune_start(tc.init_from, preset_name, model_over, tc, given, note)
-    _check_model_options(preset_name, model_over, tc)
+    check_model_options(preset_name, model_over, tc)
     return preset_name, tc, None
 
 
@@ -841,7 +220,7 @@ def _options_set(tc: TrainConfig, preset_name: str, given: Collection[str] | Non
         return set(given)
     defaults = TrainConfig()
     changed = {k for k in tc.to_dict() if getattr(tc, k) != getattr(defaults, k)}
-    return changed | ({"preset"} if preset_name != _DEFAULT_PRESET else set())
+    return changed | ({"preset"} if preset_name != DEFAULT_PRESET else set())
 
 
 def _fine_tune_start(init_from: str, preset_name: str, model_over: dict[str, Any], tc: TrainConfig,
@@ -891,7 +270,7 @@ def _init_settings(init: ckpt.Checkpoint) -> dict[str, Any]:
     own: dict[str, Any] = {k: saved[k] if type(saved.get(k)) is type(getattr(defaults, k)) else getattr(defaults, k)
                            for k in _FROM_INIT}
     name = init.config.get("preset")
-    return {"preset": name if isinstance(name, str) and name in PRESETS else _DEFAULT_PRESET, **own}
+    return {"preset": name if isinstance(name, str) and name in PRESETS else DEFAULT_PRESET, **own}
 
 
 def _init_language_pair(init_from: str, tc: TrainConfig, preset_name: str,
@@ -1090,19 +469,19 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
         preset_name, tc, init = _start(preset_name, model_over, tc, given, notes.append)
     memory.cap_onednn_caches()  # before the first bf16 matmul
     if resume and given is not None and "device" not in given:  # not given anew: where the run ran
-        tc = tc.replace(device=_saved_device(Path(tc.out)) or tc.device)
+        tc = tc.replace(device=saved_device(Path(tc.out)) or tc.device)
     d = setup_distributed(tc.device)
     if not resume and tc.precision == "fp16" and d.device.type != "cuda":  # before the data is prepared (minutes)
         raise AiaynError("--precision fp16 needs a CUDA device; use bf16 or fp32 on the CPU")
     info = (lambda msg: log(msg)) if d.main else (lambda msg: None)
     for msg in notes:
         info(msg)
-    d.agree(lambda: _tidy_out(Path(tc.out), resume, d))
-    with _removed_if_left_empty(Path(tc.out), d.local == 0):  # a refusal found below leaves no empty --out
-        existing = d.agree(lambda: _open_run_dir(Path(tc.out), resume, d))
+    d.agree(lambda: tidy_out(Path(tc.out), resume, d))
+    with removed_if_left_empty(Path(tc.out), d.local == 0):  # a refusal found below leaves no empty --out
+        existing = d.agree(lambda: open_run_dir(Path(tc.out), resume, d))
         # Rank 0 decides what the run resumes from and sends it to every rank: the machines may not share
         # --out, and only rank 0 writes checkpoints (DDP then copies rank 0's weights at start-up anyway).
-        loaded = d.from_main(lambda: _load_newest(existing, info) if resume and existing else None)
+        loaded = d.from_main(lambda: load_newest(existing, info) if resume and existing else None)
         if loaded:
             preset_name, tc = resumed_settings(loaded, preset_name, model_over, tc, given)
             info(f"resuming from {loaded.path}")
@@ -1146,7 +525,7 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
 def _main_settings(d: Dist, preset_name: str, model_over: dict[str, Any], tc: TrainConfig,
                    given: Collection[str] | None) -> tuple[str, dict[str, Any], TrainConfig, Collection[str] | None]:
     """Rank 0's settings on every rank, for a --resume with nothing to resume from: rank 0 took them from
-    --out's train.json (`_recorded_settings`), which machines that share no --out lack, and they began
+    --out's train.json (`train_options._recorded_settings`), which machines that share no --out lack, and they began
     from the defaults (another model, no data). Each keeps its own --out, device and options it was given."""
     if d.world == 1:
         return preset_name, model_over, tc, given
@@ -1160,24 +539,6 @@ def _main_settings(d: Dist, preset_name: str, model_over: dict[str, Any], tc: Tr
 
 # the data paths a run records, which it reads again on --resume (the text is checked against its prepared copy)
 _DATA_PATHS = tuple(k for k in PATH_FIELDS if k not in ("init_from", "out"))
-
-
-@contextlib.contextmanager
-def _removed_if_left_empty(out: Path, makes: bool) -> Iterator[None]:
-    """The folders up to --out that this process will make (`makes`: each machine's first), removed
-    again, deepest first, where a run that fails before its first file leaves them empty: a missing
-    data file, a --data-bin that is none or a --tokens-per-update too small shows only once --out was
-    made, and left it behind (a folder that was there stays; one holding anything is never touched)."""
-    made = list(itertools.takewhile(lambda p: not os.path.lexists(p), (out, *out.parents))) if makes else []
-    try:
-        yield
-    except BaseException:
-        for p in made:
-            try:
-                p.rmdir()
-            except OSError:  # not empty (the data prepared for --resume), or not made after all
-                break
-        raise
 
 
 def _absolute_data_paths(tc: TrainConfig) -> TrainConfig:

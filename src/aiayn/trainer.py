@@ -1,7 +1,8 @@
 """The training mechanism: one optimizer update (`Trainer`), where it runs (`Dist`), in what
 precision, how batches reach the device (`Prefetch`: built, with where their real tokens sit,
 and pinned on a background thread), validation, and the RNG states of exact resume. `aiayn.train`
-drives it: flags, the run directory, resume policy and the loop live there.
+drives it with the loop; the flags live in `aiayn.train_options`, the run directory and resume
+policy in `aiayn.rundir`.
 
 The loss of an update is the sum of label-smoothed token losses over all its batches (every
 accumulated batch and every rank) divided by the number of target tokens (Section 5.4), so gradient
