@@ -100,3 +100,76 @@ def test_line_chunks_hand_out_every_complete_line_before_a_failed_read(tmp_path,
         for chunk in LineChunks(f, "in.txt", max_lines=1):
             got.append(chunk)
     assert got == [["one"], ["two"], ["three"]]
+
+
+def test_an_output_folder_that_is_not_there_is_refused_before_the_model_loads(ckpt, src, tmp_path, monkeypatch,
+                                                                               capsys):
+    """`--output missing/folder/out.txt` (or a file as the folder, or a folder as --output) was said only
+    once the model had loaded; the message is the one opening it gives."""
+    import aiayn.translate
+
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(aiayn.translate, "load_translator", load)
+    (tmp_path / "afile").write_text("x\n")
+    for out, why in [(tmp_path / "missing" / "folder" / "out.txt", "No such file or directory"),
+                     (tmp_path / "afile" / "out.txt", "Not a directory"), (tmp_path, "Is a directory")]:
+        assert main(["translate", "--checkpoint", str(ckpt), "--input", str(src), "--output", str(out), *FAST]) == 2
+        assert capsys.readouterr().err == f"aiayn translate: error: {out}: cannot write ({why}) (--output)\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "in.txt"]
+
+
+def test_utf16_input_is_refused_before_a_line_is_written(ckpt, tmp_path, capsys):
+    """UTF-16 without a byte-order mark read as UTF-8 with NULs: every "\\n\\0" made an extra line of
+    output, and the translations were of garbled text."""
+    path = tmp_path / "in.txt"
+    path.write_bytes("ein Mann läuft\nder Hund\n".encode("utf-16-le"))
+    out = tmp_path / "out.txt"
+    assert main(["translate", "--checkpoint", str(ckpt), "--input", str(path), "--output", str(out), *FAST]) == 2
+    assert capsys.readouterr().err == (f"aiayn translate: error: {path}: UTF-16LE text (every other byte is NUL), "
+                                       "not UTF-8; convert the input to UTF-8 (iconv -f UTF-16LE -t UTF-8)\n")
+    assert not out.exists()
+
+
+def test_a_line_with_no_end_stops_the_run_keeping_the_lines_before_it(ckpt, tmp_path, capsys):
+    """A line of more than 16 MiB (a file with no newlines, `< /dev/zero`) grew the line buffer without
+    limit; now the lines before it are translated and kept, as after a failed read."""
+    from aiayn.files import MAX_LINE_BYTES
+
+    path = tmp_path / "in.txt"
+    with open(path, "wb") as f:
+        f.write(b"ein Mann\nder Hund\n" + b"\x00" * (MAX_LINE_BYTES + 1) + b"\nein Kind\n")
+    out = tmp_path / "out.txt"
+    out.write_text("old\n")
+    assert main(["translate", "--checkpoint", str(ckpt), "--input", str(path), "--output", str(out), *FAST]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"aiayn translate: error: {path}:3: no end of line in 16 MiB; aiayn reads text, one sentence a "
+                   "line: check that the input is text, or break the line (--input); the first 2 input line(s) are "
+                   f"translated and written to {out}.partial ({out} is as it was)\n"), err
+    assert out.read_text() == "old\n"
+    assert (tmp_path / "out.txt.partial").read_text(encoding="utf-8").count("\n") == 2
+
+
+@pytest.fixture(scope="module")
+def export(ckpt, tmp_path_factory):
+    pytest.importorskip("ctranslate2")
+    from aiayn.export import export_ctranslate2
+
+    return export_ctranslate2(str(ckpt), str(tmp_path_factory.mktemp("io") / "ct2"))
+
+
+@pytest.mark.parametrize("supported, others", [({"float32", "int8_float32", "int8"}, "fp32 or int8"),
+                                               ({"float32"}, "fp32")])
+def test_ctranslate2_names_the_precisions_this_cpu_runs(export, src, supported, others, monkeypatch, capsys):
+    """`--engine ctranslate2 --precision bf16` where CTranslate2 has no bfloat16 for the CPU said why
+    (its own words) but not what to use instead."""
+    import ctranslate2
+
+    monkeypatch.setattr(ctranslate2, "get_supported_compute_types", lambda device, device_index=0: set(supported))
+    for precision in ["bf16", "int8"] if others == "fp32" else ["bf16"]:
+        assert main(["translate", "--engine", "ctranslate2", "--checkpoint", str(export), "--input", str(src),
+                     "--precision", precision, *FAST]) == 2
+        err = capsys.readouterr().err
+        assert err == (f"aiayn translate: error: --precision {precision}: CTranslate2 does not run {precision} on "
+                       f"this CPU; use --precision {others}\n"), err

@@ -180,14 +180,18 @@ def _inputs(args: argparse.Namespace) -> tuple[str, str, list[str]]:
 
 def _read(path: str, blank_ok: bool = False) -> list[str]:
     """`files.read_lines`, where "-" is standard input (`aiayn translate ... | aiayn evaluate --hyp-file -`;
-    it was "-: no such file")."""
-    from aiayn.files import read_lines
+    it was "-: no such file"), read as it is: opening /dev/stdin anew fails where it is a socket (a
+    child of Node.js or of a service manager: "/dev/stdin: cannot read (No such device or address)")."""
+    from aiayn.files import read_lines, read_stream_lines
 
     if path != "-":
         return read_lines(path, blank_ok)
     if sys.stdin is None:
         raise AiaynError("standard input is closed; give a file name instead of -")
-    return read_lines("/dev/stdin", blank_ok)
+    stream = getattr(sys.stdin, "buffer", None)
+    if stream is None:  # (a text stream put in its place)
+        return read_lines("/dev/stdin", blank_ok)
+    return read_stream_lines(stream, "standard input", blank_ok)
 
 
 def _shown(path: str) -> str:

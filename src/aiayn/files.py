@@ -14,6 +14,7 @@ import hashlib
 import io
 import os
 import re
+import select
 import stat
 import sys
 import tempfile
@@ -65,13 +66,93 @@ _COMPRESSED = ((re.compile(rb"\x1f\x8b"), "gzip", "gunzip"), (re.compile(rb"\xfd
 COMPRESSED_HEAD = 10  # bytes `refuse_compressed` looks at
 
 
-def refuse_compressed(name: str | os.PathLike[str], head: bytes, gzip_ok: bool = True) -> None:
+def refuse_compressed(name: str | os.PathLike[str], head: bytes | bytearray, gzip_ok: bool = True) -> None:
     """A compressed file that the reader cannot read (gzip, where `gzip_ok`) is one line saying how
     to unpack it. `head`: the file's first COMPRESSED_HEAD bytes."""
     reads = "plain or gzip text" if gzip_ok else "plain UTF-8 text"
     for magic, kind, command in _COMPRESSED:
         if magic.match(head) and not (kind == "gzip" and gzip_ok):
             raise AiaynError(f"{name}: a {kind} file; aiayn reads {reads} here: unpack it first ({command})")
+
+
+# The longest line read, in bytes. A sentence is a few hundred bytes and a paragraph a few thousand;
+# what has no newline in 16 MiB is not text one sentence a line (/dev/zero, a binary file, text with
+# another line end), and reading on would hold it all in memory, without limit on a stream.
+MAX_LINE_BYTES = 16 << 20
+_WINDOW = 1 << 20  # bytes `LineLengthCheck` and `read_lines` take at a time (under MAX_LINE_BYTES)
+
+
+class LineLengthCheck:
+    """Watches bytes as they are read, piece after piece, for a line longer than MAX_LINE_BYTES."""
+
+    def __init__(self) -> None:
+        self.open = 0  # bytes of the line not yet ended
+
+    def past_cap(self, data: bytes | bytearray, start: int = 0) -> int | None:
+        """Where in `data` (read after what came before; from `start`) a line past the cap shows: the
+        offset of a window with no newline between that line's start and it, so that the line's number
+        is `data.count(b"\\n", 0, offset) + 1` when `data` holds all that was read; None if none does."""
+        for a in range(start, len(data), _WINDOW):
+            b = min(a + _WINDOW, len(data))
+            first = data.find(b"\n", a, b)
+            if first < 0:
+                self.open += b - a
+            elif self.open + first - a > MAX_LINE_BYTES:
+                return a
+            else:
+                self.open = b - data.rfind(b"\n", a, b) - 1
+            if self.open > MAX_LINE_BYTES:
+                return a
+        return None
+
+
+def long_line_error(name: str | os.PathLike[str], line: int, what: str = "file", flag: str = "") -> AiaynError:
+    """The one line for a line past MAX_LINE_BYTES: `name`:`line`, and what to do."""
+    return AiaynError(f"{name}:{line}: no end of line in {MAX_LINE_BYTES >> 20} MiB; aiayn reads text, one sentence "
+                      f"a line: check that the {what} is text, or break the line{f' ({flag})' if flag else ''}")
+
+
+def read_error(name: str | os.PathLike[str], e: OSError) -> AiaynError:
+    """A read that failed part-way (EIO from a failing disk, a dropped network share), in one line."""
+    return AiaynError(f"{name}: cannot read ({e.strerror or e}); check the disk or network share it is on, "
+                      "then try again")
+
+
+# UTF-16 and UTF-32 text: with a byte-order mark it is invalid UTF-8 at byte 1, and without one, where it
+# is ASCII, valid UTF-8 with a NUL in every other byte (UTF-32: three in four): read so, each "\n\0" made
+# a line of a NUL more (translate wrote extra lines, evaluate called the files misaligned).
+ENCODING_HEAD = 4096  # bytes `refuse_wide_text` looks at
+_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32LE", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32BE", "UTF-32"),
+         (b"\xff\xfe", "UTF-16LE", "UTF-16"), (b"\xfe\xff", "UTF-16BE", "UTF-16"))
+
+
+def wide_encoding(head: bytes | bytearray) -> tuple[str, str, str] | None:
+    """(encoding, the sign of it, its name for iconv) when a text's first bytes are UTF-16 or UTF-32:
+    a byte-order mark, or NUL bytes where ASCII in that encoding has them (at least two, in half the
+    places or more) and hardly any (a tenth at most) where it has its letters."""
+    for bom, kind, iconv in _BOMS:
+        if head.startswith(bom):
+            return kind, f"it starts with a {iconv} byte-order mark", iconv
+    if head.count(0) < 2:
+        return None  # (UTF-8 text: the common case, at once)
+    for width, sign in ((4, "three bytes in four are NUL"), (2, "every other byte is NUL")):
+        columns = [head[k::width] for k in range(width)]  # byte k of each code unit
+        nuls = [c.count(0) for c in columns]
+        for order, letters in (("LE", 0), ("BE", width - 1)):
+            if (nuls[letters] * 10 <= len(columns[letters])
+                    and all(2 <= nuls[k] and 2 * nuls[k] >= len(columns[k]) for k in range(width) if k != letters)):
+                return f"UTF-{8 * width}{order}", sign, f"UTF-{8 * width}{order}"
+    return None
+
+
+def refuse_wide_text(name: str | os.PathLike[str], head: bytes | bytearray, what: str = "file") -> None:
+    """UTF-16 or UTF-32 text (`wide_encoding` of its first ENCODING_HEAD bytes) is one line saying
+    how to convert it; `what` is "file" or "input"."""
+    found = wide_encoding(head)
+    if found is not None:
+        kind, sign, iconv = found
+        raise AiaynError(f"{name}: {kind} text ({sign}), not UTF-8; convert the {what} to UTF-8 "
+                         f"(iconv -f {iconv} -t UTF-8)")
 
 
 def read_lines(path: str | os.PathLike[str], blank_ok: bool = False) -> list[str]:
@@ -85,47 +166,85 @@ def read_lines(path: str | os.PathLike[str], blank_ok: bool = False) -> list[str
     """
     path = Path(path)
     with _open_text_file(path) as f:
-        raw = f.read()
+        return read_stream_lines(f, str(path), blank_ok)
+
+
+def read_stream_lines(f: BinaryIO, name: str, blank_ok: bool = False) -> list[str]:
+    """`read_lines` of an open binary stream (standard input: opening /dev/stdin fails where it is a
+    socket), named `name` in messages."""
+    raw: bytes | bytearray = _read_all(f, name)
     if raw[:2] == b"\x1f\x8b":  # gzip magic, whatever the file is called
         try:
             raw = gzip.decompress(raw)
         except (OSError, EOFError, zlib.error) as e:
-            raise AiaynError(f"{path}: corrupt or truncated gzip file ({e}); download or copy it again") from None
-    refuse_compressed(path, raw[:COMPRESSED_HEAD])
+            raise AiaynError(f"{name}: corrupt or truncated gzip file ({e}); download or copy it again") from None
+        if (at := LineLengthCheck().past_cap(raw)) is not None:
+            raise long_line_error(name, raw.count(b"\n", 0, at) + 1)
+    refuse_compressed(name, raw[:COMPRESSED_HEAD])
+    refuse_wide_text(name, raw[:ENCODING_HEAD])
     if raw.startswith(b"\xef\xbb\xbf"):
         raw = raw[3:]  # a UTF-8 byte-order mark is not part of the first sentence
-    if not (raw if blank_ok else raw.strip()):
-        raise AiaynError(f"{path}: file is empty")
+    if not raw or (not blank_ok and raw.isspace()):  # (isspace: no copy of a corpus, as strip made)
+        raise AiaynError(f"{name}: file is empty")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         line = raw.count(b"\n", 0, e.start) + 1
         col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
         raise AiaynError(
-            f"{path}:{line}: invalid UTF-8 (byte 0x{raw[e.start]:02x} at column {col}); convert the file to UTF-8"
+            f"{name}:{line}: invalid UTF-8 (byte 0x{raw[e.start]:02x} at column {col}); convert the file to UTF-8"
         ) from None
+    del raw  # (the bytes, before the lines are made)
     lines = text.split("\n")
     if lines[-1] == "":
         lines.pop()  # the newline that ends the last line
     return [s[:-1] if s.endswith("\r") else s for s in lines]
 
 
+def _read_all(f: BinaryIO, name: str) -> bytearray:
+    """All of `f`, read a window at a time: a read that fails is one line naming `name`, and bytes
+    with no newline in MAX_LINE_BYTES (/dev/zero) are refused before they fill the memory (gzip's
+    text is checked once unpacked; its packed bytes hold a newline every 256 or so). A non-blocking
+    stream with nothing yet is waited for."""
+    data = bytearray()
+    check = LineLengthCheck()
+    while True:
+        try:
+            piece = f.read(_WINDOW)
+        except BlockingIOError:
+            piece = None
+        except OSError as e:
+            raise read_error(name, e) from None
+        if piece is None:  # (non-blocking, nothing there yet)
+            select.select([f], [], [])
+            continue
+        if not piece:
+            return data
+        data += piece
+        if (at := check.past_cap(data, len(data) - len(piece))) is not None:
+            raise long_line_error(name, data.count(b"\n", 0, at) + 1)
+
+
 def iter_lines(path: str | os.PathLike[str]) -> Iterator[str]:
     """The lines of a plain or gzip UTF-8 file, one at a time: `read_lines` for files larger than memory.
 
     Same rules and messages as `read_lines` (split on "\\n" only, "\\r\\n" accepted, a leading BOM
-    dropped, invalid UTF-8 named by line and column), except that an empty file is the caller's
-    check: it sees no lines, or only blank ones.
+    dropped, invalid UTF-8 named by line and column, UTF-16 and a line past MAX_LINE_BYTES refused),
+    except that an empty file is the caller's check: it sees no lines, or only blank ones.
     """
     path = Path(path)
     with _open_text_file(path) as raw_file:
-        is_gzip = raw_file.peek(2)[:2] == b"\x1f\x8b"  # gzip magic, whatever the file is called
-        refuse_compressed(path, raw_file.peek(COMPRESSED_HEAD)[:COMPRESSED_HEAD])
-        f = io.BufferedReader(gzip.GzipFile(fileobj=raw_file), 1 << 20) if is_gzip else raw_file
+        is_gzip = False
         number = 0
         try:
-            for raw in f:
+            is_gzip = raw_file.peek(2)[:2] == b"\x1f\x8b"  # gzip magic, whatever the file is called
+            refuse_compressed(path, raw_file.peek(COMPRESSED_HEAD)[:COMPRESSED_HEAD])
+            f = io.BufferedReader(gzip.GzipFile(fileobj=raw_file), 1 << 20) if is_gzip else raw_file
+            refuse_wide_text(path, f.peek(ENCODING_HEAD)[:ENCODING_HEAD])
+            while raw := f.readline(MAX_LINE_BYTES + 1):  # (a line past the cap: its first bytes only)
                 number += 1
+                if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                    raise long_line_error(path, number)
                 if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
                     raw = raw[3:]
                 raw = raw[:-1] if raw.endswith(b"\n") else raw
@@ -138,6 +257,8 @@ def iter_lines(path: str | os.PathLike[str]) -> Iterator[str]:
                         "convert the file to UTF-8"
                     ) from None
         except (OSError, EOFError, zlib.error) as e:
+            if isinstance(e, OSError) and (not is_gzip or e.errno is not None):  # the disk's error, not gzip's
+                raise read_error(path, e) from None
             raise AiaynError(f"{path}: corrupt or truncated gzip file ({e}); download or copy it again") from None
 
 
@@ -163,8 +284,11 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
     unreadable (a tokenizer built from a folder's path got a bare IsADirectoryError)."""
     h = hashlib.sha256()
     with _open_file(Path(path), str(path), "a file") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
+        try:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        except OSError as e:
+            raise read_error(path, e) from None
     return h.hexdigest()
 
 

@@ -47,7 +47,8 @@ from aiayn.config import INFERENCE_PRECISIONS
 from aiayn.kernels import ModuleT
 from aiayn.errors import AiaynError, require
 from aiayn import memory
-from aiayn.files import COMPRESSED_HEAD, ReplacingFile, refuse_compressed, silence_stdout
+from aiayn.files import (COMPRESSED_HEAD, ENCODING_HEAD, LineLengthCheck, ReplacingFile, long_line_error,
+                         refuse_compressed, refuse_wide_text, silence_stdout)
 from aiayn.search import DEFAULT_STOP_RULE, MAX_ALPHA, STOP_RULES, ScoredIds, beam_search, greedy_search
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, PIECES, Tokenizer, TokenizerPair, vocabulary
 
@@ -391,6 +392,20 @@ class Translator(BaseTranslator):
 _CT2_PRECISION = {"float32": "fp32", "bfloat16": "bf16", "int8": "int8", "float16": "fp16", "int16": "int16"}
 
 
+def _check_ct2_precision(ct2: Any, precision: str) -> None:
+    """--precision bf16 (or int8) where CTranslate2 has no kernels for it on this CPU (its own test,
+    `get_supported_compute_types`: 4.8 has no bfloat16 on a CPU, AVX-512 BF16 or not) is one line
+    naming the precisions that run here, before the model loads."""
+    try:
+        have = {p for c, p in _CT2_PRECISION.items() if c in ct2.get_supported_compute_types("cpu")}
+    except (AttributeError, RuntimeError, ValueError):  # (a CTranslate2 that cannot tell: loading the model says)
+        return
+    if precision != "fp32" and precision not in have:
+        other = " or ".join(p for p in INFERENCE_PRECISIONS if p == "fp32" or p in have)
+        raise AiaynError(f"--precision {precision}: CTranslate2 does not run {precision} on this CPU; "
+                         f"use --precision {other}")
+
+
 class CT2Translator(BaseTranslator):
     """Translates text with a CTranslate2 export (`aiayn export --to ctranslate2`).
 
@@ -415,6 +430,7 @@ class CT2Translator(BaseTranslator):
                              "`aiayn export --checkpoint DIR --to ctranslate2 OUT`")
         if precision not in INFERENCE_PRECISIONS:
             raise AiaynError(f"--precision must be one of {', '.join(INFERENCE_PRECISIONS)}, got {precision!r}")
+        _check_ct2_precision(ct2, precision)
         self.path = path
         self.tokenizers = TokenizerPair.load(path)
         self._src_vocab = vocabulary(self.tokenizers.src)
@@ -488,7 +504,9 @@ class LineChunks:
 
     It blocks only when no complete line is waiting, so one sentence typed into a pipe is
     translated at once, while a file or a fast producer fills whole chunks. Lines end in "\\n";
-    a "\\r" before it (Windows) is dropped; the text must be UTF-8.
+    a "\\r" before it (Windows) is dropped; the text must be UTF-8 (UTF-16 is refused at once), and a
+    line no longer than `files.MAX_LINE_BYTES`: past it the lines before it are handed out, then the
+    error (/dev/zero grew the buffer without limit).
     """
 
     def __init__(self, stream: BinaryIO, name: str, max_lines: int = 500) -> None:
@@ -498,6 +516,7 @@ class LineChunks:
         self.eof = False
         self.failed: AiaynError | None = None  # a read that failed: raised once the complete lines before it are out
         self.line_no = 0  # lines handed out so far
+        self.lengths = LineLengthCheck()
 
     def _ready(self) -> bool:
         try:
@@ -519,13 +538,20 @@ class LineChunks:
                                      " (--input)")
             self.eof = True
             return
-        if data:
-            if self.line_no == 0 and len(self.buf) < COMPRESSED_HEAD:  # the input's first bytes: not an archive
-                refuse_compressed(self.name, bytes(self.buf + data[:COMPRESSED_HEAD]), gzip_ok=False)
-            self.buf += data
-            self.newlines += data.count(b"\n")
-        else:
+        if not data:
             self.eof = True
+            return
+        if self.line_no == 0 and len(self.buf) < ENCODING_HEAD:  # the input's first bytes: not an archive, not UTF-16
+            head = bytes(self.buf[:ENCODING_HEAD] + data[:ENCODING_HEAD])
+            refuse_compressed(self.name, head[:COMPRESSED_HEAD], gzip_ok=False)
+            refuse_wide_text(self.name, head[:ENCODING_HEAD], "input")
+        if self.lengths.past_cap(data) is not None:  # (a read is shorter than the cap: the line began before it)
+            del self.buf[self.buf.rfind(b"\n") + 1:]  # its start: not a line to translate
+            self.failed = long_line_error(self.name, self.line_no + self.newlines + 1, "input", "--input")
+            self.eof = True
+            return
+        self.buf += data
+        self.newlines += data.count(b"\n")
 
     def _take(self) -> list[bytearray]:
         """Up to `max_lines` lines off the front of the buffer (at the end, the last one without its
@@ -796,11 +822,14 @@ def _open_input(name: str) -> tuple[BinaryIO, bool]:
 
 
 def _check_output(name: str, src: BinaryIO) -> None:
-    """Before the model loads: standard output must be open, and the output must not be the input
-    (opening --output for writing would empty the file before a line of it is read; standard output
-    appended to it, `>> FILE`, would have its own translations read back and translated forever)."""
+    """Before the model loads: standard output must be open, --output's folder must be there (and
+    --output no folder), and the output must not be the input (opening --output for writing would
+    empty the file before a line of it is read; standard output appended to it, `>> FILE`, would
+    have its own translations read back and translated forever)."""
     if name == "-" and sys.stdout is None:
         raise AiaynError("standard output is closed; give --output FILE")
+    if name != "-":
+        _check_output_folder(name)
     with contextlib.suppress(OSError, ValueError):  # (a captured standard output has no file number)
         have = os.fstat(src.fileno())
         want = os.fstat(sys.stdout.fileno()) if name == "-" else os.stat(name)
@@ -808,6 +837,29 @@ def _check_output(name: str, src: BinaryIO) -> None:
             if name == "-":
                 raise AiaynError("standard output is the input file; write the translations to another file")
             raise AiaynError(f"{name}: is also the input; write the translations to another file (--output)")
+
+
+def _check_output_folder(name: str) -> None:
+    """--output in a folder that is missing (or is a file), or --output a folder: the error opening it
+    gives, before the model loads rather than after."""
+    try:
+        st = os.stat(name)
+    except FileNotFoundError:  # a new file: its folder must be there
+        try:
+            if stat.S_ISDIR(os.stat(os.path.dirname(name) or ".").st_mode):
+                return
+            why = os.strerror(errno.ENOTDIR)
+        except OSError as e:
+            why = e.strerror or str(e)
+    except NotADirectoryError as e:  # (a file on the way)
+        why = e.strerror or str(e)
+    except OSError:  # (a path we may not look into: opening it says why)
+        return
+    else:
+        if not stat.S_ISDIR(st.st_mode):
+            return
+        why = os.strerror(errno.EISDIR)
+    raise AiaynError(f"{name}: cannot write ({why}) (--output)")
 
 
 def _open_output(name: str) -> tuple[IO[bytes], ReplacingFile | None]:
