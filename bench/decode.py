@@ -12,7 +12,7 @@ only (tokenization excluded), after one small warm-up batch per system. With --r
 take turns N times and each one's fastest round counts (timings on a shared machine vary by about
 10% from run to run). aiayn runs as `Translator.translate` does on the whole list, several batches
 at once (--workers, default one per thread, each batch on its share of the threads;
-`aiayn.translate.map_batches`; `aiayn translate` does the same within each --chunk-lines chunk), and
+`aiayn.translator.map_batches`; `aiayn translate` does the same within each --chunk-lines chunk), and
 also one batch at a time for comparison; its uncached search gets the same workers. HF Marian and
 CTranslate2 run one batch at a time on all threads. The copy into Marian is checked twice: the
 logits of one batch, and the greedy translations of every sentence (printed as an agreement count).
@@ -59,7 +59,7 @@ from aiayn.kernels import SLOW_BF16, cpu_has_fast_bf16
 from aiayn.model import Transformer
 from aiayn.search import beam_search, greedy_search
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizers
-from aiayn.translate import Settings, length_batches, map_batches, worker_count
+from aiayn.translator import Settings, length_batches, map_batches, worker_count
 
 SKIPPABLE = ("bf16", "ct2", "hf", "uncached", "work")  # the parts --skip names
 
@@ -111,7 +111,7 @@ def strip(ids: list[int]) -> list[int]:
 
 def run_system(name: str, fn, encoded, groups, workers: int = 1) -> tuple[dict, list[list[int]]]:
     """Times `fn` over all batches; `workers` batches at once as `aiayn translate` runs them
-    (`translate.map_batches`), 1 for the peers, which run one batch at a time on all threads."""
+    (`translator.map_batches`), 1 for the peers, which run one batch at a time on all threads."""
     outputs: list[list[int]] = [[] for _ in encoded]
     fn(padded(encoded, groups[-1][:4]))  # warm-up: lazy initialisation (packed weights, kernels) is not timed
     t0 = time.perf_counter()
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         import tempfile
 
         from aiayn.export import to_ctranslate2
-        from aiayn.translate import CT2Translator
+        from aiayn.translator import CT2Translator
 
         exports = tempfile.TemporaryDirectory(prefix="aiayn-decode-")  # removed when the run ends
         for q in ("float32", "int8"):

@@ -63,7 +63,7 @@ from aiayn.kernels import GPU_ATTENTION_BACKENDS, SLOW_BF16, cpu_has_fast_bf16
 from aiayn.model import Transformer
 from aiayn.search import beam_search, greedy_search
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizers
-from aiayn.translate import CT2Translator
+from aiayn.translator import CT2Translator
 from decode import batches, padded, skip_parts  # bench/decode.py: the same batches for every engine, --skip
 from profiling import profiler, summary  # bench/profiling.py
 from train_step import positive  # bench/train_step.py: counts above 0 as argparse types

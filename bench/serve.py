@@ -48,7 +48,7 @@ from pathlib import Path
 import httpx
 
 from aiayn.data.text import multi30k_paths, read_lines
-from aiayn.translate import Translator
+from aiayn.translator import Translator
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 

@@ -17,7 +17,7 @@ from aiayn.errors import AiaynError
 from aiayn.evaluate import corpus_scores
 from aiayn.model import Transformer
 from aiayn.tokenizer import Tokenizer, TokenizerPair
-from aiayn.translate import Translator
+from aiayn.translator import Translator
 
 HYPS = ["The cat sat on the mat .", "a dog runs in the park", "Two men play football ."]
 REFS = ["The cat sat on the mat .", "A dog is running in the park", "two men are playing soccer ."]
@@ -186,7 +186,7 @@ def test_an_all_empty_hypothesis_file_is_scored(tmp_path, capsys):
 
 
 def test_save_hyps_is_checked_before_translating(ckpt, tmp_path, capsys, monkeypatch):
-    from aiayn.translate import Translator
+    from aiayn.translator import Translator
 
     searched = []
     for name in ("translate", "search"):  # a spy: nothing may be translated before the error

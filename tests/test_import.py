@@ -32,7 +32,8 @@ from aiayn.importer import convert, import_marian  # noqa: E402
 from aiayn.model import Transformer  # noqa: E402
 from aiayn.search import beam_search, greedy_search  # noqa: E402
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, TokenizerPair  # noqa: E402
-from aiayn.translate import Translator, search_paragraphs  # noqa: E402
+from aiayn.translate import search_paragraphs  # noqa: E402
+from aiayn.translator import Translator  # noqa: E402
 
 N = 100  # validation sentences compared
 MAX_B = 60  # aiayn's max_len_b with max_len_a 0; transformers' max_length is MAX_B + 2 (start and EOS)
@@ -397,7 +398,7 @@ def test_an_imported_model_exports_to_ctranslate2(kind, dirs, sentences, tmp_pat
     """swish, final_logits_bias and unscaled embeddings reach CTranslate2: its greedy output is ours."""
     pytest.importorskip("ctranslate2")
     from aiayn.export import export_ctranslate2
-    from aiayn.translate import CT2Translator
+    from aiayn.translator import CT2Translator
 
     ck = import_marian(dirs[kind], tmp_path / "imported", warn=pytest.fail)
     export_ctranslate2(ck, tmp_path / "ct2")

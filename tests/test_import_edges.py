@@ -22,7 +22,7 @@ from aiayn.errors import AiaynError  # noqa: E402
 from aiayn.importer import convert  # noqa: E402
 from aiayn.search import greedy_search  # noqa: E402
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID  # noqa: E402
-from aiayn.translate import Translator  # noqa: E402
+from aiayn.translator import Translator  # noqa: E402
 
 MAX_B = 30
 

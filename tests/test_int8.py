@@ -18,7 +18,7 @@ from aiayn import cli, kernels, step
 from aiayn.checkpoint import load_checkpoint
 from aiayn.errors import AiaynError
 from aiayn.tokenizer import EOS_ID
-from aiayn.translate import Translator, int8_model
+from aiayn.translator import Translator, int8_model
 
 import lexicon
 
@@ -319,7 +319,7 @@ def test_train_refuses_int8_in_one_line(tmp_path):
 def test_ctranslate2_engine_takes_int8(trained, tmp_path):
     pytest.importorskip("ctranslate2")
     from aiayn.export import export_ctranslate2
-    from aiayn.translate import CT2Translator
+    from aiayn.translator import CT2Translator
 
     ckpt, model, toks, lines = trained
     path = export_ctranslate2(ckpt, tmp_path / "ct2")

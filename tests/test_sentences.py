@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from aiayn.cli import main
 from aiayn.errors import AiaynError
 from aiayn.sentences import Paragraph, split
-from aiayn.translate import Translator, search_paragraphs
+from aiayn.translate import search_paragraphs
+from aiayn.translator import Translator
 from serve_model import tiny_checkpoint
 
 FORTY = ["Der Hund spielt mit dem Ball.", "Ein Mann läuft auf der Straße.", "Eine Frau sitzt im Park.",

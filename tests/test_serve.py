@@ -20,7 +20,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from aiayn.serve.scheduler import Limits, QueueFull, Scheduler  # noqa: E402
 from aiayn.serve.app import DEEP_JSON, create_app  # noqa: E402
-from aiayn.translate import Translator  # noqa: E402
+from aiayn.translator import Translator  # noqa: E402
 from serve_model import tiny_checkpoint  # noqa: E402
 
 LINES = ["ein Mann läuft auf der Straße", "", "Hund und Kind spielt im Park mit Ball", "rot blau",
@@ -501,12 +501,12 @@ def test_concurrent_requests_share_batches_and_match_translator(ckpt, reference)
 @pytest.mark.parametrize("threads, parts", [(1, 1), (2, 2)])
 def test_the_model_thread_cuts_a_batch_into_one_part_per_torch_thread(reference, monkeypatch, threads, parts):
     """Padding counted: lines of very different lengths are one part on one thread, not several."""
-    import aiayn.translate
+    import aiayn.translator
     from aiayn.serve.batch import Key, run_batch
 
     searched = []
-    search = aiayn.translate.beam_search
-    monkeypatch.setattr(aiayn.translate, "beam_search", lambda model, src, *a, **k: searched.append(src.size(0))
+    search = aiayn.translator.beam_search
+    monkeypatch.setattr(aiayn.translator, "beam_search", lambda model, src, *a, **k: searched.append(src.size(0))
                         or search(model, src, *a, **k))
     lines = [w for w in LINES if w.strip()] * 4 + [""]  # 20 lines of 2 to 15 source tokens, a blank one
     early = []

@@ -32,7 +32,7 @@ from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
 
 from aiayn.serve.scheduler import Limits  # noqa: E402
 from aiayn.serve.app import create_app  # noqa: E402
-from aiayn.translate import Translator  # noqa: E402
+from aiayn.translator import Translator  # noqa: E402
 from serve_model import DE_EN, tiny_checkpoint  # noqa: E402
 
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

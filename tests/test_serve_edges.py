@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 from aiayn.serve import libre  # noqa: E402
 from aiayn.serve.app import Model, create_app  # noqa: E402
 from aiayn.serve.scheduler import Limits  # noqa: E402
-from aiayn.translate import Translator  # noqa: E402
+from aiayn.translator import Translator  # noqa: E402
 from serve_model import tiny_checkpoint  # noqa: E402
 from test_serve import ready, served  # noqa: E402
 from test_serve_libre import _one_thread  # noqa: E402,F401 (autouse: one thread)

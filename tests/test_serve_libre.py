@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 from aiayn.sentences import split  # noqa: E402
 from aiayn.serve.app import Model, create_app  # noqa: E402
 from aiayn.serve.scheduler import Limits, QueueFull  # noqa: E402
-from aiayn.translate import Translator  # noqa: E402
+from aiayn.translator import Translator  # noqa: E402
 from serve_model import tiny_checkpoint  # noqa: E402
 from test_serve import ready  # noqa: E402
 

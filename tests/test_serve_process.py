@@ -23,7 +23,7 @@ pytest.importorskip("fastapi")
 from serve_model import DE_EN, sentence, tiny_checkpoint  # noqa: E402
 
 from aiayn.memory import ONEDNN_CACHES  # noqa: E402
-from aiayn.translate import Translator  # noqa: E402
+from aiayn.translator import Translator  # noqa: E402
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -255,7 +255,7 @@ def test_the_server_searches_its_model_as_it_is_not_a_view_per_batch(ckpt):
     server's own model is frozen once, so batches reuse the packed weights."""
     from aiayn.checkpoint import load_checkpoint
     from aiayn.serve.cli import load
-    from aiayn.translate import inference_view
+    from aiayn.translator import inference_view
 
     model = load_checkpoint(ckpt).model
     assert inference_view(model) is not model  # as loaded: trainable

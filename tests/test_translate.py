@@ -22,7 +22,7 @@ from aiayn.config import preset
 from aiayn.errors import AiaynError
 from aiayn.model import Transformer
 from aiayn.tokenizer import EOS_ID, Tokenizer, TokenizerPair
-from aiayn.translate import Translator, map_batches, one_line
+from aiayn.translator import Translator, map_batches, one_line
 
 WORDS = "a man woman dog runs the in on blue red street child plays ball with two people are sitting Mann Hund läuft".split()
 FAST = dict(max_len_a=0.0, max_len_b=4)  # at most 4 target tokens: a random model rarely stops by itself
@@ -360,7 +360,7 @@ def _count_in_a_new_thread() -> int:
 
 
 def test_translator_search_runs_batches_on_workers(translator, monkeypatch):
-    import aiayn.translate as tr
+    import aiayn.translator as tr
 
     names = set()
     real = tr.beam_search
@@ -640,7 +640,7 @@ def test_search_never_switches_the_mode_of_a_model_the_caller_holds(parts, monke
     would switch it back to training mid-search, or training itself) sees it as the caller left it."""
     import copy
 
-    import aiayn.translate as tr
+    import aiayn.translator as tr
 
     model = copy.deepcopy(parts[0]).train().requires_grad_(False)
     seen = []
@@ -665,7 +665,7 @@ def test_a_translator_on_another_device_leaves_the_callers_model_where_it_is(par
     t = Translator(model, parts[1], device="meta")
     assert all(p.device.type == "cpu" for p in model.parameters())
     assert all(b.device.type == "cpu" for b in model.buffers())
-    from aiayn.translate import inference_view
+    from aiayn.translator import inference_view
 
     view = inference_view(t.model, t.device)
     assert all(p.device.type == "meta" and not p.requires_grad for p in view.parameters())
@@ -679,7 +679,7 @@ def test_a_checkpoint_from_before_source_eos_translates_as_before(parts, tmp_pat
     import json
 
     from aiayn.search import greedy_search
-    from aiayn.translate import BOS_ID
+    from aiayn.tokenizer import BOS_ID
 
     model, toks = parts
     line = "the dog plays with a ball"
@@ -733,7 +733,7 @@ def test_evaluating_restores_each_mode_and_leaves_an_eval_model_alone(monkeypatc
     """`evaluating`: every submodule in eval mode inside, each one's own mode back after (a model in
     training with one layer frozen in eval), and a model already in eval mode throughout (a
     translator's, shared by server threads) gets no flag written at all."""
-    from aiayn.translate import evaluating
+    from aiayn.translator import evaluating
 
     model = Transformer(preset("tiny", src_vocab_size=20, tgt_vocab_size=20)).train()
     model.decoder.layers[0].eval()

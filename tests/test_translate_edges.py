@@ -248,7 +248,7 @@ def test_a_translator_refuses_one_string_and_reads_lines_given_as_a_generator(ck
     """One string was translated character by character (a list of one translation per letter), and
     lines from a generator gave the torch engine an IndexError (it reads them twice) while the
     ctranslate2 engine, of the same interface, translated them."""
-    from aiayn.translate import CT2Translator, Translator
+    from aiayn.translator import CT2Translator, Translator
 
     if engine == "torch":
         t = Translator.from_checkpoint(ckpt)

@@ -263,7 +263,8 @@ def run(args: argparse.Namespace) -> int:
     if mode == "hyp":
         hyps, info["hypotheses"] = lines, first
     else:
-        from aiayn.translate import Settings, load_translator, target_token, with_target_token
+        from aiayn.translate import load_translator, target_token, with_target_token
+        from aiayn.translator import Settings
 
         settings = Settings(beam=args.beam, alpha=args.alpha, max_tokens=args.max_tokens, batch_size=args.batch_size,
                             max_len_a=args.max_len_a, max_len_b=args.max_len_b, min_len=args.min_len,

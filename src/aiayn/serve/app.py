@@ -60,7 +60,7 @@ log = logging.getLogger("aiayn.serve")
 
 @dataclass(frozen=True)
 class Model:
-    """One served model: its translator (`aiayn.translate.Translator`), language pair and checkpoint;
+    """One served model: its translator (`aiayn.translator.Translator`), language pair and checkpoint;
     for one target of a multilingual model, the token ">>xx<<" that leads each line (one `Model` per
     target, sharing the translator)."""
 
@@ -399,7 +399,7 @@ async def _disconnected(request: Request) -> None:
 def create_app(models: Any, limits: Limits, languages: tuple[str, str] | None = None, checkpoint: str = "", *,
                api_keys: frozenset[str] | None = None, cors_origins: Sequence[str] = ()) -> FastAPI:
     """The app serving `models` (`Model`s, one per language pair), or one translator (a
-    `aiayn.translate.Translator`) for the pair `languages`. `api_keys`: the keys a request must
+    `aiayn.translator.Translator`) for the pair `languages`. `api_keys`: the keys a request must
     name (None: none asked); `cors_origins`: the web origins whose pages may call the API."""
     if not isinstance(models, (list, tuple)):
         if languages is None:

@@ -17,7 +17,7 @@ import torch
 
 from aiayn.errors import AiaynError
 from aiayn.tokenizer import BOS_ID, PAD_ID
-from aiayn.translate import Settings, one_line
+from aiayn.translator import Settings, one_line
 
 DEFAULT_ALPHA = 0.6
 

@@ -197,7 +197,7 @@ def load(checkpoint: str, precision: str, stop_rule: str | None = None,
     checkpoint path."""
     from aiayn.checkpoint import language_pair, load_checkpoint, resolve_checkpoint
     from aiayn.serve.batch import refuse_long
-    from aiayn.translate import Translator
+    from aiayn.translator import Translator
 
     ckpt = load_checkpoint(resolve_checkpoint(checkpoint))
     pair = language_pair(ckpt.config)

@@ -3,7 +3,7 @@
 HTTP handlers only validate and `submit`; this scheduler is the one place that decides what runs
 next. It lives on the event loop (all its state is touched there only, so it needs no locks) and
 hands each batch to one model thread, so the event loop never runs a tensor operation and the model
-is never used by two batches at once (the CPU workers of `aiayn.translate.map_batches` split a
+is never used by two batches at once (the CPU workers of `aiayn.translator.map_batches` split a
 batch further inside that thread).
 
 A batch holds lines that share one `key` (the search settings): lines with other settings wait for
