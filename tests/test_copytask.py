@@ -47,3 +47,46 @@ def test_seeds_that_differ_only_above_bit_32_train_other_models():
     w = "encoder.layers.0.ff.w1.weight"
     assert not torch.equal(a.state_dict()[w], b.state_dict()[w])
     assert torch.equal(a.state_dict()[w], c.state_dict()[w])
+
+
+def test_demo_says_1_step_and_refuses_a_closed_stdout(capsys, monkeypatch):
+    """With standard output closed (`>&-`) it trained both models to print nothing, exit 0."""
+    from aiayn.cli import main
+
+    assert main(["demo", "--steps", "1"]) == 0
+    assert capsys.readouterr().out.startswith("== copy task: tiny Transformer, 1 step\n")
+    monkeypatch.setattr("sys.stdout", None)
+    assert main(["demo", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("aiayn demo: error: standard output is closed; the demo prints its results there: "
+                   "redirect it to a file instead\n"), err
+
+
+@pytest.mark.parametrize("where", ["closed pipe", "full disk"])
+def test_demo_ends_at_once_when_its_reader_goes_or_the_disk_is_full(where):
+    """To a pipe or a file its lines waited in Python's buffer until exit: `aiayn demo | head -1`
+    showed nothing until both models were trained, and a reader gone (or a full disk) was then
+    "Exception ignored ... BrokenPipeError" and exit 120. Each line now goes out as it is made."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if where == "full disk" and not Path("/dev/full").exists():
+        pytest.skip("no /dev/full")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # a user's: block-buffered
+    argv = [sys.executable, "-m", "aiayn", "demo", "--steps", "1000000"]  # hours of training
+    if where == "closed pipe":
+        p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        p.stdout.close()  # the reader is gone (`| head -0`)
+        try:
+            assert p.wait(timeout=120) == 0
+        finally:
+            p.kill()
+        assert p.stderr.read() == b""
+    else:
+        with open("/dev/full", "w") as full:
+            done = subprocess.run(argv, stdout=full, stderr=subprocess.PIPE, text=True, env=env, timeout=120)
+        assert done.returncode == 2 and done.stderr == (
+            "aiayn demo: error: standard output: cannot write (No space left on device); "
+            "the demo prints its results there\n"), done.stderr

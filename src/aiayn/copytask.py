@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import sys
 import time
 from collections.abc import Callable, Iterator
 
@@ -18,6 +19,7 @@ import torch
 
 from aiayn.config import preset
 from aiayn.errors import AiaynError
+from aiayn.files import silence_stdout
 from aiayn.model import Transformer
 from aiayn.search import greedy_search
 from aiayn.trainer import torch_seed
@@ -94,7 +96,20 @@ def train_copy(reverse: bool = False, steps: int = 600, seed: int = 0, vocab: in
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=600, help="training steps per task")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed (64 bits): the same seed trains the same models")
+
+
+def _say(text: str) -> None:
+    """A line on standard output at once: to a pipe, Python holds its lines until exit, so
+    `aiayn demo | head -1` trained both models before the reader saw a line, and a reader gone or a
+    full disk was then "Exception ignored" and exit 120."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # (`aiayn.cli`: the reader went away, nothing left to say)
+        raise
+    except OSError as e:
+        silence_stdout()  # (the interpreter's last flush would fail again)
+        raise AiaynError(f"standard output: cannot write ({e.strerror or e}); the demo prints its results there") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,17 +117,19 @@ def run(args: argparse.Namespace) -> int:
         raise AiaynError(f"--steps must be at least 1, got {args.steps}")
     if not -(2**63) <= args.seed < 2**64:
         raise AiaynError(f"--seed must fit in 64 bits, got {args.seed}")
+    if sys.stdout is None:  # (it trained both models to print nothing, exit 0)
+        raise AiaynError("standard output is closed; the demo prints its results there: redirect it to a file instead")
     for reverse in (False, True):
         name = "reversed copy" if reverse else "copy"
-        print(f"== {name} task: tiny Transformer, {args.steps} steps")
+        _say(f"== {name} task: tiny Transformer, {args.steps} step{'s' if args.steps > 1 else ''}")
         t0 = time.perf_counter()
-        model, acc = train_copy(reverse, args.steps, args.seed, log=print)
-        print(f"{name}: greedy exact-match accuracy {acc:.1%} on 200 new strings after "
-              f"{time.perf_counter() - t0:.0f}s ({model.num_parameters():,} parameters)")
+        model, acc = train_copy(reverse, args.steps, args.seed, log=_say)
+        _say(f"{name}: greedy exact-match accuracy {acc:.1%} on 200 new strings after "
+             f"{time.perf_counter() - t0:.0f}s ({model.num_parameters():,} parameters)")
         gen = torch.Generator().manual_seed(torch_seed(args.seed + 1))
         src, _, _ = make_batch(gen, 3, 13, 10, reverse)
         with _threads(1):
             hyps = greedy_search(model, src, BOS, EOS)
         for row, hyp in zip(src.tolist(), hyps):
-            print(f"  in  {[t for t in row if t != PAD]}\n  out {hyp}")
+            _say(f"  in  {[t for t in row if t != PAD]}\n  out {hyp}")
     return 0

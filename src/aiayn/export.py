@@ -23,7 +23,7 @@ conventions, and how:
   is an error; CTranslate2 supports both.
 
 `transformers` and `ctranslate2` are optional (`pip install 'aiayn[export]'`), imported only when used
-(`aiayn.errors.require`); `aiayn.translate.CT2Translator` runs a CTranslate2 export.
+(`aiayn.errors.require`); `aiayn.translator.CT2Translator` runs a CTranslate2 export.
 """
 
 from __future__ import annotations
@@ -31,9 +31,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
+import re
 import shutil
+import signal
+import sys
 import tempfile
+import threading
 from pathlib import Path
 from collections.abc import Iterator
 from typing import Any, Callable
@@ -41,9 +46,10 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from aiayn.checkpoint import EXPORT_MARKER
+from aiayn.checkpoint import CONFIG, EXPORT_MARKER
+from aiayn.data.lock import parse_work_name, stale, work_name
 from aiayn.errors import AiaynError, require
-from aiayn.files import refuse_symlink_output, umask
+from aiayn.files import refuse_symlink_output, silence_stdout, umask
 from aiayn.model import Transformer, sinusoidal_table
 from aiayn.search import DEFAULT_STOP_RULE
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, PIECES, UNK_ID, TokenizerPair, vocabulary
@@ -259,26 +265,18 @@ def _no_progress_bar() -> Iterator[None]:
 
 def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
     """Writes a MarianMTModel directory (config, safetensors, generation config, tokenizer) to `out`."""
-    from aiayn.checkpoint import load_checkpoint, resolve_checkpoint
-
-    check_out(out, resolve_checkpoint(checkpoint))  # a run directory holds the checkpoint it resolves to
-    ck = load_checkpoint(checkpoint)
+    ck = _checkpoint_to_export(checkpoint, out)
     hf = to_marian(ck.model, ck.tokenizers)
     hf.generation_config = generation_config(ck.model)
     out = Path(os.path.abspath(out))
-    tmp = _fresh_dir(out)
-    try:
+    with _export_dir(out) as tmp:
         with _no_progress_bar():
             hf.save_pretrained(str(tmp), safe_serialization=True)
         train = ck.config.get("train") or {}
         save_hf_tokenizer(ck.tokenizers, tmp, (train.get("src"), train.get("tgt")), ck.model.cfg.max_positions)
-        info = {"format": "hf", "aiayn_checkpoint": str(ck.path), "model": ck.model.cfg.to_dict(),
+        info = {"format": "hf", "aiayn_checkpoint": os.path.abspath(ck.path), "model": ck.model.cfg.to_dict(),
                 "tokenizer": ck.tokenizers.describe()}
         _write_marker(tmp, info)
-        _replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
@@ -359,7 +357,7 @@ QUANTIZATIONS = ("int8", "int8_float32", "int16", "float16", "bfloat16", "float3
 def to_ctranslate2(model: Transformer, tokenizers: TokenizerPair, out: str | Path, quantization: str | None = None,
                    meta: dict[str, Any] | None = None) -> Path:
     """Writes a CTranslate2 model directory for an in-memory model: model.bin, the vocabularies,
-    CTranslate2's config.json, our SentencePiece model(s) and aiayn.json (for `aiayn.translate.CT2Translator`)."""
+    CTranslate2's config.json, our SentencePiece model(s) and aiayn.json (for `aiayn.translator.CT2Translator`)."""
     ct2 = require("ctranslate2")
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise AiaynError(f"--quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
@@ -372,33 +370,25 @@ def to_ctranslate2(model: Transformer, tokenizers: TokenizerPair, out: str | Pat
             return spec
 
     out = Path(os.path.abspath(out))
-    tmp = _fresh_dir(out)
-    try:
+    with _export_dir(out) as tmp:
         _Given().convert(str(tmp), quantization=quantization, force=True)
         tokenizers.save(tmp)
         info = {**(meta or {}), "quantization": quantization or "float32", "model": model.cfg.to_dict(),
                 "tokenizer": tokenizers.describe()}
         _write_marker(tmp, info)
-        _replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
 def export_ctranslate2(checkpoint: str | Path, out: str | Path, quantization: str | None = None) -> Path:
     """`aiayn export --to ctranslate2`: a checkpoint (or run directory) to a CTranslate2 directory."""
-    from aiayn.checkpoint import load_checkpoint, resolve_checkpoint
-
     require("ctranslate2")
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise AiaynError(f"--quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
-    check_out(out, resolve_checkpoint(checkpoint))  # a run directory holds the checkpoint it resolves to
-    ck = load_checkpoint(checkpoint)
+    ck = _checkpoint_to_export(checkpoint, out)
     train = ck.config.get("train") or {}
     # the languages (`translate --split-sentences`) and the corpus (`evaluate --data`'s direction check)
     pair = {k: train[k] for k in ("src", "tgt", "data") if isinstance(train.get(k), str)}
-    meta = {"aiayn_checkpoint": str(ck.path), "train": pair}
+    meta = {"aiayn_checkpoint": os.path.abspath(ck.path), "train": pair}
     if "imported_from" in ck.config:  # an import's pair is its Marian directory's: the direction check trusts it
         meta["imported_from"] = ck.config["imported_from"]
     return to_ctranslate2(ck.model, ck.tokenizers, out, quantization, meta)
@@ -422,15 +412,23 @@ def _write_marker(tmp: Path, info: dict[str, Any]) -> None:
     (tmp / MARKER).write_text(json.dumps({**info, "files": files}, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
+def _read_marker(d: Path) -> Any:
+    """Folder `d`'s aiayn.json, or None where there is none to read (nested past Python's recursion
+    limit too: that was a traceback)."""
+    try:
+        return json.loads((d / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+
+
 def _not_ours(d: Path) -> str | None:
     """Why replacing folder `d` would lose something an export did not write, or None: `d` is empty,
     or an earlier export holding nothing but the files its aiayn.json lists."""
     entries = sorted(d.iterdir())
     if not entries:
         return None
-    try:
-        info = json.loads((d / MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    info = _read_marker(d)
+    if info is None:
         return f"is not an earlier aiayn export (no {MARKER})"
     files = info.get("files") if isinstance(info, dict) else None
     written = ({f for f in files if isinstance(f, str)} | {MARKER}) if isinstance(files, list) else _OLD_EXPORT_FILES
@@ -438,16 +436,52 @@ def _not_ours(d: Path) -> str | None:
     return None if other is None else f"holds {other}, which no aiayn export wrote there"
 
 
+def _checkpoint_to_export(checkpoint: str | Path, out: str | Path) -> Any:
+    """The checkpoint (or a run directory's), loaded once OUT is known to lose nothing."""
+    from aiayn.checkpoint import load_checkpoint, resolve_checkpoint
+
+    if not str(checkpoint):  # (Path("") is the current folder)
+        raise AiaynError("--checkpoint '': an empty name (an unset shell variable?); give a checkpoint or run directory")
+    path = resolve_checkpoint(checkpoint)
+    check_out(out, path)  # a run directory holds the checkpoint it resolves to
+    _refuse_other_models(path)
+    return load_checkpoint(path)
+
+
+def _refuse_other_models(path: Path) -> None:
+    """An export, or a Hugging Face Marian model, given as the checkpoint is named as one, with what
+    to give instead (it was "config.json has no "model" section")."""
+    made = _read_marker(path)
+    if made is not None:
+        source = made.get("aiayn_checkpoint") if isinstance(made, dict) else None
+        source = f"the checkpoint it was made from ({source})" if isinstance(source, str) else "its checkpoint"
+        if (path / "model.bin").is_file():
+            raise AiaynError(f"--checkpoint {path} is an aiayn export to CTranslate2, not a checkpoint: export "
+                             f"{source}; the export translates as it is (translate --engine ctranslate2)")
+        raise AiaynError(f"--checkpoint {path} is an aiayn export to Hugging Face, not a checkpoint: export {source}; "
+                         f"or import the export (aiayn import --from marian {path} --out DIR) and export that")
+    try:
+        cfg = json.loads((path / CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return  # (load_checkpoint says what is wrong)
+    if isinstance(cfg, dict) and "model" not in cfg and cfg.get("model_type") == "marian":
+        raise AiaynError(f"--checkpoint {path} is a Hugging Face Marian model, not an aiayn checkpoint; import it "
+                         f"first (aiayn import --from marian {path} --out DIR) and export that")
+
+
 def check_out(out: str | Path, source: str | Path | None = None) -> Path:
     """OUT as an absolute path, refused (one line) if replacing it would lose anything: a file, a
     folder holding anything but an earlier export's own files, or the checkpoint being exported (or
-    a folder holding it)."""
+    a folder holding it); or if a training run would (`_refuse_run_checkpoint`)."""
+    if not str(out):  # (Path("") is the current folder)
+        raise AiaynError("OUT '': an empty name (an unset shell variable?); name the folder to write the export to")
     out = Path(os.path.abspath(out))
     for inside, what in ((source, f"the checkpoint {source}"), (os.getcwd(), "the current directory")):
         if inside is not None:
             there = Path(os.path.abspath(inside))
             if out == there or out in there.parents:
                 raise AiaynError(f"OUT {out} is (or holds) {what}; choose a new OUT")
+    _refuse_run_checkpoint(out)
     refuse_symlink_output(out, "OUT")  # (refused by `_replace_dir` too, but only after the whole export was written)
     if out.exists():
         if not out.is_dir():
@@ -456,7 +490,35 @@ def check_out(out: str | Path, source: str | Path | None = None) -> Path:
         if why is not None:
             raise AiaynError(f"OUT {out} exists and {why}; choose a new OUT (replacing it would delete that)")
         _check_aside(out)
+    else:  # a file on the way was found only once the model was loaded and converted
+        above = next((d for d in out.parents if os.path.lexists(d)), None)
+        if above is not None and not above.is_dir():
+            raise AiaynError(f"cannot write to {out}: {above} is a file, not a folder; choose another OUT")
     return out
+
+
+_RUN_CHECKPOINT = re.compile(r"best|step_(0|[1-9]\d*)")  # the names `aiayn train` gives a run's checkpoints
+
+
+def _refuse_run_checkpoint(out: Path) -> None:
+    """OUT may neither lie inside a training run's checkpoint, which the run replaces (best/) or prunes
+    (step_<N>/) whole, deleting the export with it, nor take such a name in a run's folder, where
+    `translate --checkpoint RUN` and `train --resume` read it as the run's checkpoint and fail."""
+    for d in (out, *out.parents):
+        if _RUN_CHECKPOINT.fullmatch(d.name) and _is_run_dir(d.parent):
+            if d == out:
+                raise AiaynError(f"OUT {out}: {d.parent} is a training run, where {d.name} names a checkpoint of the "
+                                 "run (translate and train --resume would read the export as one); choose another name")
+            raise AiaynError(f"OUT {out} is inside {d}, a checkpoint of the training run {d.parent}, which the run "
+                             "replaces or prunes whole (the export with it); choose a path outside it")
+
+
+def _is_run_dir(d: Path) -> bool:
+    """Whether `d` is a training run's folder: its train.json, or a step checkpoint with trainer state
+    (an export has neither)."""
+    from aiayn.checkpoint import TRAINER_STATE, step_checkpoints
+
+    return (d / "train.json").is_file() or any((p / TRAINER_STATE).is_file() for _, p in step_checkpoints(d))
 
 
 def _aside(out: Path) -> Path:
@@ -474,33 +536,137 @@ def _check_aside(out: Path) -> None:
         raise AiaynError(f"{old} is in the way of replacing OUT and {why}; move it away or choose another OUT")
 
 
+def _remove_export(d: Path) -> None:
+    """Removes an export's folder (or an aside one), its aiayn.json last: stopped part-way, what is
+    left is still known for an export's own, and goes next time (it was refused, "no aiayn.json")."""
+    if d.is_symlink() or not d.is_dir():
+        return
+    for f in sorted(d.iterdir(), key=lambda f: f.name == MARKER):
+        with contextlib.suppress(OSError):
+            f.unlink()
+    with contextlib.suppress(OSError):
+        d.rmdir()
+
+
+_IN_FLIGHT: set[str] = set()  # this process's temporary folders being written (by other threads, maybe)
+
+
+def _temporary_names(out: Path) -> re.Pattern[str]:
+    """The names of the temporary folders of exports to `out`: `work_name`'s, after host and process."""
+    return re.compile(re.escape(f".tmp-{out.name}") + r"-[^-]+-\d+-[0-9a-f]{8}")
+
+
+def _remove_abandoned(out: Path) -> None:
+    """The temporary folders of exports to `out` that were killed (kill -9, a power cut) go once their
+    process is known dead: one of this host's. Another machine's process cannot be asked; its stay."""
+    names = _temporary_names(out)
+    with contextlib.suppress(OSError):
+        for d in out.parent.iterdir():
+            if names.fullmatch(d.name) and str(d) not in _IN_FLIGHT and d.is_dir() and not d.is_symlink():
+                if stale(d, *parse_work_name(d.name), max_age=math.inf):
+                    shutil.rmtree(d, ignore_errors=True)
+
+
 def _fresh_dir(out: Path) -> Path:
     out = check_out(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
+        _remove_abandoned(out)
+        tmp = out.parent / work_name(f".tmp-{out.name}")
+        tmp.mkdir(mode=0o700)
     except OSError as e:
         raise AiaynError(f"cannot write to {out.parent} ({e.strerror or e}); choose another OUT") from None
+    _IN_FLIGHT.add(str(tmp))
+    return tmp
+
+
+@contextlib.contextmanager
+def _export_dir(out: Path) -> Iterator[Path]:
+    """A new temporary folder beside OUT for the block to write the export into, put in OUT's place
+    (an earlier export there replaced) when the block ends; removed if it fails or is stopped."""
+    tmp = _fresh_dir(out)
+    try:
+        yield tmp
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        _IN_FLIGHT.discard(str(tmp))
 
 
 def _replace_dir(tmp: Path, out: Path) -> None:
     """Moves a finished export into place; an existing export at `out` is replaced only then. The
-    files get the usual modes (mkdtemp makes a private folder; safetensors writes 0600)."""
+    files get the usual modes (the temporary folder is private; safetensors writes 0600)."""
     mask = umask()
     for f in [tmp, *tmp.rglob("*")]:
         f.chmod((0o777 if f.is_dir() else 0o666) & ~mask)
-    if out.exists():
-        _check_aside(out)  # again: it may have appeared while the export was written
-        why = _not_ours(out) if out.is_dir() and not out.is_symlink() else "is not a folder"
-        if why is not None:  # and files may have been added to OUT meanwhile
-            raise AiaynError(f"OUT {out} {why} (since the export started); it was left as it is, choose a new OUT")
-        old = _aside(out)
-        shutil.rmtree(old, ignore_errors=True)
-        out.rename(old)
+    old = _aside(out)
+    with _stops_held():  # stopped between the renames, OUT was gone and its earlier export hidden aside
+        if out.exists() or out.is_symlink():
+            _check_aside(out)  # again: it may have appeared while the export was written
+            why = _not_ours(out) if out.is_dir() and not out.is_symlink() else "is not a folder"
+            if why is not None:  # and files may have been added to OUT meanwhile
+                raise AiaynError(f"OUT {out} {why} (since the export started); it was left as it is, choose a new OUT")
+            _remove_export(old)
+            out.rename(old)
         tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(out)
+        if old.is_dir() and not old.is_symlink() and _not_ours(old) is None:
+            _remove_export(old)  # the export replaced, or one a kill between the renames left aside
+
+
+# ------------------------------------------------------------------------------------- signals
+
+
+class _Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (a `kill`, `timeout`, a closed terminal), taken as Ctrl-C is: the unfinished
+    export's temporary folder is removed on the way out (the default action left it for good)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()  # (the only one that may set handlers)
+
+
+@contextlib.contextmanager
+def _stops_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise `_Stopped` while the block runs, where their handler is the default."""
+    stops = (signal.SIGTERM, signal.SIGHUP)
+    replaced = [s for s in stops if _in_main_thread() and signal.getsignal(s) == signal.SIG_DFL]
+
+    def stop(signum: int, frame: Any) -> None:
+        raise _Stopped(signum)
+
+    for s in replaced:
+        signal.signal(s, stop)
+    try:
+        yield
+    finally:
+        for s in replaced:
+            signal.signal(s, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def _stops_held() -> Iterator[None]:
+    """Ctrl-C, SIGTERM and SIGHUP wait for the block to end, then take effect as they would have."""
+    hits: list[int] = []
+    previous: dict[int, Any] = {}
+    if _in_main_thread():
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            handler = signal.getsignal(s)
+            if handler not in (signal.SIG_IGN, None):  # (None: set outside Python, left alone)
+                previous[s] = handler
+                signal.signal(s, lambda signum, frame: hits.append(signum))
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if hits:
+            signal.raise_signal(hits[0])  # to the handler it would have met
 
 
 # ----------------------------------------------------------------------------------------- CLI
@@ -515,20 +681,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        with _stops_interrupt():  # a `kill` or `timeout` removes the unfinished export as Ctrl-C does
+            return _run(args)
+    except _Stopped as e:
+        print(f"aiayn export: stopped by {signal.Signals(e.signum).name}", file=sys.stderr)
+        return 128 + e.signum
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.to == "hf":
         if args.quantization:
             raise AiaynError("--quantization applies to --to ctranslate2 only")
         out = export_hf(args.checkpoint, args.out)
         bare = not json.loads((out / MARKER).read_text(encoding="utf-8"))["model"].get("source_eos", False)
-        print(f"wrote a Hugging Face MarianMTModel to {out}; load it with MarianMTModel.from_pretrained and "
-              "MarianTokenizer.from_pretrained (their default call feeds the source as aiayn does)" + (
-                  "; this model was trained on sources without EOS: tokenize with add_special_tokens=False"
-                  if bare else ""))
+        _say(f"wrote a Hugging Face MarianMTModel to {out}; load it with MarianMTModel.from_pretrained and "
+             "MarianTokenizer.from_pretrained (their default call feeds the source as aiayn does)" + (
+                 "; this model was trained on sources without EOS: tokenize with add_special_tokens=False"
+                 if bare else ""), out)
     else:
         out = export_ctranslate2(args.checkpoint, args.out, args.quantization)
         bare = not json.loads((out / MARKER).read_text(encoding="utf-8"))["model"].get("source_eos", False)
-        print(f"wrote a CTranslate2 model ({args.quantization or 'float32'}) to {out}; "
-              f"translate with `aiayn translate --engine ctranslate2 --checkpoint {out}`" + (
-                  '; this model was trained on sources without EOS: called directly, it wants the pieces '
-                  'without "</s>"' if bare else ""))
+        _say(f"wrote a CTranslate2 model ({args.quantization or 'float32'}) to {out}; "
+             f"translate with `aiayn translate --engine ctranslate2 --checkpoint {out}`" + (
+                 '; this model was trained on sources without EOS: called directly, it wants the pieces '
+                 'without "</s>"' if bare else ""), out)
     return 0
+
+
+def _say(text: str, out: Path) -> None:
+    """The closing line, flushed here: left to the interpreter's exit, a reader gone (`| head`) or a
+    full disk was "Exception ignored ... BrokenPipeError" and exit 120, after a complete export."""
+    if sys.stdout is None:  # closed (`>&-`): the export is written all the same
+        return
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # (`aiayn.cli`: the reader went away, nothing left to say)
+        raise
+    except OSError as e:
+        silence_stdout()  # (the interpreter's last flush would fail again)
+        raise AiaynError(f"standard output: cannot write ({e.strerror or e}); the export is complete in {out}") from None
