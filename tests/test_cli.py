@@ -1,5 +1,6 @@
 """The `aiayn` executable's entry point (`aiayn.cli.entry`), as the console script and
 `python -m aiayn` run it."""
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -181,3 +182,27 @@ def test_a_device_that_is_not_cuda_n_is_refused_by_the_config(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for device in ("cuda", "cuda:0", "cuda:12"):
         assert setup_distributed(TrainConfig(device=device).device).device == torch.device(device)
+
+
+def _closing_line(args: list[str], stdout: object) -> subprocess.CompletedProcess:
+    """Runs `python -m aiayn ARGS` buffered (as outside a test: no PYTHONUNBUFFERED) with `stdout`."""
+    return subprocess.run([sys.executable, "-m", "aiayn", *args], stdout=stdout, stderr=subprocess.PIPE, text=True,
+                          timeout=300, env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"})
+
+
+def test_a_closing_line_to_a_reader_gone_or_a_full_disk_is_handled_by_every_command(tmp_path):
+    """The line a command ends with (`plot` its file, `average`, `import`, `prepare` theirs) sat in
+    Python's buffer until the interpreter's last flush: with the reader gone (`| true`) that printed
+    "Exception ignored ... BrokenPipeError" and exited 120, and on a full disk the same with OSError.
+    main flushes it: a gone reader is a quiet 0, a full disk one line naming standard output."""
+    args = ["plot", "lr-schedule", "--steps", "100", "--warmup", "10", "-o", str(tmp_path / "lr.png")]
+    r, w = os.pipe()
+    os.close(r)  # the reader is gone before the command writes
+    with os.fdopen(w, "w") as gone:
+        done = _closing_line(args, gone)
+    assert (done.returncode, done.stderr) == (0, "")
+    with open("/dev/full", "w") as full:
+        done = _closing_line(args, full)
+    assert done.returncode == 2 and done.stderr == (
+        "aiayn plot: error: standard output: cannot write (No space left on device)\n")
+    assert (tmp_path / "lr.png").is_file()

@@ -72,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(importlib.import_module(COMMANDS[args.command][0]).run(args) or 0)
+        rc = int(importlib.import_module(COMMANDS[args.command][0]).run(args) or 0)
+        _flush_stdout()
+        return rc
     except AiaynError as e:
         print(f"aiayn {args.command}: error: {e}", file=sys.stderr)
         return 2
@@ -86,6 +88,21 @@ def main(argv: list[str] | None = None) -> int:
         where = f"{e.filename}: " if e.filename else ""
         print(f"aiayn {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
         return 2
+
+
+def _flush_stdout() -> None:
+    """What the command printed last (`plot` its file, `average`, `import`, `prepare` theirs) is
+    written here, not at the interpreter's exit: a reader gone there (`| true`) was "Exception
+    ignored ... BrokenPipeError", exit 120, and a full disk the same. A full disk is one line here."""
+    if sys.stdout is None:  # (started with it closed: `>&-`; a command that prints refuses that itself)
+        return
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        silence_stdout()  # (the interpreter's last flush would fail again)
+        raise AiaynError(f"standard output: cannot write ({e.strerror or e})") from None
 
 
 def entry() -> None:
