@@ -69,8 +69,12 @@ async function translate() {
   const body = { text: lines, beam, alpha, nbest: Math.min(4, beam, state.maxNbest), attention: true, source, target };
   const headers = { "Content-Type": "application/json" };
   const key = $("api-key").value.trim();
-  // in the head, never in a URL: a large body is then held as a known client's (aiayn.serve.clients)
-  if (state.keyRequired && key) headers["X-API-Key"] = key;
+  // in the head, never in a URL: a large body is then held as a known client's (aiayn.serve.clients);
+  // a header carries one byte a character, so a key that is not ASCII goes in the body (LibreTranslate's field)
+  if (state.keyRequired && key) {
+    if (/^[\x20-\x7e]+$/.test(key)) headers["X-API-Key"] = key;
+    else body.api_key = key;
+  }
   drop();
   const asked = state.pending = new AbortController();
   $("go").disabled = true;
