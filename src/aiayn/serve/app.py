@@ -11,7 +11,7 @@ same settings, whatever shares its batch. One server may hold several models, on
 (`Model`); a request goes to the model of its pair (the first is the default of /v1). Errors are JSON
 bodies `{"error": message}` (LibreTranslate's endpoints use its codes, `aiayn.serve.libre`): 400 a
 language pair not served or JSON nested too deeply, 403 a bad API key and 401 a large body whose head names
-none where strangers' bodies never fit (with --api-keys, `aiayn.serve.clients`), 408 a body not sent within
+no key of ours where strangers' bodies never fit (with --api-keys, `aiayn.serve.clients`), 408 a body not sent within
 --body-timeout, 411/413 a body without length (or chunked) or too large, 413 a line over
 --max-chars or the model's length, more lines than --max-lines or more work than --max-work, 422 a
 malformed body (naming the field) or a beam / n-best over --max-beam / --max-nbest, 429 a client
@@ -282,11 +282,13 @@ class Server:
 
     def check_key(self, key: Any, request: Request) -> None:
         """With --api-keys: 400 without a key, 403 with one not in the file (LibreTranslate's answers);
-        `key` is the body's; one in the request head wins (`aiayn.serve.clients.head_key`). A good key
+        `key` is the body's; a valid one in the request head wins (`aiayn.serve.clients.head_key`), another
+        there counts only where the body names none (a gateway may add its own Bearer token). A good key
         is recorded on the request: it names the client, and its body is no stranger's (`BodyMemory`)."""
         if self.api_keys is None:
             return
-        key = head_key(request.scope) or key
+        head = head_key(request.scope)
+        key = head if head in self.api_keys or not key else key
         if not key:
             raise ApiError(400, "Please contact the server operator to get an API key")
         if not isinstance(key, str) or key not in self.api_keys:

@@ -14,12 +14,13 @@ is answered (`BodyMemory`); past --max-body-memory it is refused unread (503, Re
 client's key is inside that body, unread when the memory is held: strangers uploading large bodies
 (slowly, up to --body-timeout) could fill it all and leave the clients with keys only 503s. So a
 key may come in the request head too (`head_key`: `Authorization: Bearer KEY`, `X-API-Key: KEY`,
-`?api_key=KEY`; it is then the request's key, the body's is not read): a body whose head names a
-valid key holds against the whole budget, one whose head names none against the strangers' share
-(half, and never so much that a known client's largest body would not fit beside it), which it
-leaves once its body names a valid key (`BodyMemory.vouch`: its request may be searched a while).
-A body the share can never hold is refused at once (401: name the key in the head), and so is one
-whose head names a wrong key (403). Without --api-keys every sender is a known client.
+`?api_key=KEY`; one of ours there is the request's key, the body's is not read): a body whose head
+names a valid key holds against the whole budget, any other against the strangers' share (half,
+and never so much that a known client's largest body would not fit beside it), which it leaves once
+its body names a valid key (`BodyMemory.vouch`: its request may be searched a while). A head's key
+that is not ours counts as none (a gateway in front may add its own Bearer token), and a body the
+share can never hold is refused at once (401: name the key in the head). Without --api-keys every
+sender is a known client.
 """
 
 from __future__ import annotations
@@ -137,12 +138,8 @@ class BodyMemory:
     def hold(self, scope: MutableMapping[str, Any], length: int) -> Hold:
         """Holds `length` bytes for the body of `scope` (left in it, for `vouch`); an `ApiError`
         (the body unread) where it may not."""
-        stranger = False
-        if self.keys is not None:
-            key = head_key(scope)
-            if key is not None and key not in self.keys:
-                raise ApiError(403, "Invalid API key")
-            stranger = key is None
+        # a head's key that is not ours may be a gateway's own Bearer token: the body's key decides
+        stranger = self.keys is not None and head_key(scope) not in self.keys
         if stranger and length > self.share:
             raise ApiError(401, f"a body of {length} bytes must name its API key in the request head ({IN_HEAD}): "
                                 f"this server holds at most {self.share} bytes of bodies over 64 KiB from senders "
