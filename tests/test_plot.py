@@ -556,6 +556,11 @@ def test_an_output_in_a_missing_folder_is_refused_before_any_work(tmp_path, run_
         assert capsys.readouterr().err == (f"aiayn plot: error: -o {out}: no folder {out.parent}; make it first, "
                                            "or choose another path\n")
     assert list(tmp_path.iterdir()) == []
+    (tmp_path / "broken").symlink_to(tmp_path / "gone")  # a link to no folder: "cannot write (File exists)"
+    out = tmp_path / "broken" / "a.png"
+    assert main(["plot", "lr-schedule", "-o", str(out)]) == 2
+    assert capsys.readouterr().err == (f"aiayn plot: error: -o {out}: no folder {out.parent}; make it first, "
+                                       "or choose another path\n")
 
 
 @pytest.mark.parametrize("flags", [["--max-len-b", "-1"], ["--max-len-a", "nan"], ["--max-len-a", "-2"]])

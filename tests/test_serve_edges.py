@@ -397,3 +397,18 @@ def test_an_app_whose_body_memory_cannot_hold_its_largest_body_is_refused_when_m
     with pytest.raises(ValueError, match="max_body_memory_mib"):
         create_app(de_en, Limits(max_lines=100, max_chars=300_000, max_body_memory_mib=256), ("de", "en"))
     create_app(de_en, Limits(max_lines=100, max_chars=200_000, max_body_memory_mib=256), ("de", "en"))
+
+
+def test_the_head_limit_counts_h11s_buffer_even_if_a_release_renames_it():
+    """`HeadLimited` reads h11's private `_receive_buffer` (the public `trailing_data` copies it on
+    every byte); h11 is not pinned, and without that field every connection failed with an
+    AttributeError that uvicorn does not catch. Both ways count the same bytes."""
+    from types import SimpleNamespace
+
+    from aiayn.serve.protocol import HeadLimited
+
+    conn = HeadLimited(100)
+    conn.receive_data(b"GET / HTTP/1.1\r\nHost: a")
+    assert conn._buffered() == 23 == len(conn.trailing_data[0])
+    renamed = SimpleNamespace(trailing_data=(b"GET / HTTP/1.1\r\nHost: a", False))  # no _receive_buffer
+    assert HeadLimited._buffered(renamed) == 23  # type: ignore[arg-type]

@@ -241,7 +241,8 @@ def iter_lines(path: str | os.PathLike[str]) -> Iterator[str]:
             refuse_compressed(path, raw_file.peek(COMPRESSED_HEAD)[:COMPRESSED_HEAD])
             f = io.BufferedReader(gzip.GzipFile(fileobj=raw_file), 1 << 20) if is_gzip else raw_file
             refuse_wide_text(path, f.peek(ENCODING_HEAD)[:ENCODING_HEAD])
-            while raw := f.readline(MAX_LINE_BYTES + 1):  # (a line past the cap: its first bytes only)
+            readline, cap = f.readline, MAX_LINE_BYTES + 1  # (locals: once per line of a corpus)
+            while raw := readline(cap):  # (a line past the cap: its first bytes only)
                 number += 1
                 if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
                     raise long_line_error(path, number)

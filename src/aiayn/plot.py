@@ -683,7 +683,7 @@ def _check_folder(output: str) -> None:
     """-o in a folder that is there, checked before any work: a mistyped folder was made, with any
     missing folders above it (`translate --output` and `evaluate --save-hyps` refuse it)."""
     folder = Path(output).parent
-    if not os.path.lexists(folder):  # (one that is a file: "cannot write (Not a directory)" as it is written)
+    if not os.path.exists(folder):  # (a file: "cannot write (Not a directory)" as it is written; a broken link: here)
         raise AiaynError(f"-o {output}: no folder {folder}; make it first, or choose another path")
 
 

@@ -223,7 +223,10 @@ class HeadLimited(h11.Connection):
         return event
 
     def _buffered(self) -> int:
-        return len(self._receive_buffer)  # h11's own buffer (`trailing_data` copies it, on every byte of a trickle)
+        """Bytes in h11's own buffer: its private `_receive_buffer` (the public `trailing_data` copies the
+        buffer, on every byte of a trickled head), else, should a release rename it, `trailing_data`."""
+        buffer = getattr(self, "_receive_buffer", None)
+        return len(buffer) if buffer is not None else len(self.trailing_data[0])
 
 
 def with_head_timeout(seconds: float, counts: Counts | None = None) -> type[HeadTimedH11]:
