@@ -378,6 +378,14 @@ def test_average_never_replaces_what_is_not_an_earlier_average(tmp_path, tok, ca
     for _ in range(2):  # an earlier average is replaced
         assert cli_main(["average", "--checkpoint", str(run), "-n", "2", "-o", str(avg)]) == 0
     assert (avg / "config.json").is_file()
+    # an earlier average with something else in it (an export of it, `aiayn export ... avg/ct2`): the
+    # replace deleted that too
+    (avg / "ct2").mkdir()
+    (avg / "ct2" / "model.bin").write_text("keep")
+    assert cli_main(["average", "--checkpoint", str(run), "-n", "2", "-o", str(avg)]) == 2
+    assert capsys.readouterr().err == (f"aiayn average: error: -o {avg} holds ct2, which an average did not write "
+                                       "(replacing the folder would delete it); move it away or choose a new path\n")
+    assert (avg / "ct2" / "model.bin").read_text() == "keep"
 
 
 def test_average_refuses_a_symlinked_output_and_leaves_it_as_it_was(tmp_path, tok, capsys):

@@ -46,10 +46,12 @@ from aiayn.config import ConfigError, ModelConfig
 from aiayn.errors import AiaynError
 from aiayn.files import fsync_path, refuse_symlink_output, umask
 from aiayn.model import Transformer
+from aiayn.tokenizer import JOINT_FILE, SRC_FILE, TGT_FILE
 
 CONFIG, WEIGHTS, TRAINER_STATE = "config.json", "model.safetensors", "trainer_state.pt"
 TMP_PREFIX = ".tmp-"
 _STEP_RE = re.compile(r"^step_(0|[1-9]\d*)$")  # as a run names them: a user's step_05 is not one (nor pruned)
+_AVERAGE_FILES = frozenset({CONFIG, WEIGHTS, JOINT_FILE, SRC_FILE, TGT_FILE})  # all that an average holds
 
 
 METRIC_KINDS = ("train", "valid")  # the records of a run's metrics.jsonl
@@ -515,6 +517,10 @@ def _check_average_output(out: Path, inputs: list[Path]) -> None:
         earlier = False
     if not out.is_dir() or not earlier:
         raise AiaynError(f"-o {out} exists and is not an earlier average; choose a new path (it would be replaced)")
+    other = next((p.name for p in sorted(out.iterdir()) if p.name not in _AVERAGE_FILES or not p.is_file()), None)
+    if other is not None:  # (an export of the average inside it, say: gone with the replace)
+        raise AiaynError(f"-o {out} holds {other}, which an average did not write (replacing the folder would delete "
+                         "it); move it away or choose a new path")
 
 
 def _remove_average_leftovers(out: Path) -> None:
