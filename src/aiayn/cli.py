@@ -93,13 +93,14 @@ def main(argv: list[str] | None = None) -> int:
 def _flush_stdout() -> None:
     """What the command printed last (`plot` its file, `average`, `import`, `prepare` theirs) is
     written here, not at the interpreter's exit: a reader gone there (`| true`) was "Exception
-    ignored ... BrokenPipeError", exit 120, and a full disk the same. A full disk is one line here."""
+    ignored ... BrokenPipeError", exit 120, and a full disk the same. A full disk is one line here; a
+    reader gone is quiet, and the command's exit status stands (130 after Ctrl-C was 0)."""
     if sys.stdout is None:  # (started with it closed: `>&-`; a command that prints refuses that itself)
         return
     try:
         sys.stdout.flush()
-    except BrokenPipeError:
-        raise
+    except BrokenPipeError:  # (the reader went away: nothing left to say)
+        silence_stdout()
     except OSError as e:
         silence_stdout()  # (the interpreter's last flush would fail again)
         raise AiaynError(f"standard output: cannot write ({e.strerror or e})") from None

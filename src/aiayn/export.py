@@ -515,10 +515,16 @@ def _refuse_run_checkpoint(out: Path) -> None:
 
 def _is_run_dir(d: Path) -> bool:
     """Whether `d` is a training run's folder: its train.json, or a step checkpoint with trainer state
-    (an export has neither)."""
+    (an export has neither). A folder that may be entered but not listed (mode 0711) has its train.json
+    looked at only: the listing's PermissionError refused an export under `d/best/`."""
     from aiayn.checkpoint import TRAINER_STATE, step_checkpoints
 
-    return (d / "train.json").is_file() or any((p / TRAINER_STATE).is_file() for _, p in step_checkpoints(d))
+    if (d / "train.json").is_file():
+        return True
+    try:
+        return any((p / TRAINER_STATE).is_file() for _, p in step_checkpoints(d))
+    except OSError:
+        return False
 
 
 def _aside(out: Path) -> Path:
@@ -569,14 +575,15 @@ def _remove_abandoned(out: Path) -> None:
 
 def _fresh_dir(out: Path) -> Path:
     out = check_out(out)
+    tmp = out.parent / work_name(f".tmp-{out.name}")
+    _IN_FLIGHT.add(str(tmp))  # before it is made: another thread's `_remove_abandoned` would take it for a dead one's
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         _remove_abandoned(out)
-        tmp = out.parent / work_name(f".tmp-{out.name}")
         tmp.mkdir(mode=0o700)
     except OSError as e:
+        _IN_FLIGHT.discard(str(tmp))
         raise AiaynError(f"cannot write to {out.parent} ({e.strerror or e}); choose another OUT") from None
-    _IN_FLIGHT.add(str(tmp))
     return tmp
 
 

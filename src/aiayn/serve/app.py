@@ -287,7 +287,7 @@ class Server:
         is recorded on the request: it names the client, and its body is no stranger's (`BodyMemory`)."""
         if self.api_keys is None:
             return
-        head = head_key(request.scope)
+        head = head_key(request.scope, self.api_keys)
         key = head if head in self.api_keys or not key else key
         if not key:
             raise ApiError(400, "Please contact the server operator to get an API key")

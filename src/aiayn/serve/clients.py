@@ -25,7 +25,7 @@ sender is a known client.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Collection, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -96,10 +96,13 @@ HEADER = b"x-api-key"
 IN_HEAD = "Authorization: Bearer KEY, X-API-Key: KEY or ?api_key=KEY"
 
 
-def head_key(scope: Mapping[str, Any]) -> str | None:
+def head_key(scope: Mapping[str, Any], keys: Collection[str] | None = None) -> str | None:
     """The key the head of the ASGI request `scope` names: `Authorization: Bearer KEY`, else
-    `X-API-Key: KEY`, else the query string's first `api_key` (None when it names none)."""
-    bearer = other = None
+    `X-API-Key: KEY`, else the query string's first `api_key` (None when it names none). Given the
+    server's `keys`, the first of those three that is one of them: a gateway in front may add a Bearer
+    of its own beside the client's X-API-Key or ?api_key= (the Bearer alone was read: every such client
+    got 403)."""
+    bearer = other = query = None
     for name, value in scope.get("headers", ()):
         text = value.decode("utf-8", "replace").strip()
         if name == b"authorization" and bearer is None:
@@ -107,12 +110,13 @@ def head_key(scope: Mapping[str, Any]) -> str | None:
             bearer = key.strip() if scheme.lower() == "bearer" else None
         elif name == HEADER and other is None:
             other = text
-    if bearer or other:
-        return bearer or other
     for name, value in parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True):
         if name == "api_key":
-            return value or None
-    return None
+            query = value
+            break
+    named = [k for k in (bearer, other, query) if k]
+    ours = [k for k in named if keys is not None and k in keys]
+    return (ours or named or [None])[0]
 
 
 SCOPE_KEY = "aiayn.body_hold"  # where the middleware leaves a request's `Hold` in its ASGI scope
@@ -139,7 +143,7 @@ class BodyMemory:
         """Holds `length` bytes for the body of `scope` (left in it, for `vouch`); an `ApiError`
         (the body unread) where it may not."""
         # a head's key that is not ours may be a gateway's own Bearer token: the body's key decides
-        stranger = self.keys is not None and head_key(scope) not in self.keys
+        stranger = self.keys is not None and head_key(scope, self.keys) not in self.keys
         if stranger and length > self.share:
             raise ApiError(401, f"a body of {length} bytes must name its API key in the request head ({IN_HEAD}): "
                                 f"this server holds at most {self.share} bytes of bodies over 64 KiB from senders "
