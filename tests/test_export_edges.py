@@ -148,7 +148,8 @@ def test_sigterm_mid_export_leaves_no_half_export(ckpt, tmp_path, signum):
     pytest.importorskip("ctranslate2")
     out = tmp_path / "ct2"
     done = _child(f"""
-        import os, sys
+        import os, signal, sys
+        signal.signal({int(signum)}, signal.SIG_DFL)  # as in a terminal, even if started ignoring it (nohup)
         import aiayn.export as export
         from aiayn.cli import main
         write = export._write_marker
@@ -180,7 +181,12 @@ def test_a_kill_between_the_renames_of_a_replace_loses_neither_export(ckpt, tmp_
         return moved
 
     monkeypatch.setattr(Path, "rename", then_interrupt)
-    assert main(argv) == 130
+    # Ctrl-C as in a terminal, even where the tests were started ignoring it (a background job of a script)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        assert main(argv) == 130
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert capsys.readouterr().err.endswith("aiayn export: interrupted\n")
     assert (out / "aiayn.json").is_file() and (out / "model.bin").is_file()
     assert sorted(os.listdir(tmp_path)) == ["ct2"]
