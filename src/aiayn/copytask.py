@@ -19,7 +19,7 @@ import torch
 
 from aiayn.config import preset
 from aiayn.errors import AiaynError
-from aiayn.files import silence_stdout
+from aiayn.files import say
 from aiayn.model import Transformer
 from aiayn.search import greedy_search
 from aiayn.trainer import torch_seed
@@ -99,17 +99,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="random seed (64 bits): the same seed trains the same models")
 
 
-def _say(text: str) -> None:
-    """A line on standard output at once: to a pipe, Python holds its lines until exit, so
-    `aiayn demo | head -1` trained both models before the reader saw a line, and a reader gone or a
-    full disk was then "Exception ignored" and exit 120."""
-    try:
-        print(text, flush=True)
-    except BrokenPipeError:  # (`aiayn.cli`: the reader went away, nothing left to say)
-        raise
-    except OSError as e:
-        silence_stdout()  # (the interpreter's last flush would fail again)
-        raise AiaynError(f"standard output: cannot write ({e.strerror or e}); the demo prints its results there") from None
+def show(text: str) -> None:
+    """A line of the demo on standard output at once (`aiayn demo | head -1` waited for both models)."""
+    say(text, "; the demo prints its results there")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -121,15 +113,15 @@ def run(args: argparse.Namespace) -> int:
         raise AiaynError("standard output is closed; the demo prints its results there: redirect it to a file instead")
     for reverse in (False, True):
         name = "reversed copy" if reverse else "copy"
-        _say(f"== {name} task: tiny Transformer, {args.steps} step{'s' if args.steps > 1 else ''}")
+        show(f"== {name} task: tiny Transformer, {args.steps} step{'s' if args.steps > 1 else ''}")
         t0 = time.perf_counter()
-        model, acc = train_copy(reverse, args.steps, args.seed, log=_say)
-        _say(f"{name}: greedy exact-match accuracy {acc:.1%} on 200 new strings after "
+        model, acc = train_copy(reverse, args.steps, args.seed, log=show)
+        show(f"{name}: greedy exact-match accuracy {acc:.1%} on 200 new strings after "
              f"{time.perf_counter() - t0:.0f}s ({model.num_parameters():,} parameters)")
         gen = torch.Generator().manual_seed(torch_seed(args.seed + 1))
         src, _, _ = make_batch(gen, 3, 13, 10, reverse)
         with _threads(1):
             hyps = greedy_search(model, src, BOS, EOS)
         for row, hyp in zip(src.tolist(), hyps):
-            _say(f"  in  {[t for t in row if t != PAD]}\n  out {hyp}")
+            show(f"  in  {[t for t in row if t != PAD]}\n  out {hyp}")
     return 0

@@ -38,7 +38,6 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 from pathlib import Path
 from collections.abc import Iterator
 from typing import Any, Callable
@@ -48,8 +47,9 @@ from torch import Tensor
 
 from aiayn.checkpoint import CONFIG, EXPORT_MARKER
 from aiayn.data.lock import parse_work_name, stale, work_name
+from aiayn import stops
 from aiayn.errors import AiaynError, require
-from aiayn.files import refuse_symlink_output, silence_stdout, umask
+from aiayn.files import refuse_symlink_output, say, umask
 from aiayn.model import Transformer, sinusoidal_table
 from aiayn.search import DEFAULT_STOP_RULE
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, PIECES, UNK_ID, TokenizerPair, vocabulary
@@ -609,7 +609,7 @@ def _replace_dir(tmp: Path, out: Path) -> None:
     for f in [tmp, *tmp.rglob("*")]:
         f.chmod((0o777 if f.is_dir() else 0o666) & ~mask)
     old = _aside(out)
-    with _stops_held():  # stopped between the renames, OUT was gone and its earlier export hidden aside
+    with stops.deferred():  # stopped between the renames, OUT was gone and its earlier export hidden aside
         if out.exists() or out.is_symlink():
             _check_aside(out)  # again: it may have appeared while the export was written
             why = _not_ours(out) if out.is_dir() and not out.is_symlink() else "is not a folder"
@@ -620,60 +620,6 @@ def _replace_dir(tmp: Path, out: Path) -> None:
         tmp.rename(out)
         if old.is_dir() and not old.is_symlink() and _not_ours(old) is None:
             _remove_export(old)  # the export replaced, or one a kill between the renames left aside
-
-
-# ------------------------------------------------------------------------------------- signals
-
-
-class _Stopped(KeyboardInterrupt):
-    """SIGTERM or SIGHUP (a `kill`, `timeout`, a closed terminal), taken as Ctrl-C is: the unfinished
-    export's temporary folder is removed on the way out (the default action left it for good)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _in_main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()  # (the only one that may set handlers)
-
-
-@contextlib.contextmanager
-def _stops_interrupt() -> Iterator[None]:
-    """SIGTERM and SIGHUP raise `_Stopped` while the block runs, where their handler is the default."""
-    stops = (signal.SIGTERM, signal.SIGHUP)
-    replaced = [s for s in stops if _in_main_thread() and signal.getsignal(s) == signal.SIG_DFL]
-
-    def stop(signum: int, frame: Any) -> None:
-        raise _Stopped(signum)
-
-    for s in replaced:
-        signal.signal(s, stop)
-    try:
-        yield
-    finally:
-        for s in replaced:
-            signal.signal(s, signal.SIG_DFL)
-
-
-@contextlib.contextmanager
-def _stops_held() -> Iterator[None]:
-    """Ctrl-C, SIGTERM and SIGHUP wait for the block to end, then take effect as they would have."""
-    hits: list[int] = []
-    previous: dict[int, Any] = {}
-    if _in_main_thread():
-        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            handler = signal.getsignal(s)
-            if handler not in (signal.SIG_IGN, None):  # (None: set outside Python, left alone)
-                previous[s] = handler
-                signal.signal(s, lambda signum, frame: hits.append(signum))
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        if hits:
-            signal.raise_signal(hits[0])  # to the handler it would have met
 
 
 # ----------------------------------------------------------------------------------------- CLI
@@ -689,9 +635,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        with _stops_interrupt():  # a `kill` or `timeout` removes the unfinished export as Ctrl-C does
+        with stops.interrupts():  # a `kill` or `timeout` removes the unfinished export as Ctrl-C does
             return _run(args)
-    except _Stopped as e:
+    except stops.Stopped as e:
         print(f"aiayn export: stopped by {signal.Signals(e.signum).name}", file=sys.stderr)
         return 128 + e.signum
 
@@ -702,29 +648,15 @@ def _run(args: argparse.Namespace) -> int:
             raise AiaynError("--quantization applies to --to ctranslate2 only")
         out = export_hf(args.checkpoint, args.out)
         bare = not json.loads((out / MARKER).read_text(encoding="utf-8"))["model"].get("source_eos", False)
-        _say(f"wrote a Hugging Face MarianMTModel to {out}; load it with MarianMTModel.from_pretrained and "
+        say(f"wrote a Hugging Face MarianMTModel to {out}; load it with MarianMTModel.from_pretrained and "
              "MarianTokenizer.from_pretrained (their default call feeds the source as aiayn does)" + (
                  "; this model was trained on sources without EOS: tokenize with add_special_tokens=False"
-                 if bare else ""), out)
+                 if bare else ""), f"; the export is complete in {out}")
     else:
         out = export_ctranslate2(args.checkpoint, args.out, args.quantization)
         bare = not json.loads((out / MARKER).read_text(encoding="utf-8"))["model"].get("source_eos", False)
-        _say(f"wrote a CTranslate2 model ({args.quantization or 'float32'}) to {out}; "
+        say(f"wrote a CTranslate2 model ({args.quantization or 'float32'}) to {out}; "
              f"translate with `aiayn translate --engine ctranslate2 --checkpoint {out}`" + (
                  '; this model was trained on sources without EOS: called directly, it wants the pieces '
-                 'without "</s>"' if bare else ""), out)
+                 'without "</s>"' if bare else ""), f"; the export is complete in {out}")
     return 0
-
-
-def _say(text: str, out: Path) -> None:
-    """The closing line, flushed here: left to the interpreter's exit, a reader gone (`| head`) or a
-    full disk was "Exception ignored ... BrokenPipeError" and exit 120, after a complete export."""
-    if sys.stdout is None:  # closed (`>&-`): the export is written all the same
-        return
-    try:
-        print(text, flush=True)
-    except BrokenPipeError:  # (`aiayn.cli`: the reader went away, nothing left to say)
-        raise
-    except OSError as e:
-        silence_stdout()  # (the interpreter's last flush would fail again)
-        raise AiaynError(f"standard output: cannot write ({e.strerror or e}); the export is complete in {out}") from None

@@ -444,6 +444,22 @@ def _replaceable(path: str) -> bool:
             and os.access(path, os.W_OK))
 
 
+def say(text: str, kept: str = "") -> None:
+    """`text` as a line on standard output, flushed at once: to a pipe, Python holds lines until
+    exit, where a reader gone (`| head`) or a full disk was "Exception ignored" and exit 120. A
+    reader gone raises BrokenPipeError (`aiayn.cli`: a quiet end), a full disk is one line naming
+    standard output and then `kept` (what stays safe). Nothing is said with standard output closed."""
+    if sys.stdout is None:
+        return
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        silence_stdout()  # (the interpreter's last flush would fail again)
+        raise AiaynError(f"standard output: cannot write ({e.strerror or e}){kept}") from None
+
+
 def silence_stdout() -> None:
     """Point standard output at /dev/null, so that the interpreter's last flush of what is still
     buffered (after a closed pipe or a full disk) cannot fail again at exit."""

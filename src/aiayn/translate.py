@@ -23,7 +23,6 @@ import select
 import signal
 import stat
 import sys
-import threading
 from collections.abc import Iterator, Sequence
 from typing import IO, TYPE_CHECKING, Any, BinaryIO
 
@@ -32,7 +31,7 @@ import torch
 from aiayn.checkpoint import EXPORT_MARKER
 from aiayn.config import INFERENCE_PRECISIONS
 from aiayn.errors import AiaynError
-from aiayn import memory
+from aiayn import memory, stops
 from aiayn.files import (COMPRESSED_HEAD, ENCODING_HEAD, LineLengthCheck, ReplacingFile, long_line_error,
                          refuse_compressed, refuse_wide_text, silence_stdout)
 from aiayn.search import DEFAULT_STOP_RULE, STOP_RULES
@@ -449,72 +448,8 @@ def _format(i: int, nb: list[tuple[str, float]], nbest: int) -> bytes:
     return "".join(f"{i} ||| {text} ||| {score:.4f}\n" for text, score in nb[:nbest]).encode("utf-8")
 
 
-class _Stopped(KeyboardInterrupt):
-    """SIGTERM or SIGHUP (a `kill`, `timeout`, a closed terminal), taken as Ctrl-C is: the lines
-    finished so far are kept and counted."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-_STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-@contextlib.contextmanager
-def _stops_interrupt() -> Iterator[None]:
-    """SIGTERM and SIGHUP raise `_Stopped` while the block runs (where their handler is the default,
-    in the main thread); Ctrl-C raises KeyboardInterrupt as always."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous: dict[int, Any] = {s: signal.getsignal(s) for s in _STOPS[1:]}
-
-    def stop(signum: int, frame: Any) -> None:
-        raise _Stopped(signum)
-
-    for s, handler in previous.items():
-        if handler == signal.SIG_DFL:
-            signal.signal(s, stop)
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-
-@contextlib.contextmanager
-def _stops_deferred() -> Iterator[None]:
-    """Hold Ctrl-C, SIGTERM and SIGHUP back while the block runs, then raise as `_stops_interrupt`
-    would if one came.
-
-    A Python-level handler, not a signal mask: torch's worker threads would still take a masked
-    signal and interrupt the main thread anywhere inside the block. A signal that the process was
-    started with ignored (a background job of a script, `nohup`) stays ignored, as everywhere else.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    hits: list[int] = []
-    previous: dict[int, Any] = {s: signal.getsignal(s) for s in _STOPS}
-    for s, handler in previous.items():
-        if handler != signal.SIG_IGN:
-            signal.signal(s, lambda signum, frame: hits.append(signum))
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    if hits:
-        handler = previous[hits[0]]
-        if callable(handler):  # Ctrl-C's raises KeyboardInterrupt, `_stops_interrupt`'s `_Stopped`
-            handler(hits[0], None)
-        elif handler == signal.SIG_DFL:
-            raise KeyboardInterrupt if hits[0] == signal.SIGINT else _Stopped(hits[0])
-
-
 def run(args: argparse.Namespace) -> int:
-    with _stops_interrupt():  # a `kill` or `timeout` keeps the finished lines as Ctrl-C does
+    with stops.interrupts():  # a `kill` or `timeout` keeps the finished lines as Ctrl-C does
         return _run(args)
 
 
@@ -546,7 +481,7 @@ def _run(args: argparse.Namespace) -> int:
             else:
                 results = translator.search(chunk, first_line=done + 1, **vars(s))
                 text = b"".join(_format(done + k, nb, s.nbest) for k, nb in enumerate(results))
-            with _stops_deferred():  # a chunk is written and counted whole, so the Ctrl-C message is exact
+            with stops.deferred():  # a chunk is written and counted whole, so the Ctrl-C message is exact
                 try:
                     _write_all(out, text)
                     out.flush()
@@ -574,10 +509,10 @@ def _run(args: argparse.Namespace) -> int:
             with contextlib.suppress(OSError):
                 out.flush()
         kept = _kept(out_file, done)
-        how = f"stopped by {signal.Signals(e.signum).name}" if isinstance(e, _Stopped) else "interrupted"
+        how = f"stopped by {signal.Signals(e.signum).name}" if isinstance(e, stops.Stopped) else "interrupted"
         print(f"aiayn translate: {how}; the first {done} input line(s) are translated and written{kept}, "
               f"line-aligned; rerun on the rest with `tail -n +{done + 1}`", file=sys.stderr, flush=True)
-        return 128 + e.signum if isinstance(e, _Stopped) else 130
+        return 128 + e.signum if isinstance(e, stops.Stopped) else 130
     except BaseException:
         _kept(out_file, done)  # a broken pipe or a bug: the lines finished are kept all the same
         raise

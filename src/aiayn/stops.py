@@ -1,0 +1,77 @@
+"""Signals that end a command as Ctrl-C does.
+
+SIGTERM (a `kill`, `timeout`) and SIGHUP (a closed terminal) raise `Stopped`, a KeyboardInterrupt,
+so that a command's clean-up runs on the way out (`aiayn translate` keeps and counts the lines it
+finished, `aiayn export` removes its unfinished folder), where their default action ended the
+process mid-write (`interrupts`). A block that must not be cut in two (a chunk written and counted,
+the two renames of a replace) holds all three back and raises the first once it ends (`deferred`).
+
+Handlers are Python's, set in the main thread only (the only one that may), and never where the
+process was started with the signal ignored (a background job of a script, `nohup`): that stays so.
+A Python handler, not a signal mask: torch's worker threads would still take a masked signal and
+interrupt the main thread anywhere inside the block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, taken as Ctrl-C is; `signum` names it (a command exits 128 + signum)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+@contextlib.contextmanager
+def interrupts() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise `Stopped` while the block runs, where their handler is the default;
+    Ctrl-C raises KeyboardInterrupt as always."""
+    replaced = [s for s in STOPS[1:] if _main_thread() and signal.getsignal(s) == signal.SIG_DFL]
+
+    def stop(signum: int, frame: Any) -> None:
+        raise Stopped(signum)
+
+    for s in replaced:
+        signal.signal(s, stop)
+    try:
+        yield
+    finally:
+        for s in replaced:
+            signal.signal(s, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Ctrl-C, SIGTERM and SIGHUP held back while the block runs; the first that came is then raised
+    as its handler would have (`interrupts`' `Stopped`, KeyboardInterrupt for Ctrl-C)."""
+    if not _main_thread():
+        yield
+        return
+    hits: list[int] = []
+    previous: dict[int, Any] = {s: h for s in STOPS if (h := signal.getsignal(s)) not in (signal.SIG_IGN, None)}
+    for s in previous:
+        signal.signal(s, lambda signum, frame: hits.append(signum))
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if hits:
+        handler = previous[hits[0]]
+        if callable(handler):  # Ctrl-C's raises KeyboardInterrupt, `interrupts`' `Stopped`
+            handler(hits[0], None)
+        elif handler == signal.SIG_DFL:  # (the default's action: stop)
+            raise KeyboardInterrupt if hits[0] == signal.SIGINT else Stopped(hits[0])
