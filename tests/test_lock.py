@@ -92,3 +92,25 @@ def test_a_lock_left_under_our_own_pid_is_taken_over_at_once(tmp_path):
     with FolderLock(lock, poll=0.05):
         assert time.monotonic() - t0 < 5
     assert not lock.exists()
+
+
+def test_a_lock_whose_owner_cannot_be_written_is_not_left_behind(tmp_path, monkeypatch):
+    """A full disk between the lock folder's mkdir and its owner file left a folder with no owner:
+    every later holder waited the three minutes a lock of no known owner gets before it is taken."""
+    import errno
+
+    import pytest
+
+    lock = tmp_path / ".x.lock"
+    write = Path.write_text
+
+    def full(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if self.name == OWNER:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(OSError):
+        with FolderLock(lock):
+            pass
+    assert not lock.exists()

@@ -103,7 +103,11 @@ class FolderLock:
                     said = True
                 time.sleep(self.poll)
                 continue
-            (self.path / OWNER).write_text(f"{_host()} {os.getpid()}\n", encoding="utf-8")
+            try:
+                (self.path / OWNER).write_text(f"{_host()} {os.getpid()}\n", encoding="utf-8")
+            except BaseException:  # (a full disk, Ctrl-C): an ownerless lock kept the next holder waiting
+                shutil.rmtree(self.path, ignore_errors=True)
+                raise
             break
         self._thread = threading.Thread(target=self._heartbeat, daemon=True)
         self._thread.start()
