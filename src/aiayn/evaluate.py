@@ -23,6 +23,7 @@ from typing import Any, Sequence
 import sacrebleu
 
 from aiayn.errors import AiaynError
+from aiayn.files import say
 
 
 class ScoreError(AiaynError, ValueError):
@@ -297,21 +298,7 @@ def run(args: argparse.Namespace) -> int:
         text = format_scores(scores)
         if mode == "translate":
             text += f"\ncheckpoint: {args.checkpoint}  beam: {args.beam}  alpha: {args.alpha}  precision: {info['precision']}"
-    _print_scores(text + "\n", args.save_hyps if mode == "translate" else None)
+    saved = args.save_hyps if mode == "translate" else None  # (a full disk's message says where they are)
+    say(text, f"; the translations are saved in {saved}" if saved else "", what="the scores")
     return 0
 
-
-def _print_scores(text: str, saved: str | None) -> None:
-    """`text` on standard output, flushed here: a full disk was `error: No space left on device`, naming
-    neither standard output nor what did get written."""
-    from aiayn.files import silence_stdout
-
-    try:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-    except BrokenPipeError:  # the reader went away (`| head`): nothing left to say
-        raise
-    except OSError as e:
-        silence_stdout()  # (the interpreter's last flush would fail again)
-        kept = f"; the translations are saved in {saved}" if saved else ""
-        raise AiaynError(f"standard output: cannot write the scores ({e.strerror or e}){kept}") from None

@@ -444,11 +444,12 @@ def _replaceable(path: str) -> bool:
             and os.access(path, os.W_OK))
 
 
-def say(text: str, kept: str = "") -> None:
+def say(text: str, kept: str = "", what: str = "") -> None:
     """`text` as a line on standard output, flushed at once: to a pipe, Python holds lines until
     exit, where a reader gone (`| head`) or a full disk was "Exception ignored" and exit 120. A
     reader gone raises BrokenPipeError (`aiayn.cli`: a quiet end), a full disk is one line naming
-    standard output and then `kept` (what stays safe). Nothing is said with standard output closed."""
+    standard output (and `what` was written), then `kept` (what stays safe). Nothing is said with
+    standard output closed."""
     if sys.stdout is None:
         return
     try:
@@ -457,7 +458,7 @@ def say(text: str, kept: str = "") -> None:
         raise
     except OSError as e:
         silence_stdout()  # (the interpreter's last flush would fail again)
-        raise AiaynError(f"standard output: cannot write ({e.strerror or e}){kept}") from None
+        raise AiaynError(f"standard output: cannot write{' ' + what if what else ''} ({e.strerror or e}){kept}") from None
 
 
 def silence_stdout() -> None:
