@@ -147,13 +147,15 @@ def packed_weight(weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> tu
 # treated as AVX2-only (the oneDNN copy below follows ONEDNN_MAX_CPU_ISA=AVX2; ATen's
 # ATEN_CPU_CAPABILITY=avx2 sets the rows from which it runs).
 #
-# Two exceptions, measured (docs/speed.md, "Figures behind choices in the code"): a wide layer (the
+# Exceptions, measured (docs/speed.md, "Figures behind choices in the code"): a wide layer (the
 # projection to the vocabulary) runs faster on oneDNN's int8 GEMM from 32 rows where ATen runs
 # AVX-512 (1.3-1.65x at 256 x 8000) and from 128 rows under AVX2 (1.15x on one CPU, even on
-# another; FBGEMM is faster on fewer rows); and under AVX2 a broad layer (twice the outputs of its
-# inputs or more: q/k/v together, the cross-attention's k/v, the first feed-forward layer) from
-# 1024 rows, which the encoder has (8-15% faster there, 6% over an encoder's GEMMs with a new
-# batch shape each time; natively no faster). Such a weight keeps a oneDNN copy too, with the row
+# another; FBGEMM is faster on fewer rows); every other layer from 1024 rows, which the encoder's
+# packed tokens and beam search's widest steps have: under AVX2 only a broad one (twice the outputs
+# of its inputs or more: q/k/v together, the cross-attention's k/v, the first feed-forward layer;
+# 8-15% faster, 6% over an encoder's GEMMs with a new batch shape each time), on AVX-512 all of
+# them (on AMD Zen 5 the encoder 10% faster on shapes seen before, 2.4% on new ones, where oneDNN
+# makes a kernel per shape; on Zen 4 even). Such a weight keeps a oneDNN copy too, with the row
 # count from which it runs. It is only ever called without a fused ReLU.
 OneDnnCopy = tuple[object, int]  # a layer's oneDNN pack (wide or broad), and from how many rows it runs
 _INT8: dict[int, tuple[weakref.ref, object, OneDnnCopy | None]] = {}  # id(weight) -> (ref, FBGEMM pack, oneDNN)
@@ -164,8 +166,9 @@ INT8_ENGINE = "fbgemm"
 WIDE_ENGINE = "onednn"
 WIDE_MIN_ROWS = {"AVX512": 32, "AVX2": 128}  # per ATen's ISA: below this FBGEMM is faster even on wide layers
 WIDE_RATIO = 8  # a layer is wide when it has at least this many outputs per input (not d_ff = 4 d_model)
-BROAD_MIN_ROWS = {"AVX2": 1024}  # per ATen's ISA, for broad layers: FBGEMM is as fast below (and natively)
+BROAD_MIN_ROWS = {"AVX512": 1024, "AVX2": 1024}  # per ATen's ISA, for broad layers: FBGEMM is as fast below
 BROAD_RATIO = 2  # a layer is broad when it has at least this many outputs per input
+NARROW_MIN_ROWS = {"AVX512": 1024}  # per ATen's ISA, for every other layer (under AVX2 oneDNN is no faster there)
 
 
 def _int8_linear(x: Tensor, fbgemm: object, copy: OneDnnCopy | None, relu: bool) -> Tensor:
@@ -231,7 +234,7 @@ def _onednn_rows(weight: Tensor) -> int:
     if WIDE_ENGINE not in torch.backends.quantized.supported_engines:
         return 0
     isa = torch.backends.cpu.get_cpu_capability()
-    for ratio, rows in ((WIDE_RATIO, WIDE_MIN_ROWS), (BROAD_RATIO, BROAD_MIN_ROWS)):
+    for ratio, rows in ((WIDE_RATIO, WIDE_MIN_ROWS), (BROAD_RATIO, BROAD_MIN_ROWS), (0, NARROW_MIN_ROWS)):
         if weight.size(0) >= ratio * weight.size(1):
             return rows.get(isa, 0)
     return 0
