@@ -195,7 +195,7 @@ def test_save_hyps_is_checked_before_translating(ckpt, tmp_path, capsys, monkeyp
                             searched.append(_name) or _real(self, *a, **k))
     s, r = write(tmp_path / "s.txt", ["ein Mann"]), write(tmp_path / "r.txt", ["a man"])
     for target, words in ((r, "is also an input file"), (s, "is also an input file"),
-                          (str(tmp_path), "is a directory"), (str(tmp_path / "no" / "h.txt"), "no such directory"),
+                          (str(tmp_path), "is a folder"), (str(tmp_path / "no" / "h.txt"), "no folder"),
                           ("-", "the scores go to standard output")):
         assert cli.main(["evaluate", "--checkpoint", str(ckpt), "--src-file", s, "--ref-file", r,
                          "--save-hyps", target, *FAST]) == 2

@@ -483,7 +483,7 @@ def test_export_never_replaces_the_checkpoint_or_a_folder_that_is_not_an_export(
     (opus / "config.json").write_text('{"model_type": "marian"}')
     for out, words in ((ckpt, "is (or holds) the checkpoint"), (tmp_path / "run", "is (or holds) the checkpoint"),
                        (precious, "is not an earlier aiayn export"), (opus, "is not an earlier aiayn export"),
-                       (afile / "out", "cannot write to")):
+                       (afile / "out", "is a file, not a folder")):
         assert main(["export", "--checkpoint", str(tmp_path / "run"), "--to", "ctranslate2", str(out)]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and words in err, err

@@ -330,8 +330,8 @@ def test_more_bad_settings_are_one_line_errors_before_any_work(tmp_path, capsys)
         (["plot", "positional-encoding", "--dpi", "100000", "-o", str(tmp_path / "pe.png")], "--dpi must be between 1"),
         (["plot", "lr-schedule", "--factor", "nan", "-o", str(tmp_path / "lr.png")], "--factor must be a positive finite"),
         (["plot", "lr-schedule", "--factor", "inf", "-o", str(tmp_path / "lr.png")], "--factor must be a positive finite"),
-        (["plot", "positional-encoding", "-o", str(afile / "pe.png")], f"-o {afile / 'pe.png'}: cannot write"),
-        (["plot", "positional-encoding", "-o", str(tmp_path / "d.png")], f"-o {tmp_path / 'd.png'}: cannot write"),
+        (["plot", "positional-encoding", "-o", str(afile / "pe.png")], f"-o {afile / 'pe.png'}: {afile} is a file, not"),
+        (["plot", "positional-encoding", "-o", str(tmp_path / "d.png")], f"-o {tmp_path / 'd.png'}: is a folder;"),
         # sizes past any plot (tracebacks out of memory, once): refused before a table is made
         (["plot", "positional-encoding", "--max-len", "10000000", "-o", str(tmp_path / "pe.png")],
          "--max-len 10000000 x --d-model 512 is more than the 33554432 values a plot draws"),
@@ -559,8 +559,9 @@ def test_an_output_in_a_missing_folder_is_refused_before_any_work(tmp_path, run_
     (tmp_path / "broken").symlink_to(tmp_path / "gone")  # a link to no folder: "cannot write (File exists)"
     out = tmp_path / "broken" / "a.png"
     assert main(["plot", "lr-schedule", "-o", str(out)]) == 2
-    assert capsys.readouterr().err == (f"aiayn plot: error: -o {out}: no folder {out.parent}; make it first, "
-                                       "or choose another path\n")
+    assert capsys.readouterr().err == (f"aiayn plot: error: -o {out}: {out.parent} is a symbolic link to nothing "
+                                       f"({tmp_path / 'gone'}); choose another path\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken"]
 
 
 @pytest.mark.parametrize("flags", [["--max-len-b", "-1"], ["--max-len-a", "nan"], ["--max-len-a", "-2"]])

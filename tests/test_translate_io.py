@@ -105,7 +105,7 @@ def test_line_chunks_hand_out_every_complete_line_before_a_failed_read(tmp_path,
 def test_an_output_folder_that_is_not_there_is_refused_before_the_model_loads(ckpt, src, tmp_path, monkeypatch,
                                                                                capsys):
     """`--output missing/folder/out.txt` (or a file as the folder, or a folder as --output) was said only
-    once the model had loaded; the message is the one opening it gives."""
+    once the model had loaded; now before, in the words `plot -o` and `evaluate --save-hyps` use."""
     import aiayn.translate
 
     def load(*args, **kwargs):
@@ -113,10 +113,12 @@ def test_an_output_folder_that_is_not_there_is_refused_before_the_model_loads(ck
 
     monkeypatch.setattr(aiayn.translate, "load_translator", load)
     (tmp_path / "afile").write_text("x\n")
-    for out, why in [(tmp_path / "missing" / "folder" / "out.txt", "No such file or directory"),
-                     (tmp_path / "afile" / "out.txt", "Not a directory"), (tmp_path, "Is a directory")]:
+    for out, why in [(tmp_path / "missing" / "folder" / "out.txt",
+                      f"no folder {tmp_path / 'missing' / 'folder'}; make it first, or choose another path"),
+                     (tmp_path / "afile" / "out.txt", f"{tmp_path / 'afile'} is a file, not a folder; choose another path"),
+                     (tmp_path, "is a folder; give a file's path (in it, or elsewhere)")]:
         assert main(["translate", "--checkpoint", str(ckpt), "--input", str(src), "--output", str(out), *FAST]) == 2
-        assert capsys.readouterr().err == f"aiayn translate: error: {out}: cannot write ({why}) (--output)\n"
+        assert capsys.readouterr().err == f"aiayn translate: error: --output {out}: {why}\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "in.txt"]
 
 

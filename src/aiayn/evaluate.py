@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import json
 import os
+import stat
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -23,7 +24,7 @@ from typing import Any, Sequence
 import sacrebleu
 
 from aiayn.errors import AiaynError
-from aiayn.files import say
+from aiayn.files import check_output_path, say
 
 
 class ScoreError(AiaynError, ValueError):
@@ -179,24 +180,68 @@ def _inputs(args: argparse.Namespace) -> tuple[str, str, list[str]]:
     return "translate", args.src_file, args.ref_file
 
 
-def _read(path: str, blank_ok: bool = False) -> list[str]:
+def _read(path: str, blank_ok: bool = False, most: int | None = None) -> tuple[list[str], bool]:
     """`files.read_lines`, where "-" is standard input (`aiayn translate ... | aiayn evaluate --hyp-file -`;
     it was "-: no such file"), read as it is: opening /dev/stdin anew fails where it is a socket (a
-    child of Node.js or of a service manager: "/dev/stdin: cannot read (No such device or address)")."""
-    from aiayn.files import read_lines, read_stream_lines
+    child of Node.js or of a service manager: "/dev/stdin: cannot read (No such device or address)").
+    With `most`, its first `most` lines only, and whether more follow (`files.read_lines_upto`)."""
+    from aiayn.files import read_lines, read_lines_upto, read_stream_lines, read_stream_lines_upto
 
-    if path != "-":
-        return read_lines(path, blank_ok)
-    if sys.stdin is None:
-        raise AiaynError("standard input is closed; give a file name instead of -")
-    stream = getattr(sys.stdin, "buffer", None)
-    if stream is None:  # (a text stream put in its place)
-        return read_lines("/dev/stdin", blank_ok)
-    return read_stream_lines(stream, "standard input", blank_ok)
+    stream = None
+    if path == "-":
+        if sys.stdin is None:
+            raise AiaynError("standard input is closed; give a file name instead of -")
+        stream = getattr(sys.stdin, "buffer", None)
+        path = "/dev/stdin" if stream is None else path  # (a text stream put in its place)
+    if stream is None:
+        return (read_lines(path, blank_ok), False) if most is None else read_lines_upto(path, most, blank_ok)
+    if most is None:
+        return read_stream_lines(stream, "standard input", blank_ok), False
+    return read_stream_lines_upto(stream, "standard input", most, blank_ok)
+
+
+def _endless(path: str) -> bool:
+    """Whether reading `path` might never end: a pipe, a socket or a device (`<(yes a)`, /dev/zero),
+    not a file, nor a name that cannot be read (that says so at once)."""
+    try:
+        mode = os.fstat(sys.stdin.fileno()).st_mode if path == "-" else os.stat(path).st_mode
+    except (OSError, AttributeError, ValueError):  # (missing; standard input closed or replaced)
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
+def _read_aligned(first: str, ref_paths: Sequence[str], kind: str, flag: str) -> tuple[list[str], list[list[str]]]:
+    """The source lines or hypotheses (`kind`) of `first` and the lines of each reference file, as many
+    or refused. One input is read whole: a file if there is one (a pipe, `<(yes a)`, may never end),
+    else `first`. Each other is read up to that count and a line, so that one that goes on is refused
+    in one line, not held in memory until there is none; `first` comes next, the references are
+    measured against it. `flag`: the flag that gave `first` ("" for --data, which gives the files)."""
+    paths = [first, *ref_paths]
+    lead = next((i for i, p in enumerate(paths) if not _endless(p)), 0)
+    texts: list[list[str]] = [[] for _ in paths]
+    texts[lead], _ = _read(paths[lead], blank_ok=lead == 0 and kind == "hypotheses")
+    n = len(texts[lead])
+    for i in (i for i in range(len(paths)) if i != lead):
+        texts[i], more = _read(paths[i], blank_ok=i == 0 and kind == "hypotheses", most=n)
+        if not more and len(texts[i]) == n:
+            continue
+        counted = f"more than {n}" if more else str(len(texts[i]))
+        if i == 0:  # (the reference read whole is the measure)
+            named = _flagged(flag, first) if more and flag else _shown(first)
+            raise AiaynError(f"{named} has {counted} {kind} but {_shown(paths[lead])} has {n} references; "
+                             "the files must be line-aligned")
+        named = _flagged("--ref-file", paths[i]) if more and flag else _shown(paths[i])
+        raise AiaynError(f"{_shown(first)} has {n} {kind} but {named} has {counted} references; "
+                         "the files must be line-aligned")
+    return texts[0], texts[1:]
 
 
 def _shown(path: str) -> str:
     return "standard input" if path == "-" else path
+
+
+def _flagged(flag: str, path: str) -> str:
+    return f"{flag} - (standard input)" if path == "-" else f"{flag} {path}"
 
 
 def _check_direction(args: argparse.Namespace) -> None:
@@ -232,13 +277,7 @@ def _check_save_path(path: str, inputs: Sequence[str]) -> None:
         with contextlib.suppress(OSError):  # ("-": what standard input reads, `--src-file - < s.txt`)
             if target.exists() and target.samefile("/dev/stdin" if other == "-" else other):
                 raise AiaynError(f"{path}: is also an input file; save the translations elsewhere (--save-hyps)")
-    if target.is_dir():
-        raise AiaynError(f"{path}: is a directory; give a file name (--save-hyps)")
-    parent = target.parent
-    if not parent.is_dir():
-        raise AiaynError(f"{parent}: no such directory (--save-hyps)")
-    if not os.access(target if target.exists() else parent, os.W_OK):  # (a file of theirs, a device: in place)
-        raise AiaynError(f"{path}: cannot write there (--save-hyps)")
+    check_output_path(path, "--save-hyps")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -253,13 +292,8 @@ def run(args: argparse.Namespace) -> int:
     device = engine_device(args) if mode == "translate" else None  # (scoring a file needs no device)
     if args.save_hyps and mode == "translate":
         _check_save_path(args.save_hyps, [first, *ref_paths])
-    refs = [_read(path) for path in ref_paths]
-    lines = _read(first, blank_ok=mode == "hyp")
-    for path, r in zip(ref_paths, refs):
-        if len(lines) != len(r):
-            kind = "hypotheses" if mode == "hyp" else "source lines"
-            raise AiaynError(f"{_shown(first)} has {len(lines)} {kind} but {_shown(path)} has {len(r)} references; "
-                             "the files must be line-aligned")
+    lines, refs = _read_aligned(first, ref_paths, "hypotheses" if mode == "hyp" else "source lines",
+                                "" if args.data else "--hyp-file" if mode == "hyp" else "--src-file")
     info: dict[str, Any] = {"references": ref_paths[0], "reference_files": ref_paths}  # (the first: as before)
     if mode == "hyp":
         hyps, info["hypotheses"] = lines, first

@@ -49,7 +49,7 @@ from aiayn.checkpoint import CONFIG, EXPORT_MARKER
 from aiayn.data.lock import parse_work_name, stale, work_name
 from aiayn import stops
 from aiayn.errors import AiaynError, require
-from aiayn.files import refuse_symlink_output, say, umask
+from aiayn.files import check_output_path, refuse_symlink_output, say, umask
 from aiayn.model import Transformer, sinusoidal_table
 from aiayn.search import DEFAULT_STOP_RULE
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, PIECES, UNK_ID, TokenizerPair, vocabulary
@@ -472,7 +472,8 @@ def _refuse_other_models(path: Path) -> None:
 def check_out(out: str | Path, source: str | Path | None = None) -> Path:
     """OUT as an absolute path, refused (one line) if replacing it would lose anything: a file, a
     folder holding anything but an earlier export's own files, or the checkpoint being exported (or
-    a folder holding it); or if a training run would (`_refuse_run_checkpoint`)."""
+    a folder holding it); or if a training run would (`_refuse_run_checkpoint`); or if it cannot be
+    written (`files.check_output_path`: a file on the way, a folder that may not be written in)."""
     if not str(out):  # (Path("") is the current folder)
         raise AiaynError("OUT '': an empty name (an unset shell variable?); name the folder to write the export to")
     out = Path(os.path.abspath(out))
@@ -483,17 +484,12 @@ def check_out(out: str | Path, source: str | Path | None = None) -> Path:
                 raise AiaynError(f"OUT {out} is (or holds) {what}; choose a new OUT")
     _refuse_run_checkpoint(out)
     refuse_symlink_output(out, "OUT")  # (refused by `_replace_dir` too, but only after the whole export was written)
+    check_output_path(out, "OUT", folder=True)  # (a file on the way was found once the model was converted)
     if out.exists():
-        if not out.is_dir():
-            raise AiaynError(f"output {out} exists and is not a directory; choose another OUT")
         why = _not_ours(out)
         if why is not None:
             raise AiaynError(f"OUT {out} exists and {why}; choose a new OUT (replacing it would delete that)")
         _check_aside(out)
-    else:  # a file on the way was found only once the model was loaded and converted
-        above = next((d for d in out.parents if os.path.lexists(d)), None)
-        if above is not None and not above.is_dir():
-            raise AiaynError(f"cannot write to {out}: {above} is a file, not a folder; choose another OUT")
     return out
 
 

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import zlib
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Iterator, cast
 
 from aiayn.errors import AiaynError
 
@@ -225,6 +225,92 @@ def _read_all(f: BinaryIO, name: str) -> bytearray:
             raise long_line_error(name, data.count(b"\n", 0, at) + 1)
 
 
+def read_lines_upto(path: str | os.PathLike[str], most: int, blank_ok: bool = False) -> tuple[list[str], bool]:
+    """`read_stream_lines_upto` of a file."""
+    path = Path(path)
+    with _open_text_file(path) as f:
+        return read_stream_lines_upto(f, str(path), most, blank_ok)
+
+
+def read_stream_lines_upto(f: BinaryIO, name: str, most: int, blank_ok: bool = False) -> tuple[list[str], bool]:
+    """The first `most` lines of `f`, as `read_stream_lines` reads them, and whether more follow: for
+    a caller that can use no more (references line-aligned with hypotheses), where the rest of a
+    stream that never ends (`--ref-file <(yes a)`) would fill the memory."""
+    upto = _UpTo(f, name, most)
+    return read_stream_lines(cast(BinaryIO, upto), name, blank_ok), upto.more  # (read() is all it needs)
+
+
+class _UpTo:
+    """A binary stream that ends after the first `most` lines of `f`, gzip unpacked here (its lines
+    are what is counted); `more`: something followed them, unread."""
+
+    def __init__(self, f: BinaryIO, name: str, most: int) -> None:
+        self.f, self.name, self.left, self.more, self.done = f, name, most, False, False
+        self.unpacked: gzip.GzipFile | None = None
+        self.first = True
+
+    def read(self, n: int) -> bytes:
+        if self.done:
+            return b""
+        piece = self._next(n)
+        ends = piece.count(b"\n")
+        if ends < self.left or not piece:
+            self.left -= ends
+            self.done = not piece
+            return piece
+        cut = -1
+        for _ in range(self.left):  # (to the end of line `most`)
+            cut = piece.index(b"\n", cut + 1)
+        self.done, self.more = True, len(piece) > cut + 1 or bool(self._next(1))
+        return piece[:cut + 1]
+
+    def _next(self, n: int) -> bytes:
+        if self.first:
+            self.first = False
+            head = _wait_read(self.f, n)
+            while 0 < len(head) < 2 and (piece := _wait_read(self.f, n)):  # (non-blocking: a byte at a time)
+                head += piece
+            if head[:2] != b"\x1f\x8b":  # gzip magic, whatever the file is called
+                return head
+            self.unpacked = gzip.GzipFile(fileobj=_Rejoined(head, self.f))
+        if self.unpacked is None:
+            return _wait_read(self.f, n)
+        try:
+            return self.unpacked.read(n)
+        except (OSError, EOFError, zlib.error) as e:
+            if isinstance(e, OSError) and e.errno is not None:  # the disk's error, not gzip's
+                raise
+            raise AiaynError(f"{self.name}: corrupt or truncated gzip file ({e}); download or copy it again") from None
+
+
+class _Rejoined:
+    """`head`, then the rest of `f`: a stream whose first bytes were read to see what it is."""
+
+    def __init__(self, head: bytes, f: BinaryIO) -> None:
+        self.head, self.f = head, f
+
+    def read(self, n: int) -> bytes:
+        if not self.head:
+            return _wait_read(self.f, n)
+        piece, self.head = self.head[:n], self.head[n:]  # (no more than `n`: gzip reads its header so)
+        return piece
+
+    def seek(self, n: int) -> int:  # (gzip's rewind only, which reading never calls)
+        raise io.UnsupportedOperation("a stream cannot seek")
+
+
+def _wait_read(f: BinaryIO, n: int) -> bytes:
+    """`f.read(n)`, waiting where `f` is non-blocking and has nothing yet."""
+    while True:
+        try:
+            piece = f.read(n)
+        except BlockingIOError:
+            piece = None
+        if piece is not None:
+            return piece
+        select.select([f], [], [])
+
+
 def iter_lines(path: str | os.PathLike[str]) -> Iterator[str]:
     """The lines of a plain or gzip UTF-8 file, one at a time: `read_lines` for files larger than memory.
 
@@ -269,6 +355,56 @@ def refuse_symlink_output(out: Path, flag: str) -> None:
     folder it points to untouched."""
     if out.is_symlink():
         raise AiaynError(f"{flag} {out} is a symbolic link; name the folder it points to, or choose a new {flag}")
+
+
+def check_output_path(path: str | os.PathLike[str], flag: str, folder: bool = False) -> None:
+    """The output `flag` names can be written: checked before any work, as one line naming the flag
+    and the path (it showed once the model had loaded, or the picture was drawn, in four wordings).
+    A file's path that is not a folder, in a folder that is there (none is made: a mistyped folder
+    is a mistake) and takes a new file, or naming a file that may be written (in place, where its
+    folder takes no new file). `folder`: the output is a folder replaced whole (export's OUT); one
+    there is the caller's to judge, and missing folders above it are made as `mkdir -p` makes them,
+    in the nearest one that is there."""
+    name = os.fspath(path)
+    with contextlib.suppress(OSError):  # (not there, or not to be reached: the folders above say why)
+        is_dir = stat.S_ISDIR(os.stat(name).st_mode)
+        if is_dir and not folder:
+            raise AiaynError(f"{flag} {name}: is a folder; give a file's path (in it, or elsewhere)")
+        if folder and not is_dir:
+            raise AiaynError(f"{flag} {name}: is not a folder; choose another path")
+        if not folder:  # a file of the user's, a device, a pipe: written in place if need be
+            if not os.access(name, os.W_OK):
+                raise AiaynError(f"{flag} {name}: cannot write it ({_no_write(name)}); choose another path")
+            return
+    _check_output_folder(name, flag, folder)
+
+
+def _check_output_folder(name: str, flag: str, missing_ok: bool) -> None:
+    """The folder that takes `name` is there (or, where `missing_ok`, the nearest one above it is),
+    is a folder, not a file or a link to nothing, and may be written in."""
+    parent = there = os.path.dirname(name) or "."
+    while not os.path.lexists(there) and (up := os.path.dirname(there) or ".") != there:
+        there = up  # the nearest of the folders above that is there
+    if os.path.islink(there) and not os.path.exists(there):
+        raise AiaynError(f"{flag} {name}: {there} is a symbolic link to nothing ({os.readlink(there)}); "
+                         "choose another path")
+    if not os.path.isdir(there):
+        what = "a file, not a folder" if os.path.isfile(there) else "not a folder"
+        raise AiaynError(f"{flag} {name}: {there} is {what}; choose another path")
+    if not os.access(there, os.X_OK):  # (a folder not to be looked into: whether `parent` is there is unknown)
+        raise AiaynError(f"{flag} {name}: cannot write in {there} ({_no_write(there)}); choose another path")
+    if there != parent and not missing_ok:
+        raise AiaynError(f"{flag} {name}: no folder {parent}; make it first, or choose another path")
+    if not os.access(there, os.W_OK):
+        raise AiaynError(f"{flag} {name}: cannot write in {there} ({_no_write(there)}); choose another path")
+
+
+def _no_write(path: str) -> str:
+    """Why `path` may not be written, as far as can be told without trying."""
+    with contextlib.suppress(OSError):
+        if os.statvfs(path).f_flag & os.ST_RDONLY:
+            return "a read-only file system"
+    return "no permission"
 
 
 def fsync_path(path: Path) -> None:
@@ -318,9 +454,9 @@ def write_output_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     """Write `data` to a file the user named, as `translate --output` writes (`ReplacingFile`): a
     plain file of theirs replaced whole, anything a new file would not stand for (a link, a device
     such as /dev/stdout, a FIFO, someone else's file, one in a folder that takes no new file) written
-    in place; a new file atomically (`atomic_write_bytes`)."""
+    in place; a new file atomically (`atomic_write_bytes`), in a folder that is there (none is made)."""
     if not os.path.lexists(path):
-        atomic_write_bytes(path, data)
+        atomic_write_bytes(path, data, make_parents=False)
         return
     out = ReplacingFile(str(path))
     try:
@@ -331,10 +467,12 @@ def write_output_bytes(path: str | os.PathLike[str], data: bytes) -> None:
         raise
 
 
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write `data` to `path` through a temporary file in the same folder, fsync, then rename."""
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, make_parents: bool = True) -> None:
+    """Write `data` to `path` through a temporary file in the same folder, fsync, then rename; the
+    folders on the way made first, if `make_parents`."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if make_parents:
+        path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.fchmod(fd, 0o666 & ~umask())  # mkstemp makes 0600 files; give the mode a plain open() would

@@ -36,7 +36,7 @@ from matplotlib.ticker import MaxNLocator
 from aiayn.checkpoint import is_metrics_record
 from aiayn.config import learning_rate
 from aiayn.errors import AiaynError
-from aiayn.files import write_output_bytes
+from aiayn.files import check_output_path, write_output_bytes
 from aiayn.model import PositionalEncoding, Transformer
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, PIECES
 
@@ -679,21 +679,13 @@ def _schedule_flags(args: argparse.Namespace) -> tuple[list[int], list[int], flo
     return args.d_model or [512], args.warmup or [4000], 1.0 if args.factor is None else args.factor
 
 
-def _check_folder(output: str) -> None:
-    """-o in a folder that is there, checked before any work: a mistyped folder was made, with any
-    missing folders above it (`translate --output` and `evaluate --save-hyps` refuse it)."""
-    folder = Path(output).parent
-    if not os.path.exists(folder):  # (a file: "cannot write (Not a directory)" as it is written; a broken link: here)
-        raise AiaynError(f"-o {output}: no folder {folder}; make it first, or choose another path")
-
-
 def run(args: argparse.Namespace) -> int:
     if args.checkpoint == "":  # (lr-schedule and positional-encoding drew the defaults without a word)
         raise AiaynError("--checkpoint '': an empty name (an unset shell variable?); give a run directory or a "
                          "checkpoint in it")
     image_format(args.output)  # fail on a bad name or --dpi before any work
     check_dpi(args.dpi)
-    _check_folder(args.output)
+    check_output_path(args.output, "-o")  # before any work; no folder is made for it
     if args.picture == "positional-encoding":
         d_model = 512 if args.d_model is None else args.d_model
         if args.checkpoint:

@@ -32,8 +32,8 @@ from aiayn.checkpoint import EXPORT_MARKER
 from aiayn.config import INFERENCE_PRECISIONS
 from aiayn.errors import AiaynError
 from aiayn import memory, stops
-from aiayn.files import (COMPRESSED_HEAD, ENCODING_HEAD, LineLengthCheck, ReplacingFile, long_line_error,
-                         refuse_compressed, refuse_wide_text, silence_stdout)
+from aiayn.files import (COMPRESSED_HEAD, ENCODING_HEAD, LineLengthCheck, ReplacingFile, check_output_path,
+                         long_line_error, refuse_compressed, refuse_wide_text, silence_stdout)
 from aiayn.search import DEFAULT_STOP_RULE, STOP_RULES
 from aiayn.tokenizer import Tokenizer
 # (load_translator uses both; tests/test_export.py still imports Translator and CT2Translator from here)
@@ -366,14 +366,14 @@ def _open_input(name: str) -> tuple[BinaryIO, bool]:
 
 
 def _check_output(name: str, src: BinaryIO) -> None:
-    """Before the model loads: standard output must be open, --output's folder must be there (and
-    --output no folder), and the output must not be the input (opening --output for writing would
+    """Before the model loads: standard output must be open, --output a file that can be written
+    (`files.check_output_path`), and the output must not be the input (opening --output for writing would
     empty the file before a line of it is read; standard output appended to it, `>> FILE`, would
     have its own translations read back and translated forever)."""
     if name == "-" and sys.stdout is None:
         raise AiaynError("standard output is closed; give --output FILE")
     if name != "-":
-        _check_output_folder(name)
+        check_output_path(name, "--output")
     with contextlib.suppress(OSError, ValueError):  # (a captured standard output has no file number)
         have = os.fstat(src.fileno())
         want = os.fstat(sys.stdout.fileno()) if name == "-" else os.stat(name)
@@ -381,29 +381,6 @@ def _check_output(name: str, src: BinaryIO) -> None:
             if name == "-":
                 raise AiaynError("standard output is the input file; write the translations to another file")
             raise AiaynError(f"{name}: is also the input; write the translations to another file (--output)")
-
-
-def _check_output_folder(name: str) -> None:
-    """--output in a folder that is missing (or is a file), or --output a folder: the error opening it
-    gives, before the model loads rather than after."""
-    try:
-        st = os.stat(name)
-    except FileNotFoundError:  # a new file: its folder must be there
-        try:
-            if stat.S_ISDIR(os.stat(os.path.dirname(name) or ".").st_mode):
-                return
-            why = os.strerror(errno.ENOTDIR)
-        except OSError as e:
-            why = e.strerror or str(e)
-    except NotADirectoryError as e:  # (a file on the way)
-        why = e.strerror or str(e)
-    except OSError:  # (a path we may not look into: opening it says why)
-        return
-    else:
-        if not stat.S_ISDIR(st.st_mode):
-            return
-        why = os.strerror(errno.EISDIR)
-    raise AiaynError(f"{name}: cannot write ({why}) (--output)")
 
 
 def _open_output(name: str) -> tuple[IO[bytes], ReplacingFile | None]:
