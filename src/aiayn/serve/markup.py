@@ -56,18 +56,28 @@ def escape_like(text: str, source: str) -> str:
     return "".join(spelled.get(c, c) for c in text)
 
 
+# An address-like text is looked for in the innermost open link's address, its first this many characters:
+# a bounded cost per text (a link inside a link is not HTML: a browser closes the first; and an autolink
+# shows the start of its address).
+ADDRESS_CHARS = 2048
+
+
 class _Events(HTMLParser):
-    """Records where each tokenizer event starts and whether text there is to be translated."""
+    """Records where each tokenizer event starts and whether text there is to be translated.
+    Each event costs its own length, whatever the tags open (`<b>` nested, end tags that close
+    nothing, address-like text: each once cost the whole stack), an address-like text at most
+    ADDRESS_CHARS more."""
 
     def __init__(self, source: str) -> None:
         super().__init__(convert_charrefs=False)
         # the tokenizer counts lines by "\n" alone (a lone "\r" is within a line for `getpos`)
         self.line_starts = [0] + [m.end() for m in re.finditer("\n", source)]
         self.events: list[tuple[int, bool]] = []  # (offset, is translatable text)
-        # (tag, its text is not prose (or an outer one's is not), a link's address); the second is kept for
-        # the whole stack so that each event asks the top alone: asked of every open tag, 500 nested tags
-        # made the events of a text quadratic (1,024 texts of 2,000 characters: 7 s, not 1.4)
-        self.open: list[tuple[str, bool, str]] = []
+        # (tag, its text is not prose (or an outer one's is not), it is a link with an address); the second
+        # is kept for the whole stack so that each event asks the top alone
+        self.open: list[tuple[str, bool, bool]] = []
+        self.places: dict[str, list[int]] = {}  # tag -> where in `open` it is open, innermost last
+        self.links: list[str] = []  # the open links' href values (their first ADDRESS_CHARS), innermost last
 
     def _at(self) -> int:
         line, col = self.getpos()
@@ -78,10 +88,11 @@ class _Events(HTMLParser):
 
     def _in_address(self, data: str) -> bool:
         """Whether `data` is an address, or part of one, shown as the text of a link to it: one word
-        with a "." or "/" in it, within the link's href (not "help" in a link to /help)."""
+        with a "." or "/" in it, within the innermost open link's href (not "help" in a link to /help).
+        (Not every open link's: links in links are not HTML, and asking each made them quadratic.)"""
         shown = data.strip()
         return (bool(shown) and not any(c.isspace() for c in shown) and ("." in shown or "/" in shown)
-                and any(shown in href for _, _, href in self.open if href))
+                and bool(self.links) and shown in self.links[-1])
 
     def _mark(self, text: bool) -> None:
         self.events.append((self._at(), text and not self._skipping()))
@@ -94,20 +105,28 @@ class _Events(HTMLParser):
         classes = set((a.get("class") or "").split())
         skip = (self._skipping() or tag in SKIP_TAGS or (a.get("translate") or "").lower() == "no"
                 or bool(classes & SKIP_CLASSES))
-        self.open.append((tag, skip, (a.get("href") or "") if tag == "a" else ""))
+        address = (a.get("href") or "") if tag == "a" else ""
+        if address:
+            self.links.append(address[:ADDRESS_CHARS])
+        self.places.setdefault(tag, []).append(len(self.open))
+        self.open.append((tag, skip, bool(address)))
 
     def handle_startendtag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         self._mark(False)
 
     def handle_endtag(self, tag: str) -> None:
         self._mark(False)
-        for k in range(len(self.open) - 1, -1, -1):  # close up to the matching open tag, if any
-            if self.open[k][0] == tag:
-                del self.open[k:]
-                break
+        places = self.places.get(tag)
+        if places:  # close up to the innermost open tag of this name; without one, nothing
+            innermost = places[-1]
+            while len(self.open) > innermost:
+                name, _, linked = self.open.pop()
+                self.places[name].pop()
+                if linked:
+                    self.links.pop()
 
     def handle_data(self, data: str) -> None:
-        self._mark(not self._in_address(data))
+        self._mark(not self._skipping() and not self._in_address(data))
 
     def handle_entityref(self, name: str) -> None:
         self._mark(True)
