@@ -408,10 +408,11 @@ def test_decoder_step_is_the_general_path_exactly(kind, monkeypatch):
     if kind == "int8 onednn copies":
         if kernels.WIDE_ENGINE not in torch.backends.quantized.supported_engines:
             pytest.skip("no oneDNN quantized engine in this torch")
-        monkeypatch.setattr(kernels, "BROAD_MIN_ROWS", {torch.backends.cpu.get_cpu_capability(): 6})
+        monkeypatch.setattr(kernels, "WIDE_RATIO", 1)  # every layer keeps one, run from 6 rows
+        monkeypatch.setattr(kernels, "WIDE_MIN_ROWS", {torch.backends.cpu.get_cpu_capability(): 6})
     model = _step_model(kind)
     if kind == "int8 onednn copies":
-        assert kernels._INT8[id(model.decoder.layers[0].ff.w1.weight)][2][1] == 6
+        assert kernels._INT8[id(model.decoder.layers[0].ff.w1.weight)][2].rows == 6
     if kind == "sdpa" or kind.startswith("float step"):
         monkeypatch.setattr(kernels, "EXPLICIT_ATTENTION_MAX_KEYS", 0)
     if kind.startswith("float step"):  # the GPU's compiled float step, here on the CPU

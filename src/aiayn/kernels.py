@@ -122,7 +122,7 @@ def packed_weight(weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> tu
         w = weight.detach().to(dtype)
         b = None if bias is None else bias.detach().to(dtype)
         key_id = id(weight)
-        ref = weakref.ref(weight, lambda _: _PACKED.pop(key_id, None))  # dropped with the weight
+        ref = weakref.ref(weight, _forget(_PACKED, key_id))  # dropped with the weight
         entry = (ref, key, torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH_HINT), b)
         _PACKED[id(weight)] = entry
     return entry[2], entry[3]
@@ -147,35 +147,62 @@ def packed_weight(weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> tu
 # treated as AVX2-only (the oneDNN copy below follows ONEDNN_MAX_CPU_ISA=AVX2; ATen's
 # ATEN_CPU_CAPABILITY=avx2 sets the rows from which it runs).
 #
-# Exceptions, measured (docs/speed.md, "Figures behind choices in the code"): a wide layer (the
+# One exception, measured (docs/speed.md, "Figures behind choices in the code"): a wide layer (the
 # projection to the vocabulary) runs faster on oneDNN's int8 GEMM from 32 rows where ATen runs
 # AVX-512 (1.3-1.65x at 256 x 8000) and from 128 rows under AVX2 (1.15x on one CPU, even on
-# another; FBGEMM is faster on fewer rows); every other layer from 1024 rows, which the encoder's
-# packed tokens and beam search's widest steps have: under AVX2 only a broad one (twice the outputs
-# of its inputs or more: q/k/v together, the cross-attention's k/v, the first feed-forward layer;
-# 8-15% faster, 6% over an encoder's GEMMs with a new batch shape each time), on AVX-512 all of
-# them (on AMD Zen 5 the encoder 10% faster on shapes seen before, 2.4% on new ones, where oneDNN
-# makes a kernel per shape; on Zen 4 even). Such a weight keeps a oneDNN copy too, with the row
-# count from which it runs. It is only ever called without a fused ReLU.
-OneDnnCopy = tuple[object, int]  # a layer's oneDNN pack (wide or broad), and from how many rows it runs
+# another; FBGEMM is faster on fewer rows). Such a weight keeps a oneDNN copy too, with the row
+# count from which it runs; it is only ever called without a fused ReLU. Its rows come 128 at a time
+# (`search.ROW_BLOCK`), so oneDNN, which makes and keeps a kernel and its buffers for each row count,
+# keeps at most ~100 of them. Other layers keep none: the encoder's broad layers were 6-10% faster on
+# oneDNN from 1024 rows, but its packed-token count is new with each batch, and a long run's memory grew
+# by 0.3-1 GB (docs/speed.md).
+WIDE_ENGINE = "onednn"
+WIDE_MIN_ROWS = {"AVX512": 32, "AVX2": 128}  # per ATen's ISA: below this FBGEMM is faster even on wide layers
+WIDE_RATIO = 8  # a layer is wide when it has at least this many outputs per input (not d_ff = 4 d_model)
+
+
+class OneDnnCopy:
+    """A wide layer's oneDNN packs, one per caller at a time, and from how many rows they run. In torch
+    2.13 a oneDNN-packed int8 weight called by two threads at once can return wrong numbers (4 threads
+    at 2048 rows: 14 of 12,000 calls, off by up to 3e4; a pack per thread: none), and search threads
+    (`Translator`'s workers, `aiayn serve`) share the model."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, rows: int) -> None:
+        self.rows = rows
+        self._weight = weakref.ref(weight)  # (not the weight itself: `_INT8` drops its entry with it)
+        self._bias = None if bias is None else bias.detach().clone()
+        self._free = [_pack_int8(weight, bias, WIDE_ENGINE)]
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def pack(self) -> Iterator[object]:
+        """A pack no other caller holds meanwhile (a new one where all are held)."""
+        with self._lock:
+            held = self._free.pop() if self._free else None
+        if held is None:
+            weight = self._weight()
+            assert weight is not None, "a copy outlived its weight"
+            held = _pack_int8(weight, self._bias, WIDE_ENGINE)
+        try:
+            yield held
+        finally:
+            with self._lock:
+                self._free.append(held)
+
+
 _INT8: dict[int, tuple[weakref.ref, object, OneDnnCopy | None]] = {}  # id(weight) -> (ref, FBGEMM pack, oneDNN)
 _INT8_REDUCE_RANGE = False  # 8-bit inputs: the weights give up the bit (see above)
 INT8_WEIGHT_MAX = 63  # 7-bit weights
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 INT8_ENGINE = "fbgemm"
-WIDE_ENGINE = "onednn"
-WIDE_MIN_ROWS = {"AVX512": 32, "AVX2": 128}  # per ATen's ISA: below this FBGEMM is faster even on wide layers
-WIDE_RATIO = 8  # a layer is wide when it has at least this many outputs per input (not d_ff = 4 d_model)
-BROAD_MIN_ROWS = {"AVX512": 1024, "AVX2": 1024}  # per ATen's ISA, for broad layers: FBGEMM is as fast below
-BROAD_RATIO = 2  # a layer is broad when it has at least this many outputs per input
-NARROW_MIN_ROWS = {"AVX512": 1024}  # per ATen's ISA, for every other layer (under AVX2 oneDNN is no faster there)
 
 
 def _int8_linear(x: Tensor, fbgemm: object, copy: OneDnnCopy | None, relu: bool) -> Tensor:
     """x (..., in) float32 -> (..., out) float32 on the int8 weight; see the note above."""
     call = _INT8_CALL or _int8_caller()
-    if copy is not None and x.numel() >= copy[1] * x.size(-1):
-        y = call(x, copy[0], False, _INT8_REDUCE_RANGE)  # never a fused ReLU here
+    if copy is not None and x.numel() >= copy.rows * x.size(-1):
+        with copy.pack() as pack:
+            y = call(x, pack, False, _INT8_REDUCE_RANGE)  # never a fused ReLU here
         return y.relu_() if relu else y
     return call(x, fbgemm, relu, _INT8_REDUCE_RANGE)
 
@@ -231,13 +258,9 @@ def _int8_caller() -> Callable[[Tensor, Any, bool, bool], Tensor]:
 
 def _onednn_rows(weight: Tensor) -> int:
     """From how many rows `weight` runs on a oneDNN copy (0: it keeps none); see the note above."""
-    if WIDE_ENGINE not in torch.backends.quantized.supported_engines:
+    if WIDE_ENGINE not in torch.backends.quantized.supported_engines or weight.size(0) < WIDE_RATIO * weight.size(1):
         return 0
-    isa = torch.backends.cpu.get_cpu_capability()
-    for ratio, rows in ((WIDE_RATIO, WIDE_MIN_ROWS), (BROAD_RATIO, BROAD_MIN_ROWS), (0, NARROW_MIN_ROWS)):
-        if weight.size(0) >= ratio * weight.size(1):
-            return rows.get(isa, 0)
-    return 0
+    return WIDE_MIN_ROWS.get(torch.backends.cpu.get_cpu_capability(), 0)
 
 
 def int8_unavailable() -> str | None:
@@ -265,9 +288,11 @@ def _pack_int8(weight: Tensor, bias: Tensor | None, engine: str = INT8_ENGINE) -
             torch.backends.quantized.engine = saved
 
 
-def _forget_int8(key: int) -> Callable[[weakref.ref], None]:
+def _forget(table: dict[int, Any], key: int) -> Callable[[weakref.ref], None]:
+    """A weak reference's callback that drops `key` from `table`, which it holds itself: at the
+    interpreter's exit the module's name for the table is None before the last weights go."""
     def forget(_: weakref.ref) -> None:
-        _INT8.pop(key, None)
+        table.pop(key, None)
     return forget
 
 
@@ -288,8 +313,8 @@ def quantize_int8(model: ModuleT, output: bool = True) -> ModuleT:
         if w.requires_grad or w.device.type != "cpu":
             raise ValueError("quantize_int8 takes a frozen model on the CPU")
         rows = _onednn_rows(w)
-        copy = (_pack_int8(w, b, WIDE_ENGINE), rows) if rows else None
-        _INT8[id(w)] = (weakref.ref(w, _forget_int8(id(w))), _pack_int8(w, b), copy)  # dropped with the weight
+        copy = OneDnnCopy(w, b, rows) if rows else None
+        _INT8[id(w)] = (weakref.ref(w, _forget(_INT8, id(w))), _pack_int8(w, b), copy)  # dropped with the weight
     return model
 
 

@@ -292,7 +292,7 @@ def _layer_plan(layer: Any) -> _LayerPlan | None:
             return None
         packs.append(q[1])
         if q[2] is not None:
-            copies_from = min(copies_from, q[2][1])
+            copies_from = min(copies_from, q[2].rows)
     norms = _norms(layer, torch.float32)
     return None if norms is None else _LayerPlan(packs, norms, copies_from)
 
