@@ -159,3 +159,35 @@ def test_read_stream_lines_upto(data, most, want):
     assert read_stream_lines_upto(_Trickle(data), "s", most) == want
     assert read_stream_lines_upto(io.BytesIO(gzip.compress(data)), "s", most) == want
     assert read_stream_lines_upto(_Trickle(gzip.compress(data)), "s", most) == want
+
+
+def test_references_that_begin_with_blank_lines_are_counted_not_called_empty(tmp_path, endless, capsys):
+    """A reference whose first lines (as many as the hypotheses) are blank, with text after them, was
+    called empty once read only that far ("r.txt: file is empty"): a stream of them (`yes ''`) is more
+    lines than the hypotheses, a file of them has its count said exactly (it is read whole), and one
+    of blank lines alone is empty."""
+    from aiayn.cli import main
+
+    h = tmp_path / "h.txt"
+    h.write_text(HYPS, encoding="utf-8")
+    r, blank = tmp_path / "r.txt", tmp_path / "blank.txt"
+    r.write_text("\n\nx y\n", encoding="utf-8")
+    blank.write_text("\n\n", encoding="utf-8")
+    for ref, said in ((r, "has 3 references"), (blank, "blank.txt: file is empty")):
+        assert main(["evaluate", "--hyp-file", str(h), "--ref-file", str(ref)]) == 2
+        assert said in capsys.readouterr().err
+    r = _evaluate("--hyp-file", str(h), "--ref-file", endless("yes ''"))
+    assert r.returncode == 2 and "has more than 2 references" in r.stderr and LINED_UP in r.stderr, r.stderr
+
+
+def test_a_gzip_file_of_one_endless_line_is_refused_as_it_unpacks(tmp_path, files):
+    """A gzip file read whole was unpacked whole before any line was checked: 2 MB of gzip members
+    that unpack to 2 GiB of zeros (no newline) took 4.4 GB (here: MemoryError under the child's
+    limit). It is unpacked a window at a time under the 16 MiB line cap."""
+    bomb = tmp_path / "h.gz"
+    member = gzip.compress(bytes(16 << 20), compresslevel=1)
+    with open(bomb, "wb") as f:
+        for _ in range(128):
+            f.write(member)
+    r = _evaluate("--hyp-file", str(bomb), "--ref-file", files[1])
+    assert r.returncode == 2 and "h.gz:1: no end of line in 16 MiB" in r.stderr, r.stderr[-500:]

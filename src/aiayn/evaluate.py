@@ -213,8 +213,9 @@ def _endless(path: str) -> bool:
 def _read_aligned(first: str, ref_paths: Sequence[str], kind: str, flag: str) -> tuple[list[str], list[list[str]]]:
     """The source lines or hypotheses (`kind`) of `first` and the lines of each reference file, as many
     or refused. One input is read whole: a file if there is one (a pipe, `<(yes a)`, may never end),
-    else `first`. Each other is read up to that count and a line, so that one that goes on is refused
-    in one line, not held in memory until there is none; `first` comes next, the references are
+    else `first`. Each other stream is read up to that count and a line, so that one that goes on is
+    refused in one line, not held in memory until there is none (a file is read whole, its count said
+    exactly); `first` comes next, the references are
     measured against it. `flag`: the flag that gave `first` ("" for --data, which gives the files)."""
     paths = [first, *ref_paths]
     lead = next((i for i, p in enumerate(paths) if not _endless(p)), 0)
@@ -222,7 +223,8 @@ def _read_aligned(first: str, ref_paths: Sequence[str], kind: str, flag: str) ->
     texts[lead], _ = _read(paths[lead], blank_ok=lead == 0 and kind == "hypotheses")
     n = len(texts[lead])
     for i in (i for i in range(len(paths)) if i != lead):
-        texts[i], more = _read(paths[i], blank_ok=i == 0 and kind == "hypotheses", most=n)
+        most = n if _endless(paths[i]) else None  # (a file is read whole: its count is said exactly)
+        texts[i], more = _read(paths[i], blank_ok=i == 0 and kind == "hypotheses", most=most)
         if not more and len(texts[i]) == n:
             continue
         counted = f"more than {n}" if more else str(len(texts[i]))

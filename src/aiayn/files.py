@@ -20,7 +20,7 @@ import sys
 import tempfile
 import zlib
 from pathlib import Path
-from typing import BinaryIO, Iterator, cast
+from typing import Any, BinaryIO, Iterator, cast
 
 from aiayn.errors import AiaynError
 
@@ -172,14 +172,9 @@ def read_lines(path: str | os.PathLike[str], blank_ok: bool = False) -> list[str
 def read_stream_lines(f: BinaryIO, name: str, blank_ok: bool = False) -> list[str]:
     """`read_lines` of an open binary stream (standard input: opening /dev/stdin fails where it is a
     socket), named `name` in messages."""
-    raw: bytes | bytearray = _read_all(f, name)
-    if raw[:2] == b"\x1f\x8b":  # gzip magic, whatever the file is called
-        try:
-            raw = gzip.decompress(raw)
-        except (OSError, EOFError, zlib.error) as e:
-            raise AiaynError(f"{name}: corrupt or truncated gzip file ({e}); download or copy it again") from None
-        if (at := LineLengthCheck().past_cap(raw)) is not None:
-            raise long_line_error(name, raw.count(b"\n", 0, at) + 1)
+    raw = _read_all(f, name)
+    if raw[:2] == b"\x1f\x8b":  # gzip magic, whatever the file is called; unpacked under the line cap
+        raw = _read_all(cast(BinaryIO, _Gunzip(io.BytesIO(raw), name)), name)  # (9 MB of zeros unpack to 2 GB)
     refuse_compressed(name, raw[:COMPRESSED_HEAD])
     refuse_wide_text(name, raw[:ENCODING_HEAD])
     if raw.startswith(b"\xef\xbb\xbf"):
@@ -237,7 +232,10 @@ def read_stream_lines_upto(f: BinaryIO, name: str, most: int, blank_ok: bool = F
     a caller that can use no more (references line-aligned with hypotheses), where the rest of a
     stream that never ends (`--ref-file <(yes a)`) would fill the memory."""
     upto = _UpTo(f, name, most)
-    return read_stream_lines(cast(BinaryIO, upto), name, blank_ok), upto.more  # (read() is all it needs)
+    lines = read_stream_lines(cast(BinaryIO, upto), name, blank_ok=True)  # (read() is all it needs)
+    if not blank_ok and not upto.more and "\n".join(lines).encode().isspace():  # (blank lines, then more: not empty)
+        raise AiaynError(f"{name}: file is empty")
+    return lines, upto.more
 
 
 class _UpTo:
@@ -246,7 +244,7 @@ class _UpTo:
 
     def __init__(self, f: BinaryIO, name: str, most: int) -> None:
         self.f, self.name, self.left, self.more, self.done = f, name, most, False, False
-        self.unpacked: gzip.GzipFile | None = None
+        self.unpacked: _Gunzip | None = None
         self.first = True
 
     def read(self, n: int) -> bytes:
@@ -272,11 +270,22 @@ class _UpTo:
                 head += piece
             if head[:2] != b"\x1f\x8b":  # gzip magic, whatever the file is called
                 return head
-            self.unpacked = gzip.GzipFile(fileobj=_Rejoined(head, self.f))
+            self.unpacked = _Gunzip(_Rejoined(head, self.f), self.name)
         if self.unpacked is None:
             return _wait_read(self.f, n)
+        return self.unpacked.read(n)
+
+
+class _Gunzip:
+    """gzip's text of the stream `packed`, read a window at a time (a reader's checks then see it as
+    it comes); a corrupt or truncated stream is one line naming `name`."""
+
+    def __init__(self, packed: Any, name: str) -> None:
+        self.g, self.name = gzip.GzipFile(fileobj=packed), name
+
+    def read(self, n: int) -> bytes:
         try:
-            return self.unpacked.read(n)
+            return self.g.read(n)
         except (OSError, EOFError, zlib.error) as e:
             if isinstance(e, OSError) and e.errno is not None:  # the disk's error, not gzip's
                 raise
