@@ -14,7 +14,7 @@ import sys
 
 from aiayn import __version__
 from aiayn.errors import AiaynError
-from aiayn.files import silence_stdout
+from aiayn.files import silence_stdout, stdout_errors
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -98,12 +98,10 @@ def _flush_stdout() -> None:
     if sys.stdout is None:  # (started with it closed: `>&-`; a command that prints refuses that itself)
         return
     try:
-        sys.stdout.flush()
+        with stdout_errors():
+            sys.stdout.flush()
     except BrokenPipeError:  # (the reader went away: nothing left to say)
         silence_stdout()
-    except OSError as e:
-        silence_stdout()  # (the interpreter's last flush would fail again)
-        raise AiaynError(f"standard output: cannot write ({e.strerror or e})") from None
 
 
 def entry() -> None:

@@ -218,12 +218,13 @@ def _read_aligned(first: str, ref_paths: Sequence[str], kind: str, flag: str) ->
     exactly); `first` comes next, the references are
     measured against it. `flag`: the flag that gave `first` ("" for --data, which gives the files)."""
     paths = [first, *ref_paths]
-    lead = next((i for i, p in enumerate(paths) if not _endless(p)), 0)
+    endless = [_endless(p) for p in paths]
+    lead = endless.index(False) if False in endless else 0
     texts: list[list[str]] = [[] for _ in paths]
     texts[lead], _ = _read(paths[lead], blank_ok=lead == 0 and kind == "hypotheses")
     n = len(texts[lead])
     for i in (i for i in range(len(paths)) if i != lead):
-        most = n if _endless(paths[i]) else None  # (a file is read whole: its count is said exactly)
+        most = n if endless[i] else None  # (a file is read whole: its count is said exactly)
         texts[i], more = _read(paths[i], blank_ok=i == 0 and kind == "hypotheses", most=most)
         if not more and len(texts[i]) == n:
             continue

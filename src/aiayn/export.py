@@ -412,13 +412,18 @@ def _write_marker(tmp: Path, info: dict[str, Any]) -> None:
     (tmp / MARKER).write_text(json.dumps({**info, "files": files}, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _read_marker(d: Path) -> Any:
-    """Folder `d`'s aiayn.json, or None where there is none to read (nested past Python's recursion
+def _read_json(f: Path) -> Any:
+    """The JSON in file `f`, or None where there is none to read (nested past Python's recursion
     limit too: that was a traceback)."""
     try:
-        return json.loads((d / MARKER).read_text(encoding="utf-8"))
+        return json.loads(f.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
         return None
+
+
+def _read_marker(d: Path) -> Any:
+    """Folder `d`'s aiayn.json, or None where there is none to read."""
+    return _read_json(d / MARKER)
 
 
 def _not_ours(d: Path) -> str | None:
@@ -460,10 +465,7 @@ def _refuse_other_models(path: Path) -> None:
                              f"{source}; the export translates as it is (translate --engine ctranslate2)")
         raise AiaynError(f"--checkpoint {path} is an aiayn export to Hugging Face, not a checkpoint: export {source}; "
                          f"or import the export (aiayn import --from marian {path} --out DIR) and export that")
-    try:
-        cfg = json.loads((path / CONFIG).read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
-        return  # (load_checkpoint says what is wrong)
+    cfg = _read_json(path / CONFIG)  # (None: load_checkpoint says what is wrong)
     if isinstance(cfg, dict) and "model" not in cfg and cfg.get("model_type") == "marian":
         raise AiaynError(f"--checkpoint {path} is a Hugging Face Marian model, not an aiayn checkpoint; import it "
                          f"first (aiayn import --from marian {path} --out DIR) and export that")

@@ -205,14 +205,9 @@ def _read_all(f: BinaryIO, name: str) -> bytearray:
     check = LineLengthCheck()
     while True:
         try:
-            piece = f.read(_WINDOW)
-        except BlockingIOError:
-            piece = None
+            piece = _wait_read(f, _WINDOW)
         except OSError as e:
             raise read_error(name, e) from None
-        if piece is None:  # (non-blocking, nothing there yet)
-            select.select([f], [], [])
-            continue
         if not piece:
             return data
         data += piece
@@ -599,12 +594,21 @@ def say(text: str, kept: str = "", what: str = "") -> None:
     standard output closed."""
     if sys.stdout is None:
         return
-    try:
+    with stdout_errors(what, kept):
         print(text, flush=True)
+
+
+@contextlib.contextmanager
+def stdout_errors(what: str = "", kept: str = "") -> Iterator[None]:
+    """A write to standard output that fails for want of room (a full disk) as one line naming it
+    (and `what` was written, then `kept`), standard output silenced so that the interpreter's last
+    flush cannot fail again; a reader gone (BrokenPipeError) is the caller's."""
+    try:
+        yield
     except BrokenPipeError:
         raise
     except OSError as e:
-        silence_stdout()  # (the interpreter's last flush would fail again)
+        silence_stdout()
         raise AiaynError(f"standard output: cannot write{' ' + what if what else ''} ({e.strerror or e}){kept}") from None
 
 
