@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SRC = str(Path(__file__).resolve().parent.parent / "src")
 
 
@@ -206,3 +208,52 @@ def test_a_closing_line_to_a_reader_gone_or_a_full_disk_is_handled_by_every_comm
     assert done.returncode == 2 and done.stderr == (
         "aiayn plot: error: standard output: cannot write (No space left on device)\n")
     assert (tmp_path / "lr.png").is_file()
+
+
+def _raising(monkeypatch, command: str, make_error) -> None:
+    """`command`'s run raises what `make_error()` raises (its arguments parse as usual)."""
+    import importlib
+
+    from aiayn.cli import COMMANDS
+
+    def run(args):
+        make_error()
+
+    monkeypatch.setattr(importlib.import_module(COMMANDS[command][0]), "run", run)
+
+
+def test_running_out_of_memory_is_one_line_naming_the_flags_that_size_it(monkeypatch, capsys):
+    import torch
+
+    from aiayn.cli import main
+
+    _raising(monkeypatch, "translate", lambda: torch.empty(2**40, dtype=torch.uint8))  # torch's own allocator error
+    assert main(["translate", "--checkpoint", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("aiayn translate: error: out of memory (1024.0 GiB asked for); lower --max-tokens, --batch-size "
+                   "or --beam, or free memory\n")
+
+    def gpu():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity ...")
+
+    _raising(monkeypatch, "train", gpu)
+    assert main(["train"]) == 2
+    assert capsys.readouterr().err.startswith("aiayn train: error: out of memory (20.00 GiB asked for); lower --max-tokens")
+
+    def python():
+        raise MemoryError
+
+    _raising(monkeypatch, "plot", python)
+    assert main(["plot", "lr-schedule"]) == 2
+    assert capsys.readouterr().err == "aiayn plot: error: out of memory; free memory, or give it less at once\n"
+
+
+def test_another_runtime_error_is_not_called_out_of_memory(monkeypatch):
+    from aiayn.cli import main
+
+    def broken():
+        raise RuntimeError("shape mismatch")
+
+    _raising(monkeypatch, "translate", broken)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        main(["translate", "--checkpoint", "x"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
+import re
 import sys
 
 from aiayn import __version__
@@ -88,6 +89,35 @@ def main(argv: list[str] | None = None) -> int:
         where = f"{e.filename}: " if e.filename else ""
         print(f"aiayn {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
         return 2
+    except (MemoryError, RuntimeError) as e:  # torch's allocators raise RuntimeError (CUDA's a subclass of it)
+        line = out_of_memory(e, args.command)
+        if line is None:
+            raise
+        print(f"aiayn {args.command}: error: {line}", file=sys.stderr)
+        return 2
+
+
+# The flags that size a command's memory, for its out-of-memory line.
+MEMORY_FLAGS = {"translate": "--max-tokens, --batch-size or --beam", "evaluate": "--max-tokens, --batch-size or --beam",
+                "train": "--max-tokens (--update-freq keeps the step's tokens)", "serve": "--max-batch-tokens or --beam"}
+_ASKED = re.compile(r"(?:tried to allocate|Tried to allocate) ([0-9.]+) ?(bytes|[KMGT]iB)")
+
+
+def out_of_memory(e: BaseException, command: str) -> str | None:
+    """One line for running out of memory on the CPU (MemoryError, or torch's "DefaultCPUAllocator:
+    can't allocate memory" RuntimeError) or a GPU (torch.OutOfMemoryError): how much was asked for,
+    and the flags that size it; None for any other error. A user's extreme settings (a beam of
+    thousands over a large batch) got a traceback."""
+    text = str(e)
+    if not (isinstance(e, MemoryError) or "can't allocate memory" in text or "out of memory" in text.lower()):
+        return None
+    asked = _ASKED.search(text)
+    size = ""
+    if asked:
+        n, unit = asked.groups()
+        size = f" ({float(n) / 2**30:.1f} GiB asked for)" if unit == "bytes" else f" ({n} {unit} asked for)"
+    flags = MEMORY_FLAGS.get(command)
+    return f"out of memory{size}; " + (f"lower {flags}, or free memory" if flags else "free memory, or give it less at once")
 
 
 def _flush_stdout() -> None:
