@@ -513,7 +513,7 @@ def _check_average_output(out: Path, inputs: list[Path]) -> None:
     try:
         cfg = json.loads((out / CONFIG).read_text(encoding="utf-8"))
         earlier = isinstance(cfg, dict) and "averaged_from" in cfg
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError, TypeError, RecursionError):  # RecursionError: JSON nested too deep
         earlier = False
     if not out.is_dir() or not earlier:
         raise AiaynError(f"-o {out} exists and is not an earlier average; choose a new path (it would be replaced)")

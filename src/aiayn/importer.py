@@ -42,7 +42,7 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor
 
-from aiayn.checkpoint import CONFIG, WEIGHTS, save_checkpoint
+from aiayn.checkpoint import CONFIG, WEIGHTS, meta_model, save_checkpoint
 from aiayn.config import ConfigError, ModelConfig
 from aiayn.errors import AiaynError, require
 from aiayn.export import MARKER, feature_permutation, map_marian_layers
@@ -63,14 +63,20 @@ _UNSUPPORTED = {"normalize_before": True, "normalize_embedding": True, "add_fina
 # ------------------------------------------------------------------------------------ the config
 
 
+def _first_line(e: BaseException) -> str:
+    """An exception's first line for a message, or its type where it has none (an empty file's EOFError)."""
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else type(e).__name__
+
+
 def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise AiaynError(f"{path} is missing; a Marian directory holds config.json, the weights, source.spm, "
                          "target.spm and vocab.json") from None
-    except (OSError, ValueError) as e:
-        raise AiaynError(f"{path}: cannot read it as JSON ({str(e).splitlines()[0][:200]})") from None
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested too deep
+        raise AiaynError(f"{path}: cannot read it as JSON ({_first_line(e)})") from None
 
 
 _JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean"}
@@ -353,13 +359,12 @@ def read_weights(d: Path) -> dict[str, Tensor]:
         try:
             return load_file(str(d / "model.safetensors"))
         except (SafetensorError, OSError, ValueError) as e:
-            raise AiaynError(f"{d / 'model.safetensors'} is corrupt ({str(e).splitlines()[0][:200]})") from None
+            raise AiaynError(f"{d / 'model.safetensors'} is corrupt ({_first_line(e)})") from None
     if (d / "pytorch_model.bin").is_file():
         try:
             sd = torch.load(d / "pytorch_model.bin", map_location="cpu", weights_only=True)
         except Exception as e:  # unpickling fails in many types; none is trusted
-            raise AiaynError(f"{d / 'pytorch_model.bin'}: cannot load it as tensors only ({str(e).splitlines()[0][:200]})"
-                             ) from None
+            raise AiaynError(f"{d / 'pytorch_model.bin'}: cannot load it as tensors only ({_first_line(e)})") from None
         if isinstance(sd, dict) and all(isinstance(v, Tensor) for v in sd.values()):
             return sd
         raise AiaynError(f"{d / 'pytorch_model.bin'} does not hold a state dict of tensors")
@@ -557,6 +562,10 @@ def convert(d: Path, warn: Any = print) -> tuple[Transformer, TokenizerPair]:
     shared = share and src.order == tgt.order  # else Marian's one matrix is indexed by two vocabularies
     cfg = model_config({**hf, "share_encoder_decoder_embeddings": shared}, len(src.order), len(tgt.order),
                        bias is not None and bool(bias.float().abs().sum() > 0), _source_eos(d))
+    try:  # config.json's sizes against the weights first: a digit too many was a model of that size allocated
+        load_marian_weights(meta_model(cfg), sd, src, tgt, file, share)
+    except ConfigError as e:
+        raise AiaynError(f"config.json: cannot build its model ({e})") from None
     model = Transformer(cfg)
     load_marian_weights(model, sd, src, tgt, file, share)
     for f in ("source.spm", "target.spm"):
@@ -600,7 +609,7 @@ def _check_out(out: Path, source: Path | None) -> None:
         try:  # `aiayn average` of imports copies imported_from (and adds averaged_from): not an import's
             cfg = json.loads((out / CONFIG).read_text(encoding="utf-8"))
             earlier = isinstance(cfg, dict) and "imported_from" in cfg and set(cfg) <= IMPORT_CONFIG
-        except (OSError, ValueError, TypeError):
+        except (OSError, ValueError, TypeError, RecursionError):
             earlier = False
         if not earlier:
             raise AiaynError(f"--out {out} exists and is not an earlier import; choose a new directory")

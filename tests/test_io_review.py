@@ -1,0 +1,97 @@
+"""`aiayn import`, `aiayn average` and their --out/-o checks on damaged input: one line naming the
+file and what is wrong, never a traceback, and no model of a garbled config.json's size allocated.
+
+The Marian directories are copies of the kept fixture (tests/data/marian-tiny), each with one file
+damaged; nothing is downloaded."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import marian_models as mm
+from aiayn import checkpoint as ckpt
+from aiayn.cli import main
+from aiayn.config import preset
+from aiayn.model import Transformer
+from aiayn.tokenizer import Tokenizer, TokenizerPair
+
+DEEP = "[" * 100_000 + "]" * 100_000  # JSON nested past Python's recursion limit
+
+
+def _marian(tmp_path: Path) -> Path:
+    d = tmp_path / "marian"
+    shutil.copytree(mm.FIXTURE, d)
+    return d
+
+
+def _one_line_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("file", ["config.json", "vocab.json", "tokenizer_config.json"])
+def test_a_marian_json_file_nested_too_deep_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                        file: str) -> None:
+    """A RecursionError traceback, where any other unreadable JSON was one line naming the file."""
+    d = _marian(tmp_path)
+    (d / file).write_text(DEEP, encoding="utf-8")
+    err = _one_line_error(["import", "--from", "marian", str(d), "--out", str(tmp_path / "out")], capsys)
+    assert f"{file}: cannot read it as JSON" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_empty_pytorch_model_bin_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """torch.load of an empty file raises an EOFError without a message: taking its first line was an
+    IndexError traceback."""
+    d = _marian(tmp_path)
+    (d / "model.safetensors").unlink()
+    (d / "pytorch_model.bin").write_bytes(b"")
+    err = _one_line_error(["import", "--from", "marian", str(d), "--out", str(tmp_path / "out")], capsys)
+    assert "pytorch_model.bin: cannot load it as tensors only (EOFError)" in err, err
+
+
+def test_a_config_json_size_far_off_the_weights_is_refused_before_a_model_is_allocated(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The model was built at config.json's sizes before any was checked against the weights: a few
+    digits too many in encoder_ffn_dim allocated gigabytes (here past any machine's memory: a
+    RuntimeError traceback) only to refuse the shapes afterwards."""
+    d = _marian(tmp_path)
+    cfg = json.loads((d / "config.json").read_text(encoding="utf-8"))
+    cfg["encoder_ffn_dim"] = cfg["decoder_ffn_dim"] = 10**15
+    (d / "config.json").write_text(json.dumps(cfg), encoding="utf-8")
+    err = _one_line_error(["import", "--from", "marian", str(d), "--out", str(tmp_path / "out")], capsys)
+    assert "fc1.weight has shape (64, 32), config.json says (1000000000000000, 32)" in err, err
+
+
+def test_an_out_whose_config_json_is_nested_too_deep_is_refused_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--out's config.json is read to tell an earlier import: nested too deep, that was a traceback."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text(DEEP, encoding="utf-8")
+    err = _one_line_error(["import", "--from", "marian", str(mm.FIXTURE), "--out", str(out)], capsys)
+    assert "is not an earlier import" in err, err
+    assert (out / "config.json").read_text(encoding="utf-8") == DEEP
+
+
+def test_an_average_output_whose_config_json_is_nested_too_deep_is_refused_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """-o's config.json is read to tell an earlier average: nested too deep, that was a traceback."""
+    t = Tokenizer.train([f"the cat {w} sees a dog" for w in "red big small blue green".split()] * 20, 280)
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", src_vocab_size=t.vocab_size, tgt_vocab_size=t.vocab_size))
+    run = tmp_path / "run"
+    ckpt.save_checkpoint(run / "step_1", model, TokenizerPair(t, t, joint=True), {"train": {}, "step": 1})
+    out = tmp_path / "avg"
+    out.mkdir()
+    (out / "config.json").write_text(DEEP, encoding="utf-8")
+    err = _one_line_error(["average", "--checkpoint", str(run), "-n", "1", "-o", str(out)], capsys)
+    assert "is not an earlier average" in err, err
+    assert (out / "config.json").read_text(encoding="utf-8") == DEEP
