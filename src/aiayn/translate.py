@@ -334,13 +334,14 @@ def search_paragraphs(translator: BaseTranslator, lines: Sequence[str], language
 
 def split_coded(tokenizer: Tokenizer, text: str, language: str) -> Paragraph:
     """`sentences.split`, where a multilingual model's leading target-language token (">>fr<< ...",
-    `Tokenizer.language_code`) goes before each sentence and stays out of the layout put back."""
+    `Tokenizer.language_code`) goes before each sentence and stays out of the layout put back, as does
+    the one space after it (`--tgt-lang`'s): the line's own leading spaces stay, as without a token."""
     from aiayn.sentences import Paragraph, split  # (sentencex on first use only)
 
     code, rest = tokenizer.language_code(text)
     if not code:
         return split(text, language)
-    p = split(rest.lstrip(" "), language)
+    p = split(rest[1:] if rest.startswith(" ") else rest, language)
     return Paragraph(p.lead, tuple(f"{code} {s}" for s in p.sentences), p.gaps)
 
 
