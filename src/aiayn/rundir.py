@@ -1,11 +1,11 @@
 """The run directory of `aiayn train` (--out) and what a run resumes from.
 
-What a killed process left is put right (`tidy_out`); a new run needs an empty or new --out and --resume
-one with a checkpoint or only what a run leaves before its first, so that a run never deletes or
-rewrites what it did not write (`open_run_dir`). The newest readable checkpoint is loaded
-(`load_newest`), and the resume policy decides which settings a resumed run may take anew
-(`resumed_settings`, FREE_ON_RESUME). Kept apart from aiayn.train (which drives it) so that each reads
-in one sitting; it imports train_options, never train.
+One `train` at a time runs in --out (`RunLock`); what a killed process left is put right (`tidy_out`); a
+new run needs an empty or new --out and --resume one with a checkpoint or only what a run leaves before
+its first, so that a run never deletes or rewrites what it did not write (`open_run_dir`). The newest
+readable checkpoint is loaded (`load_newest`), and the resume policy decides which settings a resumed
+run may take anew (`resumed_settings`, FREE_ON_RESUME). Kept apart from aiayn.train (which drives it)
+so that each reads in one sitting; it imports train_options, never train.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import fcntl
 import itertools
 import json
 import os
@@ -52,6 +53,47 @@ def tidy_out(out: Path, resume: bool, d: Dist) -> None:
     if resume and d.main:
         with contextlib.suppress(OSError):
             ckpt.restore_replaced(out)
+
+
+class RunLock:
+    """One `aiayn train` at a time in --out (`takes`: rank 0's). A second one started while the first
+    trained (the resume command run twice, a job started again by its scheduler) trained beside it: their
+    metrics lines interleaved, and its clean-up of temporaries could remove the checkpoint the first was
+    writing. An flock on the folder itself: no file of its own in --out, and the kernel lets it go when
+    the process dies (`kill -9` leaves nothing to clear). Where the file system has no flock, unlocked."""
+
+    def __init__(self, out: Path, takes: bool) -> None:
+        self.out, self.takes = out, takes
+        self._fd: int | None = None
+
+    def take(self) -> None:
+        """Locks --out if it is a folder and not locked yet (a new --out: once it is made)."""
+        if not self.takes or self._fd is not None:
+            return
+        try:
+            fd = os.open(self.out, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:  # none yet, or not a folder (named where it is made)
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise AiaynError(f"--out {self.out}: another aiayn train is running there; let it finish or stop it "
+                             "(Ctrl-C saves it), then resume, or choose another --out") from None
+        except OSError:  # no flock here (some network file systems)
+            os.close(fd)
+            return
+        self._fd = fd
+
+    def __enter__(self) -> "RunLock":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._fd is not None:  # unlocked first: a process forked meanwhile holds the descriptor too
+            with contextlib.suppress(OSError):
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
 
 
 def open_run_dir(out: Path, resume: bool, d: Dist) -> list[tuple[int, Path]]:

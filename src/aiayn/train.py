@@ -43,11 +43,11 @@ from aiayn.data.batching import Batches, rank_batches
 from aiayn.errors import AiaynError
 from aiayn.files import atomic_write_bytes
 from aiayn.model import Transformer
-from aiayn.rundir import (Log, load_newest, open_run_dir, removed_if_left_empty, resume_command, resumed_settings,
-                          saved_device, tidy_out)
+from aiayn.rundir import (Log, RunLock, load_newest, open_run_dir, removed_if_left_empty, resume_command,
+                          resumed_settings, saved_device, tidy_out)
 # add_arguments: the flags of `aiayn train`, which aiayn.cli takes from this module beside `run`
-from aiayn.train_options import (DEFAULT_PRESET, MODEL_FROM_DATA, add_arguments, build_configs, check_corpus,
-                                 check_model_options, check_patience, given_options, new_model_config,
+from aiayn.train_options import (DEFAULT_PRESET, FINE_TUNE_FREE, MODEL_FROM_DATA, add_arguments, build_configs,
+                                 check_corpus, check_model_options, check_patience, given_options, new_model_config,
                                  with_update_freq)
 from aiayn.trainer import (Dist, Prefetch, Trainer, rng_state, set_rng_state, setup_distributed, torch_seed,
                            validate)
@@ -183,9 +183,6 @@ def _precision(tc: TrainConfig, loaded: ckpt.Checkpoint | None, d: Dist) -> str:
         # a run moved from CUDA to a CPU (--device may change) cannot go on in fp16: auto decides anew
         return st["precision"] if st["precision"] != "fp16" or d.device.type == "cuda" else "auto"
     return "bf16" if d.device.type == "cpu" and "data_sha256" not in st else "auto"
-
-
-FINE_TUNE_FREE = ("dropout", "attention_dropout", "activation_dropout")  # what --init-from may change
 
 
 def fine_tuned_config(init: ckpt.Checkpoint, model_over: dict[str, Any]) -> ModelConfig:
@@ -476,39 +473,42 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
     info = (lambda msg: log(msg)) if d.main else (lambda msg: None)
     for msg in notes:
         info(msg)
-    d.agree(lambda: tidy_out(Path(tc.out), resume, d))
-    with removed_if_left_empty(Path(tc.out), d.local == 0):  # a refusal found below leaves no empty --out
-        existing = d.agree(lambda: open_run_dir(Path(tc.out), resume, d))
-        # Rank 0 decides what the run resumes from and sends it to every rank: the machines may not share
-        # --out, and only rank 0 writes checkpoints (DDP then copies rank 0's weights at start-up anyway).
-        loaded = d.from_main(lambda: load_newest(existing, info) if resume and existing else None)
-        if loaded:
-            preset_name, tc = resumed_settings(loaded, preset_name, model_over, tc, given)
-            info(f"resuming from {loaded.path}")
-        elif resume:
-            info(f"nothing to resume in {tc.out}; starting a new run")
-            preset_name, model_over, tc, given = _main_settings(d, preset_name, model_over, tc, given)
-            preset_name, tc, init = _start(preset_name, model_over, tc, given, info)
-        if resume:
-            tc.check_cooldown()  # on the settings the run continues with (a fresh run was checked above)
-            check_patience(tc)
-        tc = with_update_freq(_absolute_data_paths(tc), d.world, given is not None and "update_freq" in given)
-        if tc.threads:
-            torch.set_num_threads(tc.threads)
-        run = _set_up(preset_name, model_over, tc, loaded, init, d, info)
-    if not loaded:
-        _warn_default_pair(tc, preset_name, given, info)
-    with Stopper() as stopper:
-        bar = _progress(_total_steps(run), run.trainer.step, d.main)
-        run.t0 = time.time()
-        run.window = (0, run.t0)
-        _stop_if_done(run)  # a resumed run that already met a limit takes no step
-        try:  # out of GPU memory: one line naming --max-tokens, below the closed progress bar
-            with memory.batch_fits(tc.max_tokens, d.device):
-                while not run.stop_reason:
-                    _train_epoch(run, stopper, bar)
-        finally:
-            bar.close()
+    with RunLock(Path(tc.out), d.main) as lock:  # one `train` at a time in --out
+        d.agree(lock.take)  # before tidy_out, which puts right what a dead process left there
+        d.agree(lambda: tidy_out(Path(tc.out), resume, d))
+        with removed_if_left_empty(Path(tc.out), d.local == 0):  # a refusal found below leaves no empty --out
+            existing = d.agree(lambda: open_run_dir(Path(tc.out), resume, d))
+            d.agree(lock.take)  # a new --out, made just now
+            # Rank 0 decides what the run resumes from and sends it to every rank: the machines may not share
+            # --out, and only rank 0 writes checkpoints (DDP then copies rank 0's weights at start-up anyway).
+            loaded = d.from_main(lambda: load_newest(existing, info) if resume and existing else None)
+            if loaded:
+                preset_name, tc = resumed_settings(loaded, preset_name, model_over, tc, given)
+                info(f"resuming from {loaded.path}")
+            elif resume:
+                info(f"nothing to resume in {tc.out}; starting a new run")
+                preset_name, model_over, tc, given = _main_settings(d, preset_name, model_over, tc, given)
+                preset_name, tc, init = _start(preset_name, model_over, tc, given, info)
+            if resume:
+                tc.check_cooldown()  # on the settings the run continues with (a fresh run was checked above)
+                check_patience(tc)
+            tc = with_update_freq(_absolute_data_paths(tc), d.world, given is not None and "update_freq" in given)
+            if tc.threads:
+                torch.set_num_threads(tc.threads)
+            run = _set_up(preset_name, model_over, tc, loaded, init, d, info)
+        if not loaded:
+            _warn_default_pair(tc, preset_name, given, info)
+        with Stopper() as stopper:
+            bar = _progress(_total_steps(run), run.trainer.step, d.main)
+            run.t0 = time.time()
+            run.window = (0, run.t0)
+            _stop_if_done(run)  # a resumed run that already met a limit takes no step
+            try:  # out of GPU memory: one line naming --max-tokens, below the closed progress bar
+                with memory.batch_fits(tc.max_tokens, d.device):
+                    while not run.stop_reason:
+                        _train_epoch(run, stopper, bar)
+            finally:
+                bar.close()
     interrupted = _left_to_resume(run)
     summary = {"step": run.trainer.step, "epoch": run.epoch, "best_bleu": run.best_bleu if run.best_bleu >= 0 else None,
                "stop": run.stop_reason, "checkpoint": str(run.last_saved) if run.last_saved else None,

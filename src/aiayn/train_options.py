@@ -230,10 +230,29 @@ def build_configs(args: argparse.Namespace) -> tuple[str, dict[str, Any], TrainC
     except ConfigError:
         _blame_config_file(args, train_over)
         raise
+    unflagged = {k: v for k, v in model_over.items() if not hasattr(args, k)}  # the file's, no flag over them
     if not (args.resume or tc.init_from):  # `train` checks again; here an error can name the --config file
-        unflagged = {k: v for k, v in model_over.items() if not hasattr(args, k)}  # the file's, no flag over them
         check_model_options(name, model_over, tc, (args.config, unflagged) if args.config else None)
+    elif tc.init_from and not args.resume and args.config:
+        _check_file_shape(args.config, tc.init_from, unflagged)
     return name, model_over, tc
+
+
+FINE_TUNE_FREE = ("dropout", "attention_dropout", "activation_dropout")  # the model options --init-from may change
+
+
+def _check_file_shape(config: str, init_from: str, unflagged: dict[str, Any]) -> None:
+    """A --config file's model options beside --init-from (a recipe for a model trained from scratch, say):
+    one that differs from the checkpoint's shape is named with the file; `train.fine_tuned_config` named it
+    as a flag to drop, which the command did not hold."""
+    try:
+        own = ModelConfig.from_dict(ckpt.read_config(ckpt.resolve_checkpoint(init_from))["model"])
+    except (AiaynError, KeyError, TypeError):
+        return  # `train` says what is wrong with the checkpoint
+    for k, v in sorted(unflagged.items()):
+        if k not in FINE_TUNE_FREE and v != getattr(own, k):
+            raise AiaynError(f"--config {config}: {k} = {v!r} differs from --init-from {init_from}'s {getattr(own, k)!r}: "
+                             f"a fine-tuned model keeps its shape; remove {k} from the file")
 
 
 def _blame_config_file(args: argparse.Namespace, train_over: dict[str, Any]) -> None:

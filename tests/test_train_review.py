@@ -1,0 +1,73 @@
+"""`aiayn train` as a user runs it, from a cold review: what two runs in one --out, and the --config
+file behind a fine-tuning's refusal, do."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from test_train import _cache, corpus, tiny_args  # noqa: F401 (fixtures: the tokenizer cache in tmp, a tiny corpus)
+
+from aiayn.cli import main as cli_main
+
+STARTUP_S = 300.0  # generous: CI machines are slow and shared; the wait ends once the event happens
+
+
+def test_a_second_train_in_a_running_runs_out_is_refused_and_leaves_the_first_alone(tmp_path, corpus, capsys):
+    """The resume command run while the run still trained (a second terminal, a job started again by its
+    scheduler) trained beside it: both wrote metrics.jsonl (steps interleaved and logged twice) and
+    step_<N>/, and its clean-up of temporaries could take the checkpoint the first was writing."""
+    out = tmp_path / "run"
+    argv = tiny_args(corpus, out, "--max-steps", "100000", "--save-every", "3", "--log-every", "1")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    with open(tmp_path / "log.txt", "w") as log:
+        first = subprocess.Popen([sys.executable, "-m", "aiayn", *argv], stdout=log, stderr=subprocess.STDOUT,
+                                 env=env)
+    try:
+        end = time.time() + STARTUP_S
+        while not list(out.glob("step_*")):
+            assert first.poll() is None and time.time() < end, (tmp_path / "log.txt").read_text()
+            time.sleep(0.05)
+        assert cli_main(["train", "--out", str(out), "--resume", "--max-steps", "1"]) == 2
+        err = capsys.readouterr().err
+        assert err == (f"aiayn train: error: --out {out}: another aiayn train is running there; let it finish or "
+                       "stop it (Ctrl-C saves it), then resume, or choose another --out\n")
+        assert first.poll() is None  # still training
+    finally:
+        first.send_signal(signal.SIGINT)
+        rc = first.wait(timeout=STARTUP_S)
+    assert rc == 130, (tmp_path / "log.txt").read_text()
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["kind"] == "train"]
+    assert steps == list(range(1, len(steps) + 1))  # one run's lines, each step once
+    # the first one gone, the same command goes on (the kernel let the lock go)
+    assert cli_main(["train", "--out", str(out), "--resume", "--max-steps", str(steps[-1] + 1)]) == 0
+
+
+def test_a_config_files_model_option_that_differs_from_init_from_is_named_with_the_file(tmp_path, corpus, capsys):
+    """A recipe for a model trained from scratch (configs/multi30k.toml's d_ff 1024, say) beside --init-from
+    was refused as "--d-ff 1024 differs ...; drop the option": a flag the command did not hold."""
+    base = tmp_path / "base"
+    assert cli_main(tiny_args(corpus, base, "--max-steps", "1")) == 0  # a tiny model: d_model 32, d_ff 64
+    capsys.readouterr()
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text("[model]\nd_ff = 1024\ndropout = 0.3\n", encoding="utf-8")
+    out = tmp_path / "tuned"
+    args = ["train", "--config", str(recipe), "--init-from", str(base), "--train-src", corpus["train_src"],
+            "--train-tgt", corpus["train_tgt"], "--max-steps", "1", "--precision", "fp32", "--out", str(out)]
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err
+    assert err == (f"aiayn train: error: --config {recipe}: d_ff = 1024 differs from --init-from {base}'s 64: a "
+                   "fine-tuned model keeps its shape; remove d_ff from the file\n")
+    assert not out.exists()
+    # a flag over the file's value is the command's own, and named as one
+    assert cli_main(args + ["--d-ff", "128"]) == 2
+    assert "error: --d-ff 128 differs from --init-from" in capsys.readouterr().err
+    # the file's dropout is free, as a flag's is
+    assert cli_main(args + ["--d-ff", "64"]) == 0
+    assert json.loads((out / "train.json").read_text())["model"]["dropout"] == 0.3
