@@ -71,3 +71,51 @@ def test_a_config_files_model_option_that_differs_from_init_from_is_named_with_t
     # the file's dropout is free, as a flag's is
     assert cli_main(args + ["--d-ff", "64"]) == 0
     assert json.loads((out / "train.json").read_text())["model"]["dropout"] == 0.3
+
+
+def _start(tmp_path, corpus, out, **popen):
+    """A real `aiayn train` in its own process, once it has saved its first checkpoint."""
+    argv = tiny_args(corpus, out, "--max-steps", "100000", "--save-every", "3", "--log-every", "1")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    with open(tmp_path / "log.txt", "w") as log:
+        run = subprocess.Popen([sys.executable, "-m", "aiayn", *argv], stdout=log, stderr=subprocess.STDOUT, env=env,
+                               **popen)
+    end = time.time() + STARTUP_S
+    while not list(out.glob("step_*")):
+        assert run.poll() is None and time.time() < end, (tmp_path / "log.txt").read_text()
+        time.sleep(0.05)
+    return run
+
+
+def _train_steps(out) -> list[int]:
+    return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
+            if json.loads(line)["kind"] == "train"]
+
+
+def test_a_closed_terminal_saves_the_run_as_ctrl_c_does(tmp_path, corpus):
+    """SIGHUP (the terminal a run was started from closed) ended the process at once, losing up to
+    --save-every steps; translate and export already took it as Ctrl-C."""
+    out = tmp_path / "run"
+    run = _start(tmp_path, corpus, out)
+    run.send_signal(signal.SIGHUP)
+    assert run.wait(timeout=STARTUP_S) == 128 + signal.SIGHUP, (tmp_path / "log.txt").read_text()
+    last = _train_steps(out)[-1]
+    assert (out / f"step_{last}").is_dir()  # saved where it stopped
+    assert "--resume" in (tmp_path / "log.txt").read_text()
+
+
+def test_a_signal_ignored_at_start_stays_ignored(tmp_path, corpus):
+    """A run started with Ctrl-C ignored (a script's background job) took it over anyway and stopped."""
+    out = tmp_path / "run"
+    run = _start(tmp_path, corpus, out, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        run.send_signal(signal.SIGINT)
+        seen = len(_train_steps(out))
+        end = time.time() + STARTUP_S
+        while len(_train_steps(out)) < seen + 3:  # it trains on
+            assert run.poll() is None and time.time() < end, (tmp_path / "log.txt").read_text()
+            time.sleep(0.05)
+    finally:
+        run.send_signal(signal.SIGTERM)
+        rc = run.wait(timeout=STARTUP_S)
+    assert rc == 128 + signal.SIGTERM, (tmp_path / "log.txt").read_text()

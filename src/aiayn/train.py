@@ -45,6 +45,7 @@ from aiayn.files import atomic_write_bytes
 from aiayn.model import Transformer
 from aiayn.rundir import (Log, RunLock, load_newest, open_run_dir, removed_if_left_empty, resume_command,
                           resumed_settings, saved_device, tidy_out)
+from aiayn.stops import STOPS
 # add_arguments: the flags of `aiayn train`, which aiayn.cli takes from this module beside `run`
 from aiayn.train_options import (DEFAULT_PRESET, FINE_TUNE_FREE, MODEL_FROM_DATA, add_arguments, build_configs,
                                  check_corpus, check_model_options, check_patience, given_options, new_model_config,
@@ -318,16 +319,19 @@ def _total_steps(run: Run) -> int | None:
 
 
 class Stopper:
-    """SIGINT/SIGTERM set a flag; the loop finishes its step, saves and exits. A second signal kills."""
+    """Ctrl-C, SIGTERM and SIGHUP (a closed terminal, which killed the run unsaved) set a flag; the loop
+    finishes its step, saves and exits. A second signal kills. A signal the process was started with
+    ignored (a script's background job, `nohup`) stays ignored, as `aiayn.stops` leaves it."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
         self._old: dict[int, Any] = {}
 
     def __enter__(self) -> "Stopper":
-        for s in (signal.SIGINT, signal.SIGTERM):
+        for s in STOPS:
             try:
-                self._old[s] = signal.signal(s, self._handle)
+                if signal.getsignal(s) != signal.SIG_IGN:
+                    self._old[s] = signal.signal(s, self._handle)
             except ValueError:  # not the main thread
                 pass
         return self
