@@ -95,3 +95,42 @@ def test_an_average_output_whose_config_json_is_nested_too_deep_is_refused_in_on
     err = _one_line_error(["average", "--checkpoint", str(run), "-n", "1", "-o", str(out)], capsys)
     assert "is not an earlier average" in err, err
     assert (out / "config.json").read_text(encoding="utf-8") == DEEP
+
+
+def _run_dir(tmp_path: Path) -> Path:
+    """A training run's folder as `aiayn train` leaves it: train.json and a step checkpoint."""
+    t = Tokenizer.train([f"the cat {w} sees a dog" for w in "red big small blue green".split()] * 20, 280)
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", src_vocab_size=t.vocab_size, tgt_vocab_size=t.vocab_size))
+    run = tmp_path / "run"
+    for step in (1, 2):
+        ckpt.save_checkpoint(run / f"step_{step}", model, TokenizerPair(t, t, joint=True), {"train": {}, "step": step})
+    (run / "train.json").write_text("{}", encoding="utf-8")
+    return run
+
+
+def test_an_average_or_import_named_as_a_runs_checkpoint_is_refused(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """`average -o RUN/best` and `import --out RUN/best` (or RUN/step_N) were written: translate --checkpoint
+    RUN then read them as the run's best, and the run's next best replaced them whole. Export refused it."""
+    run = _run_dir(tmp_path)
+    err = _one_line_error(["average", "--checkpoint", str(run), "-n", "1", "-o", str(run / "best")], capsys)
+    assert err == (f"aiayn average: error: -o {run / 'best'}: {run} is a training run, where best names a checkpoint "
+                   "of the run (translate and train --resume would read this one as the run's); choose another name")
+    err = _one_line_error(["average", "--checkpoint", str(run), "-n", "1", "-o", str(run / "step_1" / "avg")], capsys)  # (step_2 averaged)
+    assert "is inside" in err and "a checkpoint of the training run" in err, err
+    for name in ("best", "step_7"):
+        err = _one_line_error(["import", "--from", "marian", str(mm.FIXTURE), "--out", str(run / name)], capsys)
+        assert err.startswith(f"aiayn import: error: --out {run / name}: {run} is a training run, where {name} names"), err
+        assert not (run / name).exists()
+    assert main(["average", "--checkpoint", str(run), "-n", "1", "-o", str(run / "averaged")]) == 0  # the README's
+
+
+def test_an_empty_import_name_is_refused_not_the_current_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """`aiayn import --from marian "$MODEL"` with MODEL unset imported the current folder."""
+    monkeypatch.chdir(mm.FIXTURE)
+    err = _one_line_error(["import", "--from", "marian", "", "--out", str(tmp_path / "out")], capsys)
+    assert err == ("aiayn import: error: DIR_OR_NAME '': an empty name (an unset shell variable?); name the Marian "
+                   "model and the folder to write")
+    assert not (tmp_path / "out").exists()

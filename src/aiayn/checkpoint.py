@@ -348,6 +348,36 @@ def step_checkpoints(run_dir: str | Path, moved_aside: bool = False) -> list[tup
     return sorted(found)
 
 
+_RUN_CHECKPOINT = re.compile(r"best|step_(0|[1-9]\d*)")  # the names `aiayn train` gives a run's checkpoints
+
+
+def refuse_run_checkpoint(out: Path, flag: str) -> None:
+    """A folder that `flag` names (an export's, an average's, an import's) may neither lie inside a
+    training run's checkpoint, which the run replaces (best/) or prunes (step_<N>/) whole, deleting it,
+    nor take such a name in a run's folder, where `translate --checkpoint RUN` and `train --resume`
+    read it as the run's own checkpoint (and the run's next best replaces it)."""
+    out = Path(os.path.abspath(out))
+    for d in (out, *out.parents):
+        if _RUN_CHECKPOINT.fullmatch(d.name) and is_run_dir(d.parent):
+            if d == out:
+                raise AiaynError(f"{flag} {out}: {d.parent} is a training run, where {d.name} names a checkpoint of the "
+                                 "run (translate and train --resume would read this one as the run's); choose another name")
+            raise AiaynError(f"{flag} {out} is inside {d}, a checkpoint of the training run {d.parent}, which the run "
+                             "replaces or prunes whole (and this with it); choose a path outside it")
+
+
+def is_run_dir(d: Path) -> bool:
+    """Whether `d` is a training run's folder: its train.json, or a step checkpoint with trainer state
+    (an export or an average has neither). A folder that may be entered but not listed (mode 0711) has
+    its train.json looked at only: the listing's PermissionError refused an export under `d/best/`."""
+    if (d / "train.json").is_file():
+        return True
+    try:
+        return any((p / TRAINER_STATE).is_file() for _, p in step_checkpoints(d))
+    except OSError:
+        return False
+
+
 def language_pair(cfg: dict[str, Any]) -> tuple[str, str] | None:
     """The (source, target) languages a checkpoint's config records (train.src, train.tgt), if it
     names both."""
@@ -507,6 +537,7 @@ def _check_average_output(out: Path, inputs: list[Path]) -> None:
             raise AiaynError(f"-o {out} is inside {p}, one of the checkpoints being averaged; choose a path outside it")
     if _STEP_RE.match(out.name):  # a run would take the average for a checkpoint of its own, resume from it, prune it
         raise AiaynError(f"-o {out}: step_<N> is how aiayn train names its checkpoints; choose another name")
+    refuse_run_checkpoint(out, "-o")  # (best/ of a run, which its next best replaces; inside a run's checkpoint)
     refuse_symlink_output(out, "-o")
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return

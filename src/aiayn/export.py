@@ -45,7 +45,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from aiayn.checkpoint import CONFIG, EXPORT_MARKER
+from aiayn.checkpoint import CONFIG, EXPORT_MARKER, refuse_run_checkpoint
 from aiayn.data.lock import parse_work_name, stale, work_name
 from aiayn import stops
 from aiayn.errors import AiaynError, require
@@ -474,7 +474,7 @@ def _refuse_other_models(path: Path) -> None:
 def check_out(out: str | Path, source: str | Path | None = None) -> Path:
     """OUT as an absolute path, refused (one line) if replacing it would lose anything: a file, a
     folder holding anything but an earlier export's own files, or the checkpoint being exported (or
-    a folder holding it); or if a training run would (`_refuse_run_checkpoint`); or if it cannot be
+    a folder holding it); or if a training run would (`checkpoint.refuse_run_checkpoint`); or if it cannot be
     written (`files.check_output_path`: a file on the way, a folder that may not be written in)."""
     if not str(out):  # (Path("") is the current folder)
         raise AiaynError("OUT '': an empty name (an unset shell variable?); name the folder to write the export to")
@@ -484,7 +484,7 @@ def check_out(out: str | Path, source: str | Path | None = None) -> Path:
             there = Path(os.path.abspath(inside))
             if out == there or out in there.parents:
                 raise AiaynError(f"OUT {out} is (or holds) {what}; choose a new OUT")
-    _refuse_run_checkpoint(out)
+    refuse_run_checkpoint(out, "OUT")
     refuse_symlink_output(out, "OUT")  # (refused by `_replace_dir` too, but only after the whole export was written)
     check_output_path(out, "OUT", folder=True)  # (a file on the way was found once the model was converted)
     if out.exists():
@@ -493,36 +493,6 @@ def check_out(out: str | Path, source: str | Path | None = None) -> Path:
             raise AiaynError(f"OUT {out} exists and {why}; choose a new OUT (replacing it would delete that)")
         _check_aside(out)
     return out
-
-
-_RUN_CHECKPOINT = re.compile(r"best|step_(0|[1-9]\d*)")  # the names `aiayn train` gives a run's checkpoints
-
-
-def _refuse_run_checkpoint(out: Path) -> None:
-    """OUT may neither lie inside a training run's checkpoint, which the run replaces (best/) or prunes
-    (step_<N>/) whole, deleting the export with it, nor take such a name in a run's folder, where
-    `translate --checkpoint RUN` and `train --resume` read it as the run's checkpoint and fail."""
-    for d in (out, *out.parents):
-        if _RUN_CHECKPOINT.fullmatch(d.name) and _is_run_dir(d.parent):
-            if d == out:
-                raise AiaynError(f"OUT {out}: {d.parent} is a training run, where {d.name} names a checkpoint of the "
-                                 "run (translate and train --resume would read the export as one); choose another name")
-            raise AiaynError(f"OUT {out} is inside {d}, a checkpoint of the training run {d.parent}, which the run "
-                             "replaces or prunes whole (the export with it); choose a path outside it")
-
-
-def _is_run_dir(d: Path) -> bool:
-    """Whether `d` is a training run's folder: its train.json, or a step checkpoint with trainer state
-    (an export has neither). A folder that may be entered but not listed (mode 0711) has its train.json
-    looked at only: the listing's PermissionError refused an export under `d/best/`."""
-    from aiayn.checkpoint import TRAINER_STATE, step_checkpoints
-
-    if (d / "train.json").is_file():
-        return True
-    try:
-        return any((p / TRAINER_STATE).is_file() for _, p in step_checkpoints(d))
-    except OSError:
-        return False
 
 
 def _aside(out: Path) -> Path:

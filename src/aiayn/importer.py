@@ -42,7 +42,7 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor
 
-from aiayn.checkpoint import CONFIG, WEIGHTS, meta_model, save_checkpoint
+from aiayn.checkpoint import CONFIG, WEIGHTS, meta_model, refuse_run_checkpoint, save_checkpoint
 from aiayn.config import ConfigError, ModelConfig
 from aiayn.errors import AiaynError, require
 from aiayn.export import MARKER, feature_permutation, map_marian_layers
@@ -502,6 +502,10 @@ def import_marian(source: str | Path, out: str | Path, warn: Any = print, src: s
     """Writes the aiayn checkpoint of a Marian directory (or hub name) to `out`; returns `out`.
     The language pair (for `aiayn serve`) is `src`/`tgt`, else tokenizer_config.json's, else the
     name's (opus-mt-SRC-TGT)."""
+    for flag, given in (("DIR_OR_NAME", source), ("--out", out)):
+        if not str(given):  # (Path("") is the current folder)
+            raise AiaynError(f"{flag} '': an empty name (an unset shell variable?); name the Marian model and the "
+                             "folder to write")
     out, local = Path(out), local_source(source)
     _check_out(out, local)
     with tempfile.TemporaryDirectory() as tmp:
@@ -602,6 +606,7 @@ def _check_out(out: Path, source: Path | None) -> None:
     if real == here or real in here.parents:
         raise AiaynError(f"--out {out} is (or holds) the current directory; run the import from another "
                          "directory, or choose a new --out")
+    refuse_run_checkpoint(out, "--out")
     refuse_symlink_output(out, "--out")
     if out.exists() and not out.is_dir():
         raise AiaynError(f"--out {out} is a file; choose a new directory")
