@@ -134,3 +134,14 @@ def test_an_empty_import_name_is_refused_not_the_current_folder(tmp_path: Path, 
     assert err == ("aiayn import: error: DIR_OR_NAME '': an empty name (an unset shell variable?); name the Marian "
                    "model and the folder to write")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv", [["translate", "--checkpoint", "{m}"], ["train", "--init-from", "{m}", "--out", "{o}"]])
+def test_a_hugging_face_marian_folder_given_as_a_checkpoint_says_to_import_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    """It said "config.json has no "model" section; it is not an aiayn checkpoint config" (export alone named it)."""
+    args = [a.format(m=mm.FIXTURE, o=tmp_path / "out") for a in argv]
+    err = _one_line_error(args, capsys)
+    assert (f"error: {mm.FIXTURE} is a Hugging Face Marian model, not an aiayn checkpoint; import it first: aiayn "
+            f"import --from marian {mm.FIXTURE} --out DIR, then give DIR") in err, err
+    assert not (tmp_path / "out").exists()

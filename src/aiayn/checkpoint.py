@@ -208,6 +208,9 @@ def read_config(path: Path) -> dict[str, Any]:
     except OSError as e:
         raise AiaynError(f"{file}: cannot read ({e.strerror or e})") from e
     if not isinstance(cfg, dict) or not isinstance(cfg.get("model"), dict):
+        if isinstance(cfg, dict) and cfg.get("model_type") == "marian":  # (translate, train --init-from, serve ...)
+            raise AiaynError(f"{path} is a Hugging Face Marian model, not an aiayn checkpoint; import it first: "
+                             f"aiayn import --from marian {path} --out DIR, then give DIR")
         raise AiaynError(f"{file} has no \"model\" section; it is not an aiayn checkpoint config")
     for section in ("tokenizer", "train"):  # read as objects by translate, train --init-from and export
         if not isinstance(cfg.get(section) or {}, dict):
