@@ -130,3 +130,15 @@ def test_a_length_limit_that_is_no_number_is_refused(a, b):
 
     with pytest.raises(AiaynError, match="maximum length a\\*len\\+b needs finite a >= 0 and b >= 0"):
         greedy_search(tiny(), torch.tensor([[5, 6]]), BOS, 3, max_len_a=a, max_len_b=b)
+
+
+@pytest.mark.parametrize("kw", [{"beam": 2.5}, {"beam": True}, {"nbest": 1.5}, {"min_len": math.nan}, {"beam": "4"}])
+def test_a_count_that_is_no_whole_number_is_refused(kw):
+    """`Translator.translate(..., beam=2.5)` (the Python API; the CLI's flags are ints) was taken as 2 by the
+    check and met a reshape or topk later."""
+    from aiayn.errors import AiaynError
+    from aiayn.search import beam_search
+
+    flag = "--" + next(iter(kw)).replace("_", "-")
+    with pytest.raises(AiaynError, match=f"{flag} must be a whole number, got "):
+        beam_search(tiny(), torch.tensor([[5, 6]]), BOS, 3, **kw)

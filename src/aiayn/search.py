@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -116,6 +116,8 @@ def _check(beam: int, nbest: int, alpha: float, max_len_a: float, max_len_b: flo
            stop: str = DEFAULT_STOP_RULE) -> None:
     if stop not in STOP_RULES:
         raise AiaynError(f"--stop-rule must be one of {', '.join(STOP_RULES)}, got {stop!r}")
+    for flag, n in (("--beam", beam), ("--nbest", nbest), ("--min-len", min_len)):
+        _whole(flag, n)
     if int(beam) < 1:
         raise AiaynError(f"--beam must be at least 1, got {beam}")
     if not 1 <= int(nbest) <= int(beam):
@@ -127,6 +129,16 @@ def _check(beam: int, nbest: int, alpha: float, max_len_a: float, max_len_b: flo
         raise AiaynError(f"maximum length a*len+b needs finite a >= 0 and b >= 0, got a={max_len_a}, b={max_len_b}")
     if min_len < 0:
         raise AiaynError(f"minimum length must be >= 0, got {min_len}")
+
+
+def _whole(flag: str, n: Any) -> None:
+    """A count given to the Python API as 2.5 (the CLI's flags are ints) met a reshape or topk later."""
+    try:
+        whole = not isinstance(n, bool) and n == int(n)
+    except (TypeError, ValueError, OverflowError):  # a string, nan, inf
+        whole = False
+    if not whole:
+        raise AiaynError(f"{flag} must be a whole number, got {n!r}")
 
 
 LENGTH_CAP = 2 ** 62  # longer than any search runs; past it a limit is no limit
