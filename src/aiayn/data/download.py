@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     folder = data.download_folder(Path(root).expanduser()) if root else data.multi30k_cache_dir()
     for split in args.splits:
         for lang in (args.src, args.tgt):
-            path = data.download_multi30k(split, lang, folder)
+            path = data.download_multi30k(split, lang, folder, replace=not root)  # a user's folder: never replaced
             print(f"{path}  ok (sha256 checked)", file=sys.stderr)
     print(folder)
     return 0

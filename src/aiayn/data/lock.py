@@ -28,6 +28,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Callable
 
+from aiayn.errors import AiaynError
+
 BEAT = 30.0  # seconds between the holder's touches of its files
 # Seconds without a touch after which a lock or temporary counts as abandoned: 6 missed beats, and
 # 3x the 60 s for which NFS clients may cache a file's times. (It was 10 minutes: a job restarted on
@@ -94,6 +96,9 @@ class FolderLock:
             try:
                 self.path.mkdir(parents=True)
             except FileExistsError:
+                if self.path.exists() and not self.path.is_dir():  # (gone meanwhile: the next mkdir takes it)
+                    raise AiaynError(f"{self.path} is a file where aiayn keeps a lock (a folder), so not aiayn's; "
+                                     "move it away, then run it again") from None
                 if self.abandoned():
                     self._break()
                     continue

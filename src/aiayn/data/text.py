@@ -34,7 +34,7 @@ from torch import Tensor
 
 from aiayn.data.lock import BEAT, parse_work_name, stale, work_name
 from aiayn.errors import AiaynError
-from aiayn.files import default_cache_dir, file_sha256, read_lines
+from aiayn.files import default_cache_dir, file_sha256, read_lines, umask
 from aiayn.kernels import LossPacking
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
@@ -182,17 +182,19 @@ def multi30k_cache_dir() -> Path:
     return default_cache_dir() / "multi30k"
 
 
-def download_multi30k(split: str, lang: str, folder: str | Path, timeout: float = 60.0) -> Path:
-    """`folder/<split>.<lang>.gz`, downloaded unless already there with the right sha256."""
+def download_multi30k(split: str, lang: str, folder: str | Path, timeout: float = 60.0, replace: bool = True) -> Path:
+    """`folder/<split>.<lang>.gz`, downloaded unless already there with the right sha256 (a file of
+    other bytes there is replaced only where `replace`: the cache's, not a user's folder's)."""
     check_split(split)
     if lang not in LANGS:
         raise AiaynError(f"unknown Multi30k language {lang!r}; choose one of {', '.join(LANGS)}")
     name = f"{split}.{lang}.gz"
     url = f"{os.environ.get(URL_ENV) or MULTI30K_URL}".rstrip("/") + f"/{name}"
-    return download_file(url, Path(folder) / name, MULTI30K_SHA256[name], URL_ENV, timeout)
+    return download_file(url, Path(folder) / name, MULTI30K_SHA256[name], URL_ENV, timeout, replace)
 
 
-def download_file(url: str, target: Path, want: str, mirror_env: str, timeout: float = 60.0) -> Path:
+def download_file(url: str, target: Path, want: str, mirror_env: str, timeout: float = 60.0,
+                  replace: bool = True) -> Path:
     """`target`, downloaded from `url` unless already there with sha256 `want`.
 
     The file is written to a partial name, checked, and only then renamed into place, so an
@@ -200,11 +202,19 @@ def download_file(url: str, target: Path, want: str, mirror_env: str, timeout: f
     received is kept (WMT14's archives are ~1.7 GB, over links that drop): the next try goes on from
     it with an HTTP Range request, or starts over where the server ignores Range or the file's
     sha256 then fails. `mirror_env` is the variable that points the download elsewhere (named in
-    the messages).
+    the messages). A `target` of other bytes is replaced (a damaged earlier download in aiayn's own
+    folder), or without `replace` refused: in a user's data folder it may be their own corpus.
     """
     folder, name = target.parent, target.name
-    if target.is_file() and file_sha256(target) == want:
+    have = file_sha256(target) if target.is_file() else None
+    if have == want:
         return target
+    if have is not None and not replace:
+        raise AiaynError(f"{target} is there, but its sha256 {have[:16]}... is not the published file's {want[:16]}...; "
+                         "it may be a file of yours, so it is kept: move it away, then run the download again")
+    if os.path.lexists(target) and not target.is_file():  # found only after the whole download (1.7 GB for WMT14)
+        what = "a folder" if target.is_dir() else "not a file"
+        raise AiaynError(f"{target} is {what}, where the download goes; move it away, or choose another --data-dir")
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -227,6 +237,7 @@ def download_file(url: str, target: Path, want: str, mirror_env: str, timeout: f
             f"{url}: sha256 {got[:16]}... does not match the expected {want[:16]}...; "
             f"the download was removed, try again later or set ${mirror_env} to another mirror"
         )
+    os.chmod(part, 0o666 & ~umask())  # made 0600 (`_claim_part`): the mode a plain open() gives, as other outputs
     os.replace(part, target)
     return target
 

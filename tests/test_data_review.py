@@ -1,0 +1,61 @@
+"""Found by a cold review of the data path: downloads, prepare, the prepared reader."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from aiayn import cli
+from aiayn.data import text as data
+from aiayn.data.lock import FolderLock
+from aiayn.errors import AiaynError
+from aiayn.files import umask
+
+from test_download import _Server, served  # noqa: F401 - the local HTTP server fixture
+
+
+def test_a_downloaded_file_gets_the_mode_a_plain_open_gives(served: _Server, tmp_path: Path) -> None:
+    """The part was made 0600 and renamed into place so: in a data folder shared by several users or
+    machines (docs/wmt14.md), the others could not read the corpus."""
+    path = data.download_multi30k("val", "de", tmp_path / "d")
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask()
+
+
+def test_a_folder_where_the_download_goes_is_one_line_before_any_transfer(served: _Server, tmp_path: Path) -> None:
+    """It was found only at the final rename, after the whole transfer (1.7 GB for WMT14), as an OSError
+    naming the hidden part file, which it left behind."""
+    folder = tmp_path / "d"
+    (folder / "val.de.gz").mkdir(parents=True)
+    with pytest.raises(AiaynError, match=r"val\.de\.gz is a folder, where the download goes; move it away"):
+        data.download_multi30k("val", "de", folder)
+    assert served.requests == []
+    assert os.listdir(folder) == ["val.de.gz"]  # no part left
+
+
+def test_download_into_a_users_folder_keeps_a_file_of_theirs_of_that_name(
+        served: _Server, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A corpus of the user's own named val.de.gz in --data-dir (`download_folder` even picks that
+    folder for it) was replaced by Multi30k's without a word; the user cache's damaged copies are
+    still fetched again (test_download)."""
+    mine = tmp_path / "corpus"
+    mine.mkdir()
+    (mine / "val.de.gz").write_bytes(b"my own sentences\n")
+    assert cli.main(["download", "--splits", "val", "--data-dir", str(mine)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{mine / 'val.de.gz'} is there, but its sha256" in err, err
+    assert "it may be a file of yours, so it is kept: move it away" in err
+    assert (mine / "val.de.gz").read_bytes() == b"my own sentences\n"
+    assert served.requests == [] and sorted(os.listdir(mine)) == ["val.de.gz"]
+
+
+def test_a_file_where_the_lock_goes_is_one_line_and_kept(tmp_path: Path) -> None:
+    """A file of the user's at the lock's path (`.NAME.lock` beside --out) was waited on as a lock
+    held by "None:None" for 3 minutes, then renamed `..NAME.lock.broken-*` as an abandoned one."""
+    mine = tmp_path / ".data.lock"
+    mine.write_text("my notes\n")
+    with pytest.raises(AiaynError, match=r"\.data\.lock is a file where aiayn keeps a lock .*move it away"):
+        with FolderLock(mine, poll=0.01, max_age=0.0):
+            pass
+    assert sorted(os.listdir(tmp_path)) == [".data.lock"] and mine.read_text() == "my notes\n"
