@@ -59,3 +59,21 @@ def test_a_file_where_the_lock_goes_is_one_line_and_kept(tmp_path: Path) -> None
         with FolderLock(mine, poll=0.01, max_age=0.0):
             pass
     assert sorted(os.listdir(tmp_path)) == [".data.lock"] and mine.read_text() == "my notes\n"
+
+
+def test_a_users_wmt14_text_in_an_unfinished_folder_is_kept(tmp_path, monkeypatch):
+    """`download --data wmt14 --data-dir DIR` where DIR/wmt14 held the user's own train.en (no wmt14.json)
+    moved the unpacked text over it; now it is named before anything is fetched, and kept. Files a killed
+    unpack of ours was moving into place (its marker there) are still replaced."""
+    from aiayn.data import wmt14
+
+    folder = tmp_path / "wmt14"
+    folder.mkdir()
+    (folder / "train.en").write_text("my own cleaned text\n", encoding="utf-8")
+    monkeypatch.setattr(wmt14, "download_file", lambda *a, **k: pytest.fail("fetched"))
+    with pytest.raises(AiaynError, match=r"train.en is there, but .*wmt14.json is not: not a finished aiayn download"):
+        wmt14.download_wmt14(folder)
+    assert (folder / "train.en").read_text(encoding="utf-8") == "my own cleaned text\n"
+    (folder / wmt14.MOVING).write_bytes(b"")  # a killed unpack of ours: on to the download
+    with pytest.raises(pytest.fail.Exception, match="fetched"):
+        wmt14.download_wmt14(folder)

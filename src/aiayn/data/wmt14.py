@@ -83,20 +83,42 @@ def download_wmt14(folder: Path, timeout: float = 120.0) -> Path:
     with FolderLock(folder.parent / f".{folder.name}.lock", lambda m: print(m, file=sys.stderr)) as lock:
         if _unpacked(folder):  # another machine finished while this one waited
             return folder
+        _refuse_others(folder)
         base = os.environ.get(URL_ENV)
         archives = folder / "archives"
         for name, (url, sha) in ARCHIVES.items():
             download_file(f"{base.rstrip('/')}/{name}" if base else url, archives / name, sha, URL_ENV, timeout)
         counts = unpack(archives, folder, lock.marks)
         atomic_write_bytes(folder / DONE, (json.dumps(counts, indent=2, sort_keys=True) + "\n").encode())
+        (folder / MOVING).unlink(missing_ok=True)
     return folder
+
+
+MOVING = ".unpack-moving"  # written before `unpack` moves its text into place, removed once DONE is
+
+
+def _texts() -> list[str]:
+    """The text files `unpack` writes."""
+    texts = [f"train.{x}" for x in LANGS] + [f"newstest2013.{x}" for x in LANGS]
+    return texts + [f"newstest2014.{s}-{t}.{x}" for s, t in (("en", "de"), ("de", "en")) for x in LANGS]
 
 
 def _unpacked(folder: Path) -> bool:
     """`wmt14.json` (written last) and every text file `unpack` writes are there."""
-    texts = [f"train.{x}" for x in LANGS] + [f"newstest2013.{x}" for x in LANGS]
-    texts += [f"newstest2014.{s}-{t}.{x}" for s, t in (("en", "de"), ("de", "en")) for x in LANGS]
-    return all((folder / name).is_file() for name in [DONE, *texts])
+    return all((folder / name).is_file() for name in [DONE, *_texts()])
+
+
+def _refuse_others(folder: Path) -> None:
+    """A text file of `unpack`'s names in an unfinished folder (no DONE) is a user's own (their copy of
+    WMT14, cleaned, say), which the unpack's moves replaced; unless MOVING says that a killed unpack of
+    ours was moving its own files there. Refused before the download (1.7 GB)."""
+    if (folder / MOVING).exists():
+        return
+    theirs = next((folder / n for n in _texts() if os.path.lexists(folder / n)), None)
+    if theirs is not None:
+        raise AiaynError(f"{theirs} is there, but {folder / DONE} is not: not a finished aiayn download, so it may be a "
+                         "file of yours, which the unpack would replace; move it away (or use your files: --train-src "
+                         "and --train-tgt), then run the download again")
 
 
 def unpack(archives: Path, folder: Path, marks: list[Path] | None = None) -> dict[str, int]:
@@ -133,6 +155,7 @@ def unpack(archives: Path, folder: Path, marks: list[Path] | None = None) -> dic
                 text = "".join(s + "\n" for s in _sgm_segments(sgm))
                 (work / f"newstest2014.{src}-{tgt}.{lang}").write_text(text, encoding="utf-8")
                 sgm.unlink()
+        atomic_write_bytes(folder / MOVING, b"")  # from here, the text files in `folder` are ours (`_refuse_others`)
         for p in sorted(work.iterdir()):
             os.replace(p, folder / p.name)
     finally:
