@@ -226,8 +226,13 @@ def _field(loc: Sequence[Any]) -> str:
     return name or "body"
 
 
-def _invalid(errors: Sequence[Any]) -> JSONResponse:
+def _invalid(errors: Sequence[Any], as_json: bool = True) -> JSONResponse:
+    """The first error of a body that does not fit its model; `as_json`: whether the body was sent as
+    JSON (else FastAPI did not parse it, and every such body is "not an object": say what to send)."""
     first = errors[0]
+    if not as_json and tuple(first.get("loc", ())) == ("body",):  # `curl -d` sends a form's Content-Type
+        return _error(422, "body: not sent as JSON; send a JSON object with the header Content-Type: "
+                           "application/json", field="body")
     if first.get("type") == "json_invalid":  # loc is ("body", character position)
         where = first.get("loc", ())[-1]
         return _error(422, f"body: not valid JSON ({first.get('ctx', {}).get('error', 'decode error')} at "
@@ -329,13 +334,17 @@ class Server:
         """A 503's Retry-After while warming up; none once warm-up failed (a retry would not help)."""
         return {} if self.failure else {"Retry-After": "1"}
 
-    def source_ids(self, lines: Sequence[str], translator: Any = None) -> list[list[int]]:
-        """Source ids per line; 413 for a line over --max-chars or the model's length."""
-        translator = translator or self.translator
-        out = []
+    def check_chars(self, lines: Sequence[str]) -> None:
+        """413 for a line over --max-chars (the client's line: before a target token is added)."""
         for i, line in enumerate(lines):
             if len(line) > self.limits.max_chars:
                 raise ApiError(413, f"line {i}: {len(line)} characters, more than --max-chars {self.limits.max_chars}")
+
+    def source_ids(self, lines: Sequence[str], translator: Any = None) -> list[list[int]]:
+        """Source ids per line; 413 for a line over the model's length."""
+        translator = translator or self.translator
+        out = []
+        for i, line in enumerate(lines):
             try:
                 out.append(translator.encode([line])[0])
             except LineTooLong:
@@ -367,6 +376,7 @@ class Server:
     async def _translate(self, request: Request, lines: list[str], key: Key) -> tuple[list[list[int]], list[Any]]:
         model = self.model(key.pair)
         translator = model.translator
+        self.check_chars(lines)  # as the client sent them: a line of --max-chars passes with the token added
         if model.token:  # a multilingual model's target: its token leads each line without one
             lines = with_target_token(lines, model.token, translator.tokenizers.src)
         gone = asyncio.ensure_future(_disconnected(request))  # watched from the start, tokenization included
@@ -448,7 +458,7 @@ def _handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
-        return _invalid(e.errors())
+        return _invalid(e.errors(), libre.is_json(request))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:

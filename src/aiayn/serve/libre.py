@@ -80,7 +80,7 @@ def _bad(message: str, status: int = 400) -> ApiError:
 async def fields(request: Request) -> dict[str, Any]:
     """The request's fields: the JSON object if the body is JSON, else the query string and form."""
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if _is_json(request):
+    if is_json(request):
         try:
             data = json.loads(await request.body())
         except (ValueError, RecursionError):  # RecursionError: nested too deeply for the parser
@@ -256,7 +256,7 @@ def routes(app: FastAPI, srv: Served) -> None:
         "alternatives" (when asked)}`, each a list when `q` is one."""
         f = await fields(request)
         srv.check_key(f.get("api_key"), request)
-        q = _texts(f, _is_json(request))
+        q = _texts(f, is_json(request))
         source, target = _text(f.get("source"), "source"), _text(f.get("target"), "target")
         if not source:
             raise _bad("Invalid request: missing source parameter")
@@ -348,7 +348,8 @@ def _within_limits(texts: list[str], limits: Limits) -> None:
             raise _bad(f"Invalid request: request ({len(t)}) exceeds text limit ({limits.max_chars})")
 
 
-def _is_json(request: Request) -> bool:
+def is_json(request: Request) -> bool:
+    """Whether the body is sent as JSON (its Content-Type), as Flask's `is_json` and FastAPI read it."""
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
 
