@@ -111,10 +111,10 @@ class MultiHeadAttention(nn.Module):
         B, T, _ = x.shape
         return x.view(B, T, n, self.n_heads, self.d_head).permute(2, 0, 3, 1, 4).unbind(0)
 
-    def project_kv(self, memory: Tensor, packed: Packed | None = None) -> tuple[Tensor, Tensor]:
-        """Cross-attention keys/values from the encoder output; computed once per sentence."""
-        kv = self.kv_proj(memory)  # (B, S, 2d), or (N_src, 2d) when packed
-        # (B, H, S, d_head) each; packed: zeros at the padding, contiguous
+    def project_kv(self, memory: Tensor, packed: Packed | None = None, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Cross-attention keys/values, once per sentence; zeros at the padding (`packed`, or `keep` (B, S) False) as cached."""
+        kv = self.kv_proj(memory)  # (B, S, 2d), or (N_src, 2d) when packed; then (B, H, S, d_head) each
+        kv = kv.masked_fill(~keep[:, :, None], 0.0) if packed is None and keep is not None and keep.dim() == 2 else kv
         k, v = self._heads(kv, 2) if packed is None else packed.heads(kv, 2, self.n_heads, by_sentence=True)
         return k, v
 
@@ -143,7 +143,7 @@ class MultiHeadAttention(nn.Module):
                 q, k, v = cache.cross(q)
             else:
                 assert memory is not None, "cross-attention needs the encoder output or a cache"
-                k, v = self.project_kv(memory, mem_packed)
+                k, v = self.project_kv(memory, mem_packed, key_keep)
         else:
             q, k, v = self._heads(self.qkv_proj(x), 3)
             if cache is not None:
