@@ -8,14 +8,17 @@ AIAYN  := $(VENV)/bin/aiayn
 ifneq ($(wildcard ../shared/data/multi30k),)
 export AIAYN_DATA ?= $(abspath ../shared/data)
 endif
-# The CPU build of PyTorch; an unpinned torch pulls gigabytes of CUDA packages.
+# PyTorch pinned; an unpinned torch pulls gigabytes of CUDA packages. Where pip's own index serves the
+# CUDA build for this pin too (PyPI's Linux wheel), `make TORCH_INDEX=https://download.pytorch.org/whl/cpu`
+# takes PyTorch's CPU build from its own index. Left empty: CI's machines hold the CPU wheel locally.
 TORCH  ?= torch==2.13.0
+TORCH_INDEX ?=
 
 .PHONY: install install-test demo multi30k test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) $(TORCH)
+	$(PIP) $(TORCH) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PIP) -e .
 	touch $@
 
@@ -28,6 +31,11 @@ $(VENV)/.installed-hf4: $(VENV)/.installed tests/hf4-requirements.txt
 
 $(VENV)/.installed-test: $(VENV)/.installed $(VENV)/.installed-hf4
 	$(PIP) -e '.[test,export,serve]'
+	touch $@
+
+# bench/decode.py compares with transformers' generate and CTranslate2: the export extras.
+$(VENV)/.installed-bench: $(VENV)/.installed
+	$(PIP) -e '.[export,bench]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -51,8 +59,8 @@ demo: install
 	$(AIAYN) translate --checkpoint runs/demo --beam 4 < runs/demo/demo.de > runs/demo/demo.en
 	@echo; $(PY) -c '$(DEMO_SHOW)' runs/demo/demo.de runs/demo/demo.en runs/demo/metrics.jsonl
 	@echo; echo "Next:"
-	@echo "  $(AIAYN) plot attention --checkpoint runs/demo --src 'Zwei Hunde spielen im Schnee.' -o runs/demo/attention.png"
-	@echo "  $(AIAYN) plot curves --checkpoint runs/demo -o runs/demo/curves.png"
+	@echo "  $(AIAYN) plot attention --checkpoint runs/demo --src 'Zwei Hunde spielen im Schnee.' -o runs/demo-attention.png"
+	@echo "  $(AIAYN) plot curves --checkpoint runs/demo -o runs/demo-curves.png"
 	@echo "  $(PY) -m pip install -e '.[serve]' && $(AIAYN) serve --checkpoint runs/demo   # then open http://127.0.0.1:8000/"
 	@echo "  make multi30k   # the full recipe: an hour per direction (de->en, then en->de), scored on test_2016_flickr"
 
@@ -66,7 +74,7 @@ test: install-test
 	$(PY) -m mypy
 	$(PY) -m pytest -q
 
-bench: install
+bench: $(VENV)/.installed-bench
 	$(PY) bench/train_step.py
 	$(PY) bench/decode.py
 

@@ -476,10 +476,12 @@ def _series(records: list[dict[str, Any]], kind: str, key: str) -> tuple[np.ndar
     return np.array(steps, dtype=np.int64), np.array([by_step[s] for s in steps], dtype=np.float64)
 
 
-def curves_figure(records: list[dict[str, Any]], title: str | None = None) -> tuple[Figure, dict[str, np.ndarray]]:
+def curves_figure(records: list[dict[str, Any]], title: str | None = None,
+                  source: str = "the metrics file") -> tuple[Figure, dict[str, np.ndarray]]:
     """Training and validation loss, validation BLEU (and chrF), and the learning rate against
     step. Returns the figure and the series drawn ("train_loss", "valid_loss", "valid_nll", "bleu",
-    "chrf", "lr"), each a (steps, values) pair stacked as a (2, n) array."""
+    "chrf", "lr"), each a (steps, values) pair stacked as a (2, n) array. `source` names the records'
+    file in the error for none to draw."""
     series = {
         "train_loss": _series(records, "train", "loss"),
         "valid_loss": _series(records, "valid", "loss"),
@@ -489,7 +491,9 @@ def curves_figure(records: list[dict[str, Any]], title: str | None = None) -> tu
         "lr": _series(records, "train", "lr"),
     }
     if not any(len(s) for s, _ in series.values()):
-        raise AiaynError("the metrics file has no train or valid records with numbers to plot")
+        # (a run writes its first train line after --log-every steps: a plot made early meets this)
+        raise AiaynError(f"{source} has no train or valid records with numbers to plot yet; a run writes a train "
+                         "line every --log-every steps and a valid line at each validation")
 
     fig = Figure(figsize=(15, 4.6), layout="constrained")
     ax_loss, ax_bleu, ax_lr = fig.subplots(1, 3)
@@ -712,7 +716,8 @@ def run(args: argparse.Namespace) -> int:
         fig, _ = attention_figure(maps, kinds, args.layers, title)
     elif args.picture == "curves":
         path = find_metrics(args.checkpoint)
-        fig, _ = curves_figure(read_metrics(path), title=f"Training run {path.parent.resolve().name} ({path.name})")
+        fig, _ = curves_figure(read_metrics(path), title=f"Training run {path.parent.resolve().name} ({path.name})",
+                               source=str(path))
     else:
         d_models, warmups, factor = _schedule_flags(args)
         ramp = (0, 0)
