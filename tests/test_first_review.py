@@ -72,3 +72,17 @@ def test_make_demo_suggests_plots_outside_the_folder_it_removes(tmp_path):
     outputs = [Path(m) for line in lines for m in re.findall(r" -o (\S+)", line)]
     assert removed and outputs, lines
     assert not [o for o in outputs for r in removed if r == o or r in o.parents], (removed, outputs)
+
+
+def test_a_png_too_many_pixels_in_all_is_refused_before_drawing(tmp_path, monkeypatch):
+    # the limit was a side only (32768): an attention map of a base model's 48 heads and a long
+    # sentence, under it on each side, took ~4-9 GB to draw
+    from aiayn import plot
+    from aiayn.errors import AiaynError
+
+    fig, _ = plot.positional_encoding_figure(64, 10)  # 13 x 5 inches
+    monkeypatch.setattr(plot, "MAX_AREA", 600_000)  # (1300 x 500 = 650,000 pixels at 100 dpi)
+    with pytest.raises(AiaynError, match=r"1300 x 500 pixels, 1 million, more than 1 million; lower --dpi, draw less"):
+        plot.save_figure(fig, tmp_path / "pe.png", dpi=100)
+    assert not (tmp_path / "pe.png").exists()
+    plot.save_figure(fig, tmp_path / "pe.svg", dpi=100)  # a vector picture has no pixels to hold

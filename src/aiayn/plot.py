@@ -58,6 +58,7 @@ def image_format(path: str | os.PathLike) -> str:
 
 MAX_DPI = 1200
 MAX_PIXELS = 32768  # a side of a PNG; matplotlib's own limit is 65536, and memory runs out before it
+MAX_AREA = 2 ** 27  # pixels of a PNG in all (134 M; drawing takes ~9 bytes a pixel: a side's limit alone let ~9 GB through)
 MAX_ATTENTION_TOKENS = 200  # a side of an attention map; longer ones are unreadable at any size
 
 
@@ -109,6 +110,10 @@ def save_figure(fig: Figure, path: str | os.PathLike, dpi: int = DEFAULT_DPI) ->
     if fmt == "png" and max(w, h) > MAX_PIXELS:
         raise AiaynError(f"the picture would be {w} x {h} pixels, more than {MAX_PIXELS} a side; lower --dpi "
                          "(or draw less)")
+    if fmt == "png" and w * h > MAX_AREA:  # (an attention map of many layers, heads and tokens)
+        raise AiaynError(f"the picture would be {w} x {h} pixels, {w * h / 1e6:.0f} million, more than "
+                         f"{MAX_AREA / 1e6:.0f} million; lower --dpi, draw less (attention: --layers, --kind), "
+                         "or write .svg or .pdf")
     buf = io.BytesIO()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
