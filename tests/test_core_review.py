@@ -221,3 +221,22 @@ def test_batched_beam_search_is_each_sentences_reference_search():
                                          kw["max_len_a"], kw["max_len_b"], kw["min_len"], stop)
                 assert [t for t, _ in hyps] == [t for t, _ in want], (trial, i)
                 assert [s for _, s in hyps] == pytest.approx([s for _, s in want], abs=1e-4), (trial, i)
+
+
+def test_a_gpu_this_machine_lacks_is_one_line(monkeypatch):
+    """`train --device cuda:3` on a machine of one GPU (a run resumed on a smaller machine; more torchrun
+    processes than GPUs) got torch's traceback at the first tensor; translate already said it in one line."""
+    from aiayn import trainer
+    from aiayn.errors import AiaynError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(AiaynError, match=r"--device cuda:3: this machine has 1 CUDA device\(s\), numbered from 0"):
+        trainer.setup_distributed("cuda:3")
+    assert trainer.setup_distributed("cuda:0").device == torch.device("cuda", 0)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(AiaynError, match=r"LOCAL_RANK 1 \(torchrun --nproc-per-node\): this machine has 1"):
+        trainer.setup_distributed("cuda")
