@@ -182,6 +182,7 @@ def test_a_device_that_is_not_cuda_n_is_refused_by_the_config(monkeypatch):
         with pytest.raises(ConfigError, match=r"--device must be auto, cpu or cuda\[:N\]"):
             TrainConfig(device=device)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 13)  # (a GPU past the count is refused: test_core_review)
     for device in ("cuda", "cuda:0", "cuda:12"):
         assert setup_distributed(TrainConfig(device=device).device).device == torch.device(device)
 
