@@ -479,6 +479,9 @@ class CT2Translator(BaseTranslator):
         """Per input line, up to `nbest` (translation, score) pairs, as `Translator.search`."""
         s = Settings(**settings)
         s.check()
+        if s.stop_rule not in (None, "best"):  # refused, as `--engine ctranslate2 --stop-rule first` is: not ignored
+            raise AiaynError(f"stop_rule {s.stop_rule!r}: CTranslate2's beam search stops as 'best' does; leave it "
+                             "out, or use the torch engine (Translator)")
         lines = source_lines(lines)
         ids = encode_sources(self.tokenizers, lines, self.max_src_tokens, self.note, first_line, self.source_eos)
         hyps = self.translate_ids(ids, s.beam, s.alpha, s.nbest, s.max_len_a, s.max_len_b, s.min_len, s.max_tokens)

@@ -1,0 +1,41 @@
+"""From a cold review of `aiayn export` and the CTranslate2 engine: what the engine cannot do is
+refused through the Python API too, as the command refuses it, not ignored."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from aiayn.checkpoint import save_checkpoint
+from aiayn.config import preset
+from aiayn.errors import AiaynError
+from aiayn.model import Transformer
+from aiayn.tokenizer import Tokenizer, TokenizerPair
+
+import lexicon
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory) -> Path:
+    """A CTranslate2 export of an untrained tiny checkpoint."""
+    pytest.importorskip("ctranslate2")
+    from aiayn.export import export_ctranslate2
+
+    root = tmp_path_factory.mktemp("export-review")
+    tok = Tokenizer.train([f"{w} {v}" for w in lexicon.SRC for v in lexicon.TGT], 300)
+    model = Transformer(preset("tiny", src_vocab_size=tok.vocab_size, tgt_vocab_size=tok.vocab_size))
+    save_checkpoint(root / "ckpt", model, TokenizerPair(tok, tok, joint=True), {"train": {}, "step": 1})
+    return export_ctranslate2(root / "ckpt", root / "ct2")
+
+
+def test_the_ctranslate2_translator_refuses_a_stop_rule_it_cannot_keep(export):
+    """stop_rule="first" was taken and ignored: CTranslate2 searched on as "best" does, without a
+    word (the command's --engine ctranslate2 --stop-rule first is refused)."""
+    from aiayn.translator import CT2Translator
+
+    t = CT2Translator(export, threads=1)
+    with pytest.raises(AiaynError, match="stop_rule 'first'.*torch engine"):
+        t.translate(["a dog runs"], beam=4, stop_rule="first", max_len_b=3)
+    assert len(t.translate(["a dog runs"], beam=4, stop_rule="best", max_len_b=3)) == 1
+    assert len(t.translate(["a dog runs"], beam=4, max_len_b=3)) == 1
