@@ -39,3 +39,19 @@ def test_the_ctranslate2_translator_refuses_a_stop_rule_it_cannot_keep(export):
         t.translate(["a dog runs"], beam=4, stop_rule="first", max_len_b=3)
     assert len(t.translate(["a dog runs"], beam=4, stop_rule="best", max_len_b=3)) == 1
     assert len(t.translate(["a dog runs"], beam=4, max_len_b=3)) == 1
+
+
+def test_a_ctranslate2_export_given_as_a_checkpoint_says_what_to_give(tmp_path, capsys):
+    """`aiayn serve --checkpoint export/ct2` (or train --init-from it) said 'config.json has no "model"
+    section; it is not an aiayn checkpoint config'; export alone named it."""
+    from aiayn.cli import main
+
+    ct2 = tmp_path / "ct2"
+    ct2.mkdir()
+    (ct2 / "model.bin").write_bytes(b"\0")
+    (ct2 / "config.json").write_text('{"add_source_bos": false}')
+    (ct2 / "aiayn.json").write_text('{"aiayn_checkpoint": "runs/x/best"}')
+    assert main(["train", "--init-from", str(ct2), "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == (f"aiayn train: error: {ct2} is an aiayn export to CTranslate2, not a "
+                                       "checkpoint: give the checkpoint it was made from (translate and evaluate run "
+                                       "the export with --engine ctranslate2)\n")

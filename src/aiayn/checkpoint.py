@@ -211,6 +211,9 @@ def read_config(path: Path) -> dict[str, Any]:
         if isinstance(cfg, dict) and cfg.get("model_type") == "marian":  # (translate, train --init-from, serve ...)
             raise AiaynError(f"{path} is a Hugging Face Marian model, not an aiayn checkpoint; import it first: "
                              f"aiayn import --from marian {path} --out DIR, then give DIR")
+        if (path / "model.bin").is_file() and (path / EXPORT_MARKER).is_file():  # (serve, train --init-from ...)
+            raise AiaynError(f"{path} is an aiayn export to CTranslate2, not a checkpoint: give the checkpoint it was "
+                             "made from (translate and evaluate run the export with --engine ctranslate2)")
         raise AiaynError(f"{file} has no \"model\" section; it is not an aiayn checkpoint config")
     for section in ("tokenizer", "train"):  # read as objects by translate, train --init-from and export
         if not isinstance(cfg.get(section) or {}, dict):
