@@ -240,3 +240,24 @@ def test_a_gpu_this_machine_lacks_is_one_line(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     with pytest.raises(AiaynError, match=r"LOCAL_RANK 1 \(torchrun --nproc-per-node\): this machine has 1"):
         trainer.setup_distributed("cuda")
+
+
+def test_positions_grown_by_two_threads_at_once_serve_each(monkeypatch):
+    """Two search threads growing the positional table at once: one's larger table, then the other's
+    smaller one, landed before the first read it back, and the first got too few positions (a shape
+    error). The interleaving is made here by the module's own attribute write."""
+    from torch import nn
+
+    from aiayn.model import PositionalEncoding, sinusoidal_table
+
+    pe = PositionalEncoding(8, 4)
+    real = nn.Module.__setattr__
+
+    def other_thread_lands_too(self, name, value):
+        real(self, name, value)
+        if name == "table" and value.size(0) == 300:  # the other thread's smaller table, assigned right after
+            real(self, name, sinusoidal_table(200, 8))
+
+    monkeypatch.setattr(PositionalEncoding, "__setattr__", other_thread_lands_too)
+    out = pe(torch.zeros(1, 300, 8))
+    assert torch.equal(out[0], sinusoidal_table(300, 8))

@@ -58,10 +58,10 @@ class PositionalEncoding(nn.Module):
 
     def forward(self, x: Tensor, offset: int = 0) -> Tensor:
         """Shape: x (B, T, d_model) -> (B, T, d_model); positions start at `offset`."""
-        end = offset + x.size(1)
-        if end > self.table.size(0):
-            self.table: Tensor = sinusoidal_table(max(end, 2 * self.table.size(0)), self.d_model).to(self.table.device)
-        return x + self.table[offset:end].to(x.dtype)
+        end, table = offset + x.size(1), self.table  # read once: another search thread may grow it meanwhile
+        if end > table.size(0):
+            self.table: Tensor = (table := sinusoidal_table(max(end, 2 * table.size(0)), self.d_model).to(table.device))
+        return x + table[offset:end].to(x.dtype)
 
 
 class Embedding(nn.Module):
