@@ -77,3 +77,21 @@ def test_a_users_wmt14_text_in_an_unfinished_folder_is_kept(tmp_path, monkeypatc
     (folder / wmt14.MOVING).write_bytes(b"")  # a killed unpack of ours: on to the download
     with pytest.raises(pytest.fail.Exception, match="fetched"):
         wmt14.download_wmt14(folder)
+
+
+@pytest.mark.parametrize("argv", [
+    ["download", "--data-dir", ""],
+    ["download", "--data", "wmt14", "--src", "en", "--tgt", "de", "--data-dir", ""],
+    ["prepare", "--data", "multi30k", "--data-dir", "", "--out", "OUT"],
+    ["evaluate", "--checkpoint", "CKPT", "--data", "multi30k", "--src", "de", "--tgt", "en", "--data-dir", ""],
+])
+def test_an_empty_data_dir_is_refused_as_train_refuses_it(argv, tmp_path, capsys, monkeypatch):
+    """`--data-dir "$DIR"` with DIR unset: train refused it, but prepare and evaluate read the current
+    folder and download fetched into the cache or $AIAYN_DATA, each without a word."""
+    monkeypatch.chdir(tmp_path)
+    args = [str(tmp_path / "out") if a == "OUT" else str(tmp_path / "ckpt") if a == "CKPT" else a for a in argv]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.endswith("error: --data-dir is an empty name (an unset shell variable?); give a path or leave it out, "
+                        "got ''\n"), err
+    assert list(tmp_path.iterdir()) == []

@@ -28,6 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    data.check_data_dir(args.data_dir)
     if args.data == "wmt14":
         wmt14.check_pair(args.src, args.tgt)
         folder = wmt14.wmt14_folder(args.data_dir)

@@ -150,6 +150,13 @@ def _find(folder: Path, split: str, lang: str) -> Path | None:
     return None
 
 
+def check_data_dir(data_dir: str | Path | None) -> None:
+    """--data-dir "" (an unset shell variable) is refused, as train refuses it: `prepare` and `evaluate`
+    read the current folder for it and `download` the cache or $AIAYN_DATA, each without a word."""
+    if data_dir is not None and not str(data_dir):
+        raise AiaynError("--data-dir is an empty name (an unset shell variable?); give a path or leave it out, got ''")
+
+
 def multi30k_paths(split: str, src: str, tgt: str, data_dir: str | Path | None = None) -> tuple[Path, Path]:
     """The (source, target) files of a Multi30k split.
 
@@ -158,6 +165,7 @@ def multi30k_paths(split: str, src: str, tgt: str, data_dir: str | Path | None =
     """
     check_split(split)
     check_pair(src, tgt)
+    check_data_dir(data_dir)
     if data_dir is not None or os.environ.get(DATA_ENV):
         origin = "--data-dir" if data_dir is not None else f"${DATA_ENV}"
         root = Path(data_dir if data_dir is not None else os.environ[DATA_ENV]).expanduser()

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Iterator
 
 from aiayn.data.lock import FolderLock, parse_work_name, stale, work_name
-from aiayn.data.text import DATA_ENV, download_file
+from aiayn.data.text import DATA_ENV, check_data_dir, download_file
 from aiayn.errors import AiaynError
 from aiayn.files import atomic_write_bytes, default_cache_dir
 
@@ -57,6 +57,7 @@ TEST = ("dev.tgz", "dev/newstest2014-deen-{role}.{lang}.sgm")  # role: src (Engl
 
 def wmt14_folder(data_dir: str | Path | None = None) -> Path:
     """Where the unpacked files live: DATA_DIR/wmt14, else $AIAYN_DATA/wmt14, else the user cache."""
+    check_data_dir(data_dir)
     root = data_dir if data_dir is not None else os.environ.get(DATA_ENV)
     return Path(root).expanduser() / "wmt14" if root else default_cache_dir() / "wmt14"
 
