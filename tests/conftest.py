@@ -9,11 +9,11 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/reference.py
 
 # Tests send Ctrl-C and SIGHUP to the commands they start, as a terminal would. A test run started in
 # the background (a script's `&`, `nohup`) has them ignored, and its children would inherit that (and
-# keep it: aiayn leaves a signal ignored at start ignored, as a background job wants): here they get
-# the defaults of a run started from a terminal.
-for _sig, _handler in ((signal.SIGINT, signal.default_int_handler), (signal.SIGHUP, signal.SIG_DFL)):
+# keep it: aiayn leaves a signal ignored at start ignored, as a background job wants). A handler set
+# here is reset to the default in a child (exec), while this run still ignores them (nohup holds).
+for _sig in (signal.SIGINT, signal.SIGHUP):
     if signal.getsignal(_sig) == signal.SIG_IGN:
-        signal.signal(_sig, _handler)
+        signal.signal(_sig, lambda signum, frame: None)
 
 
 @pytest.fixture(autouse=True)

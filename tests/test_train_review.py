@@ -88,8 +88,14 @@ def _start(tmp_path, corpus, out, **popen):
 
 
 def _train_steps(out) -> list[int]:
-    return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
-            if json.loads(line)["kind"] == "train"]
+    """The train lines' steps so far (a last line still being written is left out)."""
+    records = []
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            break
+    return [r["step"] for r in records if r["kind"] == "train"]
 
 
 def test_a_closed_terminal_saves_the_run_as_ctrl_c_does(tmp_path, corpus):
@@ -119,3 +125,69 @@ def test_a_signal_ignored_at_start_stays_ignored(tmp_path, corpus):
         run.send_signal(signal.SIGTERM)
         rc = run.wait(timeout=STARTUP_S)
     assert rc == 128 + signal.SIGTERM, (tmp_path / "log.txt").read_text()
+
+
+def test_a_run_refused_by_the_lock_leaves_the_other_runs_new_out(tmp_path):
+    """Two new runs into one --out at once: B saw no --out yet (a folder it would make), A made it and took
+    the lock, B found it empty, was refused by the lock, and removed A's folder on its way out."""
+    import pytest
+
+    from aiayn.errors import AiaynError
+    from aiayn.rundir import RunLock, open_run_dir, removed_if_left_empty
+    from aiayn.trainer import Dist
+
+    out, d = tmp_path / "run", Dist()
+    with pytest.raises(AiaynError, match="another aiayn train is running there"):
+        with removed_if_left_empty(out, True):  # B: --out is not there yet
+            with RunLock(out, True) as a:  # A makes it and takes it meanwhile
+                open_run_dir(out, False, d)
+                a.take()
+                open_run_dir(out, False, d)  # B finds it new and empty ...
+                RunLock(out, True).take()  # ... and is refused
+    assert out.is_dir()  # A's folder stays
+
+
+def test_a_run_whose_terminal_closes_saves_and_exits_as_stopped(tmp_path, corpus):
+    """The run's own terminal closed (SIGHUP and the terminal gone at once, as the kernel does it): the
+    run saved, but its closing line met "Input/output error" and it exited 1 (2 with stderr elsewhere)."""
+    import fcntl
+    import pty
+    import select
+    import termios
+    import threading
+
+    master, slave = pty.openpty()
+    out = tmp_path / "run"
+    argv = tiny_args(corpus, out, "--max-steps", "100000", "--save-every", "3", "--log-every", "1")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+
+    def own_terminal():  # the pty becomes the run's controlling terminal (it leads a new session)
+        fcntl.ioctl(1, termios.TIOCSCTTY, 0)
+
+    run = subprocess.Popen([sys.executable, "-m", "aiayn", *argv], stdin=slave, stdout=slave, stderr=slave, env=env,
+                           start_new_session=True, preexec_fn=own_terminal)
+    os.close(slave)
+    stop, seen = threading.Event(), bytearray()
+
+    def drain():  # a terminal shows what it is sent
+        while not stop.is_set():
+            if select.select([master], [], [], 0.05)[0]:
+                try:
+                    seen.extend(os.read(master, 65536))
+                except OSError:
+                    return
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    try:
+        end = time.time() + STARTUP_S
+        while not list(out.glob("step_*")):
+            assert run.poll() is None and time.time() < end, seen.decode(errors="replace")
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        reader.join()
+        os.close(master)  # the terminal closes: the kernel hangs it up and sends SIGHUP
+    assert run.wait(timeout=STARTUP_S) == 128 + signal.SIGHUP, seen.decode(errors="replace")
+    last = _train_steps(out)[-1]
+    assert (out / f"step_{last}").is_dir()  # saved where it stopped

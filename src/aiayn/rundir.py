@@ -55,6 +55,10 @@ def tidy_out(out: Path, resume: bool, d: Dist) -> None:
             ckpt.restore_replaced(out)
 
 
+class RunBusy(AiaynError):
+    """Another `train` holds --out (`RunLock`): what this one found there is that one's, never removed."""
+
+
 class RunLock:
     """One `aiayn train` at a time in --out (`takes`: rank 0's). A second one started while the first
     trained (the resume command run twice, a job started again by its scheduler) trained beside it: their
@@ -78,8 +82,8 @@ class RunLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise AiaynError(f"--out {self.out}: another aiayn train is running there; let it finish or stop it "
-                             "(Ctrl-C saves it), then resume, or choose another --out") from None
+            raise RunBusy(f"--out {self.out}: another aiayn train is running there; let it finish or stop it "
+                          "(Ctrl-C saves it), then resume, or choose another --out") from None
         except OSError:  # no flock here (some network file systems)
             os.close(fd)
             return
@@ -346,6 +350,8 @@ def removed_if_left_empty(out: Path, makes: bool) -> Iterator[None]:
     made = list(itertools.takewhile(lambda p: not os.path.lexists(p), (out, *out.parents))) if makes else []
     try:
         yield
+    except RunBusy:  # another run made --out meanwhile and holds it: its folder, not this one's
+        raise
     except BaseException:
         for p in made:
             try:

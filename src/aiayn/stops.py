@@ -15,6 +15,8 @@ interrupt the main thread anywhere inside the block.
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -42,6 +44,8 @@ def interrupts() -> Iterator[None]:
     replaced = [s for s in STOPS[1:] if _main_thread() and signal.getsignal(s) == signal.SIG_DFL]
 
     def stop(signum: int, frame: Any) -> None:
+        if signum == signal.SIGHUP:
+            away_from_hung_up_terminal()
         raise Stopped(signum)
 
     for s in replaced:
@@ -51,6 +55,32 @@ def interrupts() -> Iterator[None]:
     finally:
         for s in replaced:
             signal.signal(s, signal.SIG_DFL)
+
+
+def away_from_hung_up_terminal() -> None:
+    """On SIGHUP: stdout and stderr that are a terminal (the one just closed) go to /dev/null, so that
+    the clean-up's closing lines do not fail with "Input/output error" and turn a saved stop into an
+    error (train saved, then exited 1)."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in (1, 2):
+            with contextlib.suppress(OSError):
+                if _terminal(fd):
+                    os.dup2(null, fd)
+    finally:
+        os.close(null)
+
+
+def _terminal(fd: int) -> bool:
+    """Whether `fd` is a terminal, or was one: a hung-up terminal is no tty any more (isatty: False), and
+    even an empty write to it fails with EIO; a file or pipe takes an empty write."""
+    if os.isatty(fd):
+        return True
+    try:
+        os.write(fd, b"")
+    except OSError as e:
+        return e.errno == errno.EIO
+    return False
 
 
 @contextlib.contextmanager

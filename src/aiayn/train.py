@@ -45,7 +45,7 @@ from aiayn.files import atomic_write_bytes
 from aiayn.model import Transformer
 from aiayn.rundir import (Log, RunLock, load_newest, open_run_dir, removed_if_left_empty, resume_command,
                           resumed_settings, saved_device, tidy_out)
-from aiayn.stops import STOPS
+from aiayn.stops import STOPS, away_from_hung_up_terminal
 # add_arguments: the flags of `aiayn train`, which aiayn.cli takes from this module beside `run`
 from aiayn.train_options import (DEFAULT_PRESET, FINE_TUNE_FREE, MODEL_FROM_DATA, add_arguments, build_configs,
                                  check_corpus, check_model_options, check_patience, given_options, new_model_config,
@@ -338,6 +338,8 @@ class Stopper:
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.signum = signum
+        if signum == signal.SIGHUP:
+            away_from_hung_up_terminal()
         signal.signal(signum, self._old.get(signum) or signal.SIG_DFL)
 
     def __exit__(self, *exc: Any) -> None:
