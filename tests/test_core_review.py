@@ -232,13 +232,15 @@ def test_a_gpu_this_machine_lacks_is_one_line(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    with pytest.raises(AiaynError, match=r"--device cuda:3: this machine has 1 CUDA device\(s\), numbered from 0"):
+    with pytest.raises(AiaynError, match=r"--device cuda:3: this machine has 1 CUDA device\(s\), numbered from 0; "
+                                         r"give --device cuda:N with N below that$"):
         trainer.setup_distributed("cuda:3")
     assert trainer.setup_distributed("cuda:0").device == torch.device("cuda", 0)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("LOCAL_RANK", "1")
-    with pytest.raises(AiaynError, match=r"LOCAL_RANK 1 \(torchrun --nproc-per-node\): this machine has 1"):
+    with pytest.raises(AiaynError, match=r"LOCAL_RANK 1: this machine has 1 CUDA device\(s\), numbered from 0; run at "
+                                         r"most that many processes a machine \(torchrun --nproc-per-node\)$"):
         trainer.setup_distributed("cuda")
 
 

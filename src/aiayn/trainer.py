@@ -167,11 +167,12 @@ def setup_distributed(device_pref: str) -> Dist:
         raise AiaynError("--device cuda: no CUDA device is available; use --device cpu")
     if world == 1:
         dev = torch.device(device_pref if device_pref.startswith("cuda") else ("cuda" if want_cuda else "cpu"))
-        _check_gpu_index(dev.index, f"--device {device_pref}")
+        _check_gpu_index(dev.index, f"--device {device_pref}", "give --device cuda:N with N below that")
         return Dist(0, 1, dev)
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     if want_cuda:
-        _check_gpu_index(local, f"LOCAL_RANK {local} (torchrun --nproc-per-node)")
+        _check_gpu_index(local, f"LOCAL_RANK {local}", "run at most that many processes a machine "
+                         "(torchrun --nproc-per-node)")
         torch.cuda.set_device(local)
         dev = torch.device("cuda", local)
     else:
@@ -181,13 +182,12 @@ def setup_distributed(device_pref: str) -> Dist:
     return Dist(rank, world, dev, local)
 
 
-def _check_gpu_index(index: int | None, what: str) -> None:
+def _check_gpu_index(index: int | None, what: str, remedy: str) -> None:
     """A GPU this machine lacks (cuda:N past its count: a run resumed on a smaller machine, more
     torchrun processes than GPUs) is one line here, not torch's traceback at the first tensor."""
     count = torch.cuda.device_count()
     if index is not None and index >= count:
-        raise AiaynError(f"{what}: this machine has {count} CUDA device(s), numbered from 0; give --device cuda:N "
-                         "with N below that (or fewer processes)")
+        raise AiaynError(f"{what}: this machine has {count} CUDA device(s), numbered from 0; {remedy}")
 
 
 # --------------------------------------------------------------------------------------- precision
