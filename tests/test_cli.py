@@ -228,10 +228,11 @@ def test_running_out_of_memory_is_one_line_naming_the_flags_that_size_it(monkeyp
 
     from aiayn.cli import main
 
-    _raising(monkeypatch, "translate", lambda: torch.empty(2**40, dtype=torch.uint8))  # torch's own allocator error
+    # torch's own allocator error: 1 PiB, past x86-64's 47-bit address space, fails even where memory is overcommitted
+    _raising(monkeypatch, "translate", lambda: torch.empty(2**50, dtype=torch.uint8))
     assert main(["translate", "--checkpoint", "x"]) == 2
     err = capsys.readouterr().err
-    assert err == ("aiayn translate: error: out of memory (1024.0 GiB asked for); lower --max-tokens, --batch-size "
+    assert err == ("aiayn translate: error: out of memory (1048576.0 GiB asked for); lower --max-tokens, --batch-size "
                    "or --beam, or free memory\n")
 
     def gpu():

@@ -43,11 +43,15 @@ def test_download_into_a_users_folder_keeps_a_file_of_theirs_of_that_name(
     mine.mkdir()
     (mine / "val.de.gz").write_bytes(b"my own sentences\n")
     assert cli.main(["download", "--splits", "val", "--data-dir", str(mine)]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"{mine / 'val.de.gz'} is there, but its sha256" in err, err
-    assert "it may be a file of yours, so it is kept: move it away" in err
+    note, ok, err = capsys.readouterr().err.splitlines()
+    assert note.startswith(f"aiayn download: note: {mine / 'val.de.gz'} is there, but its sha256"), note
+    assert "it may be a file of yours, so it is kept: move it away" in note
+    assert ok == f"{mine / 'val.en.gz'}  ok (sha256 checked)"  # the other file is still fetched
+    assert err == (f"aiayn download: error: 1 file(s) in {mine} kept, not Multi30k's (named above); the others were "
+                   "downloaded: move those away, then run the download again")
     assert (mine / "val.de.gz").read_bytes() == b"my own sentences\n"
-    assert served.requests == [] and sorted(os.listdir(mine)) == ["val.de.gz"]
+    assert [r.rsplit("/", 1)[-1] for r in served.requests] == ["val.en.gz"]
+    assert sorted(os.listdir(mine)) == ["val.de.gz", "val.en.gz"]
 
 
 def test_a_file_where_the_lock_goes_is_one_line_and_kept(tmp_path: Path) -> None:
@@ -95,3 +99,17 @@ def test_an_empty_data_dir_is_refused_as_train_refuses_it(argv, tmp_path, capsys
     assert err.endswith("error: --data-dir is an empty name (an unset shell variable?); give a path or leave it out, "
                         "got ''\n"), err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_finished_wmt14_folder_that_lost_a_file_is_fetched_again(tmp_path, monkeypatch):
+    """A finished download (wmt14.json there) missing one text file is aiayn's own: it is unpacked again,
+    not refused as "not a finished aiayn download"."""
+    from aiayn.data import wmt14
+
+    folder = tmp_path / "wmt14"
+    folder.mkdir()
+    for name in [wmt14.DONE, *wmt14._texts()[1:]]:  # train.en gone
+        (folder / name).write_text("x\n", encoding="utf-8")
+    monkeypatch.setattr(wmt14, "download_file", lambda *a, **k: pytest.fail("fetched"))
+    with pytest.raises(pytest.fail.Exception, match="fetched"):
+        wmt14.download_wmt14(folder)

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from aiayn.data import text as data, wmt14
+from aiayn.errors import AiaynError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,9 +41,18 @@ def run(args: argparse.Namespace) -> int:
         data.check_split(split)
     root = args.data_dir or os.environ.get(data.DATA_ENV)  # where `multi30k_paths` will look for them
     folder = data.download_folder(Path(root).expanduser()) if root else data.multi30k_cache_dir()
+    kept: list[data.KeptFile] = []
     for split in args.splits:
         for lang in (args.src, args.tgt):
-            path = data.download_multi30k(split, lang, folder, replace=not root)  # a user's folder: never replaced
+            try:
+                path = data.download_multi30k(split, lang, folder, replace=not root)  # a user's folder: never replaced
+            except data.KeptFile as e:  # the user's own, named at the end: the other files are still fetched
+                print(f"aiayn download: note: {e}", file=sys.stderr)
+                kept.append(e)
+                continue
             print(f"{path}  ok (sha256 checked)", file=sys.stderr)
+    if kept:
+        raise AiaynError(f"{len(kept)} file(s) in {folder} kept, not Multi30k's (named above); the others were "
+                         "downloaded: move those away, then run the download again")
     print(folder)
     return 0

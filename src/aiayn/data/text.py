@@ -201,6 +201,10 @@ def download_multi30k(split: str, lang: str, folder: str | Path, timeout: float 
     return download_file(url, Path(folder) / name, MULTI30K_SHA256[name], URL_ENV, timeout, replace)
 
 
+class KeptFile(AiaynError):
+    """A file of other bytes where a download goes, in a user's folder: kept (`download_file`)."""
+
+
 def download_file(url: str, target: Path, want: str, mirror_env: str, timeout: float = 60.0,
                   replace: bool = True) -> Path:
     """`target`, downloaded from `url` unless already there with sha256 `want`.
@@ -218,8 +222,8 @@ def download_file(url: str, target: Path, want: str, mirror_env: str, timeout: f
     if have == want:
         return target
     if have is not None and not replace:
-        raise AiaynError(f"{target} is there, but its sha256 {have[:16]}... is not the published file's {want[:16]}...; "
-                         "it may be a file of yours, so it is kept: move it away, then run the download again")
+        raise KeptFile(f"{target} is there, but its sha256 {have[:16]}... is not the published file's {want[:16]}...; "
+                       "it may be a file of yours, so it is kept: move it away, then run the download again")
     if os.path.lexists(target) and not target.is_file():  # found only after the whole download (1.7 GB for WMT14)
         what = "a folder" if target.is_dir() else "not a file"
         raise AiaynError(f"{target} is {what}, where the download goes; move it away, or choose another --data-dir")

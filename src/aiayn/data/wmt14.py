@@ -113,7 +113,7 @@ def _refuse_others(folder: Path) -> None:
     """A text file of `unpack`'s names in an unfinished folder (no DONE) is a user's own (their copy of
     WMT14, cleaned, say), which the unpack's moves replaced; unless MOVING says that a killed unpack of
     ours was moving its own files there. Refused before the download (1.7 GB)."""
-    if (folder / MOVING).exists():
+    if (folder / MOVING).exists() or (folder / DONE).is_file():  # (a finished download that lost a file: ours)
         return
     theirs = next((folder / n for n in _texts() if os.path.lexists(folder / n)), None)
     if theirs is not None:
