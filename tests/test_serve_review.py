@@ -2,7 +2,6 @@
 limits is served, and a request sent wrongly is told what to fix."""
 
 import pytest
-import torch
 
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
@@ -12,16 +11,9 @@ from aiayn.serve.scheduler import Limits  # noqa: E402
 from aiayn.translator import Translator  # noqa: E402
 from serve_model import tiny_checkpoint  # noqa: E402
 from test_serve import ready  # noqa: E402
+from test_serve_libre import _one_thread  # noqa: E402, F401 (autouse: one thread for the module)
 
 MAX_CHARS = 40
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")
