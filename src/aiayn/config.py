@@ -159,7 +159,20 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
-        return _from_dict(cls, {"source_eos": False, **data})  # older checkpoints: bare sources
+        """A recorded config (a checkpoint's config.json). Every field the first checkpoints held must be
+        there: a default would build another model without a word (a 2-head model lost its "n_heads" and
+        loaded with 8, weights of the same shapes, translating nonsense). Fields added since take the
+        value that rebuilds a model written before them."""
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in data and f.name not in _ADDED_LATER]
+        if missing and not set(data) - {f.name for f in dataclasses.fields(cls)}:  # (unknown fields: said first)
+            raise ConfigError(f"ModelConfig: {', '.join(missing)} not recorded; the checkpoint does not say its "
+                              "shape: restore its config.json (or add the value it was trained with)")
+        return _from_dict(cls, {**_ADDED_LATER, **data})
+
+
+# ModelConfig fields newer than the checkpoint format, with the value a checkpoint without them was
+# trained with: bare sources (no EOS), embeddings scaled by sqrt(d_model), no output bias.
+_ADDED_LATER: dict[str, Any] = {"source_eos": False, "scale_embedding": True, "output_bias": False}
 
 
 # Table 3 of the paper: base and big; small and tiny are sizes that train on a laptop CPU.

@@ -9,6 +9,7 @@ whole or not at all, with the mode a plain `open()` would give it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import gzip
 import hashlib
 import io
@@ -222,14 +223,17 @@ def read_lines_upto(path: str | os.PathLike[str], most: int, blank_ok: bool = Fa
         return read_stream_lines_upto(f, str(path), most, blank_ok)
 
 
+_ASCII_SPACE = " \t\n\r\x0b\x0c"  # what bytes.isspace() counts as space
+
+
 def read_stream_lines_upto(f: BinaryIO, name: str, most: int, blank_ok: bool = False) -> tuple[list[str], bool]:
     """The first `most` lines of `f`, as `read_stream_lines` reads them, and whether more follow: for
     a caller that can use no more (references line-aligned with hypotheses), where the rest of a
     stream that never ends (`--ref-file <(yes a)`) would fill the memory."""
     upto = _UpTo(f, name, most)
     lines = read_stream_lines(cast(BinaryIO, upto), name, blank_ok=True)  # (read() is all it needs)
-    if not blank_ok and not upto.more and "\n".join(lines).encode().isspace():  # (blank lines, then more: not empty)
-        raise AiaynError(f"{name}: file is empty")
+    if not blank_ok and not upto.more and all(not s.strip(_ASCII_SPACE) for s in lines):  # (then more: not empty)
+        raise AiaynError(f"{name}: file is empty")  # (as `read_stream_lines` says of one blank line: "" is no text)
     return lines, upto.more
 
 
@@ -370,6 +374,9 @@ def check_output_path(path: str | os.PathLike[str], flag: str, folder: bool = Fa
     there is the caller's to judge, and missing folders above it are made as `mkdir -p` makes them,
     in the nearest one that is there."""
     name = os.fspath(path)
+    if not folder and os.path.islink(name) and not os.path.exists(name):
+        _check_link_to_nothing(name, flag)
+        return
     with contextlib.suppress(OSError):  # (not there, or not to be reached: the folders above say why)
         is_dir = stat.S_ISDIR(os.stat(name).st_mode)
         if is_dir and not folder:
@@ -381,6 +388,17 @@ def check_output_path(path: str | os.PathLike[str], flag: str, folder: bool = Fa
                 raise AiaynError(f"{flag} {name}: cannot write it ({_no_write(name)}); choose another path")
             return
     _check_output_folder(name, flag, folder)
+
+
+def _check_link_to_nothing(name: str, flag: str) -> None:
+    """A link to no file yet is written through (the file made where it points): that folder is the
+    one to check, and a loop of links is refused (both showed only once the work was done)."""
+    try:
+        os.stat(name)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise AiaynError(f"{flag} {name}: a loop of symbolic links; choose another path") from None
+    _check_output_folder(os.path.realpath(name), f"{flag} {name} ->", missing_ok=False)
 
 
 def _check_output_folder(name: str, flag: str, missing_ok: bool) -> None:
@@ -477,7 +495,8 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, make_parents: 
     path = Path(path)
     if make_parents:
         path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    # (the name's first 64 bytes: a name near the 255-byte limit failed for its temporary's 14 bytes more)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{os.fsdecode(os.fsencode(path.name)[:64])}.", suffix=".tmp")
     try:
         os.fchmod(fd, 0o666 & ~umask())  # mkstemp makes 0600 files; give the mode a plain open() would
         with os.fdopen(fd, "wb") as f:
