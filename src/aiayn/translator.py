@@ -191,13 +191,43 @@ def map_batches(fn: Callable[[Any], Any], batches: Sequence[Any], workers: int =
     if n == 1:
         return [fn(b) for b in batches]
     with _original_thread_count() as total:
-        pool = ThreadPoolExecutor(n, thread_name_prefix="aiayn-search", initializer=torch.set_num_threads,
-                                  initargs=(max(1, total // n),))  # each worker on its share of the threads
+        # the n workers (each submit starts one: none is idle) and us; the workers search once the
+        # process-wide count is back (`_set_process_threads`)
+        started = threading.Barrier(n + 1, action=lambda: _set_process_threads(total))
+
+        def start_worker() -> None:
+            try:
+                torch.get_num_threads()  # the thread's first call takes the process-wide count: now, not later
+                torch.set_num_threads(max(1, total // n))  # each worker on its share of the threads
+            finally:  # (whatever happened: the others never wait for this one in vain)
+                with contextlib.suppress(threading.BrokenBarrierError):  # we stopped first (an error, Ctrl-C)
+                    started.wait()
+
+        pool = ThreadPoolExecutor(n, thread_name_prefix="aiayn-search", initializer=start_worker)
+        ready = False
         try:
             futures = [pool.submit(fn, b) for b in batches]
+            with contextlib.suppress(threading.BrokenBarrierError):  # (a worker that never came: the count
+                started.wait(timeout=STARTED_WAIT_S)  # is put back late, costing speed only, never a hang)
+            ready = True
             return [f.result() for f in futures]
         finally:  # on an error or Ctrl-C, batches not yet started are dropped; running ones end first
+            if not ready:  # (a worker still starting goes on, rather than waiting for us for ever)
+                started.abort()
             pool.shutdown(wait=True, cancel_futures=True)
+
+
+STARTED_WAIT_S = 60.0  # `map_batches`' wait for its workers' start: moments, unless something is wrong
+
+
+def _set_process_threads(count: int) -> None:
+    """torch's process-wide thread count, the one a thread takes at its first operation, set back to
+    `count` once the workers have their own: `torch.set_num_threads` in a worker sets it too, and a
+    thread of the caller's that began while a search ran kept a worker's share for good (1 of 2).
+    Set from a thread of its own: `torch.set_num_threads` sets the calling thread's count as well."""
+    setter = threading.Thread(target=torch.set_num_threads, args=(count,), name="aiayn-threads")
+    setter.start()
+    setter.join()
 
 
 def _stderr_note(msg: str) -> None:
