@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from aiayn import memory
 from test_train import make_corpus, tiny_args, train_cli
@@ -243,3 +244,14 @@ def test_keep_freed_memory_takes_in_a_real_process():
         assert ok == "True"
         faults[mode] = int(n)
     assert faults["keep"] < 1000 < faults["default"], faults  # a round touches 12288 pages of 4 KiB
+
+
+def test_training_out_of_the_cpus_memory_names_max_tokens():
+    """The CPU allocator's error (a plain RuntimeError) is out of memory as CUDA's is: one test of what
+    running out looks like serves `batch_fits` and the command line's last line (`memory.out_of_memory`)."""
+    from aiayn.errors import AiaynError
+    from aiayn.memory import batch_fits
+
+    with pytest.raises(AiaynError, match=r"^--max-tokens 4096: out of memory on cpu \(.*can't allocate memory"):
+        with batch_fits(4096, torch.device("cpu")):
+            torch.empty(2**50, dtype=torch.uint8)  # 1 PiB: past the address space, refused even where memory is overcommitted

@@ -43,7 +43,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from aiayn.config import ConfigError, ModelConfig
-from aiayn.errors import AiaynError
+from aiayn.errors import AiaynError, first_line
 from aiayn.files import fsync_path, refuse_symlink_output, umask
 from aiayn.model import Transformer
 from aiayn.tokenizer import JOINT_FILE, SRC_FILE, TGT_FILE
@@ -211,7 +211,7 @@ def read_config(path: Path) -> dict[str, Any]:
         if isinstance(cfg, dict) and cfg.get("model_type") == "marian":  # (translate, train --init-from, serve ...)
             raise AiaynError(f"{path} is a Hugging Face Marian model, not an aiayn checkpoint; import it first: "
                              f"aiayn import --from marian {path} --out DIR, then give DIR")
-        if (path / "model.bin").is_file() and (path / EXPORT_MARKER).is_file():  # (serve, train --init-from ...)
+        if is_ct2_export(path):  # (serve, train --init-from ...)
             raise AiaynError(f"{path} is an aiayn export to CTranslate2, not a checkpoint: give the checkpoint it was "
                              "made from (translate and evaluate run the export with --engine ctranslate2)")
         raise AiaynError(f"{file} has no \"model\" section; it is not an aiayn checkpoint config")
@@ -260,7 +260,7 @@ def meta_model(mcfg: ModelConfig) -> Transformer:
         with torch.device("meta"):
             return Transformer(mcfg)
     except (RuntimeError, TypeError, ValueError, OverflowError) as e:
-        raise ConfigError(str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__) from None
+        raise ConfigError(first_line(e, 120)) from None
 
 
 def load_weights(model: Transformer, file: Path) -> None:
@@ -300,8 +300,7 @@ def load_trainer_state(file: Path) -> dict[str, Any]:
     except FileNotFoundError as e:
         raise AiaynError(f"{file} is missing; resume from a checkpoint written by `aiayn train`") from e
     except Exception as e:  # unpickling errors come in many types; none of them is trusted
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise AiaynError(f"{file} is corrupt or holds more than tensors and plain values ({msg[:200]})") from e
+        raise AiaynError(f"{file} is corrupt or holds more than tensors and plain values ({first_line(e)})") from e
     if not isinstance(state, dict):
         raise AiaynError(f"{file} does not hold a trainer state dictionary")
     return state
@@ -393,6 +392,11 @@ def language_pair(cfg: dict[str, Any]) -> tuple[str, str] | None:
 
 
 EXPORT_MARKER = "aiayn.json"  # what an export (`aiayn.export`) records of the checkpoint it was made from
+
+
+def is_ct2_export(path: str | Path) -> bool:
+    """Whether `path` is an aiayn export to CTranslate2 (its model.bin and aiayn.json), not a checkpoint."""
+    return (Path(path) / "model.bin").is_file() and (Path(path) / EXPORT_MARKER).is_file()
 
 
 def recorded_config(path: str | os.PathLike[str]) -> dict[str, Any]:

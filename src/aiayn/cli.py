@@ -13,7 +13,7 @@ import importlib
 import re
 import sys
 
-from aiayn import __version__
+from aiayn import __version__, memory
 from aiayn.errors import AiaynError
 from aiayn.files import silence_stdout, stdout_errors
 
@@ -108,10 +108,9 @@ def out_of_memory(e: BaseException, command: str) -> str | None:
     can't allocate memory" RuntimeError) or a GPU (torch.OutOfMemoryError): how much was asked for,
     and the flags that size it; None for any other error. A user's extreme settings (a beam of
     thousands over a large batch) got a traceback."""
-    text = str(e)
-    if not (isinstance(e, MemoryError) or "can't allocate memory" in text or "out of memory" in text.lower()):
+    if not memory.out_of_memory(e):
         return None
-    asked = _ASKED.search(text)
+    asked = _ASKED.search(str(e))
     size = ""
     if asked:
         n, unit = asked.groups()

@@ -44,7 +44,7 @@ from torch import Tensor
 
 from aiayn.checkpoint import CONFIG, WEIGHTS, meta_model, refuse_run_checkpoint, save_checkpoint
 from aiayn.config import ConfigError, ModelConfig
-from aiayn.errors import AiaynError, require
+from aiayn.errors import AiaynError, first_line, require
 from aiayn.export import MARKER, feature_permutation, map_marian_layers
 from aiayn.files import refuse_symlink_output
 from aiayn.model import Transformer, sinusoidal_table
@@ -63,12 +63,6 @@ _UNSUPPORTED = {"normalize_before": True, "normalize_embedding": True, "add_fina
 # ------------------------------------------------------------------------------------ the config
 
 
-def _first_line(e: BaseException) -> str:
-    """An exception's first line for a message, or its type where it has none (an empty file's EOFError)."""
-    text = str(e).strip()
-    return text.splitlines()[0][:200] if text else type(e).__name__
-
-
 def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
@@ -76,7 +70,7 @@ def _read_json(path: Path) -> Any:
         raise AiaynError(f"{path} is missing; a Marian directory holds config.json, the weights, source.spm, "
                          "target.spm and vocab.json") from None
     except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested too deep
-        raise AiaynError(f"{path}: cannot read it as JSON ({_first_line(e)})") from None
+        raise AiaynError(f"{path}: cannot read it as JSON ({first_line(e)})") from None
 
 
 _JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean"}
@@ -359,12 +353,12 @@ def read_weights(d: Path) -> dict[str, Tensor]:
         try:
             return load_file(str(d / "model.safetensors"))
         except (SafetensorError, OSError, ValueError) as e:
-            raise AiaynError(f"{d / 'model.safetensors'} is corrupt ({_first_line(e)})") from None
+            raise AiaynError(f"{d / 'model.safetensors'} is corrupt ({first_line(e)})") from None
     if (d / "pytorch_model.bin").is_file():
         try:
             sd = torch.load(d / "pytorch_model.bin", map_location="cpu", weights_only=True)
         except Exception as e:  # unpickling fails in many types; none is trusted
-            raise AiaynError(f"{d / 'pytorch_model.bin'}: cannot load it as tensors only ({_first_line(e)})") from None
+            raise AiaynError(f"{d / 'pytorch_model.bin'}: cannot load it as tensors only ({first_line(e)})") from None
         if isinstance(sd, dict) and all(isinstance(v, Tensor) for v in sd.values()):
             return sd
         raise AiaynError(f"{d / 'pytorch_model.bin'} does not hold a state dict of tensors")

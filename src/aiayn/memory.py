@@ -136,8 +136,18 @@ class HeapTrimmer:
             self.fresh = True
 
 
-# Out-of-memory errors that CUDA libraries raise as a plain RuntimeError, not the allocator's type.
-_OOM_WORDS = ("CUDA error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
+# Out-of-memory errors raised as a plain RuntimeError, not the allocator's type: CUDA libraries' and the
+# CPU allocator's ("DefaultCPUAllocator: can't allocate memory").
+_OOM_WORDS = ("out of memory", "cublas_status_alloc_failed", "cudnn_status_alloc_failed", "can't allocate memory")
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Whether `e` is running out of memory, on the CPU or a GPU, whatever raised it (one test for
+    `batch_fits` and the command line's last line)."""
+    import torch
+
+    text = str(e).lower()
+    return isinstance(e, (MemoryError, torch.cuda.OutOfMemoryError)) or any(w in text for w in _OOM_WORDS)
 
 
 @contextlib.contextmanager
@@ -151,7 +161,7 @@ def batch_fits(max_tokens: int, device: torch.device) -> Iterator[None]:
     try:
         yield
     except (torch.cuda.OutOfMemoryError, RuntimeError) as e:  # the first: torch.OutOfMemoryError
-        if not isinstance(e, torch.cuda.OutOfMemoryError) and not any(w in str(e) for w in _OOM_WORDS):
+        if not out_of_memory(e):
             raise
         said = str(e).strip().splitlines()
         # CUDA's message is one long line: "CUDA out of memory. Tried to allocate 3.73 GiB. GPU 0 has ..."

@@ -36,7 +36,7 @@ from typing import Any, Iterable
 
 import sentencepiece as spm
 
-from aiayn.errors import AiaynError
+from aiayn.errors import AiaynError, first_line
 from aiayn.files import atomic_write_bytes, default_cache_dir, file_sha256, read_lines
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
@@ -79,7 +79,7 @@ class Tokenizer:
         try:
             self._sp = spm.SentencePieceProcessor(model_proto=model_bytes)
         except (RuntimeError, OSError, TypeError) as e:
-            raise AiaynError(f"{source}: not a SentencePiece model ({_short(e)}); retrain it or use the checkpoint's own") from None
+            raise AiaynError(f"{source}: not a SentencePiece model ({first_line(e)}); retrain it or use the checkpoint's own") from None
         got = (self._sp.pad_id(), self._sp.unk_id(), self._sp.bos_id(), self._sp.eos_id())
         if got != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
             raise AiaynError(
@@ -113,7 +113,7 @@ class Tokenizer:
             if "!sentences_.empty()" in str(e):  # SentencePiece skips lines over max_sentence_length (4192 bytes)
                 raise AiaynError("cannot train a tokenizer: every line is longer than SentencePiece's limit of 4192 "
                                  "bytes; split the text into sentences, one a line") from None
-            raise AiaynError(f"SentencePiece training failed: {_short(e)}") from None
+            raise AiaynError(f"SentencePiece training failed: {first_line(e)}") from None
         return cls(buf.getvalue())
 
     @classmethod
@@ -335,11 +335,6 @@ def _check_encodable(texts: Iterable[str]) -> None:
         except UnicodeEncodeError as e:
             raise AiaynError(f"{text[:60]!r}: character {e.start + 1} is a lone surrogate (U+{ord(text[e.start]):04X}: "
                              "bytes that are not UTF-8?); give UTF-8 text") from None
-
-
-def _short(e: BaseException) -> str:
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return text[:200]
 
 
 def read_varint(buf: bytes, pos: int) -> tuple[int, int]:

@@ -28,7 +28,7 @@ from typing import IO, TYPE_CHECKING, Any, BinaryIO
 
 import torch
 
-from aiayn.checkpoint import EXPORT_MARKER
+from aiayn.checkpoint import is_ct2_export
 from aiayn.config import INFERENCE_PRECISIONS
 from aiayn.errors import AiaynError
 from aiayn import memory, stops
@@ -271,7 +271,7 @@ def load_translator(args: argparse.Namespace, device: torch.device | None) -> An
 
     if device is None:
         return CT2Translator.from_path(args.checkpoint, precision=args.precision, note=note)
-    if all(os.path.isfile(os.path.join(args.checkpoint, f)) for f in ("model.bin", EXPORT_MARKER)):
+    if is_ct2_export(args.checkpoint):
         raise AiaynError(f"{args.checkpoint} is a CTranslate2 export (aiayn export --to ctranslate2); "
                          "add --engine ctranslate2")
     return Translator.from_checkpoint(args.checkpoint, precision=args.precision, device=str(device), note=note)
