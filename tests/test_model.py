@@ -91,6 +91,7 @@ def test_reference_feed_forward_dropout_is_aiayns_activation_dropout():
 def test_fused_attention_path_matches_torch_transformer(norm_first, monkeypatch):
     """With the explicit CPU attention switched off, `F.scaled_dot_product_attention` runs everywhere."""
     monkeypatch.setattr(aiayn.kernels, "EXPLICIT_ATTENTION_MAX_KEYS", 0)
+    monkeypatch.setattr(aiayn.kernels, "ATTENTION_BY_RUNS", False)  # one call per layer (runs: one per run)
     called = []
     sdpa = F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: called.append(1) or sdpa(*a, **k))
@@ -112,6 +113,7 @@ def test_fused_attention_path_matches_torch_transformer(norm_first, monkeypatch)
 def _both_attention_paths(model: Transformer, src, tgt, monkeypatch) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's logits with every attention on the explicit path, then with every one fused;
     counts the fused kernel's calls to prove which path ran."""
+    monkeypatch.setattr(aiayn.kernels, "ATTENTION_BY_RUNS", False)  # the encoder's too take the path chosen
     calls = []
     sdpa = F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or sdpa(*a, **k))
@@ -139,6 +141,64 @@ def test_explicit_attention_path_equals_the_fused_one(norm_first, monkeypatch):
                         lambda q, *rest: good(q * math.sqrt(q.size(-1)), *rest))
     explicit, fused = _both_attention_paths(model, src, tgt, monkeypatch)
     assert not torch.allclose(explicit[real], fused[real], atol=1e-5, rtol=0)
+
+
+def _encode_both_ways(model: Transformer, src: torch.Tensor, monkeypatch) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The encoder's output with its self-attention over the padded layout (gathers), then run by
+    run (`Packed.runs`), and how many fused calls the runs made."""
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or sdpa(*a, **k))
+    out = []
+    for by_runs in (False, True):
+        monkeypatch.setattr(aiayn.kernels, "ATTENTION_BY_RUNS", by_runs)
+        calls.clear()
+        with torch.no_grad():
+            out.append(model.encode(src))
+    return out[0], out[1], len(calls)
+
+
+@pytest.mark.parametrize("lengths", [[7, 7, 5, 5, 5, 2], [3, 7, 3, 1, 6, 6], [4, 0, 4, 7]],
+                         ids=["sorted", "unsorted", "an-empty-row"])
+def test_encoder_attention_by_runs_equals_the_padded_one(lengths, monkeypatch):
+    """Search's encoder attends run by run of equal lengths, without padding: what the padded,
+    masked attention computes, at every real position (zeros at the padding either way)."""
+    model = tiny()
+    src = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    for i, n in enumerate(lengths):
+        src[i, :n] = torch.randint(4, V, (n,))
+    padded, by_runs, calls = _encode_both_ways(model, src, monkeypatch)
+    runs = sum(1 for i, n in enumerate(lengths) if n and (i == 0 or lengths[i - 1] != n))
+    assert calls == runs * model.cfg.encoder_layers  # the runs ran: one fused call per run and layer
+    assert aiayn.kernels.Packed.from_keep(src.ne(0)).runs() == [
+        (sum(lengths[:i]), len(list(g)), n) for i, n, g in _runs_of(lengths)]
+    assert torch.allclose(by_runs, padded, atol=1e-5, rtol=0)
+    assert not by_runs[src.eq(0)].any()
+
+
+def _runs_of(lengths: list[int]) -> list[tuple[int, int, list[int]]]:
+    """(index of the first sentence, length, the run) of each run of equal non-zero lengths."""
+    out, i = [], 0
+    while i < len(lengths):
+        j = i
+        while j < len(lengths) and lengths[j] == lengths[i]:
+            j += 1
+        if lengths[i]:
+            out.append((i, lengths[i], lengths[i:j]))
+        i = j
+    return out
+
+
+def test_encoder_attention_by_runs_is_checked(monkeypatch):
+    """The comparison above can fail: runs that attend across sentence boundaries are caught."""
+    model = tiny()
+    src = torch.randint(4, V, (4, 6))
+    src[2:, 4:] = 0
+    good = aiayn.kernels._attention_by_runs
+    monkeypatch.setattr(aiayn.kernels, "_attention_by_runs",
+                        lambda qkv, runs, H: good(qkv, [(0, 1, qkv.size(0))], H))  # all tokens one sentence
+    padded, by_runs, _ = _encode_both_ways(model, src, monkeypatch)
+    assert not torch.allclose(by_runs, padded, atol=1e-5, rtol=0)
 
 
 def test_loss_equals_full_cross_entropy():
