@@ -85,7 +85,9 @@ def model_device(model: Any) -> Any:
 def _split_tokens(translator: Any, lines: list[str]) -> int:
     """A `max_tokens` that cuts the batch into about one part per torch thread: `map_batches` then
     searches the parts at once, each on its own thread, which beats one part on all threads for the
-    small batches a server sees (the results do not depend on it: each line is searched alike).
+    small batches a server sees (in fp32 the results do not depend on it: each line is
+    searched alike; in int8 an input's 8-bit scale is taken over its part, so a line can come out
+    slightly differently in another part, as in another batch).
 
     `max_tokens` counts padding (a part costs its lines times its longest), so the share does too:
     counted without it, one thread got three or four parts of a 64-line batch, each with its own
