@@ -55,3 +55,23 @@ def test_a_ctranslate2_export_given_as_a_checkpoint_says_what_to_give(tmp_path, 
     assert capsys.readouterr().err == (f"aiayn train: error: {ct2} is an aiayn export to CTranslate2, not a "
                                        "checkpoint: give the checkpoint it was made from (translate and evaluate run "
                                        "the export with --engine ctranslate2)\n")
+
+
+def test_ctranslate2_searches_each_sentence_within_its_own_length_limit(export):
+    """CTranslate2 took one max_decoding_length per batch (the longest sentence's limit) and cut each
+    hypothesis to its sentence's limit afterwards: a short sentence's n-best then held the same ids
+    twice, with the scores of the longer hypotheses that were cut, unlike searching it alone."""
+    from aiayn.translator import CT2Translator
+
+    t = CT2Translator(export, threads=1)
+    sources = [list(range(10, 10 + n)) for n in (1, 3, 14, 0, 6, 2, 9)]  # limits 1, 2, 8, -, 4, 2, 5
+    for settings in (dict(beam=4, nbest=4), dict(beam=1, min_len=3)):  # greedy: one search, each cut
+        settings.update(max_len_a=0.5, max_len_b=1)
+        batch = t.translate_ids(sources, **settings)
+        for src, nbest in zip(sources, batch):
+            limit = max(1, int(len(src) * 0.5 + 1))
+            ids = [tuple(h) for h, _ in nbest]
+            assert len(nbest) == settings.get("nbest", 1) and all(len(h) <= limit for h in ids)
+            if src:
+                assert len(set(ids)) == len(ids), f"duplicate hypotheses for a source of {len(src)}: {ids}"
+            assert str(nbest) == str(t.translate_ids([src], **settings)[0])  # as searched alone (str: nan)

@@ -425,6 +425,14 @@ def _check_ct2_precision(ct2: Any, precision: str) -> None:
                          f"use --precision {other}")
 
 
+def _groups(rows: Sequence[int], key: Callable[[int], int]) -> list[tuple[int, list[int]]]:
+    """(key, the rows with it, in order) for each key, in the order keys first come."""
+    groups: dict[int, list[int]] = {}
+    for i in rows:
+        groups.setdefault(key(i), []).append(i)
+    return list(groups.items())
+
+
 class CT2Translator(BaseTranslator):
     """Translates text with a CTranslate2 export (`aiayn export --to ctranslate2`).
 
@@ -434,8 +442,8 @@ class CT2Translator(BaseTranslator):
     sentence is aiayn's floor(max_len_a * source length + max_len_b) tokens, and at most
     `max_positions` (the export's table of positions ends there, where aiayn's grows); PAD and BOS are never
     generated. Greedy search gives aiayn's translations; CTranslate2's beam search divides scores by
-    len**alpha where aiayn divides by ((5 + len) / 6)**alpha, and it stops a hypothesis at the
-    batch's longest length limit (cut to the sentence's own limit afterwards) instead of forcing EOS.
+    len**alpha where aiayn divides by ((5 + len) / 6)**alpha, and it stops a hypothesis at its
+    sentence's length limit where aiayn forces EOS.
     `precision` "fp32" computes in the export's own weight type (float32 or int8); "bf16" in bfloat16;
     "int8" quantizes a float export to int8 as it loads.
     """
@@ -491,18 +499,24 @@ class CT2Translator(BaseTranslator):
         # (the product can overflow to inf: the table of positions is the limit then)
         # (and b past float's range, an int of 400 digits, cannot meet a float: capped first)
         b = min(max_len_b, self.max_positions)
-        limits = [max(1, math.floor(min(len(src_ids[i]) * max_len_a + b, self.max_positions))) for i in todo]
-        results = self.engine.translate_batch(
-            [[self._src_vocab[t] for t in src_ids[i]] for i in todo],
-            beam_size=int(beam), num_hypotheses=int(nbest), length_penalty=float(alpha) if beam > 1 else 0.0,
-            max_decoding_length=max(limits), min_decoding_length=min(int(min_len), max(limits)), max_input_length=0,
-            suppress_sequences=[[PIECES[PAD_ID]], [PIECES[BOS_ID]]], return_scores=beam > 1,
-            # no more than all of them: CTranslate2 reserves room for max_batch_size sentences
-            max_batch_size=min(int(max_tokens), sum(len(src_ids[i]) for i in todo)), batch_type="tokens",
-        )
-        for i, limit, r in zip(todo, limits, results):
-            scores = r.scores if beam > 1 else [float("nan")] * len(r.hypotheses)
-            out[i] = [([self._tgt_index[p] for p in h][:limit], float(sc)) for h, sc in zip(r.hypotheses, scores)]
+        limit_of = {i: max(1, math.floor(min(len(src_ids[i]) * max_len_a + b, self.max_positions))) for i in todo}
+        # CTranslate2 takes one max_decoding_length per call. Beam search runs once per limit: a longer
+        # search cut afterwards keeps duplicates and the scores of what was cut. Greedy's tokens do not
+        # depend on where it stops: one search at the longest limit, each cut to its own, is the same.
+        longest = max(limit_of.values())
+        for limit, rows in _groups(todo, lambda i: limit_of[i] if beam > 1 else longest):
+            results = self.engine.translate_batch(
+                [[self._src_vocab[t] for t in src_ids[i]] for i in rows],
+                beam_size=int(beam), num_hypotheses=int(nbest), length_penalty=float(alpha) if beam > 1 else 0.0,
+                max_decoding_length=limit, min_decoding_length=min(int(min_len), limit), max_input_length=0,
+                suppress_sequences=[[PIECES[PAD_ID]], [PIECES[BOS_ID]]], return_scores=beam > 1,
+                # no more than all of them: CTranslate2 reserves room for max_batch_size sentences
+                max_batch_size=min(int(max_tokens), sum(len(src_ids[i]) for i in rows)), batch_type="tokens",
+            )
+            for i, r in zip(rows, results):
+                scores = r.scores if beam > 1 else [float("nan")] * len(r.hypotheses)
+                out[i] = [([self._tgt_index[p] for p in h][:limit_of[i]], float(sc))
+                          for h, sc in zip(r.hypotheses, scores)]
         return out
 
     def search(self, lines: Sequence[str], first_line: int = 1, **settings: Any) -> list[list[tuple[str, float]]]:
