@@ -69,7 +69,7 @@ def test_attention_by_runs_equals_the_padded_one(precision, kind, monkeypatch):
             return packed_attention(mha, x, None, keep, False, packed, None).float()
 
     padded, by_runs, calls = _both(ctx, monkeypatch)
-    assert calls == 1
+    assert calls == (0 if precision == "bf16" else 1)  # bf16 keeps the gathers (slower by runs)
     tol = 2e-2 if precision == "bf16" else 1e-5
     assert torch.allclose(by_runs, padded, atol=tol, rtol=0)
     _, inference, _ = _both(lambda: ctx(torch.inference_mode), monkeypatch)

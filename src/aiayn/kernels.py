@@ -654,8 +654,8 @@ def packed_attention(mha: Any, x: Tensor, memory: Tensor | None, key_keep: Tenso
         q, (k, v) = heads(packed, mha.q_proj(x), 1)[0], heads(mem_packed, mha.kv_proj(memory), 2)
     else:
         qkv = mha.qkv_proj(x)  # (N, 3d)
-        if ATTENTION_BY_RUNS and hm and not is_causal and not mha.training and x.device.type == "cpu" \
-                and key_keep is not None and key_keep.dim() == 2:
+        if ATTENTION_BY_RUNS and hm and not is_causal and not mha.training and qkv.device.type == "cpu" \
+                and qkv.dtype == torch.float32 and key_keep is not None and key_keep.dim() == 2:
             return _attention_by_runs(qkv, packed.runs(), mha.n_heads)
         q, k, v = heads(packed, qkv, 3)
     mask = None if key_keep is None else key_keep[:, None] if key_keep.dim() == 3 else key_keep[:, None, None, :]
@@ -671,7 +671,8 @@ def packed_attention(mha: Any, x: Tensor, memory: Tensor | None, key_keep: Tenso
 # one length (`Packed.runs`) attends on views of the projections, no padding, no gathers. The int8
 # encoder of the bench's longest batch, 102 sentences of up to 40 tokens, a third of them padding:
 # 49 -> 41 ms; of 256 sentences of 5-40 tokens in no order, 249 runs of about one sentence: 110 -> 85
-# ms (docs/speed.md). False: the gathers always (tests compare the two).
+# ms (docs/speed.md). In float32 only: a bf16 encoder was 3% slower so (the fused kernel is slow in bf16,
+# `EXPLICIT_ATTENTION_MAX_KEYS`). False: the gathers always (tests compare the two).
 ATTENTION_BY_RUNS = True
 
 
