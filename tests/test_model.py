@@ -163,7 +163,7 @@ def _encode_both_ways(model: Transformer, src: torch.Tensor, monkeypatch) -> tup
 def test_encoder_attention_by_runs_equals_the_padded_one(lengths, monkeypatch):
     """Search's encoder attends run by run of equal lengths, without padding: what the padded,
     masked attention computes, at every real position (zeros at the padding either way)."""
-    model = tiny()
+    model = tiny(d_model=64)  # heads of 16: `RUNS_MIN_HEAD`
     src = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
     for i, n in enumerate(lengths):
         src[i, :n] = torch.randint(4, V, (n,))
@@ -189,9 +189,32 @@ def _runs_of(lengths: list[int]) -> list[tuple[int, int, list[int]]]:
     return out
 
 
+@pytest.mark.parametrize("d_head", [16, 64])
+def test_encoder_attention_by_runs_does_not_depend_on_the_thread_count(d_head, monkeypatch):
+    """Search's results must not depend on `--workers` (each worker's share of the threads): the
+    fused kernel that attends by runs gives the same bits on one thread and on two (at d_head 8 it
+    does not in torch 2.13, which keeps the gathers there: `RUNS_MIN_HEAD`)."""
+    model = Transformer(preset("tiny", src_vocab_size=V, tgt_vocab_size=V, d_model=4 * d_head, n_heads=4)).eval()
+    src = torch.randint(4, V, (6, 19))
+    for i in range(6):
+        src[i, 9 + 2 * i:] = 0  # odd lengths 9-19: where d_head 8 differs
+    calls = []
+    runs = aiayn.kernels._attention_by_runs
+    monkeypatch.setattr(aiayn.kernels, "_attention_by_runs", lambda *a: calls.append(1) or runs(*a))
+    threads, out = torch.get_num_threads(), []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            with torch.no_grad():
+                out.append(model.encode(src))
+    finally:
+        torch.set_num_threads(threads)
+    assert calls and torch.equal(out[0], out[1])
+
+
 def test_encoder_attention_by_runs_is_checked(monkeypatch):
     """The comparison above can fail: runs that attend across sentence boundaries are caught."""
-    model = tiny()
+    model = tiny(d_model=64)  # heads of 16: `RUNS_MIN_HEAD`
     src = torch.randint(4, V, (4, 6))
     src[2:, 4:] = 0
     good = aiayn.kernels._attention_by_runs

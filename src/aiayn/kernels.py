@@ -655,7 +655,8 @@ def packed_attention(mha: Any, x: Tensor, memory: Tensor | None, key_keep: Tenso
     else:
         qkv = mha.qkv_proj(x)  # (N, 3d)
         if ATTENTION_BY_RUNS and hm and not is_causal and not mha.training and qkv.device.type == "cpu" \
-                and qkv.dtype == torch.float32 and key_keep is not None and key_keep.dim() == 2:
+                and qkv.dtype == torch.float32 and mha.d_head >= RUNS_MIN_HEAD and key_keep is not None \
+                and key_keep.dim() == 2:
             return _attention_by_runs(qkv, packed.runs(), mha.n_heads)
         q, k, v = heads(packed, qkv, 3)
     mask = None if key_keep is None else key_keep[:, None] if key_keep.dim() == 3 else key_keep[:, None, None, :]
@@ -672,8 +673,11 @@ def packed_attention(mha: Any, x: Tensor, memory: Tensor | None, key_keep: Tenso
 # encoder of the bench's longest batch, 102 sentences of up to 40 tokens, a third of them padding:
 # 49 -> 41 ms; of 256 sentences of 5-40 tokens in no order, 249 runs of about one sentence: 110 -> 85
 # ms (docs/speed.md). In float32 only: a bf16 encoder was 3% slower so (the fused kernel is slow in bf16,
-# `EXPLICIT_ATTENTION_MAX_KEYS`). False: the gathers always (tests compare the two).
+# `EXPLICIT_ATTENTION_MAX_KEYS`). From heads of 16 dimensions: at 8, torch 2.13's fused kernel gives results that
+# depend on the thread count (by ~1e-7; a translation would then depend on `--workers`), at 4-128 otherwise not.
+# False: the gathers always (tests compare the two).
 ATTENTION_BY_RUNS = True
+RUNS_MIN_HEAD = 16
 
 
 def _attention_by_runs(qkv: Tensor, runs: list[tuple[int, int, int]], H: int) -> Tensor:
