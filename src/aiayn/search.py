@@ -117,7 +117,7 @@ def _check(beam: int, nbest: int, alpha: float, max_len_a: float, max_len_b: flo
     if stop not in STOP_RULES:
         raise AiaynError(f"--stop-rule must be one of {', '.join(STOP_RULES)}, got {stop!r}")
     for flag, n in (("--beam", beam), ("--nbest", nbest), ("--min-len", min_len)):
-        _whole(flag, n)
+        check_whole(flag, n)
     if int(beam) < 1:
         raise AiaynError(f"--beam must be at least 1, got {beam}")
     if not 1 <= int(nbest) <= int(beam):
@@ -131,8 +131,9 @@ def _check(beam: int, nbest: int, alpha: float, max_len_a: float, max_len_b: flo
         raise AiaynError(f"minimum length must be >= 0, got {min_len}")
 
 
-def _whole(flag: str, n: Any) -> None:
-    """A count given to the Python API as 2.5 (the CLI's flags are ints) met a reshape or topk later."""
+def check_whole(flag: str, n: Any) -> None:
+    """A count given to the Python API as 2.5 (the CLI's flags are ints) met a reshape or topk later
+    (and `workers=2.5` a barrier for 3.5 threads, `Settings.check`)."""
     try:
         whole = not isinstance(n, bool) and n == int(n)
     except (TypeError, ValueError, OverflowError):  # a string, nan, inf

@@ -396,16 +396,27 @@ def _open_output(name: str) -> tuple[IO[bytes], ReplacingFile | None]:
     return f.stream, f
 
 
-def _kept(f: ReplacingFile | None, done: int) -> str:
-    """After a failure or Ctrl-C: where the `done` finished lines are (" to FILE.partial; FILE is
-    as it was" when they could not go to FILE), or "" where they are in the output itself."""
+def _kept(f: ReplacingFile | None, done: int, size: int) -> str:
+    """After a failure or Ctrl-C: where the `done` finished lines (`size` bytes) are (" to FILE.partial;
+    FILE is as it was" when they could not go to FILE), or "" where they are in the output itself."""
     if f is None:
         return ""
     if not done:
         f.discard()
         return ""
     kept = f.keep()
+    _cut(kept, size)
     return "" if kept == f.path else f" to {kept} ({f.path} is as it was)"
+
+
+def _cut(path: str, size: int) -> None:
+    """The file we wrote, cut back to the `size` bytes of the chunks written whole: a chunk that failed
+    part-way (a full disk) left lines the message does not count, the last one cut short, and a rerun
+    on the rest (`tail -n +N`) appended after them."""
+    with contextlib.suppress(OSError):
+        st = os.stat(path)
+        if stat.S_ISREG(st.st_mode) and st.st_size > size:
+            os.truncate(path, size)
 
 
 def _write_all(out: IO[bytes], data: bytes) -> None:
@@ -442,7 +453,7 @@ def _run(args: argparse.Namespace) -> int:
     src, close_in = _open_input(args.input)
     out: IO[bytes] | None = None
     out_file: ReplacingFile | None = None
-    done = 0
+    done = size = 0  # input lines translated and written, and the bytes written for them
     try:
         _check_output(args.output, src)
         translator = load_translator(args, device)
@@ -471,6 +482,7 @@ def _run(args: argparse.Namespace) -> int:
                     where = "standard output" if args.output == "-" else args.output
                     raise AiaynError(f"{where}: cannot write ({e.strerror or e})") from None
                 done += len(chunk)
+                size += len(text)
         if out_file is not None:
             try:
                 out_file.commit()
@@ -478,7 +490,7 @@ def _run(args: argparse.Namespace) -> int:
                 raise AiaynError(f"{args.output}: cannot write ({e.strerror or e})") from None
             out_file = None
     except AiaynError as e:
-        kept = _kept(out_file, done)
+        kept = _kept(out_file, done, size)
         if done:  # say what is already there, as for Ctrl-C
             raise AiaynError(f"{e}; the first {done} input line(s) are translated and written{kept}") from None
         raise
@@ -486,13 +498,13 @@ def _run(args: argparse.Namespace) -> int:
         if out is not None:
             with contextlib.suppress(OSError):
                 out.flush()
-        kept = _kept(out_file, done)
+        kept = _kept(out_file, done, size)
         how = f"stopped by {signal.Signals(e.signum).name}" if isinstance(e, stops.Stopped) else "interrupted"
         print(f"aiayn translate: {how}; the first {done} input line(s) are translated and written{kept}, "
               f"line-aligned; rerun on the rest with `tail -n +{done + 1}`", file=sys.stderr, flush=True)
         return 128 + e.signum if isinstance(e, stops.Stopped) else 130
     except BaseException:
-        _kept(out_file, done)  # a broken pipe or a bug: the lines finished are kept all the same
+        _kept(out_file, done, size)  # a broken pipe or a bug: the lines finished are kept all the same
         raise
     finally:
         if close_in:

@@ -41,7 +41,8 @@ import aiayn.kernels
 from aiayn.config import INFERENCE_PRECISIONS
 from aiayn.errors import AiaynError, require
 from aiayn.kernels import ModuleT
-from aiayn.search import DEFAULT_STOP_RULE, MAX_ALPHA, STOP_RULES, ScoredIds, beam_search, greedy_search
+from aiayn.search import (DEFAULT_STOP_RULE, MAX_ALPHA, STOP_RULES, ScoredIds, beam_search, check_whole,
+                          greedy_search)
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, PIECES, TokenizerPair, vocabulary
 
 # Characters that `str.splitlines` treats as line ends: an output line must never contain one.
@@ -84,6 +85,7 @@ class Settings:
                              f"{self.max_len_b}")
         if self.min_len < 0:
             raise AiaynError(f"--min-len must be >= 0, got {self.min_len}")
+        check_whole("--workers", self.workers)  # (2.5 waited a minute for a worker that never came)
         if self.workers < 0:
             raise AiaynError(f"--workers must be >= 0 (0: one per CPU thread), got {self.workers}")
         if self.stop_rule is not None and self.stop_rule not in STOP_RULES:
@@ -170,7 +172,7 @@ def worker_count(workers: int, n_batches: int, device: torch.device | str = "cpu
     CPU, never more than there are batches; one on other devices."""
     if torch.device(device).type != "cpu":
         return 1
-    return max(1, min(workers or torch.get_num_threads(), n_batches))
+    return max(1, min(int(workers) or torch.get_num_threads(), n_batches))
 
 
 def map_batches(fn: Callable[[Any], Any], batches: Sequence[Any], workers: int = 0,
