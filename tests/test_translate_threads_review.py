@@ -88,3 +88,14 @@ def test_a_chunk_that_fails_part_way_is_not_left_in_the_output(ckpt, tmp_path, m
     assert kept.read_bytes() == calls[0]  # the first chunk's two lines, nothing of the second
     if existing:
         assert out.read_text() == "old\n"
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "batch_size"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 2.5])
+def test_batch_limits_that_are_no_whole_numbers_are_refused(field, value):
+    """The Python API's batch limits must be whole numbers: nan passed the range checks and lifted the
+    cap (every sentence in one batch), inf and 2.5 met an int conversion or a range later."""
+    flag = "--" + field.replace("_", "-")
+    with pytest.raises(AiaynError, match=f"{flag} must be a whole number"):
+        Settings(**{field: value}).check()
+    Settings(**{field: 64.0}).check()  # a whole number as a float is fine

@@ -76,6 +76,8 @@ class Settings:
             raise AiaynError(f"--nbest must be between 1 and --beam ({self.beam}), got {self.nbest}")
         if not 0 <= self.alpha <= MAX_ALPHA:  # nan fails the comparison
             raise AiaynError(f"--alpha must be between 0 and {MAX_ALPHA:g} (the paper: 0.6), got {self.alpha}")
+        for flag, n in (("--max-tokens", self.max_tokens), ("--batch-size", self.batch_size)):
+            check_whole(flag, n)  # (nan passed the checks below and lifted the cap; inf, 2.5 met a range later)
         if self.max_tokens < 1:
             raise AiaynError(f"--max-tokens must be positive, got {self.max_tokens}")
         if self.batch_size < 1:
