@@ -10,6 +10,9 @@ Handlers are Python's, set in the main thread only (the only one that may), and 
 process was started with the signal ignored (a background job of a script, `nohup`): that stays so.
 A Python handler, not a signal mask: torch's worker threads would still take a masked signal and
 interrupt the main thread anywhere inside the block.
+
+Output whose reader is gone (a closed terminal, a `tee` ended by the same Ctrl-C) goes to /dev/null
+(`away_from_hung_up_terminal`, `LogStream`) rather than stopping a run before it saves.
 """
 
 from __future__ import annotations
@@ -61,12 +64,17 @@ def away_from_hung_up_terminal() -> None:
     """On SIGHUP: stdout and stderr that are a terminal (the one just closed) go to /dev/null, so that
     the clean-up's closing lines do not fail with "Input/output error" and turn a saved stop into an
     error (train saved, then exited 1)."""
+    for fd in (1, 2):
+        with contextlib.suppress(OSError):
+            if _terminal(fd):
+                _to_null(fd)
+
+
+def _to_null(fd: int) -> None:
+    """Point descriptor `fd` at /dev/null."""
     null = os.open(os.devnull, os.O_WRONLY)
     try:
-        for fd in (1, 2):
-            with contextlib.suppress(OSError):
-                if _terminal(fd):
-                    os.dup2(null, fd)
+        os.dup2(null, fd)
     finally:
         os.close(null)
 
@@ -105,3 +113,39 @@ def deferred() -> Iterator[None]:
             handler(hits[0], None)
         elif handler == signal.SIG_DFL:  # (the default's action: stop)
             raise KeyboardInterrupt if hits[0] == signal.SIGINT else Stopped(hits[0])
+
+
+class LogStream:
+    """The run's progress and log lines on `stream`, sent nowhere once its reader is gone: `aiayn train ... |& tee
+    log` stopped by Ctrl-C or a closed terminal loses its tee to the same signal, and the broken pipe then ended
+    the run before it saved, with exit 0. A log no one reads is no reason to stop training."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        unless_reader_gone(self.stream, self.stream.write, text)
+
+    def flush(self) -> None:
+        unless_reader_gone(self.stream, self.stream.flush)
+
+    def __getattr__(self, name: str) -> Any:  # (isatty, fileno, encoding: as tqdm asks)
+        return getattr(self.stream, name)
+
+    def __eq__(self, other: object) -> bool:  # tqdm clears its bar before a line to the same stream or the other
+        return bool(self.stream == getattr(other, "stream", other))  # standard one (the terminal they share)
+
+    def __hash__(self) -> int:
+        return hash(self.stream)
+
+
+def unless_reader_gone(stream: Any, call: Any, *args: Any) -> None:
+    """`call(*args)`, which writes to `stream`; a broken pipe or a hung-up terminal (EIO) points the stream's
+    descriptor at /dev/null."""
+    try:
+        call(*args)
+    except OSError as e:
+        if e.errno not in (errno.EPIPE, errno.EIO):
+            raise
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # (a stream with no descriptor: nothing to do)
+            _to_null(stream.fileno())

@@ -45,7 +45,7 @@ from aiayn.files import atomic_write_bytes
 from aiayn.model import Transformer
 from aiayn.rundir import (Log, RunLock, load_newest, open_run_dir, removed_if_left_empty, resume_command,
                           resumed_settings, saved_device, tidy_out)
-from aiayn.stops import STOPS, away_from_hung_up_terminal
+from aiayn.stops import STOPS, LogStream, away_from_hung_up_terminal, unless_reader_gone
 # add_arguments: the flags of `aiayn train`, which aiayn.cli takes from this module beside `run`
 from aiayn.train_options import (DEFAULT_PRESET, FINE_TUNE_FREE, MODEL_FROM_DATA, add_arguments, build_configs,
                                  check_corpus, check_model_options, check_patience, given_options, new_model_config,
@@ -320,8 +320,10 @@ def _total_steps(run: Run) -> int | None:
 
 class Stopper:
     """Ctrl-C, SIGTERM and SIGHUP (a closed terminal, which killed the run unsaved) set a flag; the loop
-    finishes its step, saves and exits. A second signal kills. A signal the process was started with
-    ignored (a script's background job, `nohup`) stays ignored, as `aiayn.stops` leaves it."""
+    finishes its step, saves and exits. A second Ctrl-C or SIGTERM kills; a second SIGHUP does not: a
+    closed terminal sends its foreground job two (the shell's, then the kernel's as the shell exits),
+    and the second killed the save the first began. A signal the process was started with ignored (a
+    script's background job, `nohup`) stays ignored, as `aiayn.stops` leaves it."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
@@ -340,6 +342,7 @@ class Stopper:
         self.signum = signum
         if signum == signal.SIGHUP:
             away_from_hung_up_terminal()
+            return  # (no user's "now": the terminal is gone)
         signal.signal(signum, self._old.get(signum) or signal.SIG_DFL)
 
     def __exit__(self, *exc: Any) -> None:
@@ -476,7 +479,7 @@ def train(preset_name: str, model_over: dict[str, Any], tc: TrainConfig, resume:
     d = setup_distributed(tc.device)
     if not resume and tc.precision == "fp16" and d.device.type != "cuda":  # before the data is prepared (minutes)
         raise AiaynError("--precision fp16 needs a CUDA device; use bf16 or fp32 on the CPU")
-    info = (lambda msg: log(msg)) if d.main else (lambda msg: None)
+    info = (lambda msg: _said(log, msg)) if d.main else (lambda msg: None)
     for msg in notes:
         info(msg)
     with RunLock(Path(tc.out), d.main) as lock:  # one `train` at a time in --out
@@ -625,7 +628,7 @@ def _take_steps(run: Run, stopper: Stopper, bar: Any, mine: Batches, feed: Prefe
             bar.update(1)
         elif d.main and trainer.scaler:
             bar.write(f"step {trainer.step + 1}: fp16 gradients overflowed, update skipped (loss scale now "
-                      f"{trainer.scaler.get_scale():g}; {trainer.skipped} skipped in all)")
+                      f"{trainer.scaler.get_scale():g}; {trainer.skipped} skipped in all)", file=LogStream(sys.stdout))
         bar.set_postfix(epoch=run.epoch, loss=f"{loss:.3f}", lr=f"{trainer.lr(trainer.step):.2e}",
                         tok_s=f"{tps:,.0f}", refresh=False)
         if tc.log_every and trainer.applied and trainer.step % tc.log_every == 0:
@@ -679,7 +682,8 @@ def _validate(run: Run, bar: Any, epoch_end: bool = True) -> bool:
         run.metrics.write({"kind": "valid", "step": run.trainer.step, "epoch": run.epoch,
                            **{k: round(x, 4) for k, x in v.items()}, "elapsed_s": round(run.seconds(), 2)})
         bar.write(f"epoch {run.epoch} step {run.trainer.step}: " + ", ".join(
-            f"valid {k} {x:.2f}" if k in ("bleu", "bleu_lc", "chrf") else f"valid {k} {x:.3f}" for k, x in v.items()))
+            f"valid {k} {x:.2f}" if k in ("bleu", "bleu_lc", "chrf") else f"valid {k} {x:.3f}" for k, x in v.items()),
+            file=LogStream(sys.stdout))
     if d.world > 1:
         flags = torch.tensor([float(improved), float(run.bad_epochs), run.best_bleu], dtype=torch.float64,
                              device=d.device)
@@ -704,7 +708,12 @@ def _progress(total: int | None, initial: int, enabled: bool) -> Any:
     from tqdm import tqdm
 
     return tqdm(total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True, mininterval=1.0,
-                file=sys.stderr)
+                file=LogStream(sys.stderr))
+
+
+def _said(log: Log, msg: str) -> None:
+    """One line of the run's log (print: standard output), as `LogStream` writes."""
+    unless_reader_gone(sys.stdout, log, msg)
 
 
 def run(args: argparse.Namespace) -> int:
