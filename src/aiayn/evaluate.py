@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import stat
@@ -184,8 +185,9 @@ def _read(path: str, blank_ok: bool = False, most: int | None = None) -> tuple[l
     """`files.read_lines`, where "-" is standard input (`aiayn translate ... | aiayn evaluate --hyp-file -`;
     it was "-: no such file"), read as it is: opening /dev/stdin anew fails where it is a socket (a
     child of Node.js or of a service manager: "/dev/stdin: cannot read (No such device or address)").
-    With `most`, its first `most` lines only, and whether more follow (`files.read_lines_upto`)."""
-    from aiayn.files import read_lines, read_lines_upto, read_stream_lines, read_stream_lines_upto
+    With `most` (a pipe or a device: `_endless`), its first `most` lines only, and whether more follow,
+    read as the bytes come (`_unbuffered`)."""
+    from aiayn.files import read_lines, read_stream_lines, read_stream_lines_upto
 
     stream = None
     if path == "-":
@@ -193,11 +195,23 @@ def _read(path: str, blank_ok: bool = False, most: int | None = None) -> tuple[l
             raise AiaynError("standard input is closed; give a file name instead of -")
         stream = getattr(sys.stdin, "buffer", None)
         path = "/dev/stdin" if stream is None else path  # (a text stream put in its place)
-    if stream is None:
-        return (read_lines(path, blank_ok), False) if most is None else read_lines_upto(path, most, blank_ok)
     if most is None:
-        return read_stream_lines(stream, "standard input", blank_ok), False
-    return read_stream_lines_upto(stream, "standard input", most, blank_ok)
+        return (read_lines(path, blank_ok) if stream is None else
+                read_stream_lines(stream, "standard input", blank_ok)), False
+    if stream is not None:
+        return read_stream_lines_upto(getattr(stream, "raw", stream), "standard input", most, blank_ok)
+    with _unbuffered(path) as f:
+        return read_stream_lines_upto(f, path, most, blank_ok)
+
+
+def _unbuffered(path: str) -> io.FileIO:
+    """A pipe or device opened without a buffer, so that a read gives what has come: a buffered read
+    waits for all it asks (1 MiB), and a stream that goes on slowly (a log followed, a line a second)
+    was waited on for days before it was refused, its extra line long since there."""
+    try:
+        return io.FileIO(path, "r")
+    except OSError as e:
+        raise AiaynError(f"{path}: cannot read ({e.strerror or e})") from None
 
 
 def _endless(path: str) -> bool:

@@ -216,13 +216,6 @@ def _read_all(f: BinaryIO, name: str) -> bytearray:
             raise long_line_error(name, data.count(b"\n", 0, at) + 1)
 
 
-def read_lines_upto(path: str | os.PathLike[str], most: int, blank_ok: bool = False) -> tuple[list[str], bool]:
-    """`read_stream_lines_upto` of a file."""
-    path = Path(path)
-    with _open_text_file(path) as f:
-        return read_stream_lines_upto(f, str(path), most, blank_ok)
-
-
 _ASCII_SPACE = " \t\n\r\x0b\x0c"  # what bytes.isspace() counts as space
 
 
