@@ -157,6 +157,13 @@ class _Middleware:
             if not status[0]:
                 await _error(503, "the server stopped before this request was done (--shutdown-timeout)",
                              {"Connection": "close"})(scope, receive, counted)
+        except Exception as e:
+            # a bug's 500, answered here, inside the CORS middleware: answered outside it (Starlette's
+            # ServerErrorMiddleware), it had no Access-Control-Allow-Origin, and a page of an allowed
+            # origin read a network error instead of this body
+            if not status[0]:
+                await _error(500, _internal_error(e))(scope, receive, counted)
+            raise  # on to uvicorn, which logs the traceback (the response is sent: nothing more is)
         finally:
             self.bodies.release(held)
             self.metrics.requests.labels(path, str(status[0] or 500)).inc()
@@ -470,8 +477,14 @@ def _handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def failed(request: Request, e: Exception) -> JSONResponse:
-        """A bug's 500 as JSON too (the traceback goes to the log, as uvicorn writes it)."""
-        return _error(500, f"internal error ({type(e).__name__}); the server's log has the details")
+        """A bug's 500 as JSON too (the traceback goes to the log, as uvicorn writes it); `_Middleware`
+        answers it first where it can."""
+        return _error(500, _internal_error(e))
+
+
+def _internal_error(e: Exception) -> str:
+    """A bug's 500 message: its kind only (the details go to the log, not to a client)."""
+    return f"internal error ({type(e).__name__}); the server's log has the details"
 
 
 def _unreadable(e: ValueError) -> str:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -185,8 +186,11 @@ async def translate_pieces(srv: Served, request: Request, pieces: list[Piece], n
 
     async def run(pair: tuple[str, str], members: list[int]) -> None:
         lines = [s for i in members for s in pieces[i].sentences()]
-        _, results = await srv.translate(request, lines, Key(srv.limits.beam, DEFAULT_ALPHA, nbest, False, pair),
-                                         asked=len(members))
+        try:
+            _, results = await srv.translate(request, lines, Key(srv.limits.beam, DEFAULT_ALPHA, nbest, False, pair),
+                                             asked=len(members))
+        except ApiError as e:
+            raise _in_text(e, [(i, len(pieces[i].sentences())) for i in members], len(pieces)) from None
         at = 0
         for i in members:
             n = len(pieces[i].sentences())
@@ -197,6 +201,22 @@ async def translate_pieces(srv: Served, request: Request, pieces: list[Piece], n
     out: list[list[str]] = [[] for _ in pieces]
     await _all_or_none([run(pair, members) for pair, members in groups.items()])
     return out
+
+
+def _in_text(e: ApiError, counts: list[tuple[int, int]], texts: int) -> ApiError:
+    """An error about line n of one pair's sentences ("line n: ...", as the server counts what it
+    searches) as the sentence of the client's text it is: `counts` holds (text index, its sentences)
+    of that pair's texts, in order (with source auto, a pair's sentences are not the request's)."""
+    m = re.match(r"line (\d+): ", e.message)
+    if not m:
+        return e
+    n = int(m.group(1))
+    for i, count in counts:
+        if n < count:
+            where = (f"text {i}, " if texts > 1 else "") + f"sentence {n}"
+            return ApiError(e.status, f"{where}: {e.message[m.end():]}", e.headers, e.field)
+        n -= count
+    return e
 
 
 async def _all_or_none(runs: list[Any]) -> None:
