@@ -148,16 +148,24 @@ class _Events(HTMLParser):
 
 
 class NotHtml(ValueError):
-    """A fragment the tokenizer cannot read (Python 3.11-3.12's, on a malformed `<![`)."""
+    """A fragment the tokenizer cannot read (Python 3.11-3.12's, on a malformed `<![`), or whose text
+    cannot be translated as written (a reference to no character)."""
 
 
 def parse(source: str) -> Fragment:
     """`source` cut into markup and text nodes; the pieces joined give `source` back exactly.
-    Raises `NotHtml` where the tokenizer gives up."""
+    Raises `NotHtml` where the tokenizer gives up, or a text to translate refers to no character."""
     parser = _Events(source)
     try:
-        parser.feed(source)
-        parser.close()
+        # a NUL is read as U+FFFD, as HTML does (same length: the positions hold); in a tag name it
+        # otherwise ended the tag there and sent the rest of the tag on as text
+        parser.feed(source.replace("\0", "\ufffd"))
+        if parser.rawdata.startswith("<") and not parser.cdata_elem:
+            # a tag, comment or declaration left open runs to the end (so HTML reads it): markup, kept as
+            # written (`close` made text of it, for the model to drop)
+            parser.events.append((len(source) - len(parser.rawdata), False))
+        else:
+            parser.close()
     except AssertionError as e:  # the standard library's tokenizer asserts on some malformed declarations
         raise NotHtml(str(e)) from None
     starts = [(0, False)] + parser.events + [(len(source), False)]
@@ -181,6 +189,20 @@ def parse(source: str) -> Fragment:
 def _add_text(raw: str, pieces: list[str], slots: list[int], texts: list[str]) -> None:
     decoded = html.unescape(raw)
     if any(c.isalpha() for c in decoded):
+        _refuse_lost_references(raw)
         slots.append(len(pieces))
         texts.append(decoded)
     pieces.append(raw)
+
+
+def _refuse_lost_references(raw: str) -> None:
+    """`NotHtml` for a reference to no character in a text to translate (`&#xD800;`, half of a pair of
+    UTF-16 surrogates; `&#0;`; past U+10FFFF): HTML reads it as U+FFFD, which a translation drops, and
+    the reference could not be written back."""
+    for m in _ENTITY.finditer(raw):
+        ref = m.group(0)
+        if ref.startswith("&#") and html.unescape(ref) == "\ufffd":
+            digits = ref[2:].rstrip(";")
+            code = int(digits[1:], 16) if digits[0] in "xX" else int(digits)
+            if code != 0xFFFD:
+                raise NotHtml(f"{ref} refers to no character, which HTML reads as U+FFFD: write the character itself")
