@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -39,7 +38,7 @@ from aiayn.serve.batch import DEFAULT_ALPHA, Key
 from aiayn.serve.clients import ClientBusy, check_holdable
 from aiayn.serve.detect import Detector, as_libre, detect_texts
 from aiayn.serve.encode import json_response
-from aiayn.serve.errors import ApiError, Busy
+from aiayn.serve.errors import ApiError, Busy, renamed_line
 from aiayn.serve.scheduler import Limits
 from aiayn.serve.unicode import fields_replaced
 
@@ -204,19 +203,11 @@ async def translate_pieces(srv: Served, request: Request, pieces: list[Piece], n
 
 
 def _in_text(e: ApiError, counts: list[tuple[int, int]], texts: int) -> ApiError:
-    """An error about line n of one pair's sentences ("line n: ...", as the server counts what it
-    searches) as the sentence of the client's text it is: `counts` holds (text index, its sentences)
-    of that pair's texts, in order (with source auto, a pair's sentences are not the request's)."""
-    m = re.match(r"line (\d+): ", e.message)
-    if not m:
-        return e
-    n = int(m.group(1))
-    for i, count in counts:
-        if n < count:
-            where = (f"text {i}, " if texts > 1 else "") + f"sentence {n}"
-            return ApiError(e.status, f"{where}: {e.message[m.end():]}", e.headers, e.field)
-        n -= count
-    return e
+    """An error about line n of one pair's sentences as the sentence of the client's text it is:
+    `counts` holds (text index, its sentences) of that pair's texts, in order (with source auto, a
+    pair's sentences are not the request's)."""
+    return renamed_line(e, [c for _, c in counts],
+                        lambda j, n: (f"text {counts[j][0]}, " if texts > 1 else "") + f"sentence {n}")
 
 
 async def _all_or_none(runs: list[Any]) -> None:

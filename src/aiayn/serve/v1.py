@@ -14,7 +14,6 @@ way; the sentences of a request are priced by --max-work and bounded by --max-ch
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -27,7 +26,7 @@ from aiayn.sentences import split
 from aiayn.serve.batch import DEFAULT_ALPHA, Key
 from aiayn.serve.clients import check_holdable
 from aiayn.serve.encode import json_response
-from aiayn.serve.errors import ApiError
+from aiayn.serve.errors import ApiError, renamed_line
 from aiayn.serve.scheduler import Limits
 from aiayn.serve.unicode import fields_replaced
 
@@ -197,16 +196,7 @@ def _joined(join: Any, sentences: list[str], results: list[dict[str, Any]]) -> d
 
 
 def _by_line(e: ApiError, units: Sequence[list[str]]) -> ApiError:
-    """An error about sentence n of the request ("line n: ...", as the server counts what it
-    searches) as the line and sentence of the client's text."""
-    m = re.match(r"line (\d+): ", e.message)
-    if not m:
-        return e
-    n = int(m.group(1))
-    for i, u in enumerate(units):
-        if n < len(u):
-            where = f"line {i}" + (f", sentence {n}" if len(u) > 1 else "")
-            return ApiError(e.status, f"{where}: {e.message[m.end():]}", e.headers, e.field)
-        n -= len(u)
-    return e
+    """An error about sentence n of the request as the line and sentence of the client's text."""
+    return renamed_line(e, [len(u) for u in units],
+                        lambda i, n: f"line {i}" + (f", sentence {n}" if len(units[i]) > 1 else ""))
 
