@@ -163,6 +163,27 @@ def test_a_cache_made_in_inference_mode_is_reordered_outside_it_by_a_copy():
     assert torch.equal(cache.layers[0].cross_k, cross[rows])
 
 
+@pytest.mark.parametrize("in_place", [True, False])
+def test_cross_attention_values_keep_their_layout_when_sentences_leave(in_place):
+    """The cache keeps the cross-attention values dimension by dimension on the CPU (`VALUES_BY_DIM`):
+    a reorder, in place (inference mode) or by a copy (outside it), selects the sentences and keeps
+    that layout, which the next step then reads as it is."""
+    from aiayn.search import _survivors
+
+    model = tiny()
+    src = torch.randint(4, V, (4, 5), generator=torch.Generator().manual_seed(7))
+    with torch.inference_mode():
+        keep = src.ne(0)
+        cache = model.new_cache(model.encode(src, keep), keep)
+        model.decode(torch.full((4, 1), 5), None, cache=cache)
+    rows = _survivors(torch.tensor([False, True, False, False]))  # [0, 3, 2]
+    values = cache.layers[0].cross_v.clone()
+    with torch.inference_mode() if in_place else torch.no_grad():
+        cache.reorder(rows)
+    got = cache.layers[0].cross_v
+    assert torch.equal(got, values[rows]) and got.transpose(-1, -2).is_contiguous()
+
+
 def test_greedy_survivors_keep_the_live_rows_and_fill_each_place_from_the_end():
     from aiayn.search import _survivors
 

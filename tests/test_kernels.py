@@ -303,7 +303,42 @@ def test_the_values_weighed_by_one_query_are_summed_where_bmm_would_loop(shape):
         scores = torch.bmm(q.reshape(B * H, T, dh) * 0.5, k.reshape(B * H, S, dh).transpose(1, 2))
         want = kernels.weigh_values(kernels.softmax_rows(scores, torch.float32).view(B, H, T, S), v)
         assert torch.equal(unit.attend(q, k, v, None, 0.5, kernels.SHORT_ROW, kernels.SHORT_ROWS_MIN,
-                                       kernels.SMALL_BMM), want)
+                                       kernels.SMALL_BMM, False), want)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_one_query_over_contiguous_keys_scores_as_keys_times_query(monkeypatch, masked):
+    """A decoding step's cross-attention (one query per head, keys stored row by row) computes its
+    scores as `k @ q` (`_one_query_scores`): equal to `q @ k^T` within rounding, and the compiled
+    step's `attend` bitwise equal to the Python path. Time-major keys (a view, as the self-attention
+    cache's), several queries, autograd and bf16 keep `q @ k^T`."""
+    g = torch.Generator().manual_seed(0)
+    B, H, S, dh = 5, 4, 13, 16
+    q, k, v = (torch.randn(B, H, n, dh, generator=g) for n in (1, S, S))
+    keep = torch.rand(B, S, generator=g) > 0.3
+    keep[:, 0] = True
+    mask = keep[:, None, None, :] if masked else None
+    calls = []
+    real = kernels._one_query_scores
+    monkeypatch.setattr(kernels, "_one_query_scores", lambda *a: calls.append(1) or real(*a))
+    got, _ = kernels.attention(q, k, v, mask, False, 0.0, False)
+    assert calls == [1]
+    monkeypatch.setattr(kernels, "ONE_QUERY_KEYS_FIRST", False)
+    want, _ = kernels.attention(q, k, v, mask, False, 0.0, False)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    monkeypatch.setattr(kernels, "ONE_QUERY_KEYS_FIRST", True)
+    unit = step.compiled_step()
+    if unit and hasattr(unit, "attend"):
+        bias = None if mask is None else kernels._mask_bias(mask, B, H, torch.float32)
+        compiled = unit.attend(q, k, v, bias, dh ** -0.5, kernels.SHORT_ROW, kernels.SHORT_ROWS_MIN,
+                               kernels.SMALL_BMM, True)
+        assert torch.equal(compiled, got)
+    time_major = torch.randn(S, B, H, dh, generator=g).permute(1, 2, 0, 3)  # (B, H, S, dh), a strided view
+    kernels.attention(q, time_major, v, mask, False, 0.0, False)
+    kernels.attention(torch.randn(B, H, 2, dh, generator=g), k, v, mask, False, 0.0, False)
+    kernels.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, False, 0.0, False)
+    kernels.attention(q.requires_grad_(), k, v, mask, False, 0.0, False)
+    assert calls == [1]
 
 
 def test_weigh_values_leaves_autograd_and_other_dtypes_to_torch():

@@ -413,7 +413,9 @@ def test_encode_and_cache_skip_padding_with_the_same_values():
     assert torch.allclose(cache.layers[1].cross_k * m, k * m, atol=1e-6)
     assert torch.allclose(cache.layers[1].cross_v * m, v * m, atol=1e-6)
     for t in (cache.layers[1].cross_k, cache.layers[1].cross_v):
-        assert t.is_contiguous() and t.masked_select(~m).eq(0).all()  # zeros at the padding
+        assert t.masked_select(~m).eq(0).all()  # zeros at the padding
+    # keys row by row, values dimension by dimension (`cache.VALUES_BY_DIM`), each in one block
+    assert cache.layers[1].cross_k.is_contiguous() and cache.layers[1].cross_v.transpose(-1, -2).is_contiguous()
 
 
 @pytest.mark.parametrize("norm_first", [False, True])

@@ -417,7 +417,10 @@ def _explicit_attention(
     scale = 1.0 / math.sqrt(d_head)
     dev = q.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else torch.promote_types(q.dtype, k.dtype)
-    if mask is None or dtype == torch.float16:
+    if _keys_first(q, k, dtype):
+        scores = _one_query_scores(q, k, scale, None if mask is None else
+                                   _mask_bias(mask, B, H, dtype) if bias is None else bias.get(mask, B, H, dtype))
+    elif mask is None or dtype == torch.float16:
         # (BH, T, S); scaled first, as q k^T may overflow float16, and before the reshape, which
         # then has a contiguous product to view rather than a strided q to copy
         scores = torch.bmm((q * scale).reshape(B * H, T, d_head), kt)
@@ -430,6 +433,33 @@ def _explicit_attention(
     weights = softmax_rows(scores, exact).to(scores.dtype).view(B, H, T, S)
     attn = dropout(weights, dropout_p, training)
     return weigh_values(attn, v), weights
+
+
+# One query per head over keys stored row by row (a decoding step's cross-attention over its cache):
+# torch 2.13 on the CPU hands `q @ k^T` to MKL as a product of a row by a matrix, and `k @ q` as a
+# matrix by a column, which MKL's generic code (the code it runs on AMD CPUs) does 1.3-2x faster
+# (800 heads x 14 keys x 64: 177 -> 112 us; a greedy step's whole cross-attention at 256 sentences
+# of 14 tokens 546 -> 415 us; docs/speed.md). Keys that lie time-major (the self-attention cache)
+# gain nothing so. False: always `q @ k^T` (for comparison).
+ONE_QUERY_KEYS_FIRST = True
+
+
+def _keys_first(q: Tensor, k: Tensor, dtype: torch.dtype) -> bool:
+    """Whether `_one_query_scores` takes these scores: one float32 query per head on the CPU over
+    contiguous keys, without autograd (the compiled step's `attend` does the same)."""
+    return (ONE_QUERY_KEYS_FIRST and q.size(2) == 1 and k.is_contiguous() and dtype == q.dtype == k.dtype == torch.float32
+            and q.device.type == "cpu" and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)))
+
+
+def _one_query_scores(q: Tensor, k: Tensor, scale: float, additive: Tensor | None) -> Tensor:
+    """The scaled (and masked) scores of one query per head as `k @ q` (see the note above).
+    Shape: q (B, H, 1, d_head), k (B, H, S, d_head), additive (1 | B*H, 1, S) -> (B*H, 1, S)."""
+    B, H, _, dh = q.shape
+    S = k.size(2)
+    kr = k.reshape(B * H, S, dh)
+    if additive is None:
+        return torch.bmm(kr, (q * scale).reshape(B * H, 1, dh).transpose(1, 2)).view(B * H, 1, S)
+    return torch.baddbmm(additive.view(-1, S, 1), kr, q.reshape(B * H, 1, dh).transpose(1, 2), beta=1, alpha=scale).view(B * H, 1, S)
 
 
 # torch 2.13's CPU softmax takes a slow path over rows shorter than one vector register (16 floats

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aiayn import kernels, step
-from aiayn.cache import DecoderCache, LayerCache, ungroup
+from aiayn.cache import DecoderCache, LayerCache, cached_values, ungroup
 from aiayn.config import ModelConfig
 from aiayn.kernels import Layers, Linear, LossPacking, Packed
 
@@ -362,7 +362,7 @@ class Transformer(nn.Module):
         spare: list[Tensor | None] = [None, None]  # the layers share their spare buffers (`LayerCache`)
         for layer in self.decoder.layers:
             k, v = layer.cross_attn.project_kv(mem, packed)  # (B, H, S, d_head) each
-            layers.append(LayerCache(k.contiguous(), v.contiguous(), spare=spare))  # contiguous: read at every step
+            layers.append(LayerCache(k.contiguous(), cached_values(v), spare=spare))  # one layout, read at every step
         return DecoderCache(layers, src_keep)
 
     def decode(self, tgt: Tensor, memory: Tensor | None, src_keep: Tensor | None = None, tgt_keep: Tensor | None = None,

@@ -130,13 +130,20 @@ def softmax_rows(x: Tensor, short: int, min_rows: int) -> Tensor:
     return torch.softmax(x, -1, torch.float32)
 
 def attend(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], scale: float, short: int, min_rows: int,
-           small: int) -> Tensor:
+           small: int, keys_first: bool) -> Tensor:
     B, H, T, dh, S = q.size(0), q.size(1), q.size(2), q.size(3), k.size(2)
-    kt = k.reshape(B * H, S, dh).transpose(1, 2)
-    if bias is None:
-        scores = torch.bmm((q * scale).reshape(B * H, T, dh), kt)
+    if keys_first and T == 1 and k.is_contiguous():
+        kr = k.reshape(B * H, S, dh)
+        if bias is None:
+            scores = torch.bmm(kr, (q * scale).reshape(B * H, 1, dh).transpose(1, 2)).view(B * H, 1, S)
+        else:
+            scores = torch.baddbmm(bias.view(-1, S, 1), kr, q.reshape(B * H, 1, dh).transpose(1, 2), beta=1, alpha=scale).view(B * H, 1, S)
     else:
-        scores = torch.baddbmm(bias, q.reshape(B * H, T, dh), kt, beta=1, alpha=scale)
+        kt = k.reshape(B * H, S, dh).transpose(1, 2)
+        if bias is None:
+            scores = torch.bmm((q * scale).reshape(B * H, T, dh), kt)
+        else:
+            scores = torch.baddbmm(bias, q.reshape(B * H, T, dh), kt, beta=1, alpha=scale)
     p = softmax_rows(scores, short, min_rows).to(scores.dtype).view(B, H, T, S)
     if T == 1 and S * dh < small:
         return (v * p.transpose(-1, -2)).sum(-2, True)
@@ -149,15 +156,15 @@ def after_append(x: Tensor, q: Tensor, k: Tensor, v: Tensor, ck: Tensor, cv: Ten
                  w1: __torch__.torch.classes.quantized.LinearPackedParamsBase,
                  w2: __torch__.torch.classes.quantized.LinearPackedParamsBase,
                  norms: List[Tensor], eps: float, scale: float, norm_first: bool, act: int,
-                 rr: bool, short: int, min_rows: int, small: int) -> Tensor:
+                 rr: bool, short: int, min_rows: int, small: int, keys_first: bool) -> Tensor:
     b, D, H, N = x.size(0), x.size(1), q.size(1), ck.size(0)
-    ctx = attend(q, k, v, None, scale, short, min_rows, small)
+    ctx = attend(q, k, v, None, scale, short, min_rows, small, keys_first)
     x = residual(x, int8_op(ctx.transpose(1, 2).reshape(b, D), wo, False, rr), norms[0], norms[1], eps, norm_first)
     h = sublayer_input(x, norms[2], norms[3], eps, norm_first)
     qc = int8_op(h, wq, False, rr).view(b, 1, H, D // H).transpose(1, 2)
     if b > N:
         qc = qc.reshape(N, b // N, H, 1, D // H).transpose(1, 2).reshape(N, H, b // N, D // H)
-    ctx = attend(qc, ck, cv, bias, scale, short, min_rows, small)
+    ctx = attend(qc, ck, cv, bias, scale, short, min_rows, small, keys_first)
     x = residual(x, int8_op(ctx.transpose(1, 2).reshape(b, D), wco, False, rr), norms[2], norms[3], eps, norm_first)
     h = sublayer_input(x, norms[4], norms[5], eps, norm_first)
     if act == 0:
@@ -173,7 +180,7 @@ def decoder_layers(x: Tensor, qkv: List[__torch__.torch.classes.quantized.Linear
                    norms: List[List[Tensor]], old_k: List[Tensor], old_v: List[Tensor], store_k: List[Tensor],
                    store_v: List[Tensor], rows: Optional[Tensor], ck: List[Tensor], cv: List[Tensor], bias: Tensor,
                    H: int, eps: float, scale: float, norm_first: bool, act: int, rr: bool, short: int,
-                   min_rows: int, small: int) -> Tuple[Tensor, List[Tensor], List[Tensor]]:
+                   min_rows: int, small: int, keys_first: bool) -> Tuple[Tensor, List[Tensor], List[Tensor]]:
     b, D = x.size(0), x.size(1)
     ks: List[Tensor] = []
     vs: List[Tensor] = []
@@ -184,7 +191,7 @@ def decoder_layers(x: Tensor, qkv: List[__torch__.torch.classes.quantized.Linear
         v = append_kv(old_v[i], rows, y[2], store_v[i])
         p = packs[i]
         x = after_append(x, y[0], k, v, ck[i], cv[i], bias, p[0], p[1], p[2], p[3], p[4], norms[i], eps, scale,
-                         norm_first, act, rr, short, min_rows, small)
+                         norm_first, act, rr, short, min_rows, small, keys_first)
         ks.append(k)
         vs.append(v)
     return x, ks, vs
@@ -266,7 +273,7 @@ class _StepPlan:
         x, ks, vs = self.unit.decoder_layers(
             x, self.qkv, self.packs, self.norms, *_cache_arguments(cache, x, H), bias, H, eps,
             1.0 / math.sqrt(D // H), norm_first, act, kernels._INT8_REDUCE_RANGE, kernels.SHORT_ROW if fp32 else 0,
-            kernels.SHORT_ROWS_MIN, kernels.SMALL_BMM if fp32 else 0)
+            kernels.SHORT_ROWS_MIN, kernels.SMALL_BMM if fp32 else 0, fp32 and kernels.ONE_QUERY_KEYS_FIRST)
         return _compiled_step_done(decoder, cache, x, ks, vs)
 
 
