@@ -23,6 +23,7 @@ not on the event loop: /health answers while a long request is read or tokenized
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import platform
@@ -40,6 +41,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from aiayn import __version__, memory
 from aiayn.serve import libre, v1
@@ -443,16 +445,48 @@ def create_app(models: Any, limits: Limits, languages: tuple[str, str] | None = 
     app.add_middleware(_Middleware, metrics=srv.metrics, max_body=limits.max_body, body_timeout=limits.body_timeout_s,
                        bodies=srv.bodies)
     if cors_origins:  # off by default: a page of another origin may not call the API
-        from starlette.middleware.cors import CORSMiddleware
-
-        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type", "X-API-Key"], max_age=600,
-                           expose_headers=["Retry-After"])  # a page must read a 429/503's hint too
+        _allow_cors(app, cors_origins)
     _handlers(app)
     libre.routes(app, srv)
     v1.routes(app, srv)
     _info_routes(app, srv)
     return app
+
+
+def _allow_cors(app: FastAPI, origins: Sequence[str]) -> None:
+    """Pages of `origins` may call the API: the CORS middleware adds its headers to the app's answers, and
+    `app.state.cors_headers` the same to those the HTTP protocol writes itself (`aiayn.serve.protocol`: a
+    408, a 400, a 503 past --max-connections), which a page could not read without them."""
+    options: dict[str, Any] = dict(allow_origins=list(origins), allow_methods=["GET", "POST"],
+                                   allow_headers=["Authorization", "Content-Type", "X-API-Key"], max_age=600,
+                                   expose_headers=["Retry-After"])  # a page must read a 429/503's hint too
+    app.add_middleware(CORSMiddleware, **options)
+    app.state.cors_headers = functools.partial(_cors_headers, options)
+
+
+def _cors_headers(options: dict[str, Any], request_headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The headers `CORSMiddleware(**options)` adds to an answer (not a preflight's) to a request with
+    `request_headers`: the middleware itself run on a bare answer, so that an answer written elsewhere
+    gets the very same."""
+    added: list[tuple[bytes, bytes]] = []
+
+    async def bare(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    async def kept(message: MutableMapping[str, Any]) -> None:
+        added.extend(message["headers"])
+
+    async def nothing() -> dict[str, Any]:  # (never asked: a bare answer reads no body)
+        return {"type": "http.disconnect"}
+
+    scope = {"type": "http", "method": "GET", "path": "/", "headers": request_headers}
+    run = CORSMiddleware(bare, **options)(scope, nothing, kept)
+    try:
+        run.send(None)  # it awaits nothing but `kept`: done in this one step, without an event loop
+    except StopIteration:
+        return added
+    run.close()
+    raise RuntimeError("the CORS middleware awaited something: its headers cannot be had at once")
 
 
 DEEP_JSON = "body: JSON nested too deeply for the parser; send the texts as a list of strings"

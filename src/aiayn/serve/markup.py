@@ -26,6 +26,10 @@ SKIP_CLASSES = frozenset({"notranslate", "mention", "hashtag", "invisible", "ell
 VOID_TAGS = frozenset({"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source",
                        "track", "wbr"})
 _ENTITY = re.compile(r"&(#[0-9]+;?|#[xX][0-9a-fA-F]+;?|[A-Za-z][A-Za-z0-9]*;?)")
+# A `&#` the tokenizer does not read as a character reference: no digits after it (`&#`, `&#x `, `&#xyz`), or decimal
+# ones run on into a hex letter (`&#1a`); HTML reads the first as the characters themselves, the second as a reference
+# (U+0001 and "a"): text, either way. The tokenizer gave up there, and sent the rest, tags and all, on as text.
+_UNREAD_CHARREF = re.compile(r"&(?=#(?![0-9]+[^0-9a-fA-F]|[xX][0-9a-fA-F]+[^0-9a-fA-F]))")
 
 
 @dataclass(frozen=True)
@@ -157,9 +161,10 @@ def parse(source: str) -> Fragment:
     Raises `NotHtml` where the tokenizer gives up, or a text to translate refers to no character."""
     parser = _Events(source)
     try:
-        # a NUL is read as U+FFFD, as HTML does (same length: the positions hold); in a tag name it
-        # otherwise ended the tag there and sent the rest of the tag on as text
-        parser.feed(source.replace("\0", "\ufffd"))
+        # a NUL is read as U+FFFD, as HTML does; in a tag name it otherwise ended the tag there and sent the rest
+        # of the tag on as text. The `&` of an `&#` the tokenizer cannot read is fed as U+FFFD too: plain text to
+        # it, as the `&#` is to HTML (the text itself is taken from `source`). Same lengths: the positions hold.
+        parser.feed(_UNREAD_CHARREF.sub("\ufffd", source.replace("\0", "\ufffd")))
         if parser.rawdata.startswith("<") and not parser.cdata_elem:
             # a tag, comment or declaration left open runs to the end (so HTML reads it): markup, kept as
             # written (`close` made text of it, for the model to drop)

@@ -31,7 +31,9 @@ before h11 has a whole request for the app, and the transport's word that its wr
 What it answers or closes itself never reaches the app's middleware, so it tells the app's metrics
 (`Counts`): the 408s above, h11's 400 for a malformed head, the connections closed on the deadline,
 and the 503 past --max-connections (uvicorn's limit_concurrency, checked here instead of by uvicorn,
-whose own 503 no one could count).
+whose own 503 no one could count). And its answers carry the CORS headers the app's middleware gives
+every other answer (`app.state.cors_headers`, where the app has CORS on, `aiayn.serve.app`), for the
+request's Origin as far as its head came: without them a page could not read why it was refused.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ class HeadTimedH11(H11Protocol):
         super().__init__(*args, **kwargs)
         limit = self.config.h11_max_incomplete_event_size
         self.conn = HeadLimited(DEFAULT_MAX_INCOMPLETE_EVENT_SIZE if limit is None else limit)
+        self._head = bytearray()  # the first bytes (up to the limit) of a head still being read: its Origin, if refused
         # uvicorn's check would answer with an app of its own: `app` checks the same, and counts
         self.max_concurrency, self.limit_concurrency = self.limit_concurrency, None
 
@@ -87,9 +90,11 @@ class HeadTimedH11(H11Protocol):
         if limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit):
             self.logger.warning("Exceeded concurrency limit.")
             self.counts.answered(self.scope["path"], 503)
-            return JSONResponse({"error": f"--max-connections {limit} reached (open connections, this one among "
-                                          "them, or requests in flight); retry shortly"},
-                                503, {"Retry-After": "1", "Connection": "close"})
+            refusal = JSONResponse({"error": f"--max-connections {limit} reached (open connections, this one among "
+                                             "them, or requests in flight); retry shortly"},
+                                   503, {"Retry-After": "1", "Connection": "close"})
+            refusal.raw_headers += self._cors(list(self.scope["headers"]))
+            return refusal
         return self._app
 
     @app.setter
@@ -111,12 +116,26 @@ class HeadTimedH11(H11Protocol):
             status, why = 400, "the request is not valid HTTP/1.1 (its request line, headers or chunked body)"
         body = json.dumps({"error": why}).encode()
         head = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
-                (b"connection", b"close")]
+                (b"connection", b"close"), *self._cors(self._refused_headers())]
         for event in (h11.Response(status_code=status, reason=HTTPStatus(status).phrase, headers=head),
                       h11.Data(data=body), h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))
         self.transport.close()
         self.counts.answered("", status)  # no path to name: a head h11 cannot read, or a body after it
+
+    def _refused_headers(self) -> list[tuple[bytes, bytes]]:
+        """The headers of a request h11 could not read: uvicorn's, where it read the head and the body failed;
+        else those of the head's whole lines as far as they came (its first bytes, up to the limit)."""
+        conn = cast(HeadLimited, self.conn)
+        if conn.our_state is h11.SEND_RESPONSE and not conn.too_long:
+            return list(self.scope["headers"])
+        return _header_lines(bytes(self._head))
+
+    def _cors(self, request_headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        """The CORS headers the app's answers to a request with `request_headers` carry: those its middleware
+        adds, said by the function `aiayn.serve.app` leaves on the app's state (none where CORS is off)."""
+        cors_headers = getattr(getattr(self.config.app, "state", None), "cors_headers", None)
+        return cors_headers(request_headers) if cors_headers is not None else []
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(cast(asyncio.Transport, transport))  # a stream transport: uvicorn's own type
@@ -125,7 +144,11 @@ class HeadTimedH11(H11Protocol):
     def data_received(self, data: bytes) -> None:
         if self._waiting() and self._head_timer is None:  # the first byte of a next request (kept alive)
             self._arm()
+        if self.conn.their_state is h11.IDLE:  # a head arriving (bounded: h11 refuses one past the limit)
+            self._head += data[:cast(HeadLimited, self.conn).limit - len(self._head)]
         super().data_received(data)  # uvicorn cancels its keep-alive timer here, for good
+        if self.conn.their_state is not h11.IDLE:  # read (or refused)
+            self._head.clear()
         if not self._waiting():  # a head is in (or the connection has failed)
             self._disarm()
         elif self._head_timer is None:  # a late body ended: the connection idles, on our timer only
@@ -194,8 +217,9 @@ class HeadTimedH11(H11Protocol):
             self.counts.closed("head")
             body = json.dumps({"error": f"the request head was not sent within --head-timeout "
                                         f"{self.head_timeout:g} s"}).encode()
+            cors = b"".join(b"%s: %s\r\n" % field for field in self._cors(_header_lines(bytes(head))))
             self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-                                 b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+                                 b"connection: close\r\ncontent-length: %d\r\n%s\r\n%s" % (len(body), cors, body))
         self.transport.close()
 
 
@@ -240,6 +264,20 @@ def _target(head: bytes) -> str:
     line, end, _ = head.partition(b"\r\n")
     parts = line.split(b" ")
     return unquote(parts[1].partition(b"?")[0].decode("latin-1")) if end and len(parts) == 3 else ""
+
+
+def _header_lines(head: bytes) -> list[tuple[bytes, bytes]]:
+    """The fields of a request head's whole header lines (its request line, and a line cut off at the end,
+    left out), names in lower case as uvicorn gives them; a line that is no field is passed over."""
+    fields = []
+    for line in head.split(b"\n")[1:-1]:
+        line = line.removesuffix(b"\r")
+        if not line:  # the end of the head
+            break
+        name, colon, value = line.partition(b":")
+        if colon and name and name == name.strip() and not any(c < 32 and c != 9 for c in value):
+            fields.append((name.lower(), value.strip(b" \t")))
+    return fields
 
 
 def _cancel(timer: asyncio.TimerHandle | None) -> None:
