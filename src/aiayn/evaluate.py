@@ -20,12 +20,12 @@ import os
 import stat
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, BinaryIO, Sequence
 
 import sacrebleu
 
 from aiayn.errors import AiaynError
-from aiayn.files import check_output_path, say
+from aiayn.files import StreamLines, check_output_path, read_in_step, say
 
 
 class ScoreError(AiaynError, ValueError):
@@ -186,30 +186,35 @@ def _read(path: str, blank_ok: bool = False, most: int | None = None) -> tuple[l
     it was "-: no such file"), read as it is: opening /dev/stdin anew fails where it is a socket (a
     child of Node.js or of a service manager: "/dev/stdin: cannot read (No such device or address)").
     With `most` (a pipe or a device: `_endless`), its first `most` lines only, and whether more follow,
-    read as the bytes come (`_unbuffered`)."""
+    read as the bytes come (`_stream`)."""
     from aiayn.files import read_lines, read_stream_lines, read_stream_lines_upto
 
-    stream = None
-    if path == "-":
-        if sys.stdin is None:
-            raise AiaynError("standard input is closed; give a file name instead of -")
-        stream = getattr(sys.stdin, "buffer", None)
-        path = "/dev/stdin" if stream is None else path  # (a text stream put in its place)
     if most is None:
-        return (read_lines(path, blank_ok) if stream is None else
-                read_stream_lines(stream, "standard input", blank_ok)), False
+        stream = _standard_input() if path == "-" else None
+        if stream is not None:
+            return read_stream_lines(stream, "standard input", blank_ok), False
+        return read_lines("/dev/stdin" if path == "-" else path, blank_ok), False
+    with contextlib.ExitStack() as opened:
+        return read_stream_lines_upto(*_stream(path, opened), most, blank_ok)
+
+
+def _standard_input() -> BinaryIO | None:
+    """Standard input's bytes; None where a text stream was put in its place (/dev/stdin is read then)."""
+    if sys.stdin is None:
+        raise AiaynError("standard input is closed; give a file name instead of -")
+    return getattr(sys.stdin, "buffer", None)
+
+
+def _stream(path: str, opened: contextlib.ExitStack) -> tuple[BinaryIO, str]:
+    """A pipe or device (`_endless`), read without a buffer, and its name in messages; "-" is standard
+    input's own. A buffered read waits for all it asks (1 MiB), and a stream that goes on slowly (a log
+    followed, a line a second) was waited on for days before it was refused, its extra line long since there."""
+    stream = _standard_input() if path == "-" else None
     if stream is not None:
-        return read_stream_lines_upto(getattr(stream, "raw", stream), "standard input", most, blank_ok)
-    with _unbuffered(path) as f:
-        return read_stream_lines_upto(f, path, most, blank_ok)
-
-
-def _unbuffered(path: str) -> io.FileIO:
-    """A pipe or device opened without a buffer, so that a read gives what has come: a buffered read
-    waits for all it asks (1 MiB), and a stream that goes on slowly (a log followed, a line a second)
-    was waited on for days before it was refused, its extra line long since there."""
+        return getattr(stream, "raw", stream), "standard input"
+    path = "/dev/stdin" if path == "-" else path
     try:
-        return io.FileIO(path, "r")
+        return opened.enter_context(io.FileIO(path, "r")), path
     except OSError as e:
         raise AiaynError(f"{path}: cannot read ({e.strerror or e})") from None
 
@@ -226,20 +231,24 @@ def _endless(path: str) -> bool:
 
 def _read_aligned(first: str, ref_paths: Sequence[str], kind: str, flag: str) -> tuple[list[str], list[list[str]]]:
     """The source lines or hypotheses (`kind`) of `first` and the lines of each reference file, as many
-    or refused. One input is read whole: a file if there is one (a pipe, `<(yes a)`, may never end),
-    else `first`. Each other stream is read up to that count and a line, so that one that goes on is
-    refused in one line, not held in memory until there is none (a file is read whole, its count said
-    exactly); `first` comes next, the references are
-    measured against it. `flag`: the flag that gave `first` ("" for --data, which gives the files)."""
+    or refused. One input, the lead, is read whole: a file if there is one (a pipe, `<(yes a)`, may never
+    end), else the stream that ends first (`_read_in_step`). Each other stream is read up to its count
+    and a line, so that one that goes on is refused in one line, not held in memory until there is
+    none (a file is read whole, its count said exactly). `flag`: the flag that gave `first` ("" for
+    --data, which gives the files)."""
     paths = [first, *ref_paths]
+    blank = [i == 0 and kind == "hypotheses" for i in range(len(paths))]  # (an empty translation is one)
     endless = [_endless(p) for p in paths]
-    lead = endless.index(False) if False in endless else 0
     texts: list[list[str]] = [[] for _ in paths]
-    texts[lead], _ = _read(paths[lead], blank_ok=lead == 0 and kind == "hypotheses")
+    if all(endless):
+        lead, texts[lead], streams = _read_in_step(paths, blank, flag)
+    else:
+        lead, streams = endless.index(False), []
+        texts[lead], _ = _read(paths[lead], blank[lead])
     n = len(texts[lead])
-    for i in (i for i in range(len(paths)) if i != lead):
-        most = n if endless[i] else None  # (a file is read whole: its count is said exactly)
-        texts[i], more = _read(paths[i], blank_ok=i == 0 and kind == "hypotheses", most=most)
+    for i in (i for i in range(len(paths)) if i != lead):  # (a stream: its first n lines, and whether more follow)
+        texts[i], more = ((streams[i].lines(blank[i]), streams[i].more) if streams else
+                          _read(paths[i], blank[i], most=n if endless[i] else None))
         if not more and len(texts[i]) == n:
             continue
         counted = f"more than {n}" if more else str(len(texts[i]))
@@ -251,6 +260,44 @@ def _read_aligned(first: str, ref_paths: Sequence[str], kind: str, flag: str) ->
         raise AiaynError(f"{_shown(first)} has {n} {kind} but {named} has {counted} references; "
                          "the files must be line-aligned")
     return texts[0], texts[1:]
+
+
+# Inputs that are all streams (pipes, devices) have no file to measure them by: they are read together,
+# each this far at most, until one ends. Two that never end (`--hyp-file <(yes a) --ref-file <(yes a)`)
+# were read one after the other, the first until the memory ran out. (A test set is some thousands of lines.)
+MAX_STREAM_LINES = 1_000_000
+MAX_STREAM_BYTES = 256 << 20
+
+
+def _read_in_step(paths: Sequence[str], blank: Sequence[bool], flag: str) -> tuple[int, list[str], list[StreamLines]]:
+    """(the lead, its lines, the streams) of inputs that are all streams, read together as their bytes
+    come until one ends, the lead (of those that end at one read, the first given); the others then to
+    its count and a line. One that goes past MAX_STREAM_LINES or MAX_STREAM_BYTES first is refused."""
+    lead, lines = None, []
+    with contextlib.ExitStack() as opened:
+        streams = [StreamLines(*_stream(p, opened), MAX_STREAM_LINES) for p in paths]
+        while not all(s.done for s in streams):
+            read_in_step(streams)
+            for i, s in enumerate(streams):
+                if s.size > MAX_STREAM_BYTES:
+                    raise _past_stream_limit(paths[i], i, flag)
+            if lead is None and any(s.ended for s in streams):
+                lead = next(i for i, s in enumerate(streams) if s.ended)
+                lines = streams[lead].lines(blank[lead])
+                for s in streams:
+                    if not s.ended:
+                        s.lower(len(lines))
+            if lead is None and (past := next((i for i, s in enumerate(streams) if s.more), None)) is not None:
+                raise _past_stream_limit(paths[past], past, flag)
+    assert lead is not None  # (all done, none past the limit: one ended first)
+    return lead, lines, streams
+
+
+def _past_stream_limit(path: str, i: int, flag: str) -> AiaynError:
+    named = _flagged(flag if i == 0 else "--ref-file", path) if flag else _shown(path)
+    return AiaynError(f"{named} goes on past {MAX_STREAM_LINES:,} lines or {MAX_STREAM_BYTES >> 20} MiB, as far as "
+                      "evaluate reads a stream when all its inputs are streams (pipes, devices): give one of them as "
+                      "a file (the others are read to its count)")
 
 
 def _shown(path: str) -> str:

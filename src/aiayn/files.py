@@ -225,9 +225,14 @@ def read_stream_lines_upto(f: BinaryIO, name: str, most: int, blank_ok: bool = F
     stream that never ends (`--ref-file <(yes a)`) would fill the memory."""
     upto = _UpTo(f, name, most)
     lines = read_stream_lines(cast(BinaryIO, upto), name, blank_ok=True)  # (read() is all it needs)
-    if not blank_ok and not upto.more and all(not s.strip(_ASCII_SPACE) for s in lines):  # (then more: not empty)
-        raise AiaynError(f"{name}: file is empty")  # (as `read_stream_lines` says of one blank line: "" is no text)
+    _refuse_no_text(lines, name, upto.more, blank_ok)
     return lines, upto.more
+
+
+def _refuse_no_text(lines: list[str], name: str, more: bool, blank_ok: bool) -> None:
+    """First lines that are blank (and nothing after them) are no text, unless `blank_ok`."""
+    if not blank_ok and not more and all(not s.strip(_ASCII_SPACE) for s in lines):  # (then more: not empty)
+        raise AiaynError(f"{name}: file is empty")  # (as `read_stream_lines` says of one blank line: "" is no text)
 
 
 class _UpTo:
@@ -266,6 +271,105 @@ class _UpTo:
         if self.unpacked is None:
             return _wait_read(self.f, n)
         return self.unpacked.read(n)
+
+
+class StreamLines:
+    """The first `most` lines of a stream, read a piece at a time (`read_in_step`), for several streams
+    read together: one read whole first may never end (`--hyp-file <(yes a) --ref-file <(yes a)`), or
+    wait for ever on a writer that waits on another. `lower` reads less once it is known how many."""
+
+    def __init__(self, f: BinaryIO, name: str, most: int) -> None:
+        self.upto, self.name, self.check = _UpTo(f, name, most), name, LineLengthCheck()
+        self.pieces: list[bytes] = []  # what was read (gzip: unpacked), to the end of line `most` at most
+        self.ends = self.size = 0  # line ends and bytes in `pieces`
+
+    @property
+    def done(self) -> bool:
+        """Read to its end, or as far as asked (then `more`)."""
+        return self.upto.done
+
+    @property
+    def more(self) -> bool:
+        """Something followed the lines asked for, unread."""
+        return self.upto.more
+
+    @property
+    def ended(self) -> bool:
+        """Read to its end."""
+        return self.upto.done and not self.upto.more
+
+    @property
+    def unpacks(self) -> bool:
+        """gzip: its unpacker may hold text already read, which the stream's readiness does not show."""
+        return self.upto.unpacked is not None
+
+    def fileno(self) -> int:
+        return self.upto.f.fileno()
+
+    def step(self) -> None:
+        """One read of what has come (a window at most)."""
+        try:
+            piece = self.upto.read(_WINDOW)
+        except OSError as e:
+            raise read_error(self.name, e) from None
+        if (at := self.check.past_cap(piece)) is not None:
+            raise long_line_error(self.name, self.ends + piece.count(b"\n", 0, at) + 1)
+        if piece:
+            self.pieces.append(piece)
+            self.ends += piece.count(b"\n")
+            self.size += len(piece)
+
+    def lower(self, most: int) -> None:
+        """Read no further than line `most` of a stream not `ended` (fewer than asked before): lines
+        read past it are dropped, and are more."""
+        if self.ends < most:
+            self.upto.left = most - self.ends
+            return
+        kept, seen = [], 0
+        for piece in self.pieces:
+            if seen + piece.count(b"\n") >= most:  # (the piece that holds the end of line `most`)
+                cut = -1
+                for _ in range(most - seen):
+                    cut = piece.index(b"\n", cut + 1)
+                if cut >= 0:
+                    kept.append(piece[:cut + 1])
+                break
+            kept.append(piece)
+            seen += piece.count(b"\n")
+        size = sum(map(len, kept))
+        more = self.upto.more or size < self.size  # (else nothing past it is read yet: one read more tells)
+        self.upto.left, self.upto.done, self.upto.more = 0, more, more
+        self.pieces, self.ends, self.size = kept, most, size
+
+    def lines(self, blank_ok: bool = False) -> list[str]:
+        """The lines read, as `read_stream_lines_upto` gives them (its checks, its messages); once."""
+        pieces, self.pieces = self.pieces, []
+        lines = read_stream_lines(cast(BinaryIO, _Replay(pieces)), self.name, blank_ok=True)
+        _refuse_no_text(lines, self.name, self.more, blank_ok)
+        return lines
+
+
+def read_in_step(streams: list[StreamLines]) -> None:
+    """One read of each stream not done that has something (or its end) to give, waiting for the first
+    that has: so that none waits on another that goes on for ever, or on a writer held by another."""
+    waiting = [s for s in streams if not s.done]
+    held = any(s.unpacks for s in waiting)
+    polled = [s for s in waiting if not s.unpacks]
+    ready = select.select(polled, [], [], 0 if held else None)[0] if polled else []
+    for s in waiting:
+        if s.unpacks or s in ready:
+            s.step()
+
+
+class _Replay:
+    """Pieces read already, as a stream, each let go once given."""
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        self.pieces = pieces[::-1]
+        pieces.clear()
+
+    def read(self, n: int) -> bytes:
+        return self.pieces.pop() if self.pieces else b""
 
 
 class _Gunzip:
