@@ -115,14 +115,27 @@ def test_fine_tuning_keeps_the_checkpoints_language_pair(imported_en_fr, tmp_pat
     assert json.loads((tmp_path / "given" / "train.json").read_text())["train"]["src"] == "de"  # given: kept
 
 
-@pytest.mark.parametrize("extra", [["--preset", "base"], ["--vocab-size", "500"], ["--no-joint-vocab"],
-                                   ["--spm-model-type", "unigram"]])
+@pytest.mark.parametrize("extra", [["--preset", "base"], ["--vocab-size", "500"], ["--joint-vocab"],
+                                   ["--spm-model-type", "bpe"]])
 def test_options_the_checkpoint_decides_are_refused(imported_en_fr, tmp_path, capsys, extra):
     out = tmp_path / "run"
     assert main(_word_args(imported_en_fr, tmp_path, out, *extra)) == 2
     err = capsys.readouterr().err
     assert f"error: {extra[0]}" in err and "--init-from" in err and err.count("\n") == 1, err
     assert not out.exists()
+
+
+def test_an_imported_models_fine_tuning_records_what_its_tokenizer_is(imported_en_fr, tmp_path):
+    """An imported Marian model's config has no tokenizer settings: its fine-tuning records what its
+    tokenizer is (two unigram vocabularies of 919), not the defaults (one joint bpe vocabulary of
+    8000), and repeating those facts is taken."""
+    out = tmp_path / "run"
+    assert main(_word_args(imported_en_fr, tmp_path, out)) == 0
+    recorded = json.loads((out / "train.json").read_text())["train"]
+    assert (recorded["joint_vocab"], recorded["spm_model_type"], recorded["vocab_size"]) == (False, "unigram", 919)
+    again = tmp_path / "again"
+    assert main(_word_args(imported_en_fr, tmp_path, again, "--no-joint-vocab", "--spm-model-type", "unigram",
+                           "--vocab-size", "919")) == 0
 
 
 def test_a_recipe_that_repeats_the_checkpoints_own_settings_is_taken(imported_en_fr, tmp_path):

@@ -262,13 +262,23 @@ def _within_positions(tc: TrainConfig, init: ckpt.Checkpoint, init_from: str, gi
 
 def _init_settings(init: ckpt.Checkpoint) -> dict[str, Any]:
     """The preset and _FROM_INIT options --init-from's checkpoint was trained with, which its fine-tuning
-    records in turn (its train.json is then a recipe that works); the defaults stand for those its
-    config lacks (an imported model's)."""
-    saved, defaults = init.config.get("train") or {}, TrainConfig()
-    own: dict[str, Any] = {k: saved[k] if type(saved.get(k)) is type(getattr(defaults, k)) else getattr(defaults, k)
-                           for k in _FROM_INIT}
+    records in turn (its train.json is then a recipe that works); for those its config lacks (an imported
+    model's), what its tokenizer is (`_tokenizer_settings`), else the defaults."""
+    saved, defaults, facts = init.config.get("train") or {}, TrainConfig(), _tokenizer_settings(init)
+    own: dict[str, Any] = {k: saved[k] if type(saved.get(k)) is type(getattr(defaults, k)) else
+                           facts.get(k, getattr(defaults, k)) for k in _FROM_INIT}
     name = init.config.get("preset")
     return {"preset": name if isinstance(name, str) and name in PRESETS else DEFAULT_PRESET, **own}
+
+
+def _tokenizer_settings(init: ckpt.Checkpoint) -> dict[str, Any]:
+    """The _FROM_INIT options that `init`'s tokenizer answers: one vocabulary or two, the larger size
+    (vocab_size is a bound), the SentencePiece type where it is one training knows. An imported Marian
+    model (two unigram vocabularies) was recorded as the defaults (one joint bpe one of 8000)."""
+    tok = init.tokenizers
+    kind = tok.src.model_type
+    return {"joint_vocab": tok.joint, "vocab_size": max(tok.src.vocab_size, tok.tgt.vocab_size),
+            **({"spm_model_type": kind} if kind in ("bpe", "unigram") else {})}
 
 
 def _init_language_pair(init_from: str, tc: TrainConfig, preset_name: str,
