@@ -459,7 +459,8 @@ def _one_query_scores(q: Tensor, k: Tensor, scale: float, additive: Tensor | Non
     kr = k.reshape(B * H, S, dh)
     if additive is None:
         return torch.bmm(kr, (q * scale).reshape(B * H, 1, dh).transpose(1, 2)).view(B * H, 1, S)
-    return torch.baddbmm(additive.view(-1, S, 1), kr, q.reshape(B * H, 1, dh).transpose(1, 2), beta=1, alpha=scale).view(B * H, 1, S)
+    # (1 | B*H, S, 1) by a transpose, not a view: view(-1, S, 1) cannot size a batch of 0 keys
+    return torch.baddbmm(additive.transpose(1, 2), kr, q.reshape(B * H, 1, dh).transpose(1, 2), beta=1, alpha=scale).view(B * H, 1, S)
 
 
 # torch 2.13's CPU softmax takes a slow path over rows shorter than one vector register (16 floats

@@ -137,7 +137,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], scale: float
         if bias is None:
             scores = torch.bmm(kr, (q * scale).reshape(B * H, 1, dh).transpose(1, 2)).view(B * H, 1, S)
         else:
-            scores = torch.baddbmm(bias.view(-1, S, 1), kr, q.reshape(B * H, 1, dh).transpose(1, 2), beta=1, alpha=scale).view(B * H, 1, S)
+            scores = torch.baddbmm(bias.transpose(1, 2), kr, q.reshape(B * H, 1, dh).transpose(1, 2), beta=1, alpha=scale).view(B * H, 1, S)
     else:
         kt = k.reshape(B * H, S, dh).transpose(1, 2)
         if bias is None:
