@@ -256,18 +256,21 @@ class _UpTo:
         cut = -1
         for _ in range(self.left):  # (to the end of line `most`)
             cut = piece.index(b"\n", cut + 1)
-        self.done, self.more = True, len(piece) > cut + 1 or bool(self._next(1))
+        self.left = 0  # (whether more follows: the next read says, not one here that may wait on the stream)
+        self.done = self.more = len(piece) > cut + 1
         return piece[:cut + 1]
 
     def _next(self, n: int) -> bytes:
         if self.first:
             self.first = False
             head = _wait_read(self.f, n)
-            while 0 < len(head) < 2 and (piece := _wait_read(self.f, n)):  # (non-blocking: a byte at a time)
+            # (one byte come, gzip's first: the next tells; after another, none is waited for here, where the
+            # writer may wait on a reader of another stream)
+            while head == b"\x1f" and (piece := _wait_read(self.f, n)):
                 head += piece
             if head[:2] != b"\x1f\x8b":  # gzip magic, whatever the file is called
                 return head
-            self.unpacked = _Gunzip(_Rejoined(head, self.f), self.name)
+            self.unpacked = _Gunzip(self.f, self.name, head)
         if self.unpacked is None:
             return _wait_read(self.f, n)
         return self.unpacked.read(n)
@@ -299,9 +302,9 @@ class StreamLines:
         return self.upto.done and not self.upto.more
 
     @property
-    def unpacks(self) -> bool:
-        """gzip: its unpacker may hold text already read, which the stream's readiness does not show."""
-        return self.upto.unpacked is not None
+    def held(self) -> bool:
+        """gzip: its unpacker holds bytes or text already read, which the stream's readiness does not show."""
+        return self.upto.unpacked is not None and self.upto.unpacked.held
 
     def fileno(self) -> int:
         return self.upto.f.fileno()
@@ -353,11 +356,11 @@ def read_in_step(streams: list[StreamLines]) -> None:
     """One read of each stream not done that has something (or its end) to give, waiting for the first
     that has: so that none waits on another that goes on for ever, or on a writer held by another."""
     waiting = [s for s in streams if not s.done]
-    held = any(s.unpacks for s in waiting)
-    polled = [s for s in waiting if not s.unpacks]
+    held = [s for s in waiting if s.held]  # (these give at once: the others are not waited for)
+    polled = [s for s in waiting if not s.held]
     ready = select.select(polled, [], [], 0 if held else None)[0] if polled else []
     for s in waiting:
-        if s.unpacks or s in ready:
+        if s in held or s in ready:
             s.step()
 
 
@@ -373,35 +376,44 @@ class _Replay:
 
 
 class _Gunzip:
-    """gzip's text of the stream `packed`, read a window at a time (a reader's checks then see it as
-    it comes); a corrupt or truncated stream is one line naming `name`."""
+    """gzip's text of the stream `packed` (after `head`, its first bytes, read to see what it is), members
+    one after another as `cat a.gz b.gz` gives them: a read gives what is unpacked of the bytes come (a
+    window at most), waiting on `packed` only while they unpack to nothing, so that a stream that goes on
+    slowly gives its lines as they come (GzipFile's read waited for a whole window, or the end). A corrupt
+    or truncated stream is one line naming `name`."""
 
-    def __init__(self, packed: Any, name: str) -> None:
-        self.g, self.name = gzip.GzipFile(fileobj=packed), name
+    def __init__(self, packed: Any, name: str, head: bytes = b"") -> None:
+        self.packed, self.name, self.rest = packed, name, head  # rest: bytes read, not yet unpacked
+        self.z = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        self.full = False  # the last read gave all it was asked: the unpacker may hold more of its text
 
-    def read(self, n: int) -> bytes:
-        try:
-            return self.g.read(n)
-        except (OSError, EOFError, zlib.error) as e:
-            if isinstance(e, OSError) and e.errno is not None:  # the disk's error, not gzip's
-                raise
-            raise AiaynError(f"{self.name}: corrupt or truncated gzip file ({e}); download or copy it again") from None
-
-
-class _Rejoined:
-    """`head`, then the rest of `f`: a stream whose first bytes were read to see what it is."""
-
-    def __init__(self, head: bytes, f: BinaryIO) -> None:
-        self.head, self.f = head, f
+    @property
+    def held(self) -> bool:
+        """A read may give text without waiting on the stream: bytes read wait to be unpacked, or text."""
+        return bool(self.rest) or self.full
 
     def read(self, n: int) -> bytes:
-        if not self.head:
-            return _wait_read(self.f, n)
-        piece, self.head = self.head[:n], self.head[n:]  # (no more than `n`: gzip reads its header so)
-        return piece
-
-    def seek(self, n: int) -> int:  # (gzip's rewind only, which reading never calls)
-        raise io.UnsupportedOperation("a stream cannot seek")
+        while True:
+            if self.z.eof:  # a member ended: NUL padding, another member, or the end
+                data, self.rest = self.rest or _wait_read(self.packed, _WINDOW), b""
+                if not data:
+                    return b""
+                if not (data := data.lstrip(b"\0")):
+                    continue
+                self.z = zlib.decompressobj(16 + zlib.MAX_WBITS)
+            else:
+                data = self.rest if self.rest or self.full else _wait_read(self.packed, _WINDOW)
+                if not data and not self.full:
+                    raise AiaynError(f"{self.name}: corrupt or truncated gzip file (it ends before its end-of-stream "
+                                     "marker); download or copy it again")
+            try:
+                text = self.z.decompress(data, n)  # (`n` at most: 9 MB of zeros unpack to 9 GB)
+            except zlib.error as e:
+                raise AiaynError(f"{self.name}: corrupt or truncated gzip file ({e}); download or copy it again") \
+                    from None
+            self.rest, self.full = self.z.unconsumed_tail or self.z.unused_data, len(text) == n
+            if text:
+                return text
 
 
 def _wait_read(f: BinaryIO, n: int) -> bytes:
