@@ -7,11 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aiayn import kernels
+from aiayn import cache as cache_module
+from aiayn import kernels, step
 from aiayn.config import preset
 from aiayn.kernels import inference_linear
 from aiayn.model import Transformer
-from aiayn.search import beam_search
+from aiayn.search import beam_search, greedy_search
 
 V = 30
 
@@ -147,15 +148,21 @@ def test_rows_move_in_place_when_few_move_and_give_the_selection_whatever_it_is(
         assert torch.equal(_keep_rows(x, idx, (dst, idx[dst])), want)
 
 
-def test_a_cache_made_in_inference_mode_is_reordered_outside_it_by_a_copy():
-    from aiayn.search import _survivors
-
+def _cache_after_a_step():
+    """A tiny model's cache of 4 sentences after one step, made under inference mode (as search makes it)."""
     model = tiny()
     src = torch.randint(4, V, (4, 5), generator=torch.Generator().manual_seed(7))
     with torch.inference_mode():
         keep = src.ne(0)
         cache = model.new_cache(model.encode(src, keep), keep)
         model.decode(torch.full((4, 1), 5), None, cache=cache)
+    return cache
+
+
+def test_a_cache_made_in_inference_mode_is_reordered_outside_it_by_a_copy():
+    from aiayn.search import _survivors
+
+    cache = _cache_after_a_step()
     rows = _survivors(torch.tensor([False, True, False, False]))  # [0, 3, 2]: row 3 moves in place
     cross = cache.layers[0].cross_k.clone()
     with torch.no_grad():
@@ -170,12 +177,7 @@ def test_cross_attention_values_keep_their_layout_when_sentences_leave(in_place)
     that layout, which the next step then reads as it is."""
     from aiayn.search import _survivors
 
-    model = tiny()
-    src = torch.randint(4, V, (4, 5), generator=torch.Generator().manual_seed(7))
-    with torch.inference_mode():
-        keep = src.ne(0)
-        cache = model.new_cache(model.encode(src, keep), keep)
-        model.decode(torch.full((4, 1), 5), None, cache=cache)
+    cache = _cache_after_a_step()
     rows = _survivors(torch.tensor([False, True, False, False]))  # [0, 3, 2]
     values = cache.layers[0].cross_v.clone()
     with torch.inference_mode() if in_place else torch.no_grad():
@@ -304,11 +306,10 @@ def test_layers_sharing_spares_keep_their_keys_through_any_steps(seed):
     import contextlib
     import random
 
-    from aiayn import step as step_module
     from aiayn.cache import DecoderCache, LayerCache
 
     rnd, g = random.Random(seed), torch.Generator().manual_seed(seed)
-    unit = step_module.compiled_step()
+    unit = step.compiled_step()
     H, d, R = 2, 4, rnd.randint(1, 6)
     spare: list = [None, None]
     layers = [LayerCache(torch.zeros(R, H, 1, d), torch.zeros(R, H, 1, d), spare=spare) for _ in range(3)]
@@ -363,10 +364,9 @@ def test_greedy_moves_rows_of_every_layer_or_of_none():
     """A compiled step passes one selection of rows for all layers, so a reorder moves rows in
     place in every layer or in none: here one layer's buffer was made under inference mode and
     cannot be written outside it, so neither moves (both select at the next append)."""
-    from aiayn import step as step_module
     from aiayn.cache import DecoderCache, LayerCache
 
-    unit = step_module.compiled_step()
+    unit = step.compiled_step()
     if not unit:
         pytest.skip("no compiled step in this torch")
     H, d, g = 2, 3, torch.Generator().manual_seed(0)
@@ -387,3 +387,42 @@ def test_greedy_moves_rows_of_every_layer_or_of_none():
         seen = _appends_of_layers(layers, 2, new, unit)
     for (k, v), (wk, wv), (nk, nv) in zip(seen, want, new):
         assert torch.equal(k, torch.cat([wk[order], nk], 2)) and torch.equal(v, torch.cat([wv[order], nv], 2))
+
+
+def _layout_flags(monkeypatch, on: bool) -> None:
+    """`kernels.ONE_QUERY_KEYS_FIRST` and `cache.VALUES_BY_DIM` both on or both off (the layouts before)."""
+    monkeypatch.setattr(kernels, "ONE_QUERY_KEYS_FIRST", on)
+    monkeypatch.setattr(cache_module, "VALUES_BY_DIM", on)
+
+
+@pytest.mark.parametrize("kind", ["python step", "float32", "int8"])
+def test_sources_without_a_token_decode_as_with_the_old_layouts(monkeypatch, kind):
+    """A batch of sources of no token, (B, 0): greedy, beam and uncached greedy give what they give
+    with both flags off, on the Python step (a trainable model) and on the compiled float32 and
+    int8 steps, which run every cached step here."""
+    model = tiny()
+    if kind != "python step":
+        model.requires_grad_(False)
+    if kind == "int8":
+        if kernels.int8_unavailable() is not None:
+            pytest.skip("no FBGEMM int8 kernels in this torch")
+        kernels.quantize_int8(model)
+    ran: list[int] = []
+    run = step._StepPlan.run
+    monkeypatch.setattr(step._StepPlan, "run", lambda *a: (ran.append(1), run(*a))[1])
+    src = torch.zeros(2, 0, dtype=torch.long)
+    _layout_flags(monkeypatch, True)
+
+    def searches():
+        return (greedy_search(model, src, 1, 2, max_len_b=4, min_len=3),
+                beam_search(model, src, 1, 2, beam=2, nbest=2, max_len_b=4, min_len=3),
+                greedy_search(model, src, 1, 2, max_len_b=4, min_len=3, use_cache=False))
+
+    got = searches()
+    assert bool(ran) == (kind != "python step")
+    _layout_flags(monkeypatch, False)
+    want = searches()
+    assert got[0] == want[0] and got[2] == want[2] and len(got[0]) == 2
+    for g, w in zip(got[1], want[1], strict=True):
+        assert [t for t, _ in g] == [t for t, _ in w]
+        assert [s for _, s in g] == pytest.approx([s for _, s in w], abs=1e-5)

@@ -306,6 +306,16 @@ def test_the_values_weighed_by_one_query_are_summed_where_bmm_would_loop(shape):
                                        kernels.SMALL_BMM, False), want)
 
 
+def _compiled_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The compiled step's `attend` with keys first (float32 settings), or None where this torch compiles none."""
+    unit = step.compiled_step()
+    if not (unit and hasattr(unit, "attend")):
+        return None
+    B, H, _, dh = q.shape
+    bias = None if mask is None else kernels._mask_bias(mask, B, H, torch.float32)
+    return unit.attend(q, k, v, bias, dh ** -0.5, kernels.SHORT_ROW, kernels.SHORT_ROWS_MIN, kernels.SMALL_BMM, True)
+
+
 @pytest.mark.parametrize("masked", [False, True])
 def test_one_query_over_contiguous_keys_scores_as_keys_times_query(monkeypatch, masked):
     """A decoding step's cross-attention (one query per head, keys stored row by row) computes its
@@ -327,18 +337,29 @@ def test_one_query_over_contiguous_keys_scores_as_keys_times_query(monkeypatch, 
     want, _ = kernels.attention(q, k, v, mask, False, 0.0, False)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     monkeypatch.setattr(kernels, "ONE_QUERY_KEYS_FIRST", True)
-    unit = step.compiled_step()
-    if unit and hasattr(unit, "attend"):
-        bias = None if mask is None else kernels._mask_bias(mask, B, H, torch.float32)
-        compiled = unit.attend(q, k, v, bias, dh ** -0.5, kernels.SHORT_ROW, kernels.SHORT_ROWS_MIN,
-                               kernels.SMALL_BMM, True)
-        assert torch.equal(compiled, got)
+    compiled = _compiled_attend(q, k, v, mask)
+    assert compiled is None or torch.equal(compiled, got)
     time_major = torch.randn(S, B, H, dh, generator=g).permute(1, 2, 0, 3)  # (B, H, S, dh), a strided view
     kernels.attention(q, time_major, v, mask, False, 0.0, False)
     kernels.attention(torch.randn(B, H, 2, dh, generator=g), k, v, mask, False, 0.0, False)
     kernels.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, False, 0.0, False)
     kernels.attention(q.requires_grad_(), k, v, mask, False, 0.0, False)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_one_query_over_no_keys_scores_as_before(monkeypatch, masked):
+    """One query per head over 0 keys: the masked `k @ q` sizes its mask as (B*H, 0, 1) without
+    a view's -1, which 0 elements leave ambiguous; the compiled `attend` alike."""
+    B, H, dh = 3, 2, 8
+    q, k, v = torch.randn(B, H, 1, dh), torch.randn(B, H, 0, dh), torch.randn(B, H, 0, dh)
+    mask = torch.ones(B, 1, 1, 0, dtype=torch.bool) if masked else None
+    got, _ = kernels.attention(q, k, v, mask, False, 0.0, False)
+    monkeypatch.setattr(kernels, "ONE_QUERY_KEYS_FIRST", False)
+    want, _ = kernels.attention(q, k, v, mask, False, 0.0, False)
+    assert got.shape == (B, H, 1, dh) and torch.equal(got, want)
+    compiled = _compiled_attend(q, k, v, mask)
+    assert compiled is None or torch.equal(compiled, want)
 
 
 def test_weigh_values_leaves_autograd_and_other_dtypes_to_torch():

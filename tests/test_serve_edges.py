@@ -316,12 +316,7 @@ def test_a_request_head_h11_cannot_read_is_answered_in_json_and_a_long_one_is_a_
         for head, status, words in [(b"HELLO\r\n\r\n", 400, "not valid HTTP/1.1"),
                                     (b"GET /health HTTP/1.1\r\nHost: t\r\nX-Big: " + b"a" * 20_000, 431,  # and more
                                      "the request line and headers are over 16384 bytes")]:
-            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-                sock.sendall(head)
-                reply = b""
-                with contextlib.suppress(ConnectionError):
-                    while chunk := sock.recv(65536):
-                        reply += chunk
+            reply = _replies(port, head)
             top, _, body = reply.partition(b"\r\n\r\n")
             assert top.startswith(b"HTTP/1.1 %d " % status) and b"content-type: application/json" in top.lower(), reply
             assert words in httpx.Response(status, content=body).json()["error"], reply

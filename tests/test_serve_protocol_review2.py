@@ -3,7 +3,6 @@ h11's 400 for a head it cannot read, a 431 for one too long) carry the CORS head
 of the server: they had none, and a page of an allowed origin read a network error instead of why it was
 refused."""
 
-import contextlib
 import socket
 import time
 
@@ -13,7 +12,7 @@ import pytest
 pytest.importorskip("fastapi")
 from aiayn.serve.app import create_app  # noqa: E402
 from aiayn.serve.scheduler import Limits  # noqa: E402
-from test_serve_edges import _served_as_cli, de_en  # noqa: E402,F401  (de_en: a fixture)
+from test_serve_edges import _replies, _served_as_cli, de_en  # noqa: E402,F401  (de_en: a fixture)
 from test_serve_libre import _one_thread  # noqa: E402,F401 (autouse: one thread)
 
 ORIGIN = "https://social.example"
@@ -21,13 +20,7 @@ ORIGIN = "https://social.example"
 
 def _answer(port: int, data: bytes) -> tuple[int, dict[str, str]]:
     """Sends `data` and reads the answer to the connection's end (each refusal closes it): status and headers."""
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(data)
-        reply = b""
-        with contextlib.suppress(ConnectionError):
-            while chunk := sock.recv(65536):
-                reply += chunk
-    head = reply.partition(b"\r\n\r\n")[0].decode("latin-1").split("\r\n")
+    head = _replies(port, data).partition(b"\r\n\r\n")[0].decode("latin-1").split("\r\n")
     fields = (line.partition(":") for line in head[1:])
     return int(head[0].split()[1]), {k.strip().lower(): v.strip() for k, _, v in fields}
 
