@@ -26,6 +26,19 @@ def test_a_reference_to_no_character_in_a_text_is_refused(source):
         parse(source)
 
 
+@pytest.mark.parametrize("source", ["ein &#1; Hund", "&#x7F;ein", "ein&#xFFFE;", "ein &#11; Hund", "ein &#x1"])
+def test_a_reference_to_a_control_character_in_a_text_is_refused(source):
+    """The text is read with `html.unescape`, which drops such a character: the reference went from the answer."""
+    with pytest.raises(NotHtml, match="refers to a control character or a noncharacter"):
+        parse(source)
+
+
+@pytest.mark.parametrize("source", ["ein &#9; Hund", "<code>&#1;</code>ein", "&#1; 12"])
+def test_a_control_character_that_is_kept_is_not_refused(source):
+    """A tab is a character a text keeps; one in markup that is not translated, or in a text with no letter, is kept."""
+    assert "".join(parse(source).pieces) == source
+
+
 @pytest.mark.parametrize("source", ["&#xFFFD;ein", "<code>&#xD800;</code>ein", "&#xD800; 12", "&#xD800ein"])
 def test_a_reference_that_is_kept_is_not_refused(source):
     """U+FFFD itself; one in markup that is not translated, or in a text with no letter (kept as it is);

@@ -203,9 +203,13 @@ def _add_text(raw: str, pieces: list[str], slots: list[int], texts: list[str]) -
 def _refuse_lost_references(raw: str) -> None:
     """`NotHtml` for a reference to no character in a text to translate (`&#xD800;`, half of a pair of
     UTF-16 surrogates; `&#0;`; past U+10FFFF): HTML reads it as U+FFFD, which a translation drops, and
-    the reference could not be written back."""
+    the reference could not be written back. One to a control character or a noncharacter (`&#1;`,
+    `&#x7F;`, `&#xFFFE;`) is refused too: the text is read with `html.unescape`, which drops it, so it
+    went from the answer without a word."""
     for m in _ENTITY.finditer(raw):
         ref = m.group(0)
+        if ref.startswith("&#") and html.unescape(ref) == "":
+            raise NotHtml(f"{ref} refers to a control character or a noncharacter, which a translation drops: leave it out")
         if ref.startswith("&#") and html.unescape(ref) == "\ufffd":
             digits = ref[2:].rstrip(";")
             code = int(digits[1:], 16) if digits[0] in "xX" else int(digits)
