@@ -84,8 +84,12 @@ def test_streams_that_end_are_scored_and_counted_exactly(files, endless):
     assert got.returncode == 0 and got.stderr == "" and '"n": 2' in got.stdout, got.stderr
     hyps, short = endless(f"cat {h}"), endless(f"head -1 {r}")
     got = _evaluate("--hyp-file", hyps, "--ref-file", endless(f"cat {r}"), short)
-    assert (got.returncode, got.stderr) == (2, f"aiayn evaluate: error: {hyps} has 2 hypotheses but {short} has 1 "
-                                               f"references; {LINED_UP}\n")
+    # the stream that ends first is the measure: whether the hypotheses' end is seen before the short
+    # reference's is the writers' timing, and so is the wording (both true)
+    assert got.returncode == 2 and got.stderr in (
+        f"aiayn evaluate: error: {hyps} has 2 hypotheses but {short} has 1 references; {LINED_UP}\n",
+        f"aiayn evaluate: error: --hyp-file {hyps} has more than 1 hypotheses but {short} has 1 references; {LINED_UP}\n",
+    ), got.stderr
 
 
 class _Chunks(io.RawIOBase):
@@ -130,3 +134,23 @@ def test_stream_lines_lowered_keeps_the_lines_asked_for():
     s.step()
     s.lower(2)
     assert (s.done, s.more, s.lines()) == (True, True, ["a", "b"])
+
+
+def test_one_stream_named_twice_is_refused(files, endless):
+    """A FIFO as --hyp-file and --ref-file, or - and /dev/stdin: one reader got all of the stream and the
+    other nothing, said as "file is empty" (or, the FIFO's writer gone, a wait). Refused before any read."""
+    h, r = files
+    fifo = endless(f"cat {r}")
+    got = _evaluate("--hyp-file", fifo, "--ref-file", fifo)
+    assert (got.returncode, got.stderr) == (2, f"aiayn evaluate: error: --ref-file {fifo} is the stream --hyp-file "
+                                               f"{fifo} names too: a pipe or device is read once; give the text as a "
+                                               "file to read it twice\n")
+    with open(r, "rb") as text:
+        source = subprocess.Popen(["cat"], stdin=text, stdout=subprocess.PIPE)
+        try:
+            got = _evaluate("--hyp-file", "-", "--ref-file", "/dev/stdin", stdin=source.stdout)
+        finally:
+            source.stdout.close()
+            source.wait()
+    assert got.returncode == 2 and got.stderr.startswith(
+        "aiayn evaluate: error: --ref-file /dev/stdin is the stream --hyp-file - (standard input) names too"), got.stderr

@@ -152,6 +152,7 @@ def _refuse_translation_flags(args: argparse.Namespace) -> None:
 def _inputs(args: argparse.Namespace) -> tuple[str, str, list[str]]:
     """(mode, source path, reference paths); one-line errors for incomplete flag sets."""
     _check_names(args)
+    _refuse_a_stream_twice(args)
     if not args.data:
         _refuse_data_flags(args)
     if args.hyp_file:
@@ -222,11 +223,31 @@ def _stream(path: str, opened: contextlib.ExitStack) -> tuple[BinaryIO, str]:
 def _endless(path: str) -> bool:
     """Whether reading `path` might never end: a pipe, a socket or a device (`<(yes a)`, /dev/zero),
     not a file, nor a name that cannot be read (that says so at once)."""
+    st = _stat(path)
+    return st is not None and not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode))
+
+
+def _stat(path: str) -> os.stat_result | None:
+    """`os.stat` of `path` ("-": of standard input), or None where it cannot be had."""
     try:
-        mode = os.fstat(sys.stdin.fileno()).st_mode if path == "-" else os.stat(path).st_mode
+        return os.fstat(sys.stdin.fileno()) if path == "-" else os.stat(path)
     except (OSError, AttributeError, ValueError):  # (missing; standard input closed or replaced)
-        return False
-    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+        return None
+
+
+def _refuse_a_stream_twice(args: argparse.Namespace) -> None:
+    """One pipe or device named twice (a FIFO as --hyp-file and --ref-file, or - and /dev/stdin): a stream
+    is read once, so one of the two got all of it and the other nothing, said as "file is empty"."""
+    seen: dict[tuple[int, int], str] = {}
+    for flag, path in (("--src-file", args.src_file), ("--hyp-file", args.hyp_file),
+                       *(("--ref-file", r) for r in args.ref_file or [])):
+        st = _stat(path) if path and _endless(path) else None
+        if st is None:
+            continue
+        if (st.st_dev, st.st_ino) in seen:
+            raise AiaynError(f"{_flagged(flag, path)} is the stream {seen[st.st_dev, st.st_ino]} names too: a pipe or "
+                             "device is read once; give the text as a file to read it twice")
+        seen[st.st_dev, st.st_ino] = _flagged(flag, path)
 
 
 def _read_aligned(first: str, ref_paths: Sequence[str], kind: str, flag: str) -> tuple[list[str], list[list[str]]]:
