@@ -224,8 +224,9 @@ def test_html_the_tokenizer_cannot_read_is_not_html(source):
 def test_any_markup_comes_back_as_it_was(source):
     try:
         f = parse(source)
-    except NotHtml:  # the tokenizer gave up (a malformed "<![" on Python 3.11-3.12): a 400, never a wrong page
-        assert "<![" in source
+    except NotHtml as e:  # a 400, never a wrong page: the tokenizer gave up (a malformed "<![" on Python 3.11-3.12),
+        # or a text to translate refers to a character a translation drops (`a&#1`, a control character)
+        assert "<![" in source or "refers to a control character" in str(e), (source, str(e))
         return
     assert "".join(f.pieces) == source
     assert html.unescape(f.render(list(f.texts))) == html.unescape(source)  # texts put back: the same document
