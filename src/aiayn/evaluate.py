@@ -224,7 +224,11 @@ def _endless(path: str) -> bool:
     """Whether reading `path` might never end: a pipe, a socket or a device (`<(yes a)`, /dev/zero),
     not a file, nor a name that cannot be read (that says so at once)."""
     st = _stat(path)
-    return st is not None and not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode))
+    return st is not None and _is_stream(st)
+
+
+def _is_stream(st: os.stat_result) -> bool:
+    return not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode))
 
 
 def _stat(path: str) -> os.stat_result | None:
@@ -241,8 +245,8 @@ def _refuse_a_stream_twice(args: argparse.Namespace) -> None:
     seen: dict[tuple[int, int], str] = {}
     for flag, path in (("--src-file", args.src_file), ("--hyp-file", args.hyp_file),
                        *(("--ref-file", r) for r in args.ref_file or [])):
-        st = _stat(path) if path and _endless(path) else None
-        if st is None:
+        st = _stat(path) if path else None
+        if st is None or not _is_stream(st):
             continue
         if (st.st_dev, st.st_ino) in seen:
             raise AiaynError(f"{_flagged(flag, path)} is the stream {seen[st.st_dev, st.st_ino]} names too: a pipe or "

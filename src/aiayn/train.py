@@ -46,6 +46,7 @@ from aiayn.model import Transformer
 from aiayn.rundir import (Log, RunLock, load_newest, open_run_dir, removed_if_left_empty, resume_command,
                           resumed_settings, saved_device, tidy_out)
 from aiayn.stops import STOPS, LogStream, away_from_hung_up_terminal, unless_reader_gone
+from aiayn.tokenizer import MODEL_TYPES
 # add_arguments: the flags of `aiayn train`, which aiayn.cli takes from this module beside `run`
 from aiayn.train_options import (DEFAULT_PRESET, FINE_TUNE_FREE, MODEL_FROM_DATA, add_arguments, build_configs,
                                  check_corpus, check_model_options, check_patience, given_options, new_model_config,
@@ -278,7 +279,7 @@ def _tokenizer_settings(init: ckpt.Checkpoint) -> dict[str, Any]:
     tok = init.tokenizers
     kind = tok.src.model_type
     return {"joint_vocab": tok.joint, "vocab_size": max(tok.src.vocab_size, tok.tgt.vocab_size),
-            **({"spm_model_type": kind} if kind in ("bpe", "unigram") else {})}
+            **({"spm_model_type": kind} if kind in MODEL_TYPES else {})}
 
 
 def _init_language_pair(init_from: str, tc: TrainConfig, preset_name: str,
